@@ -1,0 +1,1 @@
+"""compiler: Dynamo capture, the attention-split backend, per-piece Inductor compiles, artifacts."""

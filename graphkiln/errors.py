@@ -1,0 +1,33 @@
+"""Typed errors. Every message names the file, field or value at fault and what to do."""
+
+
+class GraphkilnError(Exception):
+    """Base class of every error graphkiln raises on purpose."""
+
+
+class ModelFileError(GraphkilnError):
+    """A model directory is missing a file, or a file is unreadable or corrupt."""
+
+
+class WeightMismatchError(ModelFileError):
+    """A checkpoint tensor is missing, unexpected, or its shape disagrees with config.json."""
+
+
+class UnsupportedModelError(GraphkilnError):
+    """The checkpoint's architecture or a config feature is not implemented."""
+
+
+class ConfigError(GraphkilnError, ValueError):
+    """A configuration value (dtype, device, bucket list, ...) is invalid."""
+
+
+class RequestError(GraphkilnError, ValueError):
+    """A request cannot be served: empty prompt, prompt longer than the context, bad parameters."""
+
+
+class CapacityError(GraphkilnError):
+    """A request can never fit the KV cache or a batch exceeds what was configured."""
+
+
+class ArtifactError(GraphkilnError):
+    """A compiled artifact directory is missing, stale, tampered with or from another setup."""

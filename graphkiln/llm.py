@@ -1,0 +1,159 @@
+"""graphkiln.LLM: the object users generate with, whichever runner (eager or compiled) is behind it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from graphkiln.errors import RequestError
+from graphkiln.models import load_model, resolve_dtype
+from graphkiln.models.tiny import TINY_NAME, tiny_model_dir
+from graphkiln.runtime.eager_runner import EagerRunner
+from graphkiln.runtime.engine import Engine
+from graphkiln.runtime.kv_cache import BlockAllocator, KVCache
+from graphkiln.runtime.memory import kv_cache_blocks, resolve_device
+from graphkiln.runtime.sampling_params import SamplingParams
+from graphkiln.runtime.scheduler import Scheduler
+
+Prompt = str | Sequence[int]
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """One finished request: its prompt ids, generated ids and text, logprobs when asked, and timings."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    logprobs: list[float] | None
+    finish_reason: str
+    time_to_first_token_s: float
+    total_s: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.token_ids) / self.total_s if self.total_s > 0 else float("inf")
+
+
+@dataclass(frozen=True)
+class StreamDelta:
+    token_id: int
+    text: str
+    finish_reason: str | None
+
+
+def resolve_model_dir(model: str | Path) -> Path:
+    return tiny_model_dir() if str(model) == TINY_NAME else Path(model)
+
+
+def load_tokenizer(model_dir: Path):
+    """transformers' tokenizer for the directory, or None when it ships none (token-id prompts only)."""
+    if not any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+
+
+class LLM:
+    def __init__(self, engine: Engine, tokenizer, max_context: int) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.max_context = max_context
+
+    @classmethod
+    def eager(
+        cls,
+        model: str | Path,
+        device: str | torch.device = "cpu",
+        dtype: str | torch.dtype = "float32",
+        *,
+        block_size: int = 16,
+        kv_cache_tokens: int | None = None,
+        gpu_memory_fraction: float = 0.9,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 256,
+    ) -> LLM:
+        """The eager reference engine: no compile, SDPA attention. What compiled engines are checked against."""
+        model_dir = resolve_model_dir(model)
+        dev = resolve_device(device)
+        dt = resolve_dtype(dtype)
+        net = load_model(model_dir, dev, dt)
+        cfg = net.cfg
+        num_blocks = kv_cache_blocks(cfg, dt, dev, block_size, kv_cache_tokens, gpu_memory_fraction)
+        kv = KVCache(cfg, num_blocks, block_size, dt, dev)
+        scheduler = Scheduler(BlockAllocator(num_blocks, block_size), cfg.max_context, max_num_batched_tokens, max_num_seqs)
+        engine = Engine(EagerRunner(net, kv), scheduler, cfg.eos_token_ids, cfg.vocab_size)
+        return cls(engine, load_tokenizer(model_dir), cfg.max_context)
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("this model directory has no tokenizer; pass prompts as lists of token ids")
+            return list(self.tokenizer(prompt)["input_ids"])
+        return [int(t) for t in prompt]
+
+    def decode(self, token_ids: list[int]) -> str:
+        return "" if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def generate(
+        self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (strings or token-id lists); results come back in prompt order."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        params_list = _broadcast(params, len(prompts))
+        encoded = [self.encode(p) for p in prompts]
+        seqs = []
+        try:
+            for ids, p in zip(encoded, params_list):
+                seqs.append(self.engine.add_request(ids, p))
+        except Exception:
+            for seq in seqs:
+                self.engine.abort(seq)
+            raise
+        while any(s.finish_reason is None for s in seqs):
+            self.engine.step()
+        return [self._output(s) for s in seqs]
+
+    def generate_stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[StreamDelta]:
+        """Yield each new token with the text it adds, as soon as a step produces it."""
+        seq = self.engine.add_request(self.encode(prompt), params or SamplingParams())
+        shown = ""
+        while seq.finish_reason is None:
+            for event in self.engine.step():
+                if event.request_id != seq.request_id:
+                    continue
+                text = self.decode(seq.output_ids)
+                stable = text if event.finish_reason or not text.endswith("\ufffd") else shown
+                yield StreamDelta(event.token_id, stable[len(shown) :], event.finish_reason)
+                shown = stable
+
+    def score(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """float32 logits [num_tokens, vocab] of one prompt."""
+        return self.engine.score(self.encode(token_ids))
+
+    def _output(self, seq) -> RequestOutput:
+        return RequestOutput(
+            prompt_token_ids=seq.prompt_ids,
+            token_ids=list(seq.output_ids),
+            text=self.decode(seq.output_ids),
+            logprobs=list(seq.logprobs) if seq.params.logprobs else None,
+            finish_reason=seq.finish_reason,
+            time_to_first_token_s=seq.first_token_time - seq.arrival,
+            total_s=seq.finish_time - seq.arrival,
+        )
+
+
+def _broadcast(params, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise RequestError(f"{len(params)} SamplingParams given for {n} prompts; give one, or one per prompt")
+    return params

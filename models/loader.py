@@ -1,0 +1,158 @@
+"""Load a Hugging Face model directory: config.json plus (sharded) safetensors, straight to device/dtype.
+
+The model is built on the meta device, materialized empty on the target device in the target
+dtype, and filled one checkpoint tensor at a time, so at most one tensor exists twice in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from graphkiln.errors import ConfigError, ModelFileError, WeightMismatchError
+
+from .config import ModelConfig, model_config_from_hf, read_hf_config
+from .rope import rope_cache
+from .transformer import CausalLM
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+IGNORED_TENSORS = re.compile(r".*rotary_emb\.inv_freq$")
+FUSED = {  # checkpoint projection -> (fused parameter, index of its slice)
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ConfigError(f"dtype {dtype!r} is not supported; use one of float32, float16, bfloat16")
+
+
+def weight_files(model_dir: Path) -> dict[str, Path]:
+    """Map every tensor name to the safetensors file holding it (single file or sharded index)."""
+    index = model_dir / "model.safetensors.index.json"
+    single = model_dir / "model.safetensors"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ModelFileError(f"{index}: unreadable index ({e}); it needs a 'weight_map' object") from e
+        files = {name: model_dir / fname for name, fname in weight_map.items()}
+        for path in sorted(set(files.values())):
+            if not path.is_file():
+                raise ModelFileError(f"{path}: listed in {index.name} but missing; download it again")
+        return files
+    if single.is_file():
+        return {name: single for name in _tensor_names(single)}
+    raise ModelFileError(
+        f"{model_dir}: no model.safetensors or model.safetensors.index.json; "
+        "graphkiln loads safetensors checkpoints only"
+    )
+
+
+def _tensor_names(path: Path) -> list[str]:
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return list(f.keys())
+    except (SafetensorError, OSError) as e:
+        raise ModelFileError(f"{path}: not a readable safetensors file ({e}); download it again") from e
+
+
+def _target(model: CausalLM, name: str) -> tuple[str, torch.Tensor, int | None]:
+    """Our parameter for a checkpoint tensor name, and which fused slice it fills (None: whole)."""
+    parts = name.split(".")
+    if len(parts) >= 2 and parts[-2] in FUSED:
+        fused, index = FUSED[parts[-2]]
+        ours = ".".join(parts[:-2] + [fused, parts[-1]])
+        return ours, model.get_parameter(ours), index
+    return name, model.get_parameter(name), None
+
+
+def _slice(cfg: ModelConfig, param: torch.Tensor, fused_name: str, index: int) -> torch.Tensor:
+    sizes = [cfg.q_size, cfg.kv_size, cfg.kv_size] if fused_name.endswith(("qkv_proj.weight", "qkv_proj.bias")) else [
+        cfg.intermediate_size,
+        cfg.intermediate_size,
+    ]
+    return param.split(sizes, dim=0)[index]
+
+
+def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype="float32") -> CausalLM:
+    """Build a CausalLM from a Hugging Face directory on `device` in `dtype`."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelFileError(f"{model_dir}: not a directory; pass a Hugging Face model directory or 'tiny'")
+    device = torch.device(device)
+    dtype = resolve_dtype(dtype)
+    hf = read_hf_config(model_dir)
+    cfg = model_config_from_hf(hf, model_dir)
+    files = weight_files(model_dir)
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    filled = _fill_weights(model, cfg, files, device, dtype)
+    expected = {n for n, _ in model.named_parameters()}
+    missing = sorted(expected - filled)
+    if missing:
+        raise WeightMismatchError(
+            f"{model_dir}: checkpoint lacks tensors for {missing[:5]}{' ...' if len(missing) > 5 else ''}; "
+            "the checkpoint does not match config.json"
+        )
+    model.model.register_buffer("rope_cache", rope_cache(hf, cfg, device), persistent=False)
+    return model.eval().requires_grad_(False)
+
+
+def _fill_weights(model: CausalLM, cfg: ModelConfig, files: dict[str, Path], device, dtype) -> set[str]:
+    """Copy every checkpoint tensor into its (slice of a) parameter; return the filled parameter names."""
+    by_file: dict[Path, list[str]] = {}
+    for name, path in files.items():
+        by_file.setdefault(path, []).append(name)
+    filled: dict[str, int] = {}
+    with torch.no_grad():
+        for path, names in by_file.items():
+            try:
+                with safe_open(str(path), framework="pt", device=str(device)) as f:
+                    for name in names:
+                        if IGNORED_TENSORS.match(name) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
+                            continue
+                        _copy_tensor(model, cfg, name, f.get_tensor(name), path, filled, dtype)
+            except (SafetensorError, OSError) as e:
+                raise ModelFileError(f"{path}: not a readable safetensors file ({e}); download it again") from e
+    slices = {n: 3 if "qkv_proj" in n else 2 if "gate_up_proj" in n else 1 for n in filled}
+    return {n for n, count in filled.items() if count == slices[n]}
+
+
+def _copy_tensor(model, cfg, name, tensor, path, filled, dtype) -> None:
+    try:
+        ours, param, index = _target(model, name)
+    except AttributeError:
+        raise WeightMismatchError(
+            f"{path}: tensor {name!r} has no place in a {cfg.architecture} with this config.json"
+        ) from None
+    dest = param if index is None else _slice(cfg, param, ours, index)
+    if tuple(dest.shape) != tuple(tensor.shape):
+        raise WeightMismatchError(
+            f"{path}: tensor {name!r} has shape {tuple(tensor.shape)} but config.json implies "
+            f"{tuple(dest.shape)}; the checkpoint and config.json disagree"
+        )
+    dest.copy_(tensor.to(dtype))
+    filled[ours] = filled.get(ours, 0) + 1

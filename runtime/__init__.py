@@ -1,0 +1,1 @@
+"""runtime: KV cache, attention backends, runners, sampler, scheduler and engine. Never traces or compiles."""

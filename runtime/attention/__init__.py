@@ -1,0 +1,1 @@
+"""Attention backends behind the graphkiln::attention op: plan a batch, then run inside the op."""

@@ -1,0 +1,71 @@
+"""Batch metadata every attention backend plans from: lengths, block tables and slot mapping."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from graphkiln.runtime.kv_cache import DUMMY_BLOCK
+
+
+@dataclass(frozen=True)
+class SequenceSlice:
+    """One sequence's part of a batch: `query_len` new tokens ending at context length `seq_len`."""
+
+    query_len: int
+    seq_len: int
+    blocks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class BatchMetadata:
+    """Host lists for planning plus device tensors for kernels. Rows past `num_tokens` are padding."""
+
+    query_lens: tuple[int, ...]
+    seq_lens: tuple[int, ...]
+    num_tokens: int
+    block_size: int
+    query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
+    seq_lens_t: torch.Tensor  # int32 [num_seqs]
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks]
+    slot_mapping: torch.Tensor  # int64 [num_padded_tokens]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+
+def build_metadata(
+    slices: list[SequenceSlice], block_size: int, num_padded_tokens: int, device: torch.device
+) -> BatchMetadata:
+    """Pack sequences in order; padded token rows map to the dummy block's first slot."""
+    query_lens = tuple(s.query_len for s in slices)
+    seq_lens = tuple(s.seq_len for s in slices)
+    num_tokens = sum(query_lens)
+    if num_padded_tokens < num_tokens:
+        raise ValueError(f"padded size {num_padded_tokens} is smaller than the {num_tokens} tokens of the batch")
+    slots = []
+    for s in slices:
+        for pos in range(s.seq_len - s.query_len, s.seq_len):
+            slots.append(s.blocks[pos // block_size] * block_size + pos % block_size)
+    slots += [DUMMY_BLOCK * block_size] * (num_padded_tokens - num_tokens)
+    width = max((len(s.blocks) for s in slices), default=1)
+    tables = [list(s.blocks) + [DUMMY_BLOCK] * (width - len(s.blocks)) for s in slices]
+    starts = [0]
+    for q in query_lens:
+        starts.append(starts[-1] + q)
+
+    def tensor(values, dtype):
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+    return BatchMetadata(
+        query_lens=query_lens,
+        seq_lens=seq_lens,
+        num_tokens=num_tokens,
+        block_size=block_size,
+        query_start_loc=tensor(starts, torch.int32),
+        seq_lens_t=tensor(list(seq_lens), torch.int32),
+        block_tables=tensor(tables, torch.int32),
+        slot_mapping=tensor(slots, torch.int64),
+    )

@@ -1,0 +1,58 @@
+"""The reference attention backend: torch SDPA per sequence, on any device.
+
+Writes the batch's keys and values through the slot mapping, gathers each sequence's context
+from its block table and attends with a causal mask aligned to the end of the context (so a
+prefill that continues a cached prefix sees the prefix). Not capturable in a CUDA graph: it
+loops over sequences on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from graphkiln.models.attention import AttentionFn
+from graphkiln.runtime.kv_cache import KVCache
+
+from .metadata import BatchMetadata
+
+
+class SdpaBackend:
+    name = "sdpa"
+
+    def __init__(self, kv_cache: KVCache) -> None:
+        self.kv_cache = kv_cache
+
+    def plan(self, meta: BatchMetadata) -> AttentionFn:
+        def run(layer: int, q, k, v, out, scale: float) -> None:
+            self._run(meta, layer, q, k, v, out, scale)
+
+        return run
+
+    def _run(self, meta: BatchMetadata, layer: int, q, k, v, out, scale: float) -> None:
+        k_cache, v_cache = self.kv_cache.layer(layer)
+        heads, dim = k_cache.shape[-2:]
+        rows = k.shape[0]
+        slots = meta.slot_mapping[:rows]
+        k_cache.view(-1, heads, dim).index_copy_(0, slots, k.to(k_cache.dtype))
+        v_cache.view(-1, heads, dim).index_copy_(0, slots, v.to(v_cache.dtype))
+        start = 0
+        for i, (q_len, seq_len) in enumerate(zip(meta.query_lens, meta.seq_lens)):
+            blocks = meta.block_tables[i, : -(-seq_len // meta.block_size)]
+            keys = k_cache[blocks].reshape(-1, heads, dim)[:seq_len]
+            values = v_cache[blocks].reshape(-1, heads, dim)[:seq_len]
+            query = q[start : start + q_len]
+            key_pos = torch.arange(seq_len, device=q.device)
+            query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+            mask = key_pos[None, :] <= query_pos[:, None]
+            result = F.scaled_dot_product_attention(
+                query.transpose(0, 1),
+                keys.transpose(0, 1).to(query.dtype),
+                values.transpose(0, 1).to(query.dtype),
+                attn_mask=mask,
+                scale=scale,
+                enable_gqa=True,
+            )
+            out[start : start + q_len] = result.transpose(0, 1)
+            start += q_len
+        out[start:] = 0

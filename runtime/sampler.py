@@ -1,0 +1,42 @@
+"""Sampling on the device: greedy, temperature, top-k, top-p, and the log-probability of each choice.
+
+Sampled rows use the exponential race (argmax of p / E with E ~ Exp(1)), which draws from p with
+one random vector per row and no host round trip; a per-request generator makes it reproducible.
+Log-probabilities are those of the model's own distribution (before temperature and filters).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .sampling_params import SamplingParams
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask (to -inf) the tokens top-k and top-p exclude from one row [V]."""
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        drop_sorted = cumulative - sorted_logits.softmax(-1) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Choose one token per row of float32 logits [N, V]; return (token ids [N], logprobs [N])."""
+    logits = logits.float()
+    chosen = logits.argmax(-1)
+    for row, (p, gen) in enumerate(zip(params, generators)):
+        if p.greedy:
+            continue
+        probs = (filter_logits(logits[row], p.top_k, p.top_p) / p.temperature).softmax(-1)
+        noise = torch.empty_like(probs).exponential_(generator=gen)
+        chosen[row] = (probs / noise).argmax()
+    logprobs = logits.log_softmax(-1).gather(1, chosen[:, None]).squeeze(1)
+    return chosen, logprobs

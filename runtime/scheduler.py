@@ -1,0 +1,147 @@
+"""Continuous batching: which tokens of which sequences run in the next step.
+
+Every step has a token budget. Running sequences that wait for one decode token come first;
+the rest of the budget goes to prompt chunks (a prompt longer than the budget is prefilled over
+several steps, continuing its cached prefix). KV blocks are taken as tokens are scheduled; when
+none are left, the youngest running sequence is preempted: its blocks are freed and it is
+recomputed from its tokens later.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from graphkiln.errors import CapacityError, RequestError
+
+from .kv_cache import BlockAllocator
+from .sampling_params import SamplingParams
+
+
+@dataclass
+class Sequence:
+    """One request's tokens and its state in the KV cache."""
+
+    request_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    num_computed: int = 0
+    blocks: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    arrival: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_pending(self) -> int:
+        return self.num_tokens - self.num_computed
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    seq: Sequence
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the sequence, so the next token is sampled from it."""
+        return self.seq.num_computed + self.num_tokens == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, allocator: BlockAllocator, max_context: int, max_num_batched_tokens: int, max_num_seqs: int):
+        self.allocator = allocator
+        self.max_context = max_context
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._ids = itertools.count()
+
+    def next_request_id(self) -> int:
+        return next(self._ids)
+
+    def add(self, seq: Sequence) -> None:
+        n = len(seq.prompt_ids)
+        if n == 0:
+            raise RequestError("empty prompt: give at least one token")
+        if n > self.max_context:
+            raise RequestError(
+                f"prompt of {n} tokens is longer than the model's context of {self.max_context} tokens; shorten it"
+            )
+        needed = self.allocator.blocks_for(min(n + seq.params.max_tokens - 1, self.max_context))
+        if needed > self.allocator.capacity:
+            raise CapacityError(
+                f"request {seq.request_id} needs {needed} KV blocks but the cache holds {self.allocator.capacity}; "
+                "lower max_tokens or give the KV cache more memory"
+            )
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledChunk]:
+        budget = self.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        for seq in sorted(self.running, key=lambda s: s.request_id):
+            if seq not in self.running or budget == 0:
+                continue
+            take = min(seq.num_pending, budget)
+            if not self._reserve(seq, take, chunks):
+                continue
+            chunks.append(ScheduledChunk(seq, take))
+            budget -= take
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            take = min(seq.num_pending, budget)
+            if not self.allocator.grow(seq.blocks, seq.num_computed + take):
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            chunks.append(ScheduledChunk(seq, take))
+            budget -= take
+        return chunks
+
+    def _reserve(self, seq: Sequence, take: int, scheduled: list[ScheduledChunk]) -> bool:
+        """Grow `seq`'s blocks, preempting the youngest other running sequences if needed."""
+        while not self.allocator.grow(seq.blocks, seq.num_computed + take):
+            busy = {c.seq.request_id for c in scheduled}
+            victims = [s for s in self.running if s is not seq and s.request_id not in busy]
+            victim = max(victims or [seq], key=lambda s: s.request_id)
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.allocator.free(seq.blocks)
+        seq.num_computed = 0
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        self.allocator.free(seq.blocks)
+        seq.finish_reason = "abort"
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        self.allocator.free(seq.blocks)
+        self.running.remove(seq)
