@@ -4,8 +4,9 @@ Public API: `LLM`, `SamplingParams`, `RequestOutput`, and the typed errors in `g
 """
 
 from graphkiln import errors
+from graphkiln.compiler.config import CompileConfig
 from graphkiln.llm import LLM, RequestOutput, StreamDelta
 from graphkiln.runtime.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "StreamDelta", "errors", "__version__"]
+__all__ = ["CompileConfig", "LLM", "RequestOutput", "SamplingParams", "StreamDelta", "errors", "__version__"]

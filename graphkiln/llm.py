@@ -11,12 +11,12 @@ import torch
 from graphkiln.errors import RequestError
 from graphkiln.models import load_model, resolve_dtype
 from graphkiln.models.tiny import TINY_NAME, tiny_model_dir
-from graphkiln.runtime.eager_runner import EagerRunner
+from graphkiln.compiler.compile import CompileReport, compile_module
+from graphkiln.compiler.config import CompileConfig
+from graphkiln.runtime.builder import build_engine
 from graphkiln.runtime.engine import Engine
-from graphkiln.runtime.kv_cache import BlockAllocator, KVCache
-from graphkiln.runtime.memory import kv_cache_blocks, resolve_device
+from graphkiln.runtime.memory import resolve_device
 from graphkiln.runtime.sampling_params import SamplingParams
-from graphkiln.runtime.scheduler import Scheduler
 
 Prompt = str | Sequence[int]
 
@@ -63,31 +63,30 @@ class LLM:
         self.engine = engine
         self.tokenizer = tokenizer
         self.max_context = max_context
+        self.compile_report: CompileReport | None = None
 
     @classmethod
     def eager(
-        cls,
-        model: str | Path,
-        device: str | torch.device = "cpu",
-        dtype: str | torch.dtype = "float32",
-        *,
-        block_size: int = 16,
-        kv_cache_tokens: int | None = None,
-        gpu_memory_fraction: float = 0.9,
-        max_num_batched_tokens: int = 2048,
-        max_num_seqs: int = 256,
+        cls, model: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32", **engine
     ) -> LLM:
-        """The eager reference engine: no compile, SDPA attention. What compiled engines are checked against."""
+        """The eager reference engine: no compile, SDPA attention. What compiled engines are checked against.
+
+        `engine` options: block_size, kv_cache_tokens, gpu_memory_fraction, max_num_batched_tokens, max_num_seqs.
+        """
         model_dir = resolve_model_dir(model)
-        dev = resolve_device(device)
-        dt = resolve_dtype(dtype)
-        net = load_model(model_dir, dev, dt)
-        cfg = net.cfg
-        num_blocks = kv_cache_blocks(cfg, dt, dev, block_size, kv_cache_tokens, gpu_memory_fraction)
-        kv = KVCache(cfg, num_blocks, block_size, dt, dev)
-        scheduler = Scheduler(BlockAllocator(num_blocks, block_size), cfg.max_context, max_num_batched_tokens, max_num_seqs)
-        engine = Engine(EagerRunner(net, kv), scheduler, cfg.eos_token_ids, cfg.vocab_size)
-        return cls(engine, load_tokenizer(model_dir), cfg.max_context)
+        net = load_model(model_dir, resolve_device(device), resolve_dtype(dtype))
+        return cls(build_engine(net, **engine), load_tokenizer(model_dir), net.cfg.max_context)
+
+    @classmethod
+    def compile(cls, model: str | Path, config: CompileConfig | None = None, **engine) -> LLM:
+        """Trace and compile in this process (no artifacts written) and serve the compiled model."""
+        config = config or CompileConfig()
+        model_dir = resolve_model_dir(model)
+        net = load_model(model_dir, resolve_device(config.device), resolve_dtype(config.dtype))
+        compiled, report = compile_module(net, config)
+        llm = cls(build_engine(net, compiled, block_size=config.block_size, **engine), load_tokenizer(model_dir), net.cfg.max_context)
+        llm.compile_report = report
+        return llm
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -1,0 +1,143 @@
+"""Per-piece Inductor compiles through `standalone_compile`, deduplicated by graph structure.
+
+`InductorCompiler` is the compile / hash half of a vLLM-style CompilerInterface. A piece is
+compiled once with its dynamic token dim and, when asked, once per bucket size with the token
+dim fixed. Pieces whose graphs and input metadata are identical (every transformer layer)
+share one set of compiled artifacts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch._inductor.compile_fx import graph_returns_tuple
+
+from .counters import Counters
+
+
+def _concrete(value, size: int):
+    """Replace every free symbol (the token count is the only one) of a SymInt or size by `size`."""
+    if isinstance(value, torch.SymInt):
+        expr = value.node.expr
+        return int(expr.subs({s: size for s in expr.free_symbols}))
+    return int(value)
+
+
+def placeholders(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def example_inputs(gm: torch.fx.GraphModule) -> list:
+    """Fake example values recorded by Dynamo, with the token dim symbolic."""
+    return [n.meta["example_value"] for n in placeholders(gm)]
+
+
+def concrete_inputs(gm: torch.fx.GraphModule, size: int, device: torch.device) -> list:
+    """Real (uninitialized) inputs with the token dim fixed to `size`, for a specialized compile."""
+    values = []
+    for fake in example_inputs(gm):
+        if isinstance(fake, torch.Tensor):
+            shape = [_concrete(d, size) for d in fake.shape]
+            stride = [_concrete(s, size) for s in fake.stride()]
+            values.append(torch.empty_strided(shape, stride, dtype=fake.dtype, device=device))
+        else:
+            values.append(_concrete(fake, size))
+    return values
+
+
+def token_dim(gm: torch.fx.GraphModule) -> tuple[int, int | None] | None:
+    """(argument index, dim or None for a size argument) from which a call reads its token count."""
+    for i, fake in enumerate(example_inputs(gm)):
+        if isinstance(fake, torch.SymInt):
+            return i, None
+    for i, fake in enumerate(example_inputs(gm)):
+        if isinstance(fake, torch.Tensor) and fake.dim() and isinstance(fake.shape[0], torch.SymInt):
+            return i, 0
+    return None
+
+
+def structure_key(gm: torch.fx.GraphModule) -> str:
+    """A hash of the ops, their wiring and the input metadata, blind to node and placeholder names."""
+    index = {node: i for i, node in enumerate(gm.graph.nodes)}
+
+    def arg(a):
+        return torch.fx.node.map_arg(a, lambda n: f"%{index[n]}")
+
+    lines = []
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            fake = node.meta["example_value"]
+            meta = (tuple(map(str, fake.shape)), tuple(map(str, fake.stride())), str(fake.dtype)) if isinstance(
+                fake, torch.Tensor
+            ) else ("symint",)
+            lines.append(f"placeholder {meta}")
+        else:
+            lines.append(f"{node.op} {node.target} {arg(node.args)} {arg(node.kwargs)}")
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+
+
+@dataclass
+class CompiledPiece:
+    """A piece's compiled variants; a call picks the one specialized for its token count, else the dynamic one."""
+
+    key: str
+    dynamic: Callable
+    by_size: dict[int, Callable]
+    size_arg: tuple[int, int | None] | None
+    returns_tuple: bool
+    artifacts: dict[str, object] = field(default_factory=dict, repr=False)
+
+    def variant(self, num_tokens: int) -> Callable:
+        return self.by_size.get(num_tokens, self.dynamic)
+
+    def __call__(self, *args):
+        fn = self.dynamic
+        if self.size_arg is not None and self.by_size:
+            index, dim = self.size_arg
+            n = args[index] if dim is None else args[index].shape[dim]
+            fn = self.by_size.get(n, self.dynamic)
+        out = fn(*args)
+        if self.returns_tuple:
+            return tuple(out)
+        return out[0] if isinstance(out, (list, tuple)) else out
+
+
+class InductorCompiler:
+    """Compiles FX pieces with Inductor; identical pieces are compiled once."""
+
+    def __init__(self, device: torch.device, options: dict | None = None, counters: Counters | None = None) -> None:
+        self.device = device
+        self.options = dict(options or {})
+        self.counters = counters or Counters()
+        self._by_key: dict[str, CompiledPiece] = {}
+
+    def hash(self) -> str:
+        text = f"{torch.__version__}|{sorted(self.options.items())}"
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def compile_piece(self, gm: torch.fx.GraphModule, sizes: tuple[int, ...]) -> CompiledPiece:
+        key = structure_key(gm)
+        if key in self._by_key:
+            self.counters.cache_hits += 1
+            return self._by_key[key]
+        size_arg = token_dim(gm)
+        options = {"config_patches": self.options} if self.options else None
+        dynamic = torch._inductor.standalone_compile(gm, example_inputs(gm), dynamic_shapes="from_graph", options=options)
+        self.counters.inductor_compiles += 1
+        artifacts: dict[str, object] = {"dynamic": dynamic}
+        by_size = {}
+        for size in sizes if size_arg is not None else ():
+            art = torch._inductor.standalone_compile(
+                gm, concrete_inputs(gm, size, self.device), dynamic_shapes="from_example_inputs", options=options
+            )
+            self.counters.inductor_compiles += 1
+            self.counters.specialized_compiles += 1
+            artifacts[str(size)] = art
+            by_size[size] = art
+        piece = CompiledPiece(key, dynamic, by_size, size_arg, graph_returns_tuple(gm), artifacts)
+        self.counters.unique_pieces += 1
+        self._by_key[key] = piece
+        return piece

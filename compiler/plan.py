@@ -1,0 +1,33 @@
+"""Graph plans: how the runtime runs each phase of the one compiled model, as data.
+
+PREFILL runs piecewise: compiled pieces with attention called eagerly between them, padded to
+a token bucket (later one CUDA graph per piece and bucket). DECODE runs the whole step as one
+unit padded to a batch bucket (later one CUDA graph per bucket, attention inside).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+PIECEWISE = "piecewise"
+FULL = "full"
+
+
+@dataclass(frozen=True)
+class GraphPlan:
+    phase: str
+    sizes: tuple[int, ...]
+    cuda_graph: str
+
+    def bucket(self, num_tokens: int) -> int | None:
+        """The smallest size that holds `num_tokens`, or None beyond the largest (run unpadded)."""
+        i = bisect.bisect_left(self.sizes, num_tokens)
+        return self.sizes[i] if i < len(self.sizes) else None
+
+
+def plans_for(decode_batch_sizes: tuple[int, ...], prefill_token_buckets: tuple[int, ...]) -> dict[str, GraphPlan]:
+    return {
+        "decode": GraphPlan("decode", decode_batch_sizes, FULL),
+        "prefill": GraphPlan("prefill", prefill_token_buckets, PIECEWISE),
+    }
