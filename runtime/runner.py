@@ -14,7 +14,7 @@ from graphkiln.compiler.plan import GraphPlan
 from graphkiln.models.attention import ForwardContext, forward_context
 from graphkiln.models.transformer import CausalLM
 
-from .attention.metadata import SequenceSlice, build_metadata
+from .attention.metadata import SequenceSlice, build_metadata, pad_decode
 from .attention.sdpa import SdpaBackend
 from .kv_cache import KVCache
 from .scheduler import ScheduledChunk
@@ -55,8 +55,11 @@ class ModelRunner:
             positions += range(start, start + c.num_tokens)
             slices.append(SequenceSlice(c.num_tokens, start + c.num_tokens, tuple(c.seq.blocks)))
         num_tokens = len(ids)
-        size = padded_size(num_tokens, self.plans.get("decode" if is_decode(chunks) else "prefill"))
+        decode = is_decode(chunks)
+        size = padded_size(num_tokens, self.plans.get("decode" if decode else "prefill"))
         pad = [0] * (size - num_tokens)
+        if decode:
+            slices = pad_decode(slices, size)
         meta = build_metadata(slices, self.kv_cache.block_size, size, self.device)
         input_ids = torch.tensor(ids + pad, dtype=torch.int64).to(self.device)
         pos = torch.tensor(positions + pad, dtype=torch.int64).to(self.device)

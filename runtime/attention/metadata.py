@@ -35,11 +35,21 @@ class BatchMetadata:
     def num_seqs(self) -> int:
         return len(self.query_lens)
 
+    @property
+    def decode(self) -> bool:
+        """Every sequence adds exactly one token (padded decode rows included)."""
+        return all(q == 1 for q in self.query_lens)
+
+
+def pad_decode(slices: list[SequenceSlice], batch_size: int) -> list[SequenceSlice]:
+    """Fill a decode batch up to `batch_size` with one-token sequences that live in the dummy block."""
+    return slices + [SequenceSlice(1, 1, (DUMMY_BLOCK,))] * (batch_size - len(slices))
+
 
 def build_metadata(
     slices: list[SequenceSlice], block_size: int, num_padded_tokens: int, device: torch.device
 ) -> BatchMetadata:
-    """Pack sequences in order; padded token rows map to the dummy block's first slot."""
+    """Pack sequences in order; token rows past the sequences (prefill padding) map to the dummy slot."""
     query_lens = tuple(s.query_len for s in slices)
     seq_lens = tuple(s.seq_len for s in slices)
     num_tokens = sum(query_lens)

@@ -19,6 +19,7 @@ from .metadata import BatchMetadata
 
 class SdpaBackend:
     name = "sdpa"
+    capturable = False
 
     def __init__(self, kv_cache: KVCache) -> None:
         self.kv_cache = kv_cache
