@@ -27,6 +27,7 @@ class CompiledModel:
         self.bindings = bindings
         self.pieces = pieces
         self.plans = plans
+        self.piece_graphs = {name: split.gm.get_submodule(name) for name in pieces}
         for name, piece in pieces.items():
             delattr(split.gm, name)
             setattr(split.gm, name, piece)

@@ -64,6 +64,7 @@ class LLM:
         self.tokenizer = tokenizer
         self.max_context = max_context
         self.compile_report: CompileReport | None = None
+        self.manifest: dict | None = None
 
     @classmethod
     def eager(

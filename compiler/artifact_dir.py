@@ -1,0 +1,147 @@
+"""An artifact directory, written atomically and read only after every check passes.
+
+Writing compiles into a hidden temporary folder beside OUT and renames it into place at the
+end, under an exclusive lock on a sibling lock file: an interrupted compile leaves no OUT, and
+of two concurrent writers the second waits and then finds OUT present.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from graphkiln.errors import ArtifactError
+from graphkiln.models import load_model, resolve_dtype
+from graphkiln.models.fingerprint import model_fingerprint
+from graphkiln.models.transformer import CausalLM
+
+from .artifacts import load_compiled, save_compiled
+from .compile import CompileReport, GraphPass, compile_module
+from .compiled_model import CompiledModel
+from .config import CompileConfig
+from .manifest import FIX, FORMAT_VERSION, MANIFEST, check_environment, check_files, environment, file_hashes, read_manifest
+
+Progress = Callable[[str], None]
+
+
+@contextlib.contextmanager
+def _locked(out: Path) -> Iterator[None]:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _remove_stale(out: Path) -> None:
+    for stale in out.parent.glob(f".{out.name}.tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def write_artifact(
+    model_dir: Path,
+    model_source: str,
+    out: Path,
+    config: CompileConfig,
+    *,
+    force: bool = False,
+    graph_passes: tuple[GraphPass, ...] = (),
+    progress: Progress = lambda stage: None,
+) -> tuple[dict, CompileReport]:
+    """Compile `model_dir` for `config` into `out`; return the manifest and the compile report."""
+    out = out.resolve()
+    with _locked(out):
+        if out.exists() and not force:
+            raise ArtifactError(f"{out}: already exists; pass --force (force=True) to replace it")
+        _remove_stale(out)
+        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+        try:
+            manifest, report = _compile_into(model_dir, model_source, tmp, config, graph_passes, progress)
+            _replace(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return manifest, report
+
+
+def _compile_into(model_dir, model_source, tmp: Path, config, graph_passes, progress) -> tuple[dict, CompileReport]:
+    progress("load weights")
+    start = time.perf_counter()
+    model = load_model(model_dir, config.device, config.dtype)
+    load_s = time.perf_counter() - start
+    progress("trace, split and compile")
+    compiled, report = compile_module(model, config, graph_passes)
+    report.timings = {"load": load_s, **report.timings}
+    progress("save")
+    t = time.perf_counter()
+    section = save_compiled(compiled, tmp)
+    report.timings["save"] = time.perf_counter() - t
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "environment": environment(config.device),
+        "model": {
+            "source": model_source,
+            "architecture": model.cfg.architecture,
+            **model_fingerprint(model_dir),
+        },
+        "config": {k: v for k, v in asdict(config).items() if k != "inductor_options"},
+        "passes": [],
+        "compiled": section,
+        "timings": report.timings,
+        "counters": report.counters.as_dict(),
+        "files": file_hashes(tmp),
+    }
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    return manifest, report
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    if out.exists():
+        trash = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-old-"))
+        os.rename(out, trash / "old")
+        os.rename(tmp, out)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.rename(tmp, out)
+
+
+def check_artifact(out: Path, model_dir: Path, device: str | None = None, dtype: str | None = None) -> dict:
+    """Every check a load needs, without loading anything; returns the manifest."""
+    manifest = read_manifest(out)
+    config = manifest["config"]
+    if device is not None and device != config["device"]:
+        raise ArtifactError(f"{out}: compiled for device {config['device']!r}, asked for {device!r}; {FIX}")
+    if dtype is not None and resolve_dtype(dtype) != resolve_dtype(config["dtype"]):
+        raise ArtifactError(f"{out}: compiled for dtype {config['dtype']!r}, asked for {dtype!r}; {FIX}")
+    check_environment(manifest, config["device"])
+    check_files(manifest, out)
+    recorded = manifest["model"]
+    now = model_fingerprint(model_dir)
+    for field in ("config_sha256", "weights"):
+        if recorded[field] != now[field]:
+            raise ArtifactError(
+                f"{out}: model files in {model_dir} differ from those compiled ({field} changed); {FIX}"
+            )
+    return manifest
+
+
+def read_artifact(out: Path, model_dir: Path, device=None, dtype=None) -> tuple[CausalLM, CompiledModel, dict]:
+    """Check, then load weights and compiled pieces: no Dynamo trace, no Inductor compile."""
+    manifest = check_artifact(out, model_dir, device, dtype)
+    config = manifest["config"]
+    model = load_model(model_dir, torch.device(config["device"]), config["dtype"])
+    tensors = dict(model.named_parameters(remove_duplicate=False))
+    tensors.update(model.named_buffers(remove_duplicate=False))
+    return model, load_compiled(manifest["compiled"], out, tensors), manifest

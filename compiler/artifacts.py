@@ -1,0 +1,81 @@
+"""Write and read the compiled part of an artifact directory: the split graph and the Inductor pieces.
+
+Layout under the directory:
+  graph.pkl                 the stitching graph with its attention submodules (FX code, no weights)
+  pieces/<key>/<variant>.bin  Inductor standalone artifacts; variant is "dynamic" or a token count
+
+Reading assumes the caller already checked every file's sha256 against the manifest: the graph
+is unpickled and the pieces hold compiled code, so artifacts are exactly as trusted as the
+process that wrote them.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from .capture import Binding
+from .compiled_model import CompiledModel
+from .inductor import CompiledPiece
+from .plan import GraphPlan
+from .split import SplitGraph
+
+GRAPH_FILE = "graph.pkl"
+PIECES_DIR = "pieces"
+
+
+def save_compiled(compiled: CompiledModel, out: Path) -> dict:
+    """Write graph and pieces under `out`; return the manifest section that describes them."""
+    gm = compiled.split.gm
+    originals = {name: piece for name, piece in compiled.pieces.items()}
+    stubs = {name: compiled.piece_graphs[name] for name in originals}
+    for name, graph in stubs.items():
+        delattr(gm, name)
+        setattr(gm, name, graph)
+    try:
+        (out / GRAPH_FILE).write_bytes(pickle.dumps(gm))
+    finally:
+        for name, piece in originals.items():
+            delattr(gm, name)
+            setattr(gm, name, piece)
+    unique: dict[str, CompiledPiece] = {p.key: p for p in originals.values()}
+    for key, piece in unique.items():
+        folder = out / PIECES_DIR / key
+        folder.mkdir(parents=True)
+        for variant, art in piece.artifacts.items():
+            art.save(path=str(folder / f"{variant}.bin"), format="binary")
+    return {
+        "submodules": [[name, attn] for name, attn in compiled.split.submodules],
+        "pieces": {name: piece.key for name, piece in originals.items()},
+        "unique_pieces": {
+            key: {
+                "sizes": sorted(piece.by_size),
+                "size_arg": list(piece.size_arg) if piece.size_arg else None,
+                "returns_tuple": piece.returns_tuple,
+            }
+            for key, piece in unique.items()
+        },
+        "bindings": [asdict(b) for b in compiled.bindings],
+        "plans": {name: asdict(plan) for name, plan in compiled.plans.items()},
+    }
+
+
+def load_compiled(section: dict, out: Path, tensors: dict[str, torch.Tensor]) -> CompiledModel:
+    """Rebuild a CompiledModel from checked files, with no Dynamo trace and no Inductor compile."""
+    gm = pickle.loads((out / GRAPH_FILE).read_bytes())
+    unique = {}
+    for key, info in section["unique_pieces"].items():
+        folder = out / PIECES_DIR / key
+        load = torch._inductor.CompiledArtifact.load
+        dynamic = load(path=str(folder / "dynamic.bin"), format="binary")
+        by_size = {size: load(path=str(folder / f"{size}.bin"), format="binary") for size in info["sizes"]}
+        size_arg = tuple(info["size_arg"]) if info["size_arg"] else None
+        unique[key] = CompiledPiece(key, dynamic, by_size, size_arg, info["returns_tuple"])
+    pieces = {name: unique[key] for name, key in section["pieces"].items()}
+    split = SplitGraph(gm, [(name, attn) for name, attn in section["submodules"]])
+    bindings = [Binding(**b) for b in section["bindings"]]
+    plans = {name: GraphPlan(p["phase"], tuple(p["sizes"]), p["cuda_graph"]) for name, p in section["plans"].items()}
+    return CompiledModel(split, bindings, pieces, plans, tensors)

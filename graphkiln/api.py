@@ -1,0 +1,71 @@
+"""graphkiln.compile_model and graphkiln.load: compile once into an artifact directory, start fast later."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from graphkiln.compiler.artifact_dir import Progress, read_artifact, read_manifest, write_artifact
+from graphkiln.compiler.compile import CompileReport
+from graphkiln.compiler.config import CompileConfig
+from graphkiln.errors import ArtifactError, ConfigError
+from graphkiln.llm import LLM, load_tokenizer, resolve_model_dir
+from graphkiln.runtime.builder import build_engine
+
+
+def compile_model(
+    model: str | Path,
+    out: str | Path,
+    config: CompileConfig | None = None,
+    *,
+    force: bool = False,
+    progress: Progress = lambda stage: None,
+) -> tuple[dict, CompileReport]:
+    """Compile a model directory (or "tiny") into the artifact directory `out`; returns (manifest, report)."""
+    config = config or CompileConfig()
+    model_dir = resolve_model_dir(model)
+    source = str(model) if str(model) == "tiny" else str(model_dir.resolve())
+    return write_artifact(model_dir, source, Path(out), config, force=force, progress=progress)
+
+
+def load(
+    out: str | Path,
+    *,
+    model: str | Path | None = None,
+    device: str | None = None,
+    dtype: str | None = None,
+    on_mismatch: str = "error",
+    **engine,
+) -> LLM:
+    """Load an artifact directory into an LLM without tracing or compiling.
+
+    `model` overrides where the weights are (default: the directory recorded at compile time).
+    `device`/`dtype`, when given, must match the artifact. `on_mismatch="recompile"` recompiles
+    a stale artifact in place instead of raising. `engine` options go to the engine (KV cache size...).
+    Artifacts contain executable code: load only those you would run the compiling code for.
+    """
+    if on_mismatch not in ("error", "recompile"):
+        raise ConfigError(f"on_mismatch={on_mismatch!r}; use 'error' or 'recompile'")
+    out = Path(out)
+    manifest = read_manifest(out)
+    source = model if model is not None else manifest["model"]["source"]
+    model_dir = resolve_model_dir(source)
+    try:
+        net, compiled, manifest = read_artifact(out, model_dir, device, dtype)
+    except ArtifactError:
+        if on_mismatch == "error":
+            raise
+        config = CompileConfig(**_config_fields(manifest["config"]), **_overrides(device, dtype))
+        compile_model(source, out, config, force=True)
+        net, compiled, manifest = read_artifact(out, model_dir, device, dtype)
+    engine.setdefault("block_size", manifest["config"]["block_size"])
+    llm = LLM(build_engine(net, compiled, **engine), load_tokenizer(model_dir), net.cfg.max_context)
+    llm.manifest = manifest
+    return llm
+
+
+def _config_fields(recorded: dict) -> dict:
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in recorded.items()}
+
+
+def _overrides(device: str | None, dtype: str | None) -> dict:
+    return {k: v for k, v in (("device", device), ("dtype", dtype)) if v is not None}
