@@ -14,7 +14,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
@@ -26,12 +26,10 @@ from graphkiln.models.fingerprint import model_fingerprint
 from graphkiln.models.transformer import CausalLM
 
 from .artifacts import load_compiled, save_compiled
-from .compile import CompileReport, GraphPass, compile_module
+from .compile import CompileReport, GraphPass, Progress, compile_module
 from .compiled_model import CompiledModel
 from .config import CompileConfig
 from .manifest import FIX, FORMAT_VERSION, MANIFEST, check_environment, check_files, environment, file_hashes, read_manifest
-
-Progress = Callable[[str], None]
 
 
 @contextlib.contextmanager
@@ -58,7 +56,7 @@ def write_artifact(
     *,
     force: bool = False,
     graph_passes: tuple[GraphPass, ...] = (),
-    progress: Progress = lambda stage: None,
+    progress: Progress = lambda stage, done, total: None,
 ) -> tuple[dict, CompileReport]:
     """Compile `model_dir` for `config` into `out`; return the manifest and the compile report."""
     out = out.resolve()
@@ -77,14 +75,13 @@ def write_artifact(
 
 
 def _compile_into(model_dir, model_source, tmp: Path, config, graph_passes, progress) -> tuple[dict, CompileReport]:
-    progress("load weights")
+    progress("load weights", 0, 1)
     start = time.perf_counter()
     model = load_model(model_dir, config.device, config.dtype)
     load_s = time.perf_counter() - start
-    progress("trace, split and compile")
-    compiled, report = compile_module(model, config, graph_passes)
+    compiled, report = compile_module(model, config, graph_passes, progress)
     report.timings = {"load": load_s, **report.timings}
-    progress("save")
+    progress("save", 0, 1)
     t = time.perf_counter()
     section = save_compiled(compiled, tmp)
     report.timings["save"] = time.perf_counter() - t

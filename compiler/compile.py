@@ -15,13 +15,18 @@ from .capture import capture
 from .compiled_model import CompiledModel
 from .config import CompileConfig
 from .counters import Counters
-from .inductor import InductorCompiler
+from .inductor import InductorCompiler, structure_key
 from .plan import plans_for
 from .split import split_at_attention
 
 log = logging.getLogger("graphkiln.compiler")
 
 GraphPass = Callable[[torch.fx.GraphModule], None]
+Progress = Callable[[str, int, int], None]  # (stage, done, total)
+
+
+def _silent(stage: str, done: int, total: int) -> None:
+    return None
 
 
 @dataclass
@@ -43,17 +48,18 @@ class CompileReport:
 
 def compile_sizes(config: CompileConfig) -> tuple[int, ...]:
     """Token counts that get a specialized compile: every decode batch size and prefill bucket."""
-    if not config.specialize:
+    if not config.specializes:
         return ()
     return tuple(sorted(set(config.decode_batch_sizes) | set(config.prefill_token_buckets)))
 
 
 def compile_module(
-    model: CausalLM, config: CompileConfig, graph_passes: Sequence[GraphPass] = ()
+    model: CausalLM, config: CompileConfig, graph_passes: Sequence[GraphPass] = (), progress: Progress = _silent
 ) -> tuple[CompiledModel, CompileReport]:
     report = CompileReport()
     counters = report.counters
     start = time.perf_counter()
+    progress("trace", 0, 1)
     captured = capture(model)
     counters.graphs_traced += 1
     report.timings["trace"] = captured.trace_s
@@ -72,8 +78,9 @@ def compile_module(
 
     t = time.perf_counter()
     device = next(model.parameters()).device
-    compiler = InductorCompiler(device, config.inductor_options, counters)
     sizes = compile_sizes(config)
+    total = len({structure_key(split.gm.get_submodule(n)) for n in split.pieces}) * (1 + len(sizes))
+    compiler = InductorCompiler(device, config.inductor_options, counters, lambda done: progress("inductor", done, total))
     pieces = {}
     for name in split.pieces:
         pieces[name] = compiler.compile_piece(split.gm.get_submodule(name), sizes)

@@ -108,10 +108,17 @@ class CompiledPiece:
 class InductorCompiler:
     """Compiles FX pieces with Inductor; identical pieces are compiled once."""
 
-    def __init__(self, device: torch.device, options: dict | None = None, counters: Counters | None = None) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        options: dict | None = None,
+        counters: Counters | None = None,
+        on_compile: Callable[[int], None] = lambda done: None,
+    ) -> None:
         self.device = device
         self.options = dict(options or {})
         self.counters = counters or Counters()
+        self.on_compile = on_compile
         self._by_key: dict[str, CompiledPiece] = {}
 
     def hash(self) -> str:
@@ -127,6 +134,7 @@ class InductorCompiler:
         options = {"config_patches": self.options} if self.options else None
         dynamic = torch._inductor.standalone_compile(gm, example_inputs(gm), dynamic_shapes="from_graph", options=options)
         self.counters.inductor_compiles += 1
+        self.on_compile(self.counters.inductor_compiles)
         artifacts: dict[str, object] = {"dynamic": dynamic}
         by_size = {}
         for size in sizes if size_arg is not None else ():
@@ -135,6 +143,7 @@ class InductorCompiler:
             )
             self.counters.inductor_compiles += 1
             self.counters.specialized_compiles += 1
+            self.on_compile(self.counters.inductor_compiles)
             artifacts[str(size)] = art
             by_size[size] = art
         piece = CompiledPiece(key, dynamic, by_size, size_arg, graph_returns_tuple(gm), artifacts)

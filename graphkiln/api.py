@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from graphkiln.compiler.artifact_dir import Progress, read_artifact, read_manifest, write_artifact
-from graphkiln.compiler.compile import CompileReport
+from graphkiln.compiler.artifact_dir import read_artifact, write_artifact
+from graphkiln.compiler.manifest import read_manifest
+from graphkiln.compiler.compile import CompileReport, Progress
 from graphkiln.compiler.config import CompileConfig
 from graphkiln.errors import ArtifactError, ConfigError
 from graphkiln.llm import LLM, load_tokenizer, resolve_model_dir
@@ -18,7 +19,7 @@ def compile_model(
     config: CompileConfig | None = None,
     *,
     force: bool = False,
-    progress: Progress = lambda stage: None,
+    progress: Progress = lambda stage, done, total: None,
 ) -> tuple[dict, CompileReport]:
     """Compile a model directory (or "tiny") into the artifact directory `out`; returns (manifest, report)."""
     config = config or CompileConfig()
