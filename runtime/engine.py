@@ -69,14 +69,12 @@ class Engine:
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
-        hidden = self.runner.hidden_states(chunks)
-        ends = torch.tensor(_sample_rows(chunks), dtype=torch.int64, device=hidden.device)
         sampling = [c for c in chunks if c.samples]
+        logits = self.runner.execute(chunks, _sample_rows(chunks))
         for c in chunks:
             c.seq.num_computed += c.num_tokens
         if not sampling:
             return []
-        logits = self.runner.logits(hidden.index_select(0, ends))
         token_ids, logprobs = sample(logits, [c.seq.params for c in sampling], [c.seq.generator for c in sampling])
         now = time.perf_counter()
         events = []
@@ -117,8 +115,7 @@ class Engine:
                 take = min(seq.num_pending, budget)
                 if not self.allocator.grow(seq.blocks, seq.num_computed + take):
                     raise CapacityError("score() needs free KV blocks; call it when no generation is running")
-                hidden = self.runner.hidden_states([ScheduledChunk(seq, take)])
-                pieces.append(self.runner.logits(hidden))
+                pieces.append(self.runner.execute([ScheduledChunk(seq, take)]))
                 seq.num_computed += take
         finally:
             self.allocator.free(seq.blocks)

@@ -2,20 +2,24 @@
 
 The same runner serves the eager reference (forward = the model itself, no padding) and the
 compiled model (forward = the CompiledModel, padded to decode batch or prefill token buckets).
+With decode CUDA graphs, a decode step that fits a bucket is one graph replay instead.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
+from graphkiln.compiler.counters import Counters
 from graphkiln.compiler.plan import GraphPlan
 from graphkiln.models.attention import ForwardContext, forward_context
 from graphkiln.models.transformer import CausalLM
 
-from .attention.metadata import SequenceSlice, build_metadata, pad_decode
-from .attention.sdpa import SdpaBackend
+from .attention.base import AttentionBackend
+from .attention.metadata import SequenceSlice, build_metadata, pad_decode, slot_list
+from .cuda_graph import DecodeGraphs
 from .kv_cache import KVCache
 from .scheduler import ScheduledChunk
 
@@ -33,39 +37,65 @@ def padded_size(num_tokens: int, plan: GraphPlan | None) -> int:
     return bucket or num_tokens
 
 
+@dataclass(frozen=True)
+class Batch:
+    ids: list[int]
+    positions: list[int]
+    slices: list[SequenceSlice]
+    decode: bool
+
+
+def pack(chunks: list[ScheduledChunk]) -> Batch:
+    ids: list[int] = []
+    positions: list[int] = []
+    slices = []
+    for c in chunks:
+        start = c.seq.num_computed
+        ids += c.seq.tokens[start : start + c.num_tokens]
+        positions += range(start, start + c.num_tokens)
+        slices.append(SequenceSlice(c.num_tokens, start + c.num_tokens, tuple(c.seq.blocks)))
+    return Batch(ids, positions, slices, is_decode(chunks))
+
+
 class ModelRunner:
     def __init__(
-        self, model: CausalLM, kv_cache: KVCache, forward: Forward | None = None, plans: dict[str, GraphPlan] | None = None
+        self,
+        model: CausalLM,
+        kv_cache: KVCache,
+        backend: AttentionBackend,
+        forward: Forward | None = None,
+        plans: dict[str, GraphPlan] | None = None,
+        graphs: DecodeGraphs | None = None,
     ) -> None:
         self.model = model
+        self.kv_cache = kv_cache
+        self.backend = backend
         self.forward = forward or model
         self.plans = plans or {}
-        self.kv_cache = kv_cache
-        self.backend = SdpaBackend(kv_cache)
+        self.graphs = graphs
+        self.counters = graphs.counters if graphs else Counters()
         self.device = kv_cache.keys.device
 
-    def hidden_states(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Hidden states [T, hidden] of every scheduled token, in chunk order (padding dropped)."""
-        ids: list[int] = []
-        positions: list[int] = []
-        slices = []
-        for c in chunks:
-            start = c.seq.num_computed
-            ids += c.seq.tokens[start : start + c.num_tokens]
-            positions += range(start, start + c.num_tokens)
-            slices.append(SequenceSlice(c.num_tokens, start + c.num_tokens, tuple(c.seq.blocks)))
-        num_tokens = len(ids)
-        decode = is_decode(chunks)
-        size = padded_size(num_tokens, self.plans.get("decode" if decode else "prefill"))
-        pad = [0] * (size - num_tokens)
-        if decode:
-            slices = pad_decode(slices, size)
-        meta = build_metadata(slices, self.kv_cache.block_size, size, self.device)
-        input_ids = torch.tensor(ids + pad, dtype=torch.int64).to(self.device)
-        pos = torch.tensor(positions + pad, dtype=torch.int64).to(self.device)
-        with torch.inference_mode(), forward_context(ForwardContext(self.backend.plan(meta))):
-            return self.forward(input_ids, pos)[:num_tokens]
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def execute(self, chunks: list[ScheduledChunk], rows: list[int] | None = None) -> torch.Tensor:
+        """float32 logits of the given token rows (default: every token) of one step."""
+        batch = pack(chunks)
         with torch.inference_mode():
+            if batch.decode and self.graphs is not None and self.graphs.bucket(len(batch.ids)) is not None:
+                slots = slot_list(batch.slices, self.kv_cache.block_size)
+                logits = self.graphs.replay(batch.ids, batch.positions, batch.slices, slots)
+                return logits if rows is None else logits[rows]
+            hidden = self._forward(batch)
+            if rows is not None:
+                hidden = hidden[rows]
             return self.model.compute_logits(hidden).float()
+
+    def _forward(self, batch: Batch) -> torch.Tensor:
+        num_tokens = len(batch.ids)
+        size = padded_size(num_tokens, self.plans.get("decode" if batch.decode else "prefill"))
+        pad = [0] * (size - num_tokens)
+        slices = pad_decode(batch.slices, size) if batch.decode else batch.slices
+        meta = build_metadata(slices, self.kv_cache.block_size, size, self.device)
+        input_ids = torch.tensor(batch.ids + pad, dtype=torch.int64).to(self.device)
+        positions = torch.tensor(batch.positions + pad, dtype=torch.int64).to(self.device)
+        with forward_context(ForwardContext(self.backend.plan(meta))):
+            return self.forward(input_ids, positions)[:num_tokens]

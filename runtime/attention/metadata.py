@@ -46,6 +46,15 @@ def pad_decode(slices: list[SequenceSlice], batch_size: int) -> list[SequenceSli
     return slices + [SequenceSlice(1, 1, (DUMMY_BLOCK,))] * (batch_size - len(slices))
 
 
+def slot_list(slices: list[SequenceSlice], block_size: int) -> list[int]:
+    """The KV cache slot of every new token, in batch order."""
+    slots = []
+    for s in slices:
+        for pos in range(s.seq_len - s.query_len, s.seq_len):
+            slots.append(s.blocks[pos // block_size] * block_size + pos % block_size)
+    return slots
+
+
 def build_metadata(
     slices: list[SequenceSlice], block_size: int, num_padded_tokens: int, device: torch.device
 ) -> BatchMetadata:
@@ -55,11 +64,7 @@ def build_metadata(
     num_tokens = sum(query_lens)
     if num_padded_tokens < num_tokens:
         raise ValueError(f"padded size {num_padded_tokens} is smaller than the {num_tokens} tokens of the batch")
-    slots = []
-    for s in slices:
-        for pos in range(s.seq_len - s.query_len, s.seq_len):
-            slots.append(s.blocks[pos // block_size] * block_size + pos % block_size)
-    slots += [DUMMY_BLOCK * block_size] * (num_padded_tokens - num_tokens)
+    slots = slot_list(slices, block_size) + [DUMMY_BLOCK * block_size] * (num_padded_tokens - num_tokens)
     width = max((len(s.blocks) for s in slices), default=1)
     tables = [list(s.blocks) + [DUMMY_BLOCK] * (width - len(s.blocks)) for s in slices]
     starts = [0]

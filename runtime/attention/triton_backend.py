@@ -1,0 +1,147 @@
+"""The Triton attention backend: paged decode (split-K, CUDA-graph capturable) and varlen prefill.
+
+Every call writes the batch's keys and values through the slot mapping (one launch), then runs
+either the decode kernel (every sequence adds one token) or the varlen causal prefill kernel,
+both reading the whole context from the paged cache. Planning (tile sizes, decode splits,
+prefill work items) is plain Python here; the kernels import triton, an optional dependency,
+only when a backend is built.
+
+Decode launches depend only on static quantities (batch size, block table width, head shapes),
+and scratch buffers are allocated inside the call, so a capture takes them from the graph's
+pool and a replay reads whatever lengths and block tables the buffers hold by then.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from graphkiln.errors import UnsupportedModelError
+from graphkiln.models.attention import AttentionFn
+from graphkiln.runtime.kv_cache import KVCache
+
+from .metadata import BatchMetadata
+
+PROGRAMS_PER_SM = 2  # decode programs resident per SM at the default tiles (shared-memory bound)
+MIN_SPLIT_TOKENS = 256  # a decode split never covers fewer tokens than this of the longest context
+MAX_SPLITS = 64
+
+
+@dataclass(frozen=True)
+class DecodeTiles:
+    num_splits: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class PrefillTiles:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def decode_tiles(
+    num_seqs: int, num_kv_heads: int, max_context: int, head_dim: int, itemsize: int, num_sms: int
+) -> DecodeTiles:
+    """Split each (sequence, KV head) so the grid fills every SM, but never below MIN_SPLIT_TOKENS a split.
+
+    `max_context` is what the block table can hold (its width times the block size): a static
+    quantity, so a captured graph keeps its grid whatever lengths a replay brings.
+    """
+    wanted = _cdiv(PROGRAMS_PER_SM * num_sms, num_seqs * num_kv_heads)
+    splits = max(1, min(wanted, _cdiv(max_context, MIN_SPLIT_TOKENS), MAX_SPLITS))
+    row_bytes = head_dim * itemsize
+    return DecodeTiles(splits, 64 if row_bytes <= 256 else 32, 4, 3 if row_bytes <= 512 else 2)
+
+
+def prefill_tiles(max_query_len: int, head_dim: int, itemsize: int) -> PrefillTiles:
+    """Query tiles of up to 128 rows (64 for rows wider than 256 bytes), no taller than the longest query."""
+    row_bytes = head_dim * itemsize
+    block_m = min(128 if row_bytes <= 256 else 64, max(16, _next_pow2(max_query_len)))
+    stages = 3 if row_bytes <= 256 else 2 if row_bytes <= 512 else 1
+    return PrefillTiles(block_m, 64 if row_bytes <= 256 else 32, 8 if block_m >= 128 else 4, stages)
+
+
+def prefill_work(query_lens: tuple[int, ...], seq_lens: tuple[int, ...], block_m: int) -> list[tuple[int, int]]:
+    """(sequence, first query row) of every query tile, the tiles attending the most keys first."""
+    items = [(i, row) for i, q_len in enumerate(query_lens) for row in range(0, q_len, block_m)]
+
+    def keys(item: tuple[int, int]) -> int:
+        i, row = item
+        return seq_lens[i] - query_lens[i] + min(row + block_m, query_lens[i])
+
+    return sorted(items, key=keys, reverse=True)
+
+
+class TritonBackend:
+    name = "triton"
+    capturable = True
+
+    def __init__(self, kv_cache: KVCache) -> None:
+        # triton is optional: import the kernels only when this backend is chosen.
+        from .kv_write import write_kv
+        from .triton_decode import paged_decode
+        from .triton_prefill import paged_prefill
+
+        head_dim = kv_cache.keys.shape[-1]
+        if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
+            raise UnsupportedModelError(
+                f"head_dim {head_dim}: the triton attention backend needs a power of two from 16 to 256;"
+                " use the sdpa backend"
+            )
+        self.kv_cache = kv_cache
+        self._write_kv, self._decode, self._prefill = write_kv, paged_decode, paged_prefill
+        device = kv_cache.keys.device
+        self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+    def plan(self, meta: BatchMetadata) -> AttentionFn:
+        return self._plan_decode(meta) if meta.decode else self._plan_prefill(meta)
+
+    def _plan_decode(self, meta: BatchMetadata) -> AttentionFn:
+        _, block_size, num_kv_heads, head_dim = self.kv_cache.keys.shape[1:]
+        tiles = decode_tiles(
+            meta.seq_lens_t.shape[0],
+            num_kv_heads,
+            meta.block_tables.shape[1] * block_size,
+            head_dim,
+            self.kv_cache.keys.element_size(),
+            self._num_sms,
+        )
+        tile_args = asdict(tiles)
+
+        def run(layer: int, q, k, v, out, scale: float) -> None:
+            k_cache, v_cache = self.kv_cache.layer(layer)
+            self._write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            self._decode(q, k_cache, v_cache, meta.seq_lens_t, meta.block_tables, out, scale, **tile_args)
+
+        return run
+
+    def _plan_prefill(self, meta: BatchMetadata) -> AttentionFn:
+        head_dim = self.kv_cache.keys.shape[-1]
+        tiles = prefill_tiles(max(meta.query_lens, default=1), head_dim, self.kv_cache.keys.element_size())
+        items = prefill_work(meta.query_lens, meta.seq_lens, tiles.block_m)
+        work = torch.tensor(items, dtype=torch.int32).reshape(-1, 2).to(meta.seq_lens_t.device)
+        tile_args = asdict(tiles)
+
+        def run(layer: int, q, k, v, out, scale: float) -> None:
+            k_cache, v_cache = self.kv_cache.layer(layer)
+            self._write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            self._prefill(
+                q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens_t, meta.block_tables, work, out, scale,
+                **tile_args,
+            )
+            out[meta.num_tokens :] = 0
+
+        return run

@@ -1,0 +1,127 @@
+"""Paged flash-decoding: one query token per sequence, split-K over the context, then a reduce.
+
+Grid (kv_head, split, sequence): each program loads one KV head's tiles of its split once and
+attends all query heads of that head's GQA group (padded to 16 rows for tensor cores). Lengths
+and block tables are read from device memory, so a launch can be captured in a CUDA graph and
+replayed with new lengths. Splits past the end of a short sequence store an empty partial.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def load_paged_tile(cache, table_row, pos, valid, kv_head, stride_cb, stride_ct, stride_ch,
+                    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Rows `pos` [N] of one KV head from a paged cache [num_blocks, BLOCK_SIZE, Hkv, HEAD_DIM]."""
+    block = tl.load(table_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    rows = block * stride_cb + (pos % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
+    return tl.load(cache + rows[:, None] + tl.arange(0, HEAD_DIM)[None, :], mask=valid[:, None], other=0.0)
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_cache, v_cache, seq_lens, block_tables, out_ptr, part_out, part_lse,
+    scale_log2, num_splits,
+    stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
+    stride_cb, stride_ct, stride_ch, stride_bt,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    kv_head = tl.program_id(0)
+    split = tl.program_id(1)
+    seq = tl.program_id(2)
+    seq_len = tl.load(seq_lens + seq)
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+
+    h = tl.arange(0, BLOCK_H)
+    heads = kv_head * GROUP + h
+    head_mask = (h < GROUP)[:, None]
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + dims[None, :] * stride_qd, mask=head_mask,
+                other=0.0)
+    table_row = block_tables + seq.to(tl.int64) * stride_bt
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    for tile in range(start, end, BLOCK_N):
+        pos = tile + tl.arange(0, BLOCK_N)
+        valid = pos < end
+        k = load_paged_tile(k_cache, table_row, pos, valid, kv_head, stride_cb, stride_ct, stride_ch,
+                            BLOCK_SIZE, HEAD_DIM)
+        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale_log2
+        qk = tl.where(valid[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = load_paged_tile(v_cache, table_row, pos, valid, kv_head, stride_cb, stride_ct, stride_ch,
+                            BLOCK_SIZE, HEAD_DIM)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    acc = acc / tl.where(empty, 1.0, l_i)[:, None]
+    if DIRECT:
+        dst = out_ptr + seq * stride_ot + heads[:, None] * stride_oh + dims[None, :] * stride_od
+        tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=head_mask)
+    else:
+        part = (seq * NUM_HEADS + heads) * num_splits + split
+        tl.store(part_out + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=head_mask)
+        lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+        tl.store(part_lse + part, lse, mask=h < GROUP)
+
+
+@triton.jit
+def _reduce_kernel(
+    part_out, part_lse, out_ptr, num_splits, stride_ot, stride_oh, stride_od,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    head = tl.program_id(0)
+    seq = tl.program_id(1)
+    splits = tl.arange(0, BLOCK_S)
+    part = (seq * NUM_HEADS + head) * num_splits + splits
+    lse = tl.load(part_lse + part, mask=splits < num_splits, other=float("-inf"))
+    weight = tl.exp2(lse - tl.max(lse, 0))
+    dims = tl.arange(0, HEAD_DIM)
+    partial = tl.load(part_out + part[:, None] * HEAD_DIM + dims[None, :], mask=(splits < num_splits)[:, None],
+                      other=0.0)
+    result = tl.sum(partial * weight[:, None], 0) / tl.sum(weight, 0)
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + dims * stride_od, result.to(out_ptr.dtype.element_ty))
+
+
+def paged_decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
+    block_tables: torch.Tensor, out: torch.Tensor, scale: float,
+    *, num_splits: int, block_n: int, num_warps: int, num_stages: int,
+) -> None:
+    """out[i] = attention of q[i] [Hq, D] over the first seq_lens[i] cached tokens of sequence i."""
+    num_seqs = seq_lens.shape[0]
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    direct = num_splits == 1
+    part_out = out if direct else torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32,
+                                              device=q.device)
+    part_lse = out if direct else torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    _decode_kernel[(num_kv_heads, num_splits, num_seqs)](
+        q, k_cache, v_cache, seq_lens, block_tables, out, part_out, part_lse,
+        scale * 1.4426950408889634, num_splits,
+        *q.stride(), *out.stride(),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        NUM_HEADS=num_heads, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_N=block_n, DIRECT=direct,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if not direct:
+        _reduce_kernel[(num_heads, num_seqs)](
+            part_out, part_lse, out, num_splits, *out.stride(),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits),
+        )

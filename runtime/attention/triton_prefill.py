@@ -1,0 +1,100 @@
+"""Varlen causal attention over packed sequences whose keys and values live in the paged cache.
+
+Sequence i contributes query_len new tokens at the end of a context of seq_len tokens; its query
+token j sits at position seq_len - query_len + j and attends keys 0..that position (the cached
+prefix and the new tokens, all read from the cache after the write). One program is one
+(work item, query head); a work item is a (sequence, first query row) tile planned on the host.
+Key tiles wholly below the tile's first position skip the causal mask.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_decode import load_paged_tile
+
+
+@triton.jit
+def _attend_tile(
+    q, acc, m_i, l_i, k_cache, v_cache, table_row, tile, kv_end, q_pos, kv_head, scale_log2,
+    stride_cb, stride_ct, stride_ch,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pos = tile + tl.arange(0, BLOCK_N)
+    valid = pos < kv_end
+    k = load_paged_tile(k_cache, table_row, pos, valid, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE, HEAD_DIM)
+    qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale_log2
+    if CAUSAL:
+        qk = tl.where(pos[None, :] <= q_pos[:, None], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = load_paged_tile(v_cache, table_row, pos, valid, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE, HEAD_DIM)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache, v_cache, out_ptr, work, query_start, seq_lens, block_tables, scale_log2,
+    stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
+    stride_cb, stride_ct, stride_ch, stride_bt,
+    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):
+    item = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // GROUP
+    seq = tl.load(work + 2 * item)
+    tile_start = tl.load(work + 2 * item + 1)
+    q_begin = tl.load(query_start + seq)
+    q_len = tl.load(query_start + seq + 1) - q_begin
+    context = tl.load(seq_lens + seq) - q_len
+
+    rows = tile_start + tl.arange(0, BLOCK_M)
+    row_mask = (rows < q_len)[:, None]
+    tokens = (q_begin + rows).to(tl.int64)
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + tokens[:, None] * stride_qt + head * stride_qh + dims[None, :] * stride_qd, mask=row_mask,
+                other=0.0)
+    q_pos = context + rows
+    table_row = block_tables + seq.to(tl.int64) * stride_bt
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    full_end = (context + tile_start + 1) // BLOCK_N * BLOCK_N
+    for tile in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_cache, v_cache, table_row, tile, full_end, q_pos, kv_head,
+                                     scale_log2, stride_cb, stride_ct, stride_ch,
+                                     BLOCK_SIZE, HEAD_DIM, BLOCK_N, False, PRECISION)
+    kv_end = context + tl.minimum(tile_start + BLOCK_M, q_len)
+    for tile in range(full_end, kv_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_cache, v_cache, table_row, tile, kv_end, q_pos, kv_head,
+                                     scale_log2, stride_cb, stride_ct, stride_ch,
+                                     BLOCK_SIZE, HEAD_DIM, BLOCK_N, True, PRECISION)
+
+    acc = acc / l_i[:, None]
+    dst = out_ptr + tokens[:, None] * stride_ot + head * stride_oh + dims[None, :] * stride_od
+    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=row_mask)
+
+
+def paged_prefill(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start: torch.Tensor,
+    seq_lens: torch.Tensor, block_tables: torch.Tensor, work: torch.Tensor, out: torch.Tensor, scale: float,
+    *, block_m: int, block_n: int, num_warps: int, num_stages: int,
+) -> None:
+    """Causal attention for every (sequence, query tile) in work [items, 2] (int32), all query heads."""
+    num_heads, head_dim = q.shape[1:]
+    _prefill_kernel[(work.shape[0], num_heads)](
+        q, k_cache, v_cache, out, work, query_start, seq_lens, block_tables, scale * 1.4426950408889634,
+        *q.stride(), *out.stride(),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        GROUP=num_heads // k_cache.shape[2], BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
+        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
+    )

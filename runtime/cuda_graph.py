@@ -1,0 +1,122 @@
+"""Decode CUDA graphs: one full graph per decode batch bucket, attention and the LM head inside.
+
+Static buffers (token ids, positions, slot mapping, sequence lengths, block tables) are sized
+once for the largest bucket; every graph reads views of them. Graphs are captured largest
+first into one shared memory pool. A replay copies the batch into the buffers (padded rows are
+one-token sequences in the dummy block), re-plans the backend on the same buffers, and replays.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from graphkiln.compiler.counters import Counters
+from graphkiln.models.attention import ForwardContext, forward_context
+from graphkiln.models.transformer import CausalLM
+
+from .attention.base import AttentionBackend
+from .attention.metadata import BatchMetadata, SequenceSlice
+from .kv_cache import DUMMY_BLOCK
+
+
+@dataclass(frozen=True)
+class CaptureStats:
+    graphs: int
+    seconds: float
+    pool_bytes: int
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        forward,
+        model: CausalLM,
+        backend: AttentionBackend,
+        sizes: tuple[int, ...],
+        block_size: int,
+        max_blocks_per_seq: int,
+        counters: Counters,
+    ) -> None:
+        self.forward = forward
+        self.model = model
+        self.backend = backend
+        self.sizes = tuple(sorted(sizes))
+        self.block_size = block_size
+        self.counters = counters
+        device = next(model.parameters()).device
+        largest = self.sizes[-1]
+        self.input_ids = torch.zeros(largest, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(largest, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((largest,), DUMMY_BLOCK * block_size, dtype=torch.int64, device=device)
+        self.seq_lens = torch.ones(largest, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
+        self.block_tables = torch.full((largest, max_blocks_per_seq), DUMMY_BLOCK, dtype=torch.int32, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.stats: CaptureStats | None = None
+
+    def metadata(self, size: int, seq_lens: tuple[int, ...] | None = None) -> BatchMetadata:
+        """Views of the static buffers for a batch of `size` rows."""
+        return BatchMetadata(
+            query_lens=(1,) * size,
+            seq_lens=seq_lens or (1,) * size,
+            num_tokens=size,
+            block_size=self.block_size,
+            query_start_loc=self.query_start_loc[: size + 1],
+            seq_lens_t=self.seq_lens[:size],
+            block_tables=self.block_tables[:size],
+            slot_mapping=self.slot_mapping[:size],
+        )
+
+    def _step(self, size: int) -> torch.Tensor:
+        with forward_context(ForwardContext(self.backend.plan(self.metadata(size)))):
+            hidden = self.forward(self.input_ids[:size], self.positions[:size])
+            return self.model.compute_logits(hidden).float()
+
+    def capture(self) -> CaptureStats:
+        """Warm up and capture every bucket, largest first, into one pool."""
+        start = time.perf_counter()
+        torch.cuda.synchronize()
+        free_before = torch.cuda.mem_get_info()[0]
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        with torch.inference_mode():
+            for size in reversed(self.sizes):
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    self._step(size)
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    logits = self._step(size)
+                self.graphs[size] = (graph, logits)
+                self.counters.cudagraphs_captured += 1
+        torch.cuda.synchronize()
+        self.stats = CaptureStats(len(self.graphs), time.perf_counter() - start, free_before - torch.cuda.mem_get_info()[0])
+        return self.stats
+
+    def bucket(self, num_seqs: int) -> int | None:
+        return next((s for s in self.sizes if s >= num_seqs), None)
+
+    def replay(self, ids: list[int], positions: list[int], slices: list[SequenceSlice], slots: list[int]) -> torch.Tensor:
+        """Logits [len(slices), vocab] of one decode step (the batch must fit the largest bucket)."""
+        n = len(slices)
+        size = self.bucket(n)
+        pad = size - n
+        dummy_slot = DUMMY_BLOCK * self.block_size
+        width = self.block_tables.shape[1]
+        tables = torch.full((size, width), DUMMY_BLOCK, dtype=torch.int32)
+        for row, s in enumerate(slices):
+            tables[row, : len(s.blocks)] = torch.tensor(s.blocks, dtype=torch.int32)
+        self.input_ids[:size].copy_(torch.tensor(ids + [0] * pad), non_blocking=True)
+        self.positions[:size].copy_(torch.tensor(positions + [0] * pad), non_blocking=True)
+        self.slot_mapping[:size].copy_(torch.tensor(slots + [dummy_slot] * pad), non_blocking=True)
+        seq_lens = [s.seq_len for s in slices] + [1] * pad
+        self.seq_lens[:size].copy_(torch.tensor(seq_lens, dtype=torch.int32), non_blocking=True)
+        self.block_tables[:size].copy_(tables, non_blocking=True)
+        self.backend.plan(self.metadata(size, tuple(seq_lens)))
+        graph, logits = self.graphs[size]
+        graph.replay()
+        return logits[:n]
