@@ -30,11 +30,17 @@ class RequestOutput:
     text: str
     logprobs: list[float] | None
     finish_reason: str
+    queue_s: float
     time_to_first_token_s: float
     total_s: float
 
     @property
+    def decode_s(self) -> float:
+        return self.total_s - self.time_to_first_token_s
+
+    @property
     def tokens_per_s(self) -> float:
+        """Output tokens over the whole request time, as a user sees it."""
         return len(self.token_ids) / self.total_s if self.total_s > 0 else float("inf")
 
 
@@ -132,6 +138,20 @@ class LLM:
                 yield StreamDelta(event.token_id, stable[len(shown) :], event.finish_reason)
                 shown = stable
 
+    def chat(
+        self, conversations: Sequence[dict] | Sequence[Sequence[dict]], params: SamplingParams | None = None
+    ) -> list[RequestOutput]:
+        """Generate replies to conversations ([{"role": ..., "content": ...}, ...]) with the tokenizer's chat template."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise RequestError("this model's tokenizer has no chat template; use generate() with plain prompts")
+        prompts = [
+            list(self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True, tokenize=True, return_dict=False))
+            for c in conversations
+        ]
+        return self.generate(prompts, params)
+
     def score(self, token_ids: Sequence[int]) -> torch.Tensor:
         """float32 logits [num_tokens, vocab] of one prompt."""
         return self.engine.score(self.encode(token_ids))
@@ -143,6 +163,7 @@ class LLM:
             text=self.decode(seq.output_ids),
             logprobs=list(seq.logprobs) if seq.params.logprobs else None,
             finish_reason=seq.finish_reason,
+            queue_s=seq.scheduled_time - seq.arrival,
             time_to_first_token_s=seq.first_token_time - seq.arrival,
             total_s=seq.finish_time - seq.arrival,
         )

@@ -9,6 +9,7 @@ one-token sequences in the dummy block), re-plans the backend on the same buffer
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +56,7 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
         self.block_tables = torch.full((largest, max_blocks_per_seq), DUMMY_BLOCK, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.replays: Counter[int] = Counter()
         self.stats: CaptureStats | None = None
 
     def metadata(self, size: int, seq_lens: tuple[int, ...] | None = None) -> BatchMetadata:
@@ -119,4 +121,5 @@ class DecodeGraphs:
         self.backend.plan(self.metadata(size, tuple(seq_lens)))
         graph, logits = self.graphs[size]
         graph.replay()
+        self.replays[size] += 1
         return logits[:n]

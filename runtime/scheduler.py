@@ -10,6 +10,7 @@ recomputed from its tokens later.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -35,6 +36,7 @@ class Sequence:
     blocks: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     arrival: float = 0.0
+    scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
 
@@ -112,6 +114,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.running.append(seq)
+            if seq.scheduled_time is None:
+                seq.scheduled_time = time.perf_counter()
             chunks.append(ScheduledChunk(seq, take))
             budget -= take
         return chunks

@@ -1,0 +1,153 @@
+"""Runtime on CUDA: compiled pieces with Triton attention, decode CUDA graphs, artifacts loaded fresh."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import graphkiln
+from graphkiln import CompileConfig, LLM, SamplingParams
+from graphkiln.compiler.compile import compile_module
+from graphkiln.compiler.counters import torch_compile_events
+from graphkiln.llm import load_tokenizer, resolve_model_dir
+from graphkiln.models import load_model
+from graphkiln.runtime.builder import build_engine
+
+DECODE_SIZES = (1, 2, 4, 8)
+PREFILL_SIZES = (16, 32, 64)
+REPORT = os.environ.get("GRAPHKILN_GPU_REPORT")
+
+
+def record(name: str, value) -> None:
+    """Append a measurement to the GPU report file (the closing note quotes it)."""
+    if REPORT:
+        with open(REPORT, "a") as f:
+            f.write(json.dumps({name: value}) + "\n")
+
+
+def engines(model: str, dtype: str):
+    """(eager, compiled without graphs, compiled with decode graphs) sharing one compile."""
+    model_dir = resolve_model_dir(model)
+    net = load_model(model_dir, "cuda", dtype)
+    config = CompileConfig(device="cuda", dtype=dtype, decode_batch_sizes=DECODE_SIZES, prefill_token_buckets=PREFILL_SIZES)
+    compiled, report = compile_module(net, config)
+    record(f"compile_timings_{model_dir.name}_{dtype}", report.timings)
+    tok = load_tokenizer(model_dir)
+    opts = dict(kv_cache_tokens=8192, attention_backend="triton")
+    eager = LLM(build_engine(net, **opts), tok, net.cfg.max_context)
+    plain = LLM(build_engine(net, compiled, cuda_graphs=False, **opts), tok, net.cfg.max_context)
+    graphed = LLM(build_engine(net, compiled, **opts), tok, net.cfg.max_context)
+    return eager, plain, graphed
+
+
+def uneven_prompts(vocab: int, count: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(count)
+    return [torch.randint(3, vocab, (1 + 7 * i,), generator=g).tolist() for i in range(count)]
+
+
+@pytest.fixture(scope="module")
+def tiny_fp32():
+    return engines("tiny", "float32")
+
+
+def test_tiny_float32_greedy_identical_in_all_three_modes(tiny_fp32):
+    eager, plain, graphed = tiny_fp32
+    prompts = uneven_prompts(4096, 6)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    want = [o.token_ids for o in eager.generate(prompts, params)]
+    assert [o.token_ids for o in plain.generate(prompts, params)] == want
+    before = torch_compile_events()
+    captured = graphed.engine.runner.graphs.counters.cudagraphs_captured
+    assert [o.token_ids for o in graphed.generate(prompts, params)] == want
+    assert torch_compile_events() == before
+    assert graphed.engine.runner.graphs.counters.cudagraphs_captured == captured
+
+
+def test_every_decode_bucket_replays_correctly(tiny_fp32):
+    _, plain, graphed = tiny_fp32
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    graphs = graphed.engine.runner.graphs
+    for batch in range(1, DECODE_SIZES[-1] + 1):
+        prompts = uneven_prompts(4096, batch)
+        assert [o.token_ids for o in graphed.generate(prompts, params)] == [
+            o.token_ids for o in plain.generate(prompts, params)
+        ]
+    assert set(graphs.replays) == set(DECODE_SIZES)
+    record("tiny_capture", {"graphs": graphs.stats.graphs, "seconds": graphs.stats.seconds, "pool_bytes": graphs.stats.pool_bytes})
+
+
+def test_batch_beyond_largest_bucket_runs_without_graph(tiny_fp32):
+    eager, _, graphed = tiny_fp32
+    prompts = uneven_prompts(4096, DECODE_SIZES[-1] + 3)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    assert [o.token_ids for o in graphed.generate(prompts, params)] == [
+        o.token_ids for o in eager.generate(prompts, params)
+    ]
+
+
+def test_tiny_bfloat16_logits_close_and_graph_modes_identical():
+    eager, plain, graphed = engines("tiny", "bfloat16")
+    ids = uneven_prompts(4096, 3)[2]
+    want = eager.score(ids)
+    got = plain.score(ids)
+    assert (got - want).norm() / want.norm() <= 2e-2
+    prompts = uneven_prompts(4096, 5)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    assert [o.token_ids for o in graphed.generate(prompts, params)] == [o.token_ids for o in plain.generate(prompts, params)]
+
+
+@pytest.fixture(scope="module")
+def llama_2layer(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=2, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=4096, tie_word_embeddings=True,
+    )  # fmt: skip
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    path = tmp_path_factory.mktemp("llama2layer")
+    model.save_pretrained(path)
+    del model
+    return path
+
+
+def test_llama_shaped_bf16_artifact_in_fresh_process(llama_2layer, tmp_path):
+    out = tmp_path / "art"
+    config = CompileConfig(device="cuda", dtype="bfloat16", decode_batch_sizes=DECODE_SIZES, prefill_token_buckets=PREFILL_SIZES)
+    manifest, report = graphkiln.compile_model(llama_2layer, out, config)
+    record("llama2layer_compile_timings", report.timings)
+    script = f"""
+import json, time, torch, graphkiln
+from graphkiln.compiler.counters import torch_compile_events
+t = time.perf_counter()
+llm = graphkiln.load({str(out)!r}, kv_cache_tokens=8192)
+load_s = time.perf_counter() - t
+prompts = [[5 + i] * (1 + 9 * i) for i in range(6)]
+outs = llm.generate(prompts, graphkiln.SamplingParams(max_tokens=16, ignore_eos=True))
+g = llm.engine.runner.graphs
+print(json.dumps({{"tokens": [o.token_ids for o in outs], "events": torch_compile_events(), "load_s": load_s,
+    "capture_s": g.stats.seconds, "pool_bytes": g.stats.pool_bytes, "replayed": sorted(g.replays)}}))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    record("llama2layer_fresh_load", {k: result[k] for k in ("load_s", "capture_s", "pool_bytes", "events")})
+    assert result["events"]["dynamo_graphs"] == 0 and result["events"]["inductor_compiles"] == 0
+    assert result["replayed"]
+    plain = graphkiln.load(out, kv_cache_tokens=8192, cuda_graphs=False)
+    prompts = [[5 + i] * (1 + 9 * i) for i in range(6)]
+    want = plain.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
+    assert result["tokens"] == [o.token_ids for o in want]
+    eager = LLM.eager(llama_2layer, device="cuda", dtype="bfloat16", kv_cache_tokens=8192, attention_backend="triton")
+    ids = list(range(100, 160))
+    ref = eager.score(ids)
+    assert (plain.score(ids) - ref).norm() / ref.norm() <= 2e-2
