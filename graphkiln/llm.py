@@ -111,6 +111,8 @@ class LLM:
         """Generate for every prompt (strings or token-id lists); results come back in prompt order."""
         if isinstance(prompts, str):
             prompts = [prompts]
+        if any(isinstance(p, int) for p in prompts):
+            raise RequestError("prompts must be strings or lists of token ids; wrap a single token-id prompt in a list")
         params_list = _broadcast(params, len(prompts))
         encoded = [self.encode(p) for p in prompts]
         seqs = []
@@ -129,14 +131,18 @@ class LLM:
         """Yield each new token with the text it adds, as soon as a step produces it."""
         seq = self.engine.add_request(self.encode(prompt), params or SamplingParams())
         shown = ""
-        while seq.finish_reason is None:
-            for event in self.engine.step():
-                if event.request_id != seq.request_id:
-                    continue
-                text = self.decode(seq.output_ids)
-                stable = text if event.finish_reason or not text.endswith("\ufffd") else shown
-                yield StreamDelta(event.token_id, stable[len(shown) :], event.finish_reason)
-                shown = stable
+        try:
+            while seq.finish_reason is None:
+                for event in self.engine.step():
+                    if event.request_id != seq.request_id:
+                        continue
+                    text = self.decode(seq.output_ids)
+                    stable = text if event.finish_reason or not text.endswith("\ufffd") else shown
+                    yield StreamDelta(event.token_id, stable[len(shown) :], event.finish_reason)
+                    shown = stable
+        finally:
+            if seq.finish_reason is None:
+                self.engine.abort(seq)
 
     def chat(
         self, conversations: Sequence[dict] | Sequence[Sequence[dict]], params: SamplingParams | None = None

@@ -110,8 +110,7 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype=
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     filled = _fill_weights(model, cfg, files, device, dtype)
-    expected = {n for n, _ in model.named_parameters()}
-    missing = sorted(expected - filled)
+    missing = sorted(_checkpoint_names(model) - filled)
     if missing:
         raise WeightMismatchError(
             f"{model_dir}: checkpoint lacks tensors for {missing[:5]}{' ...' if len(missing) > 5 else ''}; "
@@ -121,12 +120,23 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype=
     return model.eval().requires_grad_(False)
 
 
+def _checkpoint_names(model: CausalLM) -> set[str]:
+    """The checkpoint tensor names that fill every parameter (fused ones by their separate parts)."""
+    parts = {fused: [p for p, (f, _) in FUSED.items() if f == fused] for fused, _ in FUSED.values()}
+    names = set()
+    for name, _ in model.named_parameters():
+        *prefix, module, kind = name.split(".")
+        for part in parts.get(module, [module]):
+            names.add(".".join([*prefix, part, kind]))
+    return names
+
+
 def _fill_weights(model: CausalLM, cfg: ModelConfig, files: dict[str, Path], device, dtype) -> set[str]:
-    """Copy every checkpoint tensor into its (slice of a) parameter; return the filled parameter names."""
+    """Copy every checkpoint tensor into its (slice of a) parameter; return the checkpoint names used."""
     by_file: dict[Path, list[str]] = {}
     for name, path in files.items():
         by_file.setdefault(path, []).append(name)
-    filled: dict[str, int] = {}
+    filled: set[str] = set()
     with torch.no_grad():
         for path, names in by_file.items():
             try:
@@ -137,8 +147,7 @@ def _fill_weights(model: CausalLM, cfg: ModelConfig, files: dict[str, Path], dev
                         _copy_tensor(model, cfg, name, f.get_tensor(name), path, filled, dtype)
             except (SafetensorError, OSError) as e:
                 raise ModelFileError(f"{path}: not a readable safetensors file ({e}); download it again") from e
-    slices = {n: 3 if "qkv_proj" in n else 2 if "gate_up_proj" in n else 1 for n in filled}
-    return {n for n, count in filled.items() if count == slices[n]}
+    return filled
 
 
 def _copy_tensor(model, cfg, name, tensor, path, filled, dtype) -> None:
@@ -155,4 +164,4 @@ def _copy_tensor(model, cfg, name, tensor, path, filled, dtype) -> None:
             f"{tuple(dest.shape)}; the checkpoint and config.json disagree"
         )
     dest.copy_(tensor.to(dtype))
-    filled[ours] = filled.get(ours, 0) + 1
+    filled.add(name)

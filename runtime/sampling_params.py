@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from graphkiln.errors import RequestError
@@ -21,11 +22,11 @@ class SamplingParams:
     logprobs: bool = False
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise RequestError(f"SamplingParams.max_tokens={self.max_tokens}; it must be at least 1")
-        if self.temperature < 0:
-            raise RequestError(f"SamplingParams.temperature={self.temperature}; it must be >= 0")
-        if self.top_k < 0:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise RequestError(f"SamplingParams.temperature={self.temperature}; it must be a finite number >= 0")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
             raise RequestError(f"SamplingParams.top_k={self.top_k}; use 0 to disable, or a positive count")
         if not 0.0 < self.top_p <= 1.0:
             raise RequestError(f"SamplingParams.top_p={self.top_p}; it must be in (0, 1]")

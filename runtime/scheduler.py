@@ -16,15 +16,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from graphkiln.errors import CapacityError, RequestError
+from graphkiln.errors import CapacityError, ConfigError, RequestError
 
 from .kv_cache import BlockAllocator
 from .sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
-    """One request's tokens and its state in the KV cache."""
+    """One request's tokens and its state in the KV cache (compared by identity)."""
 
     request_id: int
     prompt_ids: list[int]
@@ -66,6 +66,9 @@ class ScheduledChunk:
 
 class Scheduler:
     def __init__(self, allocator: BlockAllocator, max_context: int, max_num_batched_tokens: int, max_num_seqs: int):
+        for name, value in (("max_num_batched_tokens", max_num_batched_tokens), ("max_num_seqs", max_num_seqs)):
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name}={value!r}; it must be a positive integer")
         self.allocator = allocator
         self.max_context = max_context
         self.max_num_batched_tokens = max_num_batched_tokens

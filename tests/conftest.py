@@ -1,0 +1,151 @@
+"""Shared fixtures: tiny random Hugging Face checkpoints built once per session with transformers' own classes."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+}
+VOCAB = 512
+MAX_CONTEXT = 256
+BASE_CONFIG = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=MAX_CONTEXT,
+    initializer_range=0.1,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A saved checkpoint directory and the float32 transformers model it was saved from."""
+
+    path: Path
+    model: PreTrainedModel
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    @property
+    def max_context(self) -> int:
+        return self.model.config.max_position_embeddings
+
+    def reference_logits(self, ids: Sequence[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return self.model(torch.tensor([list(ids)])).logits[0].float()
+
+    def reference_greedy(self, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
+        """transformers' greedy continuation of one unpadded prompt, never stopping early."""
+        ids = torch.tensor([list(prompt)])
+        with torch.no_grad():
+            out = self.model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens,
+                pad_token_id=0,
+            )
+        return out[0, len(prompt) :].tolist()
+
+
+CheckpointFactory = Callable[..., Checkpoint]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def single_thread() -> Iterator[None]:
+    """The test models are tiny: on a shared 2-core runner, intra-op threads cost far more than they save."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def graphkiln_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """graphkiln's cache (the built-in tiny model): a session tmp dir unless GRAPHKILN_CACHE is set (CI sets it)."""
+    if os.environ.get("GRAPHKILN_CACHE"):
+        yield Path(os.environ["GRAPHKILN_CACHE"])
+        return
+    with pytest.MonkeyPatch.context() as mp:
+        root = tmp_path_factory.mktemp("graphkiln-cache")
+        mp.setenv("GRAPHKILN_CACHE", str(root))
+        yield root
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> CheckpointFactory:
+    """Factory: hf_checkpoint(family, max_shard_size=None, **config_overrides) -> Checkpoint, cached per session.
+
+    Weights come from a fixed seed, so checkpoints differing only in non-weight fields
+    (eos_token_id, sharding) hold identical tensors.
+    """
+    built: dict[str, Checkpoint] = {}
+
+    def build(family: str, max_shard_size: str | None = None, **overrides) -> Checkpoint:
+        key = json.dumps([family, max_shard_size, overrides], sort_keys=True)
+        if key not in built:
+            config_cls, model_cls = FAMILIES[family]
+            config = config_cls(**{**BASE_CONFIG, **overrides})
+            with torch.random.fork_rng():
+                torch.manual_seed(0)
+                model = model_cls(config).eval()
+            path = tmp_path_factory.mktemp(family)
+            model.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+            built[key] = Checkpoint(path, model)
+        return built[key]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def llama(hf_checkpoint: CheckpointFactory) -> Checkpoint:
+    """The default small Llama checkpoint (GQA, untied, no eos) most runtime tests use."""
+    return hf_checkpoint("llama")
+
+
+def _random_ids(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="session")
+def random_ids() -> Callable[..., list[int]]:
+    """random_ids(n, seed=0): n seeded token ids inside the test checkpoints' vocabulary."""
+    return _random_ids
+
+
+@pytest.fixture
+def prompts() -> list[list[int]]:
+    """Token-id prompts of different lengths, the first of length 1."""
+    return [_random_ids(n, seed=n) for n in (1, 6, 13)]

@@ -1,0 +1,205 @@
+"""Broken model directories, bad settings and bad requests raise typed errors that name what is wrong."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from graphkiln import LLM, SamplingParams
+from graphkiln.errors import (
+    ConfigError,
+    ModelFileError,
+    RequestError,
+    UnsupportedModelError,
+    WeightMismatchError,
+)
+
+if TYPE_CHECKING:
+    from conftest import Checkpoint, CheckpointFactory
+
+
+@pytest.fixture
+def model_dir(llama: Checkpoint, tmp_path: Path) -> Path:
+    """A private, editable copy of the default llama checkpoint."""
+    return Path(shutil.copytree(llama.path, tmp_path / "model"))
+
+
+def edit_config(model_dir: Path, **fields) -> None:
+    path = model_dir / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+
+
+def edit_weights(model_dir: Path, edit: Callable[[dict[str, torch.Tensor]], None]) -> None:
+    path = model_dir / "model.safetensors"
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def test_missing_config(model_dir: Path) -> None:
+    (model_dir / "config.json").unlink()
+    with pytest.raises(ModelFileError, match=re.escape(str(model_dir / "config.json"))):
+        LLM.eager(model_dir)
+
+
+def test_config_not_json(model_dir: Path) -> None:
+    (model_dir / "config.json").write_text('{"architectures": ["LlamaForCausalLM"],')
+    with pytest.raises(ModelFileError, match=r"config\.json.*JSON"):
+        LLM.eager(model_dir)
+
+
+def test_missing_directory(tmp_path: Path) -> None:
+    with pytest.raises(ModelFileError, match=re.escape(str(tmp_path / "nowhere"))):
+        LLM.eager(tmp_path / "nowhere")
+
+
+def test_missing_safetensors(model_dir: Path) -> None:
+    (model_dir / "model.safetensors").unlink()
+    with pytest.raises(ModelFileError, match=r"model\.safetensors"):
+        LLM.eager(model_dir)
+
+
+def test_truncated_safetensors(model_dir: Path) -> None:
+    weights = model_dir / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)
+    with pytest.raises(ModelFileError, match=re.escape(str(weights))):
+        LLM.eager(model_dir)
+
+
+def test_sharded_index_lists_missing_shard(hf_checkpoint: CheckpointFactory, tmp_path: Path) -> None:
+    model_dir = Path(shutil.copytree(hf_checkpoint("llama", max_shard_size="100KB").path, tmp_path / "model"))
+    shard = sorted(model_dir.glob("model-*-of-*.safetensors"))[-1]
+    shard.unlink()
+    with pytest.raises(ModelFileError, match=re.escape(shard.name)):
+        LLM.eager(model_dir)
+
+
+def test_weight_shape_disagrees_with_config(model_dir: Path) -> None:
+    edit_config(model_dir, intermediate_size=192)
+    with pytest.raises(WeightMismatchError, match=r"'model\.layers\.\d+\.mlp\.(gate|up|down)_proj\.weight' has shape"):
+        LLM.eager(model_dir)
+
+
+def test_missing_weight(model_dir: Path) -> None:
+    edit_weights(model_dir, lambda t: t.pop("model.layers.1.post_attention_layernorm.weight"))
+    with pytest.raises(WeightMismatchError, match=r"model\.layers\.1\.post_attention_layernorm\.weight"):
+        LLM.eager(model_dir)
+
+
+def test_missing_fused_slice(model_dir: Path) -> None:
+    """q, k and v fill one fused parameter: losing only k must still be reported."""
+    edit_weights(model_dir, lambda t: t.pop("model.layers.0.self_attn.k_proj.weight"))
+    with pytest.raises(WeightMismatchError, match=r"model\.layers\.0\.self_attn\.(k|qkv)_proj\.weight"):
+        LLM.eager(model_dir)
+
+
+def test_unexpected_weight(model_dir: Path) -> None:
+    edit_weights(model_dir, lambda t: t.update({"model.layers.0.mlp.extra_proj.weight": torch.zeros(4, 4)}))
+    with pytest.raises(WeightMismatchError, match=r"model\.layers\.0\.mlp\.extra_proj\.weight"):
+        LLM.eager(model_dir)
+
+
+def test_unsupported_architecture(model_dir: Path) -> None:
+    edit_config(model_dir, architectures=["GPT2LMHeadModel"])
+    with pytest.raises(UnsupportedModelError, match=r"architectures.*GPT2LMHeadModel"):
+        LLM.eager(model_dir)
+
+
+def test_unknown_dtype(llama: Checkpoint) -> None:
+    with pytest.raises(ConfigError, match="int8"):
+        LLM.eager(llama.path, dtype="int8")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_cuda(llama: Checkpoint) -> None:
+    with pytest.raises(ConfigError, match="'cuda'"):
+        LLM.eager(llama.path, device="cuda")
+
+
+def test_single_token_id_prompt_must_be_wrapped(llama: Checkpoint) -> None:
+    with pytest.raises(RequestError, match="wrap a single token-id prompt"):
+        LLM.eager(llama.path).generate([1, 2, 3])
+
+
+def test_kv_cache_smaller_than_a_block(llama: Checkpoint) -> None:
+    with pytest.raises(ConfigError, match="kv_cache_tokens"):
+        LLM.eager(llama.path, kv_cache_tokens=8, block_size=16)
+
+
+@pytest.mark.parametrize("setting", ["max_num_seqs", "max_num_batched_tokens", "block_size"])
+def test_engine_setting_of_zero(llama: Checkpoint, setting: str) -> None:
+    with pytest.raises(ConfigError, match=setting):
+        LLM.eager(llama.path, **{setting: 0})
+
+
+@pytest.fixture(scope="module")
+def llm(llama: Checkpoint) -> LLM:
+    return LLM.eager(llama.path)
+
+
+def assert_clean_after_failure(llm: LLM, free_before: int, ckpt: Checkpoint, prompts: list[list[int]]) -> None:
+    """Nothing of a failed generate stays behind, and the next generate gives what a fresh engine gives."""
+    scheduler = llm.engine.scheduler
+    assert not scheduler.waiting and not scheduler.running and not llm.engine.requests
+    assert llm.engine.allocator.num_free == free_before
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in LLM.eager(ckpt.path).generate(prompts, params)]
+    assert llm.engine.allocator.num_free == free_before
+
+
+BAD_REQUESTS = {
+    "longer-than-context": (lambda ids: [ids(10), ids(257)], r"257 tokens.*context of 256"),
+    "empty-prompt": (lambda ids: [ids(10), []], "empty prompt"),
+    "id-outside-vocab": (lambda ids: [ids(10), [5, 512]], r"\[512\].*\[0, 512\)"),
+    "negative-id": (lambda ids: [ids(10), [-1, 5]], r"\[-1\]"),
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_REQUESTS), ids=list(BAD_REQUESTS))
+def test_bad_request_leaves_engine_clean(
+    llm: LLM, llama: Checkpoint, bad: str, prompts: list[list[int]], random_ids: Callable[..., list[int]]
+) -> None:
+    make_prompts, message = BAD_REQUESTS[bad]
+    free_before = llm.engine.allocator.num_free
+    with pytest.raises(RequestError, match=message):
+        llm.generate(make_prompts(random_ids), SamplingParams(max_tokens=4))
+    assert_clean_after_failure(llm, free_before, llama, prompts)
+
+
+def test_params_count_mismatch(llm: LLM, llama: Checkpoint, prompts: list[list[int]]) -> None:
+    free_before = llm.engine.allocator.num_free
+    with pytest.raises(RequestError, match="2 SamplingParams given for 3 prompts"):
+        llm.generate(prompts, [SamplingParams(), SamplingParams()])
+    assert_clean_after_failure(llm, free_before, llama, prompts)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("max_tokens", 0),
+        ("temperature", -0.5),
+        ("temperature", float("nan")),
+        ("max_tokens", 2.5),
+        ("top_k", -1),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+    ],
+)
+def test_invalid_sampling_params(field: str, value: float) -> None:
+    with pytest.raises(RequestError, match=rf"SamplingParams\.{field}={value}"):
+        SamplingParams(**{field: value})
+
+
+def test_string_prompt_without_tokenizer(llm: LLM) -> None:
+    with pytest.raises(RequestError, match="no tokenizer"):
+        llm.generate("hello")
