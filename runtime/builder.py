@@ -4,19 +4,26 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from graphkiln.compiler.compiled_model import CompiledModel
 from graphkiln.compiler.counters import Counters
 from graphkiln.models.transformer import CausalLM
 
 from .attention.select import select_backend
-from .cuda_graph import DecodeGraphs
+from .cuda_graph import CaptureStats, DecodeGraphs
 from .engine import Engine
 from .kv_cache import BlockAllocator, KVCache
 from .memory import kv_cache_blocks
+from .piecewise_graph import PiecewiseGraphs
 from .runner import ModelRunner
 from .scheduler import Scheduler
 
 log = logging.getLogger("graphkiln.runtime")
+
+
+def _log_capture(kind: str, stats: CaptureStats) -> None:
+    log.info("captured %d %s graphs in %.2f s, pool %.1f MiB", stats.graphs, kind, stats.seconds, stats.pool_bytes / 2**20)
 
 
 def build_engine(
@@ -41,14 +48,20 @@ def build_engine(
     kv = KVCache(cfg, num_blocks, block_size, dtype, device)
     log.info("KV cache: %d blocks of %d tokens, %.1f MiB", num_blocks, block_size, kv.nbytes / 2**20)
     backend = select_backend(attention_backend, kv)
-    graphs = None
-    if compiled is not None and cuda_graphs and device.type == "cuda" and backend.capturable:
-        sizes = tuple(s for s in compiled.plans["decode"].sizes if s <= max_num_seqs)
-        max_blocks = -(-max_context // block_size)
-        graphs = DecodeGraphs(compiled, model, backend, sizes, block_size, max_blocks, Counters())
-        stats = graphs.capture()
-        log.info("captured %d decode graphs in %.2f s, pool %.1f MiB", stats.graphs, stats.seconds, stats.pool_bytes / 2**20)
+    graphs = prefill_graphs = None
+    counters = Counters()
+    if compiled is not None and cuda_graphs and device.type == "cuda":
+        pool = torch.cuda.graph_pool_handle()
+        prefill_sizes = tuple(s for s in compiled.plans["prefill"].sizes if s <= max_num_batched_tokens)
+        if prefill_sizes:
+            prefill_graphs = PiecewiseGraphs(compiled, backend, prefill_sizes, block_size, counters, pool)
+            _log_capture("prefill piecewise", prefill_graphs.capture())
+        decode_sizes = tuple(s for s in compiled.plans["decode"].sizes if s <= max_num_seqs)
+        if backend.capturable and decode_sizes:
+            max_blocks = -(-max_context // block_size)
+            graphs = DecodeGraphs(compiled, model, backend, decode_sizes, block_size, max_blocks, counters, pool)
+            _log_capture("decode full", graphs.capture())
     plans = compiled.plans if compiled is not None else None
-    runner = ModelRunner(model, kv, backend, compiled, plans, graphs)
+    runner = ModelRunner(model, kv, backend, compiled, plans, graphs, prefill_graphs, counters)
     scheduler = Scheduler(BlockAllocator(num_blocks, block_size), max_context, max_num_batched_tokens, max_num_seqs)
     return Engine(runner, scheduler, cfg.eos_token_ids, cfg.vocab_size)

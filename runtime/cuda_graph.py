@@ -40,6 +40,7 @@ class DecodeGraphs:
         block_size: int,
         max_blocks_per_seq: int,
         counters: Counters,
+        pool,
     ) -> None:
         self.forward = forward
         self.model = model
@@ -47,6 +48,7 @@ class DecodeGraphs:
         self.sizes = tuple(sorted(sizes))
         self.block_size = block_size
         self.counters = counters
+        self.pool = pool
         device = next(model.parameters()).device
         largest = self.sizes[-1]
         self.input_ids = torch.zeros(largest, dtype=torch.int64, device=device)
@@ -82,7 +84,6 @@ class DecodeGraphs:
         start = time.perf_counter()
         torch.cuda.synchronize()
         free_before = torch.cuda.mem_get_info()[0]
-        pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         with torch.inference_mode():
             for size in reversed(self.sizes):
@@ -91,7 +92,7 @@ class DecodeGraphs:
                     self._step(size)
                 torch.cuda.current_stream().wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
                     logits = self._step(size)
                 self.graphs[size] = (graph, logits)
                 self.counters.cudagraphs_captured += 1

@@ -20,6 +20,7 @@ from graphkiln.models.transformer import CausalLM
 from .attention.base import AttentionBackend
 from .attention.metadata import SequenceSlice, build_metadata, pad_decode, slot_list
 from .cuda_graph import DecodeGraphs
+from .piecewise_graph import PiecewiseGraphs
 from .kv_cache import KVCache
 from .scheduler import ScheduledChunk
 
@@ -66,6 +67,8 @@ class ModelRunner:
         forward: Forward | None = None,
         plans: dict[str, GraphPlan] | None = None,
         graphs: DecodeGraphs | None = None,
+        prefill_graphs: PiecewiseGraphs | None = None,
+        counters: Counters | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -73,7 +76,8 @@ class ModelRunner:
         self.forward = forward or model
         self.plans = plans or {}
         self.graphs = graphs
-        self.counters = graphs.counters if graphs else Counters()
+        self.prefill_graphs = prefill_graphs
+        self.counters = counters or Counters()
         self.device = kv_cache.keys.device
 
     def execute(self, chunks: list[ScheduledChunk], rows: list[int] | None = None) -> torch.Tensor:
@@ -84,7 +88,10 @@ class ModelRunner:
                 slots = slot_list(batch.slices, self.kv_cache.block_size)
                 logits = self.graphs.replay(batch.ids, batch.positions, batch.slices, slots)
                 return logits if rows is None else logits[rows]
-            hidden = self._forward(batch)
+            if not batch.decode and self.prefill_graphs and self.prefill_graphs.bucket(len(batch.ids)):
+                hidden = self.prefill_graphs.replay(batch.ids, batch.positions, batch.slices)
+            else:
+                hidden = self._forward(batch)
             if rows is not None:
                 hidden = hidden[rows]
             return self.model.compute_logits(hidden).float()

@@ -62,10 +62,13 @@ def test_tiny_float32_greedy_identical_in_all_three_modes(tiny_fp32):
     want = [o.token_ids for o in eager.generate(prompts, params)]
     assert [o.token_ids for o in plain.generate(prompts, params)] == want
     before = torch_compile_events()
-    captured = graphed.engine.runner.graphs.counters.cudagraphs_captured
+    runner = graphed.engine.runner
+    captured = runner.counters.cudagraphs_captured
+    assert captured == len(DECODE_SIZES) + len(PREFILL_SIZES) * len(runner.forward.pieces)
     assert [o.token_ids for o in graphed.generate(prompts, params)] == want
     assert torch_compile_events() == before
-    assert graphed.engine.runner.graphs.counters.cudagraphs_captured == captured
+    assert runner.counters.cudagraphs_captured == captured
+    assert runner.prefill_graphs.replays and runner.graphs.replays
 
 
 def test_every_decode_bucket_replays_correctly(tiny_fp32):
@@ -78,7 +81,18 @@ def test_every_decode_bucket_replays_correctly(tiny_fp32):
             o.token_ids for o in plain.generate(prompts, params)
         ]
     assert set(graphs.replays) == set(DECODE_SIZES)
-    record("tiny_capture", {"graphs": graphs.stats.graphs, "seconds": graphs.stats.seconds, "pool_bytes": graphs.stats.pool_bytes})
+    prefill = graphed.engine.runner.prefill_graphs
+    for stats, kind in ((graphs.stats, "decode"), (prefill.stats, "prefill")):
+        record(f"tiny_capture_{kind}", {"graphs": stats.graphs, "seconds": stats.seconds, "pool_bytes": stats.pool_bytes})
+
+
+def test_every_prefill_bucket_replays_correctly(tiny_fp32):
+    _, plain, graphed = tiny_fp32
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    for length in (1, 15, 16, 17, 33, 64, 65):
+        prompt = uneven_prompts(4096, 1)[0] * length
+        assert graphed.generate([prompt[:length]], params)[0].token_ids == plain.generate([prompt[:length]], params)[0].token_ids
+    assert set(graphed.engine.runner.prefill_graphs.replays) == set(PREFILL_SIZES)
 
 
 def test_batch_beyond_largest_bucket_runs_without_graph(tiny_fp32):
