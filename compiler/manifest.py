@@ -19,6 +19,8 @@ from graphkiln.errors import ArtifactError
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 FIX = "recompile with `compile-model ... --force`, or load with on_mismatch='recompile'"
+REWRITE = "recompile with `compile-model ... --force`"
+SECTIONS = {"environment": dict, "model": dict, "config": dict, "passes": list, "compiled": dict, "files": dict}
 
 
 def _triton_version() -> str | None:
@@ -65,16 +67,17 @@ def read_manifest(root: Path) -> dict:
     if not root.is_dir():
         raise ArtifactError(f"{root}: no such artifact directory; create it with `compile-model MODEL -o {root}`")
     if not path.is_file():
-        raise ArtifactError(f"{path}: missing, so {root} is not a complete artifact; {FIX}")
+        raise ArtifactError(f"{path}: missing, so {root} is not a complete artifact; {REWRITE}")
     try:
         manifest = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ArtifactError(f"{path}: not valid JSON ({e}); {FIX}") from e
+        raise ArtifactError(f"{path}: not valid JSON ({e}); {REWRITE}") from e
     version = manifest.get("format_version") if isinstance(manifest, dict) else None
     if version != FORMAT_VERSION:
-        raise ArtifactError(
-            f"{path}: format_version {version!r}, this graphkiln reads {FORMAT_VERSION}; {FIX}"
-        )
+        raise ArtifactError(f"{path}: format_version {version!r}, this graphkiln reads {FORMAT_VERSION}; {REWRITE}")
+    for section, kind in SECTIONS.items():
+        if not isinstance(manifest.get(section), kind):
+            raise ArtifactError(f"{path}: section {section!r} is missing or not a {kind.__name__}; {REWRITE}")
     return manifest
 
 
@@ -90,7 +93,11 @@ def check_environment(manifest: dict, device: str) -> None:
 
 
 def check_files(manifest: dict, root: Path) -> None:
-    """Every listed file exists and has its recorded sha256; checked before anything is unpickled."""
+    """Exactly the listed files exist, each with its recorded sha256; checked before anything is unpickled."""
+    present = {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()} - {MANIFEST}
+    unlisted = sorted(present - set(manifest["files"]))
+    if unlisted:
+        raise ArtifactError(f"{root / unlisted[0]}: present but not listed in {MANIFEST} (tampered?); {FIX}")
     for rel, digest in manifest["files"].items():
         path = root / rel
         if not path.is_file():

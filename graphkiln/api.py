@@ -55,7 +55,7 @@ def load(
     except ArtifactError:
         if on_mismatch == "error":
             raise
-        config = CompileConfig(**_config_fields(manifest["config"]), **_overrides(device, dtype))
+        config = CompileConfig(**{**_config_fields(manifest["config"]), **_overrides(device, dtype)})
         compile_model(source, out, config, force=True)
         net, compiled, manifest = read_artifact(out, model_dir, device, dtype)
     engine.setdefault("block_size", manifest["config"]["block_size"])
@@ -68,5 +68,5 @@ def _config_fields(recorded: dict) -> dict:
     return {k: tuple(v) if isinstance(v, list) else v for k, v in recorded.items()}
 
 
-def _overrides(device: str | None, dtype: str | None) -> dict:
-    return {k: v for k, v in (("device", device), ("dtype", dtype)) if v is not None}
+def _overrides(device, dtype) -> dict:
+    return {k: str(v).removeprefix("torch.") for k, v in (("device", device), ("dtype", dtype)) if v is not None}

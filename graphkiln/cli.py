@@ -68,8 +68,10 @@ def run_compile(args) -> int:
     config = _config(args)
     bar = report.ProgressBar(enabled=not args.quiet and not args.json)
     start = time.perf_counter()
-    manifest, rep = compile_model(args.model, args.out, config, force=args.force, progress=bar)
-    bar.close()
+    try:
+        manifest, rep = compile_model(args.model, args.out, config, force=args.force, progress=bar)
+    finally:
+        bar.close()
     summary = report.compile_summary(manifest, rep, args.out, time.perf_counter() - start)
     if args.json:
         print(json.dumps(summary, indent=1))

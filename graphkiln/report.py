@@ -26,8 +26,10 @@ class ProgressBar:
         sys.stderr.flush()
 
     def close(self) -> None:
+        """End the bar's line so whatever follows on stderr starts a line of its own."""
         if self.enabled and self.stage is not None:
             sys.stderr.write("\n")
+            self.stage = None
 
 
 def _dir_bytes(root: Path) -> int:

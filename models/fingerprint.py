@@ -12,7 +12,7 @@ from pathlib import Path
 
 from graphkiln.errors import ModelFileError
 
-from .loader import weight_files
+from .loader import check_model_dir, weight_files
 
 
 def _header_sha256(path: Path) -> str:
@@ -28,7 +28,7 @@ def _header_sha256(path: Path) -> str:
 
 
 def model_fingerprint(model_dir: Path) -> dict:
-    config = model_dir / "config.json"
+    config = check_model_dir(model_dir) / "config.json"
     if not config.is_file():
         raise ModelFileError(f"{config}: missing; a Hugging Face model directory needs config.json")
     files = sorted(set(weight_files(model_dir).values()))

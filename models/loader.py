@@ -46,6 +46,13 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     raise ConfigError(f"dtype {dtype!r} is not supported; use one of float32, float16, bfloat16")
 
 
+def check_model_dir(model_dir: str | Path) -> Path:
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelFileError(f"{model_dir}: not a directory; pass a Hugging Face model directory or 'tiny'")
+    return model_dir
+
+
 def weight_files(model_dir: Path) -> dict[str, Path]:
     """Map every tensor name to the safetensors file holding it (single file or sharded index)."""
     index = model_dir / "model.safetensors.index.json"
@@ -96,9 +103,7 @@ def _slice(cfg: ModelConfig, param: torch.Tensor, fused_name: str, index: int) -
 
 def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype="float32") -> CausalLM:
     """Build a CausalLM from a Hugging Face directory on `device` in `dtype`."""
-    model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise ModelFileError(f"{model_dir}: not a directory; pass a Hugging Face model directory or 'tiny'")
+    model_dir = check_model_dir(model_dir)
     device = torch.device(device)
     dtype = resolve_dtype(dtype)
     hf = read_hf_config(model_dir)

@@ -1,0 +1,88 @@
+"""Helpers shared by test_artifacts.py and test_cli.py: the small compile config, subprocess runners, edits.
+
+Subprocesses inherit this process's environment, so GRAPHKILN_CACHE (set by conftest.py) and
+TORCHINDUCTOR_CACHE_DIR (when CI sets it) point at the same caches as the test process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import graphkiln
+from graphkiln import CompileConfig, SamplingParams
+
+DECODE_SIZES = (1, 2, 4)
+PREFILL_BUCKETS = (16, 32)
+SMALL_CONFIG = CompileConfig(decode_batch_sizes=DECODE_SIZES, prefill_token_buckets=PREFILL_BUCKETS)
+# The same config on the command line.
+SMALL_CONFIG_ARGS = ("--device", "cpu", "--dtype", "float32", "--decode-batch-sizes", "1,2,4", "--prefill-token-buckets", "16,32")
+
+# Uneven prompts: a 2-token one, a sentence, and 40 token ids (past the largest prefill bucket).
+PROMPTS: list = ["hi", "The kiln is hot and the tokens flow through every layer", list(range(5, 45))]
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+ENGINE = {"kv_cache_tokens": 2048}  # keeps every engine in these tests small
+
+SUBPROCESS_TIMEOUT_S = 300
+RESULT_PREFIX = "RESULT-JSON "
+
+
+def greedy_tokens(llm: graphkiln.LLM, prompts: list = PROMPTS) -> list[list[int]]:
+    return [out.token_ids for out in llm.generate(prompts, GREEDY)]
+
+
+def subprocess_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    # The model is tiny and CI has 2 cores: one intra-op thread per subprocess, like conftest does in-process.
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def run(args: list[str], timeout: float = SUBPROCESS_TIMEOUT_S) -> subprocess.CompletedProcess:
+    return subprocess.run(args, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def popen(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(args, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def compile_cmd(*args: str | Path) -> list[str]:
+    return [sys.executable, "-m", "graphkiln.compile_model", *map(str, args)]
+
+
+def graphkiln_cmd(*args: str | Path) -> list[str]:
+    return [sys.executable, "-m", "graphkiln", *map(str, args)]
+
+
+def run_python_json(code: str, timeout: float = SUBPROCESS_TIMEOUT_S) -> dict:
+    """Run `code` in a fresh interpreter; it must print one line `RESULT-JSON {...}`; return that object."""
+    proc = run([sys.executable, "-c", code], timeout=timeout)
+    assert proc.returncode == 0, f"subprocess failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    assert len(lines) == 1, f"expected one {RESULT_PREFIX!r} line, stdout was:\n{proc.stdout[-4000:]}"
+    return json.loads(lines[0][len(RESULT_PREFIX) :])
+
+
+def temp_folders(out: Path) -> list[Path]:
+    """The hidden temporary folders a compile of `out` writes beside it."""
+    return sorted(out.parent.glob(f".{out.name}.tmp-*"))
+
+
+def edit_manifest(out: Path, edit: Callable[[dict], None]) -> None:
+    path = out / "manifest.json"
+    manifest = json.loads(path.read_text())
+    edit(manifest)
+    path.write_text(json.dumps(manifest, indent=1))
+
+
+def single_error_line(stderr: str) -> str:
+    """stderr must be exactly one newline-terminated line; return it without the newline."""
+    lines = stderr.rstrip("\n").split("\n")
+    assert len(lines) == 1 and lines[0], f"expected exactly one line on stderr, got {stderr!r}"
+    assert "Traceback" not in stderr, stderr
+    return lines[0]

@@ -1,0 +1,204 @@
+"""Triton and SDPA attention backends on the GPU against a float32 reference read from the paged cache.
+
+Each run writes the batch's new keys and values through the backend; the reference then gathers
+every sequence's context from the same cache and applies a masked softmax in float32. Outputs are
+poisoned with NaN first, so a row the kernels never write fails. Relative errors are recorded as
+junit properties (`pytest --junitxml`).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+from graphkiln.models.config import ModelConfig  # noqa: E402
+from graphkiln.runtime.attention.metadata import BatchMetadata, SequenceSlice, build_metadata, pad_decode  # noqa: E402
+from graphkiln.runtime.attention.sdpa import SdpaBackend  # noqa: E402
+from graphkiln.runtime.attention.triton_backend import TritonBackend  # noqa: E402
+from graphkiln.runtime.kv_cache import KVCache  # noqa: E402
+
+CUDA = torch.device("cuda")
+BLOCK = 16
+LAYER = 1
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-4}
+# (dtype, q heads, kv heads, head_dim): GQA ratios 1, 4 and 8 at head_dim 64 and 128, plus the edges.
+HEADS = [
+    (torch.bfloat16, 8, 8, 64), (torch.bfloat16, 8, 8, 128), (torch.bfloat16, 32, 8, 64),
+    (torch.bfloat16, 32, 8, 128), (torch.bfloat16, 32, 4, 64), (torch.bfloat16, 32, 4, 128),
+    (torch.float16, 32, 8, 128), (torch.float16, 8, 8, 64), (torch.bfloat16, 16, 2, 256),
+    (torch.bfloat16, 4, 2, 32), (torch.float32, 8, 2, 64),
+]
+_rng = random.Random(0)
+DECODE = {  # context lengths; batches get padded decode rows where noted
+    "boundaries": ([1, 15, 16, 17, 31, 32, 33] + [_rng.randint(1, 2048) for _ in range(40)], 5),
+    "long": ([16384, 9000, 1], 1),
+    "single": ([4097], 0),
+    "batch256": ([_rng.randint(1, 512) for _ in range(256)], 0),
+}
+PREFILL = {  # (query_len, seq_len) per sequence, padding rows
+    "fresh": ([(n, n) for n in (1, 15, 16, 17, 100, 333)], 7),
+    "chunked": ([(512, 12000), (17, 33), (1, 5000), (64, 64), (16, 32), (15, 16)], 3),
+    "long": ([(4096, 4096)], 0),
+}
+
+
+def _config(num_heads: int, num_kv_heads: int, head_dim: int) -> ModelConfig:
+    return ModelConfig(
+        architecture="LlamaForCausalLM", family="llama", vocab_size=8, hidden_size=num_heads * head_dim,
+        intermediate_size=8, num_layers=2, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        rms_norm_eps=1e-5, max_context=1 << 20, tie_word_embeddings=False, qkv_bias=False, o_bias=False,
+        mlp_bias=False, qk_norm=False, rope_type="default", bos_token_id=None, eos_token_ids=(),
+    )
+
+
+@dataclass
+class Batch:
+    cache: KVCache
+    meta: BatchMetadata
+    qkv: torch.Tensor  # [T, Hq + 2 Hkv, D]; q, k and v are strided views of it
+    num_heads: int
+    real_tokens: int  # rows before padded decode rows and prefill padding
+
+    def split(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        kv_heads = (self.qkv.shape[1] - self.num_heads) // 2
+        return self.qkv.split([self.num_heads, kv_heads, kv_heads], dim=1)
+
+
+def _slices(lens: list[tuple[int, int]], free: list[int]) -> list[SequenceSlice]:
+    return [SequenceSlice(q, s, tuple(free.pop() for _ in range(-(-s // BLOCK)))) for q, s in lens]
+
+
+def make_batch(heads: tuple, lens: list[tuple[int, int]], pad: int, decode: bool, seed: int = 0) -> Batch:
+    dtype, num_heads, num_kv_heads, head_dim = heads
+    torch.manual_seed(seed)
+    num_blocks = sum(-(-s // BLOCK) for _, s in lens) + 1
+    cache = KVCache(_config(num_heads, num_kv_heads, head_dim), num_blocks, BLOCK, dtype, CUDA)
+    cache.keys.normal_()
+    cache.values.normal_()
+    free = list(range(1, num_blocks))
+    random.Random(seed).shuffle(free)
+    slices = _slices(lens, free)
+    real = sum(q for q, _ in lens)
+    slices = pad_decode(slices, len(slices) + pad) if decode else slices
+    rows = real + pad
+    meta = build_metadata(slices, BLOCK, rows, CUDA)
+    qkv = torch.randn(rows, num_heads + 2 * num_kv_heads, head_dim, dtype=dtype, device=CUDA)
+    return Batch(cache, meta, qkv, num_heads, real)
+
+
+def reference(batch: Batch, meta: BatchMetadata, scale: float) -> torch.Tensor:
+    """float32 causal attention of the real query rows over each sequence's context gathered from the cache."""
+    k_cache, v_cache = batch.cache.layer(LAYER)
+    q = batch.split()[0]
+    group = batch.num_heads // k_cache.shape[2]
+    outs, start = [], 0
+    for i, (q_len, seq_len) in enumerate(zip(meta.query_lens, meta.seq_lens)):
+        if start >= batch.real_tokens:
+            break
+        blocks = meta.block_tables[i, : -(-seq_len // BLOCK)].long()
+        keys = k_cache[blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(group, 1)
+        values = v_cache[blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(group, 1)
+        for chunk in range(0, q_len, 1024):
+            query = q[start + chunk : start + min(chunk + 1024, q_len)].float()
+            scores = torch.einsum("nhd,lhd->hnl", query, keys) * scale
+            pos = seq_len - q_len + chunk + torch.arange(query.shape[0], device=CUDA)
+            scores.masked_fill_(torch.arange(seq_len, device=CUDA)[None, None, :] > pos[None, :, None], float("-inf"))
+            outs.append(torch.einsum("hnl,lhd->nhd", scores.softmax(-1), values))
+        start += q_len
+    return torch.cat(outs)
+
+
+def run_and_check(backend, batch: Batch, record_property) -> None:
+    q, k, v = batch.split()
+    out = torch.full_like(q, float("nan"))
+    scale = q.shape[-1] ** -0.5
+    backend.plan(batch.meta)(LAYER, q, k, v, out, scale)
+    n = batch.real_tokens
+    k_cache, v_cache = batch.cache.layer(LAYER)
+    slots = batch.meta.slot_mapping[:n]
+    assert torch.equal(k_cache.flatten(0, 1)[slots], k[:n]) and torch.equal(v_cache.flatten(0, 1)[slots], v[:n])
+    expected = reference(batch, batch.meta, scale)
+    err = ((out[:n].float() - expected).norm() / expected.norm()).item()
+    record_property("rel_err", err)
+    assert err <= TOLERANCE[q.dtype], f"relative error {err:.3e}"
+
+
+def _id(heads: tuple) -> str:
+    dtype, hq, hkv, d = heads
+    return f"{str(dtype).removeprefix('torch.')}-hq{hq}-hkv{hkv}-d{d}"
+
+
+@pytest.mark.parametrize("case", DECODE)
+@pytest.mark.parametrize("heads", HEADS, ids=_id)
+def test_triton_decode(heads: tuple, case: str, record_property) -> None:
+    lens, pad = DECODE[case]
+    batch = make_batch(heads, [(1, s) for s in lens], pad, decode=True)
+    run_and_check(TritonBackend(batch.cache), batch, record_property)
+
+
+@pytest.mark.parametrize("case", PREFILL)
+@pytest.mark.parametrize("heads", HEADS, ids=_id)
+def test_triton_prefill(heads: tuple, case: str, record_property) -> None:
+    lens, pad = PREFILL[case]
+    batch = make_batch(heads, lens, pad, decode=False)
+    run_and_check(TritonBackend(batch.cache), batch, record_property)
+
+
+@pytest.mark.parametrize("case", ["decode-boundaries", "prefill-chunked", "prefill-fresh"])
+def test_sdpa_backend(case: str, record_property) -> None:
+    kind, name = case.split("-")
+    lens, pad = DECODE[name] if kind == "decode" else PREFILL[name]
+    lens = [(1, s) for s in lens] if kind == "decode" else lens
+    batch = make_batch((torch.bfloat16, 32, 8, 128), lens, pad, decode=kind == "decode")
+    run_and_check(SdpaBackend(batch.cache), batch, record_property)
+
+
+def _shuffled(batch: Batch, seed: int) -> list[int]:
+    free = list(range(1, batch.cache.num_blocks))
+    random.Random(seed).shuffle(free)
+    return free
+
+
+@pytest.mark.parametrize("heads", [(torch.bfloat16, 32, 8, 128), (torch.float16, 8, 8, 64)], ids=_id)
+@pytest.mark.parametrize("num_seqs", [4, 64])
+def test_triton_decode_replays_in_a_cuda_graph(heads: tuple, num_seqs: int, record_property) -> None:
+    """Capture with one set of lengths, overwrite the metadata buffers in place, replay for new lengths."""
+    width = 4096 // BLOCK
+    rng = random.Random(1)
+    lens_a = [rng.randint(1, 100) for _ in range(num_seqs)]
+    lens_b = [rng.choice([1, 15, 16, 17, rng.randint(1, 4096)]) for _ in range(num_seqs)]
+    batch = make_batch(heads, [(1, s) for s in lens_a + lens_b], 0, decode=True)
+    meta_a = build_metadata(pad_decode(_slices([(1, s) for s in lens_a], _shuffled(batch, 3)), num_seqs + 2),
+                            BLOCK, num_seqs + 2, CUDA)
+    static = replace(meta_a, block_tables=F.pad(meta_a.block_tables, (0, width - meta_a.block_tables.shape[1])))
+    q, k, v = (t[: num_seqs + 2] for t in batch.split())
+    out = torch.empty_like(q)
+    scale = q.shape[-1] ** -0.5
+    fn = TritonBackend(batch.cache).plan(static)
+    fn(LAYER, q, k, v, out, scale)  # compile the kernels outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn(LAYER, q, k, v, out, scale)
+
+    meta_b = build_metadata(pad_decode(_slices([(1, s) for s in lens_b], _shuffled(batch, 2)), num_seqs + 2),
+                            BLOCK, num_seqs + 2, CUDA)
+    static.seq_lens_t.copy_(meta_b.seq_lens_t)
+    static.block_tables.copy_(F.pad(meta_b.block_tables, (0, width - meta_b.block_tables.shape[1])))
+    static.slot_mapping.copy_(meta_b.slot_mapping)
+    batch.qkv[: num_seqs + 2].normal_()
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+
+    replayed = Batch(batch.cache, meta_b, batch.qkv[: num_seqs + 2], batch.num_heads, num_seqs)
+    expected = reference(replayed, meta_b, scale)
+    err = ((out[:num_seqs].float() - expected).norm() / expected.norm()).item()
+    record_property("rel_err", err)
+    assert err <= TOLERANCE[q.dtype], f"relative error {err:.3e}"

@@ -1,0 +1,148 @@
+"""Attention planning on the CPU: Triton tile/split/work-item choices, batch metadata, and SDPA vs float64."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from graphkiln.models.config import ModelConfig
+from graphkiln.runtime.attention.metadata import SequenceSlice, build_metadata, pad_decode
+from graphkiln.runtime.attention.sdpa import SdpaBackend
+from graphkiln.runtime.attention.triton_backend import (
+    MAX_SPLITS,
+    MIN_SPLIT_TOKENS,
+    PROGRAMS_PER_SM,
+    decode_tiles,
+    prefill_tiles,
+    prefill_work,
+)
+from graphkiln.runtime.kv_cache import DUMMY_BLOCK, KVCache
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("num_seqs", [1, 3, 32, 128, 256])
+@pytest.mark.parametrize("max_context", [16, 1024, 4096, 16384, 131072])
+def test_decode_splits_fill_the_gpu_within_bounds(num_seqs: int, max_context: int) -> None:
+    tiles = decode_tiles(num_seqs, 8, max_context, 128, 2, num_sms=132)
+    assert 1 <= tiles.num_splits <= MAX_SPLITS
+    assert tiles.num_splits <= max(1, -(-max_context // MIN_SPLIT_TOKENS))
+    capped = tiles.num_splits in (MAX_SPLITS, -(-max_context // MIN_SPLIT_TOKENS))
+    assert capped or num_seqs * 8 * tiles.num_splits >= PROGRAMS_PER_SM * 132
+    assert (num_seqs * 8 * (tiles.num_splits - 1) < PROGRAMS_PER_SM * 132) or tiles.num_splits == 1
+
+
+def test_decode_tiles_examples() -> None:
+    assert decode_tiles(32, 8, 4096, 128, 2, num_sms=132).num_splits == 2
+    assert decode_tiles(256, 8, 4096, 128, 2, num_sms=132).num_splits == 1
+    assert decode_tiles(1, 8, 16384, 128, 2, num_sms=132).num_splits == 33
+    assert decode_tiles(1, 8, 256, 128, 2, num_sms=132).num_splits == 1
+    assert decode_tiles(4, 8, 4096, 256, 2, num_sms=132).block_n == 32  # 512-byte rows: shorter tiles
+
+
+def test_prefill_tiles_follow_the_longest_query() -> None:
+    assert prefill_tiles(1, 128, 2).block_m == 16
+    assert prefill_tiles(40, 128, 2).block_m == 64
+    assert prefill_tiles(4096, 128, 2).block_m == 128
+    assert prefill_tiles(4096, 256, 2).block_m == 64
+    assert prefill_tiles(4096, 128, 2).num_warps == 8
+
+
+def test_prefill_work_covers_every_row_once_longest_first() -> None:
+    query_lens, seq_lens, block_m = (1, 100, 16, 17, 300), (1, 5000, 16, 40, 300), 64
+    items = prefill_work(query_lens, seq_lens, block_m)
+    rows = sorted((i, r) for i, start in items for r in range(start, min(start + block_m, query_lens[i])))
+    assert rows == [(i, r) for i, q in enumerate(query_lens) for r in range(q)]
+    keys = [seq_lens[i] - query_lens[i] + min(start + block_m, query_lens[i]) for i, start in items]
+    assert keys == sorted(keys, reverse=True)
+    assert items[0] == (1, 64)
+
+
+def test_slot_mapping_at_block_boundaries() -> None:
+    blocks = {15: (7,), 16: (3,), 17: (9, 4)}
+    decode = build_metadata([SequenceSlice(1, n, blocks[n]) for n in (15, 16, 17)], 16, 3, CPU)
+    assert decode.slot_mapping.tolist() == [7 * 16 + 14, 3 * 16 + 15, 4 * 16 + 0]
+    assert decode.block_tables.tolist() == [[7, DUMMY_BLOCK], [3, DUMMY_BLOCK], [9, 4]]
+    prefill = build_metadata([SequenceSlice(n, n, blocks[n]) for n in (15, 17)], 16, 40, CPU)
+    expected = [7 * 16 + p for p in range(15)] + [9 * 16 + p for p in range(16)] + [4 * 16]
+    assert prefill.slot_mapping.tolist() == expected + [DUMMY_BLOCK * 16] * 8
+    assert prefill.query_start_loc.tolist() == [0, 15, 32]
+    assert prefill.seq_lens_t.tolist() == [15, 17] and prefill.num_tokens == 32
+
+
+def test_padded_decode_rows_live_in_the_dummy_block() -> None:
+    slices = pad_decode([SequenceSlice(1, 17, (5, 6))], 4)
+    meta = build_metadata(slices, 16, 4, CPU)
+    assert meta.decode and meta.num_seqs == 4
+    assert meta.seq_lens_t.tolist() == [17, 1, 1, 1]
+    assert meta.slot_mapping.tolist() == [6 * 16, 0, 0, 0]
+    assert meta.block_tables[1:].eq(DUMMY_BLOCK).all()
+
+
+def _config(num_heads: int, num_kv_heads: int, head_dim: int) -> ModelConfig:
+    return ModelConfig(
+        architecture="LlamaForCausalLM", family="llama", vocab_size=8, hidden_size=num_heads * head_dim,
+        intermediate_size=8, num_layers=2, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        rms_norm_eps=1e-5, max_context=4096, tie_word_embeddings=False, qkv_bias=False, o_bias=False,
+        mlp_bias=False, qk_norm=False, rope_type="default", bos_token_id=None, eos_token_ids=(),
+    )
+
+
+def _naive_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """float64 causal attention of q [n, Hq, D] at the last n positions of unpaged keys/values [L, Hkv, D]."""
+    n, num_heads, _ = q.shape
+    length, num_kv_heads, _ = keys.shape
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for j in range(n):
+        visible = length - n + j + 1
+        for h in range(num_heads):
+            kv = h // (num_heads // num_kv_heads)
+            scores = keys[:visible, kv].double() @ q[j, h].double() * scale
+            weights = torch.exp(scores - scores.max())
+            out[j, h] = weights @ values[:visible, kv].double() / weights.sum()
+    return out
+
+
+@pytest.mark.parametrize(
+    "lens,decode",
+    [
+        ([(1, 15), (1, 16), (1, 17), (1, 1), (1, 40)], True),
+        ([(15, 15), (16, 16), (17, 17), (1, 1)], False),
+        ([(5, 21), (1, 17), (16, 48), (3, 3)], False),  # chunked prefill on a cached prefix, mixed with a decode
+    ],
+)
+def test_sdpa_backend_matches_naive_float64(lens: list[tuple[int, int]], decode: bool) -> None:
+    """Cached prefixes are written slot by slot, new tokens through the backend; outputs match unpaged math."""
+    num_heads, num_kv_heads, head_dim, block_size, pad = 4, 2, 16, 16, 3
+    gen = torch.Generator().manual_seed(0)
+    cache = KVCache(_config(num_heads, num_kv_heads, head_dim), 32, block_size, torch.float32, CPU)
+    free = list(range(1, 32))
+    random.Random(0).shuffle(free)
+    slices, full_k, full_v = [], [], []
+    for q_len, seq_len in lens:
+        blocks = tuple(free.pop() for _ in range(-(-seq_len // block_size)))
+        slices.append(SequenceSlice(q_len, seq_len, blocks))
+        full_k.append(torch.randn(seq_len, num_kv_heads, head_dim, generator=gen))
+        full_v.append(torch.randn(seq_len, num_kv_heads, head_dim, generator=gen))
+        for pos in range(seq_len - q_len):
+            slot = blocks[pos // block_size] * block_size + pos % block_size
+            cache.keys[1].view(-1, num_kv_heads, head_dim)[slot] = full_k[-1][pos]
+            cache.values[1].view(-1, num_kv_heads, head_dim)[slot] = full_v[-1][pos]
+    slices = pad_decode(slices, len(slices) + pad) if decode else slices
+    rows = sum(s.query_len for s in slices) + (0 if decode else pad)
+    meta = build_metadata(slices, block_size, rows, CPU)
+    new_k = torch.cat([k[seq_len - q_len :] for k, (q_len, seq_len) in zip(full_k, lens)])
+    new_v = torch.cat([v[seq_len - q_len :] for v, (q_len, seq_len) in zip(full_v, lens)])
+    k = torch.cat([new_k, torch.randn(rows - new_k.shape[0], num_kv_heads, head_dim, generator=gen)])
+    v = torch.cat([new_v, torch.randn(rows - new_v.shape[0], num_kv_heads, head_dim, generator=gen)])
+    q = torch.randn(rows, num_heads, head_dim, generator=gen)
+    out = torch.full_like(q, float("nan"))
+    SdpaBackend(cache).plan(meta)(1, q, k, v, out, head_dim**-0.5)
+    start = 0
+    for (q_len, _), keys, values in zip(lens, full_k, full_v):
+        expected = _naive_attention(q[start : start + q_len], keys, values, head_dim**-0.5)
+        torch.testing.assert_close(out[start : start + q_len].double(), expected, rtol=1e-5, atol=1e-5)
+        start += q_len
+    assert not out.isnan().any()

@@ -1,0 +1,213 @@
+"""The command line: `compile-model` and `graphkiln inspect | generate | compile`.
+
+Exit codes: 0 success, 2 bad input with one line on stderr naming the problem. The tiny model is
+compiled once, by `python -m graphkiln.compile_model ... --json --quiet` in a subprocess; the cheap
+checks call the entry points in-process.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+
+import graphkiln
+from artifact_helpers import (
+    SMALL_CONFIG,
+    SMALL_CONFIG_ARGS,
+    compile_cmd,
+    graphkiln_cmd,
+    run,
+    single_error_line,
+    temp_folders,
+)
+from graphkiln import cli
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, str]:
+    """(OUT, the parsed --json summary, stderr) of one `compile-model tiny -o OUT --json --quiet`."""
+    out = tmp_path_factory.mktemp("cli") / "tiny"
+    proc = run(compile_cmd("tiny", "-o", out, "--json", "--quiet", *SMALL_CONFIG_ARGS))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out, json.loads(proc.stdout), proc.stderr
+
+
+@pytest.fixture(scope="module")
+def manifest(compiled: tuple[Path, dict, str]) -> dict:
+    return json.loads((compiled[0] / "manifest.json").read_text())
+
+
+# ---------------------------------------------------------------- help and entry points
+
+
+@pytest.mark.parametrize(
+    "entry, argv",
+    [
+        (cli.compile_model_main, ["--help"]),
+        (cli.main, ["--help"]),
+        (cli.main, ["inspect", "--help"]),
+        (cli.main, ["generate", "--help"]),
+        (cli.main, ["compile", "--help"]),
+    ],
+    ids=["compile-model", "graphkiln", "inspect", "generate", "compile"],
+)
+def test_help_exits_0(entry, argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        entry(argv)
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: ")
+    if entry is cli.compile_model_main or argv[0] == "compile":
+        for option in ("--out", "--decode-batch-sizes", "--prefill-token-buckets", "--force", "--json", "--quiet"):
+            assert option in out
+
+
+def test_console_scripts_point_at_the_cli() -> None:
+    scripts = {ep.name: ep.value for ep in entry_points(group="console_scripts")}
+    assert scripts.get("compile-model") == "graphkiln.cli:compile_model_main"
+    assert scripts.get("graphkiln") == "graphkiln.cli:main"
+
+
+# ---------------------------------------------------------------- compile-model
+
+
+def test_compile_json_summary(compiled: tuple[Path, dict, str], manifest: dict) -> None:
+    out, summary, stderr = compiled
+    assert {"pieces", "unique_pieces", "counters", "timings_s", "artifact_bytes"} <= set(summary)
+    assert summary["pieces"] == len(manifest["compiled"]["pieces"]) == 5  # 4 layers -> 5 pieces
+    assert summary["unique_pieces"] == len(manifest["compiled"]["unique_pieces"]) == 3
+    assert summary["counters"]["inductor_compiles"] == 3
+    assert summary["counters"]["attention_pieces"] == 4
+    assert summary["artifact_bytes"] == sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    assert set(summary["timings_s"]) >= {"trace", "inductor", "save"}
+    assert summary["device"] == "cpu" and summary["dtype"] == "float32"
+    assert "load weights" not in stderr and "[" not in stderr  # --quiet: no progress bar
+    assert manifest["config"]["decode_batch_sizes"] == [1, 2, 4]
+    assert manifest["config"]["prefill_token_buckets"] == [16, 32]
+    assert not temp_folders(out)
+
+
+@pytest.fixture(scope="module")
+def nonexistent_model(tmp_path_factory: pytest.TempPathFactory):
+    out = tmp_path_factory.mktemp("nonexistent") / "X"
+    return out, run(compile_cmd("/nonexistent", "-o", out))
+
+
+def test_nonexistent_model_exits_2_naming_it(nonexistent_model) -> None:
+    out, proc = nonexistent_model
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == ""
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.count("error:") == 1
+    assert re.search(r"error: /nonexistent: [^\n]+\n$", proc.stderr), repr(proc.stderr)  # the last line names it
+    assert not out.exists() and not temp_folders(out)
+
+
+def test_nonexistent_model_prints_exactly_one_line(nonexistent_model) -> None:
+    _, proc = nonexistent_model
+    line = single_error_line(proc.stderr)  # subprocess text mode turns the bar's "\r" into "\n"
+    assert line.startswith("error: /nonexistent"), line
+
+
+@pytest.mark.parametrize("entry", [cli.compile_model_main, lambda argv: cli.main(["compile", *argv])], ids=["compile-model", "graphkiln-compile"])
+def test_compile_existing_out_without_force_exits_2(
+    entry, compiled: tuple[Path, dict, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = compiled[0]
+    before = (out / "manifest.json").read_bytes()
+    assert entry(["tiny", "-o", str(out), *SMALL_CONFIG_ARGS]) == 2
+    captured = capsys.readouterr()
+    line = single_error_line(captured.err)
+    assert line.startswith("error: ") and str(out) in line and "already exists" in line
+    assert captured.out == ""
+    assert (out / "manifest.json").read_bytes() == before
+
+
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--decode-batch-sizes", "4,2", r"decode_batch_sizes=\[4, 2\].*strictly increasing"),
+        ("--prefill-token-buckets", "16,16", r"prefill_token_buckets=\[16, 16\].*strictly increasing"),
+        ("--decode-batch-sizes", "0,1", r"decode_batch_sizes=\[0, 1\].*positive"),
+    ],
+    ids=["decode-decreasing", "prefill-repeated", "decode-zero"],
+)
+def test_bad_sizes_exit_2(flag: str, value: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    assert cli.compile_model_main(["tiny", "-o", str(out), flag, value]) == 2
+    line = single_error_line(capsys.readouterr().err)
+    assert line.startswith("error: ") and re.search(message, line), line
+    assert not out.exists() and not temp_folders(out)
+
+
+def test_sizes_that_are_not_integers_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.compile_model_main(["tiny", "-o", str(tmp_path / "out"), "--decode-batch-sizes", "1,two"])
+    assert info.value.code == 2
+    assert "'1,two' is not a comma-separated list of integers" in capsys.readouterr().err
+
+
+def test_piece_keys_are_reproducible(compiled: tuple[Path, dict, str], manifest: dict, tmp_path: Path) -> None:
+    """The same model and config compiled in another process names its pieces the same."""
+    again, _ = graphkiln.compile_model("tiny", tmp_path / "again", SMALL_CONFIG)
+    assert again["compiled"]["pieces"] == manifest["compiled"]["pieces"]
+
+
+# ---------------------------------------------------------------- inspect
+
+
+def test_inspect_prints_the_piece_table(compiled: tuple[Path, dict, str], manifest: dict, capsys: pytest.CaptureFixture[str]) -> None:
+    out = compiled[0]
+    assert cli.main(["inspect", str(out)]) == 0
+    text = capsys.readouterr().out
+    table = text[text.index("submodule") :].splitlines()[1:]
+    assert len(table) == len(manifest["compiled"]["submodules"])
+    for row, (name, is_attention) in zip(table, manifest["compiled"]["submodules"]):
+        assert row.split()[0] == name
+        if is_attention:
+            assert "attention" in row
+        else:
+            assert manifest["compiled"]["pieces"][name] in row
+    assert set(manifest["compiled"]["unique_pieces"]) <= set(text.split())
+    assert "attention" in text and "float32" in text and manifest["environment"]["torch"] in text
+
+
+def test_inspect_json(compiled: tuple[Path, dict, str], manifest: dict, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["inspect", str(compiled[0]), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == manifest
+
+
+def test_inspect_missing_artifact_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "missing"
+    assert cli.main(["inspect", str(missing)]) == 2
+    line = single_error_line(capsys.readouterr().err)
+    assert line.startswith(f"error: {missing}: no such artifact directory")
+
+
+def test_inspect_corrupt_manifest_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "art").mkdir()
+    (tmp_path / "art" / "manifest.json").write_text("{not json")
+    assert cli.main(["inspect", str(tmp_path / "art")]) == 2
+    assert "manifest.json: not valid JSON" in single_error_line(capsys.readouterr().err)
+
+
+# ---------------------------------------------------------------- generate
+
+
+def test_generate(compiled: tuple[Path, dict, str]) -> None:
+    proc = run(graphkiln_cmd("generate", compiled[0], "--prompt", "hi", "--max-tokens", "4"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("'hi' -> ")
+    assert re.search(r"\b[1-4] tokens, first token [\d.]+ ms, [\d.]+ tokens/s", proc.stdout), proc.stdout
+
+
+def test_generate_missing_artifact_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["generate", str(tmp_path / "missing"), "--prompt", "hi"]) == 2
+    assert "no such artifact directory" in single_error_line(capsys.readouterr().err)
