@@ -24,19 +24,30 @@ from graphkiln.errors import ArtifactError
 from graphkiln.models import load_model, resolve_dtype
 from graphkiln.models.fingerprint import model_fingerprint
 from graphkiln.models.transformer import CausalLM
+from graphkiln.passes.base import Pass
+from graphkiln.passes.manager import check_disabled, default_passes
 
 from .artifacts import load_compiled, save_compiled
-from .compile import CompileReport, GraphPass, Progress, compile_module
+from .compile import CompileReport, Progress, compile_module
 from .compiled_model import CompiledModel
 from .config import CompileConfig
 from .manifest import FIX, FORMAT_VERSION, MANIFEST, check_environment, check_files, environment, file_hashes, read_manifest
 
 
 @contextlib.contextmanager
-def _locked(out: Path) -> Iterator[None]:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / f".{out.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+def _locked(out: Path, shared: bool = False) -> Iterator[None]:
+    """Writers hold the sibling lock file exclusively, readers shared (skipped where it can't be opened)."""
+    if not shared:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        lock = open(out.parent / f".{out.name}.lock", "a")
+    except OSError:
+        if not shared:
+            raise
+        yield
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
         try:
             yield
         finally:
@@ -55,18 +66,24 @@ def write_artifact(
     config: CompileConfig,
     *,
     force: bool = False,
-    graph_passes: tuple[GraphPass, ...] = (),
+    graph_passes: tuple[Pass, ...] = (),
     progress: Progress = lambda stage, done, total: None,
 ) -> tuple[dict, CompileReport]:
-    """Compile `model_dir` for `config` into `out`; return the manifest and the compile report."""
+    """Compile `model_dir` for `config` into `out`; return the manifest and the compile report.
+
+    The model directory (config.json, weight file headers) and the pass names are checked before
+    anything is locked, created or reported as progress.
+    """
     out = out.resolve()
+    fingerprint = model_fingerprint(model_dir)
+    check_disabled(default_passes(graph_passes), config.disabled_passes)
     with _locked(out):
         if out.exists() and not force:
             raise ArtifactError(f"{out}: already exists; pass --force (force=True) to replace it")
         _remove_stale(out)
         tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
         try:
-            manifest, report = _compile_into(model_dir, model_source, tmp, config, graph_passes, progress)
+            manifest, report = _compile_into(model_dir, model_source, fingerprint, tmp, config, graph_passes, progress)
             _replace(tmp, out)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -74,7 +91,9 @@ def write_artifact(
     return manifest, report
 
 
-def _compile_into(model_dir, model_source, tmp: Path, config, graph_passes, progress) -> tuple[dict, CompileReport]:
+def _compile_into(
+    model_dir, model_source, fingerprint, tmp: Path, config, graph_passes, progress
+) -> tuple[dict, CompileReport]:
     progress("load weights", 0, 1)
     start = time.perf_counter()
     model = load_model(model_dir, config.device, config.dtype)
@@ -91,16 +110,17 @@ def _compile_into(model_dir, model_source, tmp: Path, config, graph_passes, prog
         "model": {
             "source": model_source,
             "architecture": model.cfg.architecture,
-            **model_fingerprint(model_dir),
+            **fingerprint,
         },
         "config": {k: v for k, v in asdict(config).items() if k != "inductor_options"},
-        "passes": [],
+        "passes": [{"name": r.name, "stage": r.stage, "uuid": r.uuid} for r in report.passes if r.enabled],
         "compiled": section,
         "timings": report.timings,
         "counters": report.counters.as_dict(),
         "files": file_hashes(tmp),
     }
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    tmp.chmod(0o755)
     return manifest, report
 
 
@@ -118,7 +138,7 @@ def check_artifact(out: Path, model_dir: Path, device: str | None = None, dtype:
     """Every check a load needs, without loading anything; returns the manifest."""
     manifest = read_manifest(out)
     config = manifest["config"]
-    if device is not None and device != config["device"]:
+    if device is not None and torch.device(device).type != config["device"]:
         raise ArtifactError(f"{out}: compiled for device {config['device']!r}, asked for {device!r}; {FIX}")
     if dtype is not None and resolve_dtype(dtype) != resolve_dtype(config["dtype"]):
         raise ArtifactError(f"{out}: compiled for dtype {config['dtype']!r}, asked for {dtype!r}; {FIX}")
@@ -136,9 +156,11 @@ def check_artifact(out: Path, model_dir: Path, device: str | None = None, dtype:
 
 def read_artifact(out: Path, model_dir: Path, device=None, dtype=None) -> tuple[CausalLM, CompiledModel, dict]:
     """Check, then load weights and compiled pieces: no Dynamo trace, no Inductor compile."""
-    manifest = check_artifact(out, model_dir, device, dtype)
-    config = manifest["config"]
-    model = load_model(model_dir, torch.device(config["device"]), config["dtype"])
-    tensors = dict(model.named_parameters(remove_duplicate=False))
-    tensors.update(model.named_buffers(remove_duplicate=False))
-    return model, load_compiled(manifest["compiled"], out, tensors), manifest
+    out = out.resolve()
+    with _locked(out, shared=True):
+        manifest = check_artifact(out, model_dir, device, dtype)
+        config = manifest["config"]
+        model = load_model(model_dir, torch.device(config["device"]), config["dtype"])
+        tensors = dict(model.named_parameters(remove_duplicate=False))
+        tensors.update(model.named_buffers(remove_duplicate=False))
+        return model, load_compiled(manifest["compiled"], out, tensors), manifest

@@ -7,6 +7,7 @@ name, or the token count), which is all a later process needs to call the pieces
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -38,8 +39,10 @@ def _zero_attention(layer, q, k, v, out, scale) -> None:
     out.zero_()
 
 
-def capture(model: CausalLM) -> CapturedGraph:
-    """Trace `model` once with Dynamo and return its FX graph and placeholder bindings."""
+def capture(model: CausalLM, around_trace: contextlib.AbstractContextManager | None = None) -> CapturedGraph:
+    """Trace `model` once with Dynamo and return its FX graph and placeholder bindings.
+
+    `around_trace` wraps the call that makes Dynamo trace (the dumps use it for depyf)."""
     device = next(model.parameters()).device
     captured: list[tuple[torch.fx.GraphModule, list]] = []
 
@@ -60,7 +63,7 @@ def capture(model: CausalLM) -> CapturedGraph:
         options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe},
     )
     with fx_config.patch(backed_size_oblivious=True), torch.no_grad():
-        with forward_context(ForwardContext(_zero_attention)):
+        with forward_context(ForwardContext(_zero_attention)), around_trace or contextlib.nullcontext():
             compiled(input_ids, positions)
     trace_s = time.perf_counter() - start
     torch._dynamo.reset()

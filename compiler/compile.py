@@ -1,4 +1,7 @@
-"""Compile a loaded model: trace once, run FX passes, split at attention, Inductor-compile every piece."""
+"""Compile a loaded model: trace once, run the passes, split at attention, Inductor-compile every piece.
+
+With `CompileConfig.dump_dir` every stage also writes its dump (see graphkiln.passes.dump).
+"""
 
 from __future__ import annotations
 
@@ -7,21 +10,22 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import torch
-
 from graphkiln.models.transformer import CausalLM
+from graphkiln.passes.base import Pass, PassRecord, format_records
+from graphkiln.passes.dump import Dump
+from graphkiln.passes.manager import PassManager, default_passes
 
 from .capture import capture
+from .compat import depyf_debug, require_depyf
 from .compiled_model import CompiledModel
 from .config import CompileConfig
 from .counters import Counters
 from .inductor import InductorCompiler, structure_key
 from .plan import plans_for
-from .split import split_at_attention
+from .split import split_pieces
 
 log = logging.getLogger("graphkiln.compiler")
 
-GraphPass = Callable[[torch.fx.GraphModule], None]
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
 
@@ -31,11 +35,13 @@ def _silent(stage: str, done: int, total: int) -> None:
 
 @dataclass
 class CompileReport:
-    """Seconds per stage (trace, passes, split, inductor, total), counters, and each piece's structure key."""
+    """Seconds per stage (trace, passes, split, inductor, total), counters, each piece's structure key,
+    and what every pass did (post-grad passes run only on Inductor cache misses)."""
 
     timings: dict[str, float] = field(default_factory=dict)
     counters: Counters = field(default_factory=Counters)
     piece_keys: dict[str, str] = field(default_factory=dict)
+    passes: list[PassRecord] = field(default_factory=list)
 
     def summary(self) -> str:
         stages = ", ".join(f"{k} {v:.2f}s" for k, v in self.timings.items())
@@ -54,39 +60,64 @@ def compile_sizes(config: CompileConfig) -> tuple[int, ...]:
 
 
 def compile_module(
-    model: CausalLM, config: CompileConfig, graph_passes: Sequence[GraphPass] = (), progress: Progress = _silent
+    model: CausalLM, config: CompileConfig, graph_passes: Sequence[Pass] = (), progress: Progress = _silent
+) -> tuple[CompiledModel, CompileReport]:
+    """`graph_passes` run after the built-in Dynamo-graph passes, before the split; all obey disabled_passes."""
+    dump = Dump(config.dump_dir) if config.dump_dir else None
+    manager = PassManager(default_passes(graph_passes), config.disabled_passes, dump.graph if dump else None)
+    if dump is None:
+        return _compile(model, config, manager, progress, None)
+    require_depyf()
+    with dump:  # index.md is written even when the compile fails
+        return _compile(model, config, manager, progress, dump)
+
+
+def _compile(
+    model: CausalLM, config: CompileConfig, manager: PassManager, progress: Progress, dump: Dump | None
 ) -> tuple[CompiledModel, CompileReport]:
     report = CompileReport()
     counters = report.counters
     start = time.perf_counter()
     progress("trace", 0, 1)
-    captured = capture(model)
+    captured = capture(model, depyf_debug(dump.dynamo_dir) if dump else None)
     counters.graphs_traced += 1
     report.timings["trace"] = captured.trace_s
+    if dump:
+        dump.add_dynamo()
 
     t = time.perf_counter()
-    for graph_pass in graph_passes:
-        graph_pass(captured.gm)
-    captured.gm.recompile()
+    manager.run_dynamo(captured.gm)
     report.timings["passes"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    split = split_at_attention(captured.gm)
+    split = split_pieces(captured.gm)
     counters.pieces = len(split.pieces)
     counters.attention_pieces = len(split.submodules) - len(split.pieces)
+    keys = {name: structure_key(split.gm.get_submodule(name)) for name in split.pieces}
     report.timings["split"] = time.perf_counter() - t
+    if dump:
+        dump.split(manager.number("attention_split"), split.gm, dict(split.submodules), keys)
 
     t = time.perf_counter()
     device = next(model.parameters()).device
     sizes = compile_sizes(config)
-    total = len({structure_key(split.gm.get_submodule(n)) for n in split.pieces}) * (1 + len(sizes))
-    compiler = InductorCompiler(device, config.inductor_options, counters, lambda done: progress("inductor", done, total))
+    total = len(set(keys.values())) * (1 + len(sizes))
+    codes: list[tuple[str, str, str]] = []
+    compiler = InductorCompiler(
+        device, config.inductor_options, counters, lambda done: progress("inductor", done, total),
+        post_grad_pass=manager, on_code=(lambda *code: codes.append(code)) if dump else None,
+    )
     pieces = {}
     for name in split.pieces:
         pieces[name] = compiler.compile_piece(split.gm.get_submodule(name), sizes)
         report.piece_keys[name] = pieces[name].key
     report.timings["inductor"] = time.perf_counter() - t
     report.timings["total"] = time.perf_counter() - start
+    report.passes = list(manager.records.values())
+    if dump:
+        dump.inductor(len(manager.passes) + 1, codes, keys)
+        table = format_records(report.passes)
+        dump.write("passes.md", f"```\n{table}\n```\n", "what every pass did: runs, matches, nodes removed and added")
 
     tensors = dict(model.named_parameters(remove_duplicate=False))
     tensors.update(model.named_buffers(remove_duplicate=False))
@@ -94,4 +125,5 @@ def compile_module(
         split, captured.bindings, pieces, plans_for(config.decode_batch_sizes, config.prefill_token_buckets), tensors
     )
     log.info("compiled %s: %s", type(model).__name__, report.summary())
+    log.info("passes (uuid %s):\n%s", manager.uuid()[:16], format_records(report.passes))
     return compiled, report

@@ -8,14 +8,22 @@ share one set of compiled artifacts.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch._inductor.compile_fx import graph_returns_tuple
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from graphkiln.errors import ConfigError
+
+from .compat import inductor_output_code
 from .counters import Counters
+
+POST_GRAD_PASS = "post_grad_custom_post_pass"
+OnCode = Callable[[str, str, str], None]  # (piece key, variant, Inductor output code)
 
 
 def _concrete(value, size: int):
@@ -59,6 +67,13 @@ def token_dim(gm: torch.fx.GraphModule) -> tuple[int, int | None] | None:
     return None
 
 
+def _target_name(target) -> str:
+    """A process-independent name for a node target (str() of a function holds its address)."""
+    if isinstance(target, (str, torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return str(target)
+    return f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', repr(target))}"
+
+
 def structure_key(gm: torch.fx.GraphModule) -> str:
     """A hash of the ops, their wiring and the input metadata, blind to node and placeholder names."""
     index = {node: i for i, node in enumerate(gm.graph.nodes)}
@@ -75,7 +90,7 @@ def structure_key(gm: torch.fx.GraphModule) -> str:
             ) else ("symint",)
             lines.append(f"placeholder {meta}")
         else:
-            lines.append(f"{node.op} {node.target} {arg(node.args)} {arg(node.kwargs)}")
+            lines.append(f"{node.op} {_target_name(node.target)} {arg(node.args)} {arg(node.kwargs)}")
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
 
 
@@ -106,7 +121,11 @@ class CompiledPiece:
 
 
 class InductorCompiler:
-    """Compiles FX pieces with Inductor; identical pieces are compiled once."""
+    """Compiles FX pieces with Inductor; identical pieces are compiled once.
+
+    `post_grad_pass` (the pass manager) goes into every compile's config_patches, so its uuid is
+    part of Inductor's cache key; `on_code` receives the output code of every compile.
+    """
 
     def __init__(
         self,
@@ -114,16 +133,34 @@ class InductorCompiler:
         options: dict | None = None,
         counters: Counters | None = None,
         on_compile: Callable[[int], None] = lambda done: None,
+        post_grad_pass: CustomGraphPass | None = None,
+        on_code: OnCode | None = None,
     ) -> None:
         self.device = device
         self.options = dict(options or {})
+        if post_grad_pass is not None:
+            if POST_GRAD_PASS in self.options:
+                raise ConfigError(f"CompileConfig.inductor_options sets {POST_GRAD_PASS}; register a pass instead")
+            self.options[POST_GRAD_PASS] = post_grad_pass
         self.counters = counters or Counters()
         self.on_compile = on_compile
+        self.on_code = on_code
         self._by_key: dict[str, CompiledPiece] = {}
 
     def hash(self) -> str:
-        text = f"{torch.__version__}|{sorted(self.options.items())}"
+        options = {k: v.uuid() if isinstance(v, CustomGraphPass) else v for k, v in self.options.items()}
+        text = f"{torch.__version__}|{sorted(options.items())}"
         return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def _compile(self, gm: torch.fx.GraphModule, inputs: list, dynamic_shapes: str, key: str, variant: str):
+        options = {"config_patches": self.options} if self.options else None
+        with inductor_output_code() if self.on_code else contextlib.nullcontext([]) as codes:
+            art = torch._inductor.standalone_compile(gm, inputs, dynamic_shapes=dynamic_shapes, options=options)
+        for code in codes:
+            self.on_code(key, variant, code)
+        self.counters.inductor_compiles += 1
+        self.on_compile(self.counters.inductor_compiles)
+        return art
 
     def compile_piece(self, gm: torch.fx.GraphModule, sizes: tuple[int, ...]) -> CompiledPiece:
         key = structure_key(gm)
@@ -131,19 +168,12 @@ class InductorCompiler:
             self.counters.cache_hits += 1
             return self._by_key[key]
         size_arg = token_dim(gm)
-        options = {"config_patches": self.options} if self.options else None
-        dynamic = torch._inductor.standalone_compile(gm, example_inputs(gm), dynamic_shapes="from_graph", options=options)
-        self.counters.inductor_compiles += 1
-        self.on_compile(self.counters.inductor_compiles)
+        dynamic = self._compile(gm, example_inputs(gm), "from_graph", key, "dynamic")
         artifacts: dict[str, object] = {"dynamic": dynamic}
         by_size = {}
         for size in sizes if size_arg is not None else ():
-            art = torch._inductor.standalone_compile(
-                gm, concrete_inputs(gm, size, self.device), dynamic_shapes="from_example_inputs", options=options
-            )
-            self.counters.inductor_compiles += 1
+            art = self._compile(gm, concrete_inputs(gm, size, self.device), "from_example_inputs", key, str(size))
             self.counters.specialized_compiles += 1
-            self.on_compile(self.counters.inductor_compiles)
             artifacts[str(size)] = art
             by_size[size] = art
         piece = CompiledPiece(key, dynamic, by_size, size_arg, graph_returns_tuple(gm), artifacts)

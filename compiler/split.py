@@ -1,7 +1,6 @@
-"""Split the Dynamo graph at every graphkiln::attention call into pieces: piece, attn, piece, attn, ..., piece.
+"""The pieces the attention_split pass cut the graph into: piece, attn, piece, attn, ..., piece.
 
-Every attention call gets a submodule of its own; the nodes between two calls form one piece.
-`split_module(keep_original_order=True)` keeps mutations (the op writes `out`) in program order.
+With that pass disabled the graph has no submodules and becomes one piece, attention inside.
 """
 
 from __future__ import annotations
@@ -11,11 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx.passes.split_module import split_module
 
-ATTENTION_OP = "graphkiln.attention"
-
-
-def is_attention(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and str(node.target).removesuffix(".default") == ATTENTION_OP
+from graphkiln.passes.attention_split import is_attention
 
 
 @dataclass
@@ -30,16 +25,16 @@ class SplitGraph:
         return [name for name, attn in self.submodules if not attn]
 
 
-def split_at_attention(gm: torch.fx.GraphModule) -> SplitGraph:
-    partition: dict[torch.fx.Node, int] = {}
-    part = 0
-    for node in gm.graph.nodes:
-        if is_attention(node):
-            partition[node] = part + 1
-            part += 2
-        else:
-            partition[node] = part
-    split = split_module(gm, None, lambda n: partition[n], keep_original_order=True)
+def split_pieces(gm: torch.fx.GraphModule) -> SplitGraph:
+    """Wrap `gm` after the passes; a fresh GraphModule drops Dynamo's attributes, which do not pickle."""
+    if any(n.op == "call_module" for n in gm.graph.nodes):
+        split = torch.fx.GraphModule(dict(gm.named_children()), gm.graph)
+    else:
+        split = split_module(gm, None, lambda n: 0, keep_original_order=True)
     order = [n.target for n in split.graph.nodes if n.op == "call_module"]
-    submodules = [(name, any(is_attention(n) for n in split.get_submodule(name).graph.nodes)) for name in order]
-    return SplitGraph(split, submodules)
+    return SplitGraph(split, [(name, _only_attention(split.get_submodule(name))) for name in order])
+
+
+def _only_attention(gm: torch.fx.GraphModule) -> bool:
+    calls = [n for n in gm.graph.nodes if n.op.startswith("call")]
+    return bool(calls) and all(is_attention(n) for n in calls)

@@ -53,7 +53,8 @@ def build_engine(
     if compiled is not None and cuda_graphs and device.type == "cuda":
         pool = torch.cuda.graph_pool_handle()
         prefill_sizes = tuple(s for s in compiled.plans["prefill"].sizes if s <= max_num_batched_tokens)
-        if prefill_sizes:
+        split_at_attention = any(attn for _, attn in compiled.split.submodules)
+        if prefill_sizes and split_at_attention:
             prefill_graphs = PiecewiseGraphs(compiled, backend, prefill_sizes, block_size, counters, pool)
             _log_capture("prefill piecewise", prefill_graphs.capture())
         decode_sizes = tuple(s for s in compiled.plans["decode"].sizes if s <= max_num_seqs)

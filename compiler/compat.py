@@ -1,0 +1,66 @@
+"""The one place for torch-version differences (2.11 to 2.13) and for reaching into torch/depyf internals.
+
+- `depyf_debug(dir)`: depyf's `prepare_debug`, imported lazily (the GPU image lacks depyf). On
+  torch 2.13 `PyCodeCache.load_by_key_path` gained the keyword-only `set_sys_modules`, which
+  depyf 0.20's replacement does not accept; for the duration of the context we swap in a copy
+  that forwards `**kwargs` (as vLLM's depyf_compat does).
+- `inductor_output_code()`: collects the wrapper code (with every C++/Triton kernel inline) of
+  each graph Inductor compiles or loads from its cache, through `GraphLowering.save_output_code`,
+  the hook torch's own `run_and_get_code` uses; present and called on cache hits in 2.11-2.13.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+from graphkiln.errors import ConfigError
+
+
+def load_by_key_path(key: str, path: str, linemap=None, attrs=None, **kwargs):
+    """depyf's patched `PyCodeCache.load_by_key_path`, forwarding keyword-only arguments (torch 2.13)."""
+    from depyf.explain.global_variables import data
+    from depyf.explain.utils import get_current_compiled_fn_name, write_code_to_file_template
+
+    template = os.path.join(data["dump_src_dir"], get_current_compiled_fn_name() + ".kernel_%s.py")
+    copy = write_code_to_file_template(Path(path).read_text(), template)
+    return data["unpatched_load_by_key_path"](key, copy, linemap, attrs, **kwargs)
+
+
+def require_depyf() -> ModuleType:
+    """depyf's debugging module, or a ConfigError saying how to install it (call before any work)."""
+    try:
+        from depyf.explain import enable_debugging
+    except ImportError as e:
+        raise ConfigError("CompileConfig.dump_dir needs depyf to decompile Dynamo's bytecode: pip install depyf") from e
+    return enable_debugging
+
+
+@contextlib.contextmanager
+def depyf_debug(dump_dir: Path) -> Iterator[None]:
+    """depyf.prepare_debug(dump_dir) around the call that makes Dynamo trace."""
+    enable_debugging = require_depyf()
+    original = enable_debugging.patched_load_by_key_path
+    enable_debugging.patched_load_by_key_path = load_by_key_path
+    try:
+        with enable_debugging.prepare_debug(str(dump_dir)):
+            yield
+    finally:
+        enable_debugging.patched_load_by_key_path = original
+
+
+@contextlib.contextmanager
+def inductor_output_code() -> Iterator[list[str]]:
+    """Collect the output code of every graph Inductor compiles or loads inside the context."""
+    from torch._inductor.graph import GraphLowering
+
+    codes: list[str] = []
+    previous = GraphLowering.save_output_code
+    GraphLowering.save_output_code = codes.append
+    try:
+        yield codes
+    finally:
+        GraphLowering.save_output_code = previous

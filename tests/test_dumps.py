@@ -1,0 +1,100 @@
+"""Pass-debugging dumps: compile the tiny model with a dump dir and check every promised file;
+the depyf compat wrapper; clear errors for a foreign folder and a missing depyf."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from test_passes import NAMES, toy_model
+
+import graphkiln
+from graphkiln import CompileConfig
+from graphkiln.compiler import compat
+from graphkiln.compiler.compile import compile_module
+from graphkiln.errors import ConfigError
+from graphkiln.passes.dump import kernel_counts
+
+SIZES = ("dynamic", "1", "16")
+
+
+@pytest.fixture(scope="module")
+def dumped(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dump")
+    config = CompileConfig(decode_batch_sizes=(1,), prefill_token_buckets=(16,), specialize=True,
+                           dump_dir=str(root / "dump"))
+    manifest, report = graphkiln.compile_model("tiny", root / "out", config)
+    index = (root / "dump" / "index.md").read_text()
+    files = re.findall(r"^- `([^`]+)`: (.*)$", index, re.MULTILINE)
+    return root / "dump", dict(files), manifest, report
+
+
+def test_index_lists_files_that_exist_in_pipeline_order(dumped):
+    dump, files, _, _ = dumped
+    assert all((dump / name).is_file() for name in files)
+    on_disk = {str(p.relative_to(dump)) for p in dump.rglob("*") if p.is_file()} - {"index.md"}
+    assert on_disk == set(files)
+    numbered = [name[:2] for name in files if name[:2].isdigit()]
+    assert numbered == sorted(numbered)
+
+
+def test_decompiled_bytecode_and_every_pass_before_and_after(dumped):
+    dump, files, _, _ = dumped
+    assert any(name.startswith("00-dynamo/full_code_for_forward") for name in files)
+    transformed = next(dump.glob("00-dynamo/__transformed_code_*.py")).read_text()
+    assert "def __transformed_code_0_for_forward(self, input_ids, positions)" in transformed
+    for number, name in enumerate(NAMES, 1):
+        for when in ("before", "after"):
+            assert "class GraphModule" in (dump / f"{number:02d}-{name}.{when}.py").read_text()
+    assert "submod_1" in (dump / "03-attention_split.after.py").read_text()
+    summary = (dump / "03-split.summary.md").read_text()
+    assert "5 pieces, 4 attention submodules; 28 tensors cross 8 cuts" in summary
+    assert "`x: float32[s" in summary
+    assert "noop_elimination" in (dump / "passes.md").read_text()
+
+
+def test_inductor_code_for_every_piece_and_size(dumped):
+    dump, files, manifest, report = dumped
+    for piece in manifest["compiled"]["pieces"]:
+        for size in SIZES:
+            name = next(n for n, what in files.items() if "inductor" in n and piece in what and f"({size})" in what)
+            code = (dump / name).read_text()
+            assert "def call(" in code and kernel_counts(code)["kernels"] >= 1
+    assert [p["name"] for p in manifest["passes"]] == NAMES
+    assert all(re.fullmatch(r"[0-9a-f]{64}", p["uuid"]) for p in manifest["passes"])
+    assert [r.name for r in report.passes] == NAMES
+
+
+def test_a_foreign_non_empty_folder_is_refused(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="not empty"):
+        compile_module(toy_model(), CompileConfig(dump_dir=str(tmp_path)))
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_missing_depyf_is_a_config_error(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "depyf", None)
+    monkeypatch.setitem(sys.modules, "depyf.explain", None)
+    with pytest.raises(ConfigError, match="pip install depyf"):
+        compile_module(toy_model(), CompileConfig(dump_dir=str(tmp_path / "dump")))
+    assert not (tmp_path / "dump").exists()
+
+
+def test_depyf_compat_forwards_keyword_arguments(monkeypatch, tmp_path):
+    from depyf.explain import enable_debugging
+    from depyf.explain.global_variables import data
+
+    calls = []
+    monkeypatch.setitem(data, "dump_src_dir", str(tmp_path))
+    monkeypatch.setitem(data, "unpatched_load_by_key_path", lambda *args, **kwargs: calls.append((args, kwargs)))
+    kernel = tmp_path / "kernel.py"
+    kernel.write_text("x = 1\n")
+    compat.load_by_key_path("key", str(kernel), None, None, set_sys_modules=False)
+    (args, kwargs), = calls
+    assert kwargs == {"set_sys_modules": False} and args[0] == "key" and Path(args[1]).read_text() == "x = 1\n"
+    original = enable_debugging.patched_load_by_key_path
+    with compat.depyf_debug(tmp_path / "dynamo"):
+        assert enable_debugging.patched_load_by_key_path is compat.load_by_key_path
+    assert enable_debugging.patched_load_by_key_path is original

@@ -1,0 +1,284 @@
+"""Passes: each pass's effect on op counts and boundary tensors, numerics after Inductor, switching
+off by name, the pass manager's uuid and its refusal of cache-bypassing passes."""
+
+from __future__ import annotations
+
+import copy
+import operator
+import os
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from dataclasses import dataclass
+
+import pytest
+import torch
+from test_compiler import TOY, CountingAttention, toy_model
+from torch._inductor.compile_fx import compile_fx
+
+from graphkiln import CompileConfig
+from graphkiln.compiler.capture import capture
+from graphkiln.compiler.compile import compile_module
+from graphkiln.compiler.inductor import InductorCompiler
+from graphkiln.compiler.split import split_pieces
+from graphkiln.errors import ConfigError
+from graphkiln.models.attention import ForwardContext, attention, forward_context
+from graphkiln.passes.attention_split import AttentionSplit, boundaries
+from graphkiln.passes.base import GraphPass, PostGradPass, content_hash
+from graphkiln.passes.boundary_recompute import BoundaryRecompute, BoundaryRecomputeConfig
+from graphkiln.passes.manager import PassManager, default_passes
+from graphkiln.passes.noop_elimination import NoopElimination
+
+NAMES = ["noop_elimination", "boundary_recompute", "attention_split"]
+
+
+def dynamo_graph(fn, *args) -> torch.fx.GraphModule:
+    """Dynamo's FX graph of fn(*args), the first argument's dim 0 dynamic."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.mark_dynamic(args[0], 0)
+    with forward_context(ForwardContext(CountingAttention())), torch.no_grad():
+        torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    torch._dynamo.reset()
+    return graphs[0]
+
+
+def inductor_with(graph_pass, fn):
+    """fn compiled by Inductor after `graph_pass` rewrote its Dynamo graph."""
+
+    def backend(gm, example_inputs):
+        graph_pass(gm)
+        gm.recompile()
+        return compile_fx(gm, example_inputs)
+
+    return torch.compile(fn, backend=backend, fullgraph=True, dynamic=True)
+
+
+def ops(gm: torch.fx.GraphModule) -> Counter:
+    return Counter(n.target if n.op == "call_method" else getattr(n.target, "__name__", str(n.target))
+                   for n in gm.graph.nodes if n.op in ("call_method", "call_function"))
+
+
+def run_manager(gm: torch.fx.GraphModule, disabled=()) -> PassManager:
+    manager = PassManager(default_passes(), disabled)
+    manager.run_dynamo(gm)
+    return manager
+
+
+def boundary_counts(gm: torch.fx.GraphModule) -> list[int]:
+    return [len(cut) for cut in boundaries(split_pieces(gm).gm)]
+
+
+def rope_gathers(gm: torch.fx.GraphModule) -> list[int]:
+    """Per piece, how many `buffer[input]` gathers straight from graph inputs it holds."""
+    split = split_pieces(gm)
+    return [sum(n.target is operator.getitem and all(a.op == "placeholder" for a in n.all_input_nodes)
+                for n in split.gm.get_submodule(name).graph.nodes) for name in split.pieces]
+
+
+def eager_and_compiled_agree(model, compiled, token_counts=(1, 7, 33)) -> None:
+    with forward_context(ForwardContext(CountingAttention())), torch.no_grad():
+        for n in token_counts:
+            ids = torch.randint(0, TOY.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
+            torch.testing.assert_close(compiled(ids, torch.arange(n)), model(ids, torch.arange(n)), rtol=0, atol=1e-5)
+
+
+def noops(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    a = x.float().to(torch.float32)
+    b = a.view(x.shape[0], 8).contiguous()[:, :]
+    return b.reshape(-1, 2, 4).reshape(x.shape[0], 8) * w
+
+
+@pytest.fixture(scope="module")
+def toy():
+    return toy_model()
+
+
+@pytest.fixture(scope="module")
+def toy_graph(toy):
+    """A fresh copy of the toy model's Dynamo graph per call (passes rewrite in place)."""
+    captured = capture(toy)
+    return lambda: torch.fx.GraphModule(captured.gm, copy.deepcopy(captured.gm.graph))
+
+
+def test_noop_elimination_removes_aliases_and_keeps_numerics():
+    x, w = torch.randn(5, 8), torch.randn(8)
+    gm = dynamo_graph(noops, x, w)
+    assert ops(gm)["reshape"] == 2 and sum(ops(gm)[m] for m in ("float", "to", "view", "contiguous")) == 4
+    assert NoopElimination()(gm) == 7  # 6 no-ops + 1 reshape chain collapsed
+    gm.recompile()
+    assert ops(gm) == Counter({"mul": 1})
+    compiled = inductor_with(NoopElimination(), noops)
+    for n in (1, 5, 33):
+        x = torch.randn(n, 8)
+        torch.testing.assert_close(compiled(x, w), noops(x, w), rtol=0, atol=1e-5)
+
+
+def test_noop_elimination_keeps_real_copies_and_casts():
+    def real(x):
+        return x.t().contiguous().to(torch.float16).float().reshape(-1)[1:]
+
+    gm = dynamo_graph(real, torch.randn(5, 8))
+    before = ops(gm)
+    assert NoopElimination()(gm) == 0 and ops(gm) == before
+
+
+def test_noop_elimination_on_the_toy_model(toy_graph):
+    gm = toy_graph()
+    before = ops(gm)
+    run_manager(gm, disabled=("boundary_recompute", "attention_split"))
+    # per layer two RMSNorms with .float() and .to(float32), one cos_sin.to(float32); the final norm
+    assert before - ops(gm) == Counter({"float": 5, "to": 7})
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_pass_switched_off_by_name_does_nothing(toy_graph, name):
+    on, off, absent = toy_graph(), toy_graph(), toy_graph()
+    run_manager(on)
+    assert run_manager(off, disabled=(name,)).records[name].runs == 0
+    PassManager([p for p in default_passes() if p.name != name]).run_dynamo(absent)
+    code = [gm.print_readable(print_output=False) for gm in (on, off, absent)]
+    assert code[1] == code[2] != code[0]
+
+
+def test_noop_elimination_means_fewer_boundary_tensors():
+    def aliased(x):
+        h = x * 2
+        a = h.float()  # an alias of h that a later piece reads
+        out = torch.empty_like(h)
+        attention(h, h, h, out, 0, 1.0)
+        return out + h + a
+
+    x = torch.randn(5, 2, 4)
+    kept, dropped = dynamo_graph(aliased, x), dynamo_graph(aliased, x)
+    run_manager(kept, disabled=("noop_elimination",))
+    run_manager(dropped)
+    assert boundary_counts(kept) == [3, 3] and boundary_counts(dropped) == [2, 2]
+
+
+def test_boundary_recompute_gathers_rope_in_each_piece(toy, toy_graph):
+    carried, recomputed = toy_graph(), toy_graph()
+    run_manager(carried, disabled=("boundary_recompute",))
+    run_manager(recomputed)
+    # cuts carried q, k, v, out, the residual and cos_sin (until the last layer's piece read it);
+    # now every piece that applies rope gathers cos_sin itself
+    assert boundary_counts(carried) == [6, 3, 5, 2]
+    assert boundary_counts(recomputed) == [5, 2, 5, 2]
+    assert rope_gathers(carried) == [1, 0, 0] and rope_gathers(recomputed) == [1, 1, 0]
+    compiled, report = compile_module(toy, CompileConfig(specialize=False, disabled_passes=("noop_elimination",)))
+    assert report.counters.unique_pieces == 3
+    eager_and_compiled_agree(toy, compiled)
+
+
+def test_boundary_recompute_config_bounds_the_chain(toy_graph):
+    gm = toy_graph()
+    PassManager([NoopElimination()]).run_dynamo(gm)
+    assert BoundaryRecompute(BoundaryRecomputeConfig(max_nodes=0))(gm) == 0
+    assert BoundaryRecompute(BoundaryRecomputeConfig(max_nodes=1))(gm) == 1
+
+
+def test_attention_split_isolates_each_attention_call_and_off_compiles_one_piece(toy, toy_graph):
+    gm = toy_graph()
+    assert AttentionSplit()(gm) == 2
+    split = split_pieces(gm)
+    assert [attn for _, attn in split.submodules] == [False, True, False, True, False]
+    whole = toy_graph()
+    run_manager(whole, disabled=("attention_split",))
+    assert [attn for _, attn in split_pieces(whole).submodules] == [False]
+    compiled, report = compile_module(toy, CompileConfig(specialize=False, disabled_passes=("attention_split",)))
+    report.counters.expect(pieces=1, attention_pieces=0, unique_pieces=1, inductor_compiles=1)
+    eager_and_compiled_agree(toy, compiled)
+
+
+def test_default_pipeline_matches_eager_and_reports_every_pass(toy):
+    compiled, report = compile_module(toy, CompileConfig(specialize=False))
+    eager_and_compiled_agree(toy, compiled)
+    assert [(r.name, r.enabled, r.runs) for r in report.passes] == [(n, True, 1) for n in NAMES]
+    noop, recompute, split = report.passes
+    assert (noop.matches, noop.nodes_removed, noop.nodes_added) == (12, 12, 0)
+    assert (recompute.matches, recompute.nodes_added) == (1, 1)
+    assert (split.matches, split.nodes_removed) == (2, 0)
+
+
+def test_unknown_pass_name_is_a_config_error_listing_known_names(toy):
+    with pytest.raises(ConfigError, match="unknown pass nope; known: " + ", ".join(NAMES)):
+        compile_module(toy, CompileConfig(disabled_passes=("nope",)))
+
+
+class Untracked(GraphPass):
+    name = "untracked"
+
+    def uuid(self):
+        return None
+
+    def __call__(self, gm):
+        return 0
+
+
+def test_passes_without_uuid_are_refused():
+    with pytest.raises(ConfigError, match="no uuid"):
+        PassManager([lambda graph: None])
+    with pytest.raises(ConfigError, match="no uuid"):
+        PassManager([Untracked()])
+    with pytest.raises(ConfigError, match="twice"):
+        PassManager([NoopElimination(), NoopElimination()])
+
+
+def test_uuid_changes_with_enabled_passes_and_pass_config():
+    base = PassManager(default_passes()).uuid()
+    assert PassManager(default_passes()).uuid() == base
+    assert PassManager(default_passes(), ["noop_elimination"]).uuid() != base
+    other = [NoopElimination(), BoundaryRecompute(BoundaryRecomputeConfig(max_nodes=3)), AttentionSplit()]
+    assert PassManager(other).uuid() != base
+
+
+def test_uuid_is_stable_across_processes_and_folder_moves(tmp_path):
+    code = "from graphkiln.passes.manager import PassManager, default_passes as d; print(PassManager(d()).uuid())"
+    other = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": "1"})
+    assert other.stdout.strip() == PassManager(default_passes()).uuid()
+    source = sys.modules[NoopElimination.__module__].__file__
+    moved = [shutil.copy(source, tmp_path / name) for name in ("a.py", "b.py")]
+    assert content_hash(moved[:1]) == content_hash(moved[1:]) == content_hash([source])
+    (tmp_path / "b.py").write_text(open(source).read() + "\n")
+    assert content_hash(moved[1:]) != content_hash(moved[:1])
+
+
+@dataclass(frozen=True)
+class Nonce:
+    value: int
+
+
+class CountMatmuls(PostGradPass):
+    """A test pass that only counts aten.mm/addmm nodes; a nonce config forces an Inductor cache miss."""
+
+    name = "count_matmuls"
+
+    def __init__(self, config: Nonce) -> None:
+        self.config = config
+
+    def __call__(self, graph: torch.fx.Graph) -> int:
+        return sum(str(n.target) in ("aten.mm.default", "aten.addmm.default") for n in graph.nodes)
+
+
+def test_post_grad_pass_runs_inside_inductor_and_stays_cacheable(tmp_path):
+    gm = dynamo_graph(lambda x, w: torch.relu(x @ w), torch.randn(5, 8), torch.randn(8, 8))
+    dumped = []
+    manager = PassManager([CountMatmuls(Nonce(int.from_bytes(os.urandom(8))))],
+                          dump=lambda *args: dumped.append(args[1:3]))
+    compiler = InductorCompiler(torch.device("cpu"), post_grad_pass=manager)
+    piece = compiler.compile_piece(gm, ())
+    assert compiler.options["post_grad_custom_post_pass"] is manager
+    record, = manager.records.values()
+    assert (record.stage, record.runs, record.matches) == ("post_grad", 1, 1)
+    assert dumped == [("count_matmuls", "before"), ("count_matmuls", "after")]
+    piece.artifacts["dynamic"].save(path=str(tmp_path / "piece.bin"), format="binary")  # no cache bypass
+    x, w = torch.randn(3, 8), torch.randn(8, 8)
+    feeds = {"L_x_": x, "L_w_": w}
+    args = [feeds.get(n.target, 3) for n in gm.graph.nodes if n.op == "placeholder"]
+    torch.testing.assert_close(piece(*args)[0], torch.relu(x @ w))
