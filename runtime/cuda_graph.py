@@ -57,6 +57,10 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(largest, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
         self.block_tables = torch.full((largest, max_blocks_per_seq), DUMMY_BLOCK, dtype=torch.int32, device=device)
+        self.staging = {
+            name: torch.zeros_like(getattr(self, name), device="cpu").pin_memory()
+            for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "block_tables")
+        }
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.replays: Counter[int] = Counter()
         self.stats: CaptureStats | None = None
@@ -104,21 +108,29 @@ class DecodeGraphs:
         return next((s for s in self.sizes if s >= num_seqs), None)
 
     def replay(self, ids: list[int], positions: list[int], slices: list[SequenceSlice], slots: list[int]) -> torch.Tensor:
-        """Logits [len(slices), vocab] of one decode step (the batch must fit the largest bucket)."""
+        """Logits [len(slices), vocab] of one decode step (the batch must fit the largest bucket).
+
+        The batch goes through pinned staging buffers with one asynchronous copy per field; the
+        block-table copy covers only the columns this batch uses (kernels never read past a
+        sequence's length). The caller's read of the sampled ids orders the next step's writes.
+        """
         n = len(slices)
         size = self.bucket(n)
         pad = size - n
-        dummy_slot = DUMMY_BLOCK * self.block_size
-        width = self.block_tables.shape[1]
-        tables = torch.full((size, width), DUMMY_BLOCK, dtype=torch.int32)
-        for row, s in enumerate(slices):
-            tables[row, : len(s.blocks)] = torch.tensor(s.blocks, dtype=torch.int32)
-        self.input_ids[:size].copy_(torch.tensor(ids + [0] * pad), non_blocking=True)
-        self.positions[:size].copy_(torch.tensor(positions + [0] * pad), non_blocking=True)
-        self.slot_mapping[:size].copy_(torch.tensor(slots + [dummy_slot] * pad), non_blocking=True)
+        host = {name: t.numpy() for name, t in self.staging.items()}
+        host["input_ids"][:size] = ids + [0] * pad
+        host["positions"][:size] = positions + [0] * pad
+        host["slot_mapping"][:size] = slots + [DUMMY_BLOCK * self.block_size] * pad
         seq_lens = [s.seq_len for s in slices] + [1] * pad
-        self.seq_lens[:size].copy_(torch.tensor(seq_lens, dtype=torch.int32), non_blocking=True)
-        self.block_tables[:size].copy_(tables, non_blocking=True)
+        host["seq_lens"][:size] = seq_lens
+        width = max(len(s.blocks) for s in slices)
+        tables = host["block_tables"]
+        tables[:size, :width] = DUMMY_BLOCK
+        for row, s in enumerate(slices):
+            tables[row, : len(s.blocks)] = s.blocks
+        for name in ("input_ids", "positions", "slot_mapping", "seq_lens"):
+            getattr(self, name)[:size].copy_(self.staging[name][:size], non_blocking=True)
+        self.block_tables[:size, :width].copy_(self.staging["block_tables"][:size, :width], non_blocking=True)
         self.backend.plan(self.metadata(size, tuple(seq_lens)))
         graph, logits = self.graphs[size]
         graph.replay()

@@ -26,7 +26,7 @@ class TokenEvent:
 
     request_id: int
     token_id: int
-    logprob: float
+    logprob: float | None
     finish_reason: str | None
 
 
@@ -76,12 +76,15 @@ class Engine:
         if not sampling:
             return []
         token_ids, logprobs = sample(logits, [c.seq.params for c in sampling], [c.seq.generator for c in sampling])
+        tokens = token_ids.tolist()
+        chosen_logprobs = logprobs.tolist() if logprobs is not None else [None] * len(tokens)
         now = time.perf_counter()
         events = []
-        for c, token, logprob in zip(sampling, token_ids.tolist(), logprobs.tolist()):
+        for c, token, logprob in zip(sampling, tokens, chosen_logprobs):
             seq = c.seq
-            seq.output_ids.append(token)
-            seq.logprobs.append(logprob)
+            seq.tokens.append(token)
+            if seq.params.logprobs:
+                seq.logprobs.append(logprob)
             if seq.first_token_time is None:
                 seq.first_token_time = now
             reason = self._finish_reason(seq, token)
@@ -98,7 +101,7 @@ class Engine:
             return "stop"
         if p.stop_token_ids and token in p.stop_token_ids:
             return "stop"
-        if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.scheduler.max_context:
+        if seq.num_output >= p.max_tokens or seq.num_tokens >= self.scheduler.max_context:
             return "length"
         return None
 

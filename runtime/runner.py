@@ -87,7 +87,7 @@ class ModelRunner:
             if batch.decode and self.graphs is not None and self.graphs.bucket(len(batch.ids)) is not None:
                 slots = slot_list(batch.slices, self.kv_cache.block_size)
                 logits = self.graphs.replay(batch.ids, batch.positions, batch.slices, slots)
-                return logits if rows is None else logits[rows]
+                return logits if rows is None or rows == list(range(len(batch.ids))) else logits[rows]
             if not batch.decode and self.prefill_graphs and self.prefill_graphs.bucket(len(batch.ids)):
                 hidden = self.prefill_graphs.replay(batch.ids, batch.positions, batch.slices)
             else:

@@ -28,8 +28,9 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Choose one token per row of float32 logits [N, V]; return (token ids [N], logprobs [N])."""
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Choose one token per row of float32 logits [N, V]; return (token ids [N], logprobs [N] or None
+    when no request asked for them)."""
     logits = logits.float()
     chosen = logits.argmax(-1)
     for row, (p, gen) in enumerate(zip(params, generators)):
@@ -38,5 +39,7 @@ def sample(
         probs = (filter_logits(logits[row], p.top_k, p.top_p) / p.temperature).softmax(-1)
         noise = torch.empty_like(probs).exponential_(generator=gen)
         chosen[row] = (probs / noise).argmax()
+    if not any(p.logprobs for p in params):
+        return chosen, None
     logprobs = logits.log_softmax(-1).gather(1, chosen[:, None]).squeeze(1)
     return chosen, logprobs

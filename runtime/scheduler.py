@@ -24,13 +24,13 @@ from .sampling_params import SamplingParams
 
 @dataclass(eq=False)
 class Sequence:
-    """One request's tokens and its state in the KV cache (compared by identity)."""
+    """One request's tokens (prompt, then output) and its state in the KV cache (compared by identity)."""
 
     request_id: int
     prompt_ids: list[int]
     params: SamplingParams
     generator: torch.Generator | None
-    output_ids: list[int] = field(default_factory=list)
+    tokens: list[int] = field(init=False, default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     num_computed: int = 0
     blocks: list[int] = field(default_factory=list)
@@ -40,13 +40,20 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
 
+    def __post_init__(self) -> None:
+        self.tokens = list(self.prompt_ids)
+
     @property
-    def tokens(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def output_ids(self) -> list[int]:
+        return self.tokens[len(self.prompt_ids) :]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - len(self.prompt_ids)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.tokens)
 
     @property
     def num_pending(self) -> int:

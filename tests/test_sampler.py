@@ -101,7 +101,7 @@ def test_sample_frequencies_follow_softmax(temperature: float) -> None:
     probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
     draws = 4000
     logits = probs.log().expand(draws, 4)
-    params = [SamplingParams(temperature=temperature)] * draws
+    params = [SamplingParams(temperature=temperature, logprobs=True)] * draws
     gen = torch.Generator().manual_seed(0)
     tokens, logprobs = sample(logits, params, [gen] * draws)
     expected = (probs.log() / temperature).softmax(-1)
@@ -116,3 +116,10 @@ def test_sample_mixes_greedy_and_sampled_rows() -> None:
     tokens, _ = sample(logits, params, [torch.Generator().manual_seed(0)] * 300)
     assert tokens[0::3].eq(1).all() and tokens[2::3].eq(0).all()
     assert set(tokens[1::3].tolist()) == {0, 1, 2}
+
+
+def test_logprobs_only_when_asked() -> None:
+    logits = torch.tensor([[0.0, 2.0, 1.0]])
+    assert sample(logits, [SamplingParams()], [None])[1] is None
+    _, logprobs = sample(logits, [SamplingParams(logprobs=True)], [None])
+    assert torch.allclose(logprobs, logits.log_softmax(-1)[:, 1])

@@ -1,0 +1,110 @@
+"""Where a decode step and a warm load spend their time (one GPU call, about two minutes).
+
+Builds a random Llama-3.2-1B-shaped bf16 model, compiles it with a few buckets, then reports:
+the load time split by function (cProfile), the decode step at batch 1 and 64 as wall time vs
+the graph replay alone (CUDA events) vs the host part, and a torch.profiler table of a few steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def build_model(path: Path, layers: int) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=layers, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, tie_word_embeddings=True,
+    )  # fmt: skip
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    model.save_pretrained(path)
+
+
+def top_functions(profile: cProfile.Profile, count: int) -> str:
+    out = io.StringIO()
+    pstats.Stats(profile, stream=out).sort_stats("cumulative").print_stats(count)
+    return out.getvalue()
+
+
+def step_times(llm, batch: int, steps: int) -> dict:
+    import graphkiln
+
+    engine = llm.engine
+    prompts = [[7 + i] * 128 for i in range(batch)]
+    seqs = [engine.add_request(p, graphkiln.SamplingParams(max_tokens=steps + 8, ignore_eos=True)) for p in prompts]
+    while any(s.num_computed < len(s.prompt_ids) for s in seqs):
+        engine.step()
+    graphs = engine.runner.graphs
+    size = graphs.bucket(batch)
+    graph, _ = graphs.graphs[size]
+    walls = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        engine.step()
+        walls.append(time.perf_counter() - t)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    for s in seqs:
+        engine.abort(s)
+    walls.sort()
+    return {"batch": batch, "step_ms_median": walls[len(walls) // 2] * 1e3, "replay_ms": start.elapsed_time(end) / steps}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--layers", type=int, default=16)
+    args = parser.parse_args()
+    import graphkiln
+    from graphkiln import CompileConfig
+
+    work = Path(tempfile.mkdtemp())
+    build_model(work / "model", args.layers)
+    config = CompileConfig(device="cuda", dtype="bfloat16", decode_batch_sizes=(1, 64), prefill_token_buckets=(128,))
+    t = time.perf_counter()
+    graphkiln.compile_model(work / "model", work / "art", config)
+    compile_s = time.perf_counter() - t
+    profile = cProfile.Profile()
+    t = time.perf_counter()
+    profile.enable()
+    llm = graphkiln.load(work / "art", kv_cache_tokens=65536)
+    profile.disable()
+    load_s = time.perf_counter() - t
+    steps = [step_times(llm, b, 50) for b in (1, 64)]
+    llm.engine.add_request([5] * 16, graphkiln.SamplingParams(max_tokens=64, ignore_eos=True))
+    for _ in range(3):
+        llm.engine.step()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            llm.engine.step()
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+    (args.out / "load_profile.txt").write_text(top_functions(profile, 60))
+    (args.out / "step_profile.txt").write_text(table)
+    result = {"compile_s": compile_s, "load_s": load_s, "steps": steps}
+    (args.out / "profile.json").write_text(json.dumps(result, indent=1))
+    print(top_functions(profile, 25)[:6000])
+    print(table[:5000])
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
