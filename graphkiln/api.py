@@ -59,7 +59,8 @@ def load(
         compile_model(source, out, config, force=True)
         net, compiled, manifest = read_artifact(out, model_dir, device, dtype)
     engine.setdefault("block_size", manifest["config"]["block_size"])
-    llm = LLM(build_engine(net, compiled, **engine), load_tokenizer(model_dir), net.cfg.max_context)
+    engine.setdefault("max_seq_len", manifest["config"]["max_seq_len"])
+    llm = LLM(build_engine(net, compiled, **engine), load_tokenizer(model_dir))
     llm.manifest = manifest
     return llm
 

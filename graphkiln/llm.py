@@ -65,10 +65,9 @@ def load_tokenizer(model_dir: Path):
 
 
 class LLM:
-    def __init__(self, engine: Engine, tokenizer, max_context: int) -> None:
+    def __init__(self, engine: Engine, tokenizer) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
-        self.max_context = max_context
         self.compile_report: CompileReport | None = None
         self.manifest: dict | None = None
 
@@ -82,7 +81,7 @@ class LLM:
         """
         model_dir = resolve_model_dir(model)
         net = load_model(model_dir, resolve_device(device), resolve_dtype(dtype))
-        return cls(build_engine(net, **engine), load_tokenizer(model_dir), net.cfg.max_context)
+        return cls(build_engine(net, **engine), load_tokenizer(model_dir))
 
     @classmethod
     def compile(cls, model: str | Path, config: CompileConfig | None = None, **engine) -> LLM:
@@ -91,9 +90,16 @@ class LLM:
         model_dir = resolve_model_dir(model)
         net = load_model(model_dir, resolve_device(config.device), resolve_dtype(config.dtype))
         compiled, report = compile_module(net, config)
-        llm = cls(build_engine(net, compiled, block_size=config.block_size, **engine), load_tokenizer(model_dir), net.cfg.max_context)
+        engine.setdefault("block_size", config.block_size)
+        engine.setdefault("max_seq_len", config.max_seq_len)
+        llm = cls(build_engine(net, compiled, **engine), load_tokenizer(model_dir))
         llm.compile_report = report
         return llm
+
+    @property
+    def max_context(self) -> int:
+        """The longest sequence (prompt plus output) this engine serves."""
+        return self.engine.scheduler.max_context
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

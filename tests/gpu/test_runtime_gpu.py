@@ -39,9 +39,9 @@ def engines(model: str, dtype: str):
     record(f"compile_timings_{model_dir.name}_{dtype}", report.timings)
     tok = load_tokenizer(model_dir)
     opts = dict(kv_cache_tokens=8192, attention_backend="triton")
-    eager = LLM(build_engine(net, **opts), tok, net.cfg.max_context)
-    plain = LLM(build_engine(net, compiled, cuda_graphs=False, **opts), tok, net.cfg.max_context)
-    graphed = LLM(build_engine(net, compiled, **opts), tok, net.cfg.max_context)
+    eager = LLM(build_engine(net, **opts), tok)
+    plain = LLM(build_engine(net, compiled, cuda_graphs=False, **opts), tok)
+    graphed = LLM(build_engine(net, compiled, **opts), tok)
     return eager, plain, graphed
 
 
