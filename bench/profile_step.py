@@ -97,12 +97,13 @@ def main() -> None:
         for _ in range(5):
             llm.engine.step()
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+    kernels = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=70)
     (args.out / "load_profile.txt").write_text(top_functions(profile, 60))
     (args.out / "step_profile.txt").write_text(table)
+    (args.out / "kernel_profile.txt").write_text(kernels)
     result = {"compile_s": compile_s, "load_s": load_s, "steps": steps}
     (args.out / "profile.json").write_text(json.dumps(result, indent=1))
-    print(top_functions(profile, 25)[:6000])
-    print(table[:5000])
+    print(kernels[:9000])
     print(json.dumps(result, indent=1))
 
 

@@ -54,7 +54,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, k, cos_sin)
         out = torch.empty_like(q)
-        attention(q, k, v.contiguous(), out, self.layer_index, self.scale)
+        attention(q, k, v, out, self.layer_index, self.scale)
         return self.o_proj(out.view(tokens, cfg.q_size))
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from graphkiln import LLM, SamplingParams
-from graphkiln.runtime.sampler import filter_logits, sample
+from graphkiln.runtime.sampler import argmax_rows, filter_logits, sample
 
 if TYPE_CHECKING:
     from conftest import Checkpoint
@@ -123,3 +123,11 @@ def test_logprobs_only_when_asked() -> None:
     assert sample(logits, [SamplingParams()], [None])[1] is None
     _, logprobs = sample(logits, [SamplingParams(logprobs=True)], [None])
     assert torch.allclose(logprobs, logits.log_softmax(-1)[:, 1])
+
+
+@pytest.mark.parametrize("vocab", [7, 512, 4096, 1000, 151936])
+def test_argmax_rows_matches_torch_argmax_including_ties(vocab: int) -> None:
+    logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(vocab))
+    logits[1] = 0.0  # every index ties: the first wins
+    logits[2, vocab // 2] = logits[2, -1] = 100.0  # a tie across chunks
+    assert torch.equal(argmax_rows(logits), logits.argmax(-1))
