@@ -23,6 +23,13 @@ from .attention.metadata import BatchMetadata, SequenceSlice
 from .kv_cache import DUMMY_BLOCK
 
 
+def reserved_after_sync() -> int:
+    """Bytes the caching allocator holds once idle cache is released: graph pools stay, the rest goes."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved()
+
+
 @dataclass(frozen=True)
 class CaptureStats:
     graphs: int
@@ -86,8 +93,7 @@ class DecodeGraphs:
     def capture(self) -> CaptureStats:
         """Warm up and capture every bucket, largest first, into one pool."""
         start = time.perf_counter()
-        torch.cuda.synchronize()
-        free_before = torch.cuda.mem_get_info()[0]
+        reserved_before = reserved_after_sync()
         stream = torch.cuda.Stream()
         with torch.inference_mode():
             for size in reversed(self.sizes):
@@ -101,7 +107,7 @@ class DecodeGraphs:
                 self.graphs[size] = (graph, logits)
                 self.counters.cudagraphs_captured += 1
         torch.cuda.synchronize()
-        self.stats = CaptureStats(len(self.graphs), time.perf_counter() - start, free_before - torch.cuda.mem_get_info()[0])
+        self.stats = CaptureStats(len(self.graphs), time.perf_counter() - start, reserved_after_sync() - reserved_before)
         return self.stats
 
     def bucket(self, num_seqs: int) -> int | None:

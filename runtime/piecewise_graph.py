@@ -20,7 +20,7 @@ from graphkiln.models.attention import ForwardContext, forward_context
 
 from .attention.base import AttentionBackend
 from .attention.metadata import BatchMetadata, SequenceSlice, build_metadata
-from .cuda_graph import CaptureStats
+from .cuda_graph import CaptureStats, reserved_after_sync
 from .kv_cache import DUMMY_BLOCK
 
 
@@ -90,8 +90,7 @@ class PiecewiseGraphs:
     def capture(self) -> CaptureStats:
         """Capture every piece for every bucket, largest first, on one side stream and pool."""
         start = time.perf_counter()
-        torch.cuda.synchronize()
-        free_before = torch.cuda.mem_get_info()[0]
+        reserved_before = reserved_after_sync()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         device = self.input_ids.device
@@ -103,7 +102,7 @@ class PiecewiseGraphs:
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         graphs = len(self.sizes) * len(self.compiled.pieces)
-        self.stats = CaptureStats(graphs, time.perf_counter() - start, free_before - torch.cuda.mem_get_info()[0])
+        self.stats = CaptureStats(graphs, time.perf_counter() - start, reserved_after_sync() - reserved_before)
         return self.stats
 
     def replay(self, ids: list[int], positions: list[int], slices: list[SequenceSlice]) -> torch.Tensor:
