@@ -112,7 +112,9 @@ def test_tiny_bfloat16_logits_close_and_graph_modes_identical():
     assert (got - want).norm() / want.norm() <= 2e-2
     prompts = uneven_prompts(4096, 5)
     params = SamplingParams(max_tokens=16, ignore_eos=True)
-    assert [o.token_ids for o in graphed.generate(prompts, params)] == [o.token_ids for o in plain.generate(prompts, params)]
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    assert [o.token_ids for o in graphed.generate(prompts, params)] == want
+    assert [o.token_ids for o in eager.generate(prompts, params)] == want
 
 
 @pytest.fixture(scope="module")
