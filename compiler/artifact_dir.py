@@ -27,7 +27,8 @@ from graphkiln.models.transformer import CausalLM
 from graphkiln.passes.base import Pass
 from graphkiln.passes.manager import check_disabled, default_passes
 
-from .artifacts import load_compiled, save_compiled
+from .artifacts import CPU_KERNELS, load_compiled, save_compiled
+from .compat import private_inductor_cache
 from .compile import CompileReport, Progress, compile_module
 from .compiled_model import CompiledModel
 from .config import CompileConfig
@@ -98,11 +99,15 @@ def _compile_into(
     start = time.perf_counter()
     model = load_model(model_dir, config.device, config.dtype)
     load_s = time.perf_counter() - start
-    compiled, report = compile_module(model, config, graph_passes, progress)
+    private_cache = tmp / ".inductor-cache"
+    with private_inductor_cache(private_cache) if config.device == "cpu" else contextlib.nullcontext():
+        compiled, report = compile_module(model, config, graph_passes, progress)
     report.timings = {"load": load_s, **report.timings}
     progress("save", 0, 1)
     t = time.perf_counter()
     section = save_compiled(compiled, tmp)
+    if private_cache.exists():
+        _ship_cpu_kernels(private_cache, tmp / CPU_KERNELS)
     report.timings["save"] = time.perf_counter() - t
     manifest = {
         "format_version": FORMAT_VERSION,
@@ -122,6 +127,15 @@ def _compile_into(
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     tmp.chmod(0o755)
     return manifest, report
+
+
+def _ship_cpu_kernels(cache: Path, shipped: Path) -> None:
+    """Keep the compiled C++ kernels of a private Inductor cache, in its layout; drop the rest."""
+    for library in cache.rglob("*.so"):
+        dest = shipped / library.relative_to(cache)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(library, dest)
+    shutil.rmtree(cache)
 
 
 def _replace(tmp: Path, out: Path) -> None:

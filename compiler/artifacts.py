@@ -3,6 +3,7 @@
 Layout under the directory:
   graph.pkl                 the stitching graph with its attention submodules (FX code, no weights)
   pieces/<key>/<variant>.bin  Inductor standalone artifacts; variant is "dynamic" or a token count
+  cpu-kernels/                (CPU only) the compiled C++ kernels, laid out as in Inductor's cache
 
 Reading assumes the caller already checked every file's sha256 against the manifest: the graph
 is unpickled and the pieces hold compiled code, so artifacts are exactly as trusted as the
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 
 from .capture import Binding
+from .compat import install_cpu_kernels
 from .compiled_model import CompiledModel
 from .inductor import CompiledPiece
 from .plan import GraphPlan
@@ -25,6 +27,7 @@ from .split import SplitGraph
 
 GRAPH_FILE = "graph.pkl"
 PIECES_DIR = "pieces"
+CPU_KERNELS = "cpu-kernels"
 
 
 def save_compiled(compiled: CompiledModel, out: Path) -> dict:
@@ -65,6 +68,8 @@ def save_compiled(compiled: CompiledModel, out: Path) -> dict:
 
 def load_compiled(section: dict, out: Path, tensors: dict[str, torch.Tensor]) -> CompiledModel:
     """Rebuild a CompiledModel from checked files, with no Dynamo trace and no Inductor compile."""
+    if (out / CPU_KERNELS).is_dir():
+        install_cpu_kernels(out / CPU_KERNELS)
     gm = pickle.loads((out / GRAPH_FILE).read_bytes())
     unique = {}
     for key, info in section["unique_pieces"].items():

@@ -4,6 +4,9 @@
   torch 2.13 `PyCodeCache.load_by_key_path` gained the keyword-only `set_sys_modules`, which
   depyf 0.20's replacement does not accept; for the duration of the context we swap in a copy
   that forwards `**kwargs` (as vLLM's depyf_compat does).
+- `private_inductor_cache(dir)` / `install_cpu_kernels(dir)`: compile-model on the CPU compiles
+  into a private Inductor cache and ships the compiled C++ kernels; loading copies them into the
+  active cache so the first load on a fresh machine does not run gcc.
 - `inductor_output_code()`: collects the wrapper code (with every C++/Triton kernel inline) of
   each graph Inductor compiles or loads from its cache, through `GraphLowering.save_output_code`,
   the hook torch's own `run_and_get_code` uses; present and called on cache hits in 2.11-2.13.
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -64,3 +68,31 @@ def inductor_output_code() -> Iterator[list[str]]:
         yield codes
     finally:
         GraphLowering.save_output_code = previous
+
+
+@contextlib.contextmanager
+def private_inductor_cache(directory: Path) -> Iterator[None]:
+    """Point Inductor's on-disk cache at `directory` for the duration (its in-memory caches are cleared)."""
+    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+
+    with temporary_cache_dir(str(directory)):
+        yield
+
+
+def install_cpu_kernels(shipped: Path) -> None:
+    """Copy compiled C++ kernels (`*.so`, laid out as in an Inductor cache) into the active cache.
+
+    Inductor looks a CPU kernel up by the hash of its source and compile command before running
+    the compiler, so kernels compiled on a machine of the same kind load without gcc.
+    """
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    target = Path(cache_dir())
+    for library in shipped.rglob("*.so"):
+        dest = target / library.relative_to(shipped)
+        if dest.exists():
+            continue
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        partial = dest.with_name(f".{dest.name}.{os.getpid()}")
+        shutil.copyfile(library, partial)
+        os.replace(partial, dest)

@@ -74,8 +74,14 @@ def piece_files(out: Path) -> list[Path]:
 # ---------------------------------------------------------------- load in a fresh process
 
 
-def test_fresh_process_loads_without_tracing_or_compiling(artifact: Path, eager_tokens: list[list[int]]) -> None:
+def test_fresh_process_loads_without_tracing_or_compiling(
+    artifact: Path, eager_tokens: list[list[int]], tmp_path: Path
+) -> None:
+    """A fresh process with an empty Inductor cache (a fresh machine): no trace, no compile, no gcc."""
+    fresh_cache = tmp_path / "inductor-cache"
     code = f"""
+import os
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = {str(fresh_cache)!r}
 import json, torch
 torch.set_num_threads(1)
 import graphkiln
@@ -94,6 +100,9 @@ print({RESULT_PREFIX!r} + json.dumps({{"before": before, "after": torch_compile_
     assert after["inductor_cache_loads"] > 0, after  # the pieces really came from the artifact
     assert result["tokens"] == eager_tokens
     assert [len(t) for t in eager_tokens] == [GREEDY.max_tokens] * len(PROMPTS)
+    shipped = {p.relative_to(artifact / "cpu-kernels") for p in (artifact / "cpu-kernels").rglob("*.so")}
+    assert shipped, "compile-model on the CPU ships its compiled C++ kernels"
+    assert {p.relative_to(fresh_cache) for p in fresh_cache.rglob("*.so")} == shipped  # gcc built nothing
 
 
 def test_copied_artifact_loads_and_matches_eager(art: Path, eager_tokens: list[list[int]]) -> None:
