@@ -1,4 +1,4 @@
-"""Triton and SDPA attention backends on the GPU against a float32 reference read from the paged cache.
+"""Triton, FlashInfer and SDPA attention backends on the GPU against a float32 reference read from the paged cache.
 
 Each run writes the batch's new keys and values through the backend; the reference then gathers
 every sequence's context from the same cache and applies a masked softmax in float32. Outputs are
@@ -19,8 +19,10 @@ pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 from graphkiln.models.config import ModelConfig  # noqa: E402
+from graphkiln.runtime.attention.flashinfer_backend import FlashInferBackend, flashinfer_importable  # noqa: E402
 from graphkiln.runtime.attention.metadata import BatchMetadata, SequenceSlice, build_metadata, pad_decode  # noqa: E402
 from graphkiln.runtime.attention.sdpa import SdpaBackend  # noqa: E402
+from graphkiln.runtime.attention.select import select_backend  # noqa: E402
 from graphkiln.runtime.attention.triton_backend import TritonBackend  # noqa: E402
 from graphkiln.runtime.kv_cache import KVCache  # noqa: E402
 
@@ -35,6 +37,15 @@ HEADS = [
     (torch.float16, 32, 8, 128), (torch.float16, 8, 8, 64), (torch.bfloat16, 16, 2, 256),
     (torch.bfloat16, 4, 2, 32), (torch.float32, 8, 2, 64),
 ]
+# FlashInfer serves float16/bfloat16 at head_dim 64, 128 and 256; GQA ratios 1, 4, 7 and 8. Each
+# (dtype, head_dim) is one JIT build of FlashInfer's fa2 module (decode and prefill share it).
+FLASHINFER_HEADS = [
+    (torch.bfloat16, 8, 8, 64), (torch.bfloat16, 32, 8, 128), (torch.bfloat16, 32, 4, 64),
+    (torch.bfloat16, 28, 4, 128), (torch.float16, 32, 8, 128), (torch.bfloat16, 16, 2, 256),
+]
+needs_flashinfer = pytest.mark.skipif(
+    not flashinfer_importable(), reason="flashinfer is not installed (pip install graphkiln[flashinfer])"
+)
 _rng = random.Random(0)
 DECODE = {  # context lengths; batches get padded decode rows where noted
     "boundaries": ([1, 15, 16, 17, 31, 32, 33] + [_rng.randint(1, 2048) for _ in range(40)], 5),
@@ -202,3 +213,71 @@ def test_triton_decode_replays_in_a_cuda_graph(heads: tuple, num_seqs: int, reco
     err = ((out[:num_seqs].float() - expected).norm() / expected.norm()).item()
     record_property("rel_err", err)
     assert err <= TOLERANCE[q.dtype], f"relative error {err:.3e}"
+
+
+@needs_flashinfer
+@pytest.mark.parametrize("case", DECODE)
+@pytest.mark.parametrize("heads", FLASHINFER_HEADS, ids=_id)
+def test_flashinfer_decode(heads: tuple, case: str, record_property) -> None:
+    lens, pad = DECODE[case]
+    batch = make_batch(heads, [(1, s) for s in lens], pad, decode=True)
+    run_and_check(FlashInferBackend(batch.cache), batch, record_property)
+
+
+@needs_flashinfer
+@pytest.mark.parametrize("case", PREFILL)
+@pytest.mark.parametrize("heads", FLASHINFER_HEADS, ids=_id)
+def test_flashinfer_prefill(heads: tuple, case: str, record_property) -> None:
+    lens, pad = PREFILL[case]
+    batch = make_batch(heads, lens, pad, decode=False)
+    run_and_check(FlashInferBackend(batch.cache), batch, record_property)
+
+
+@needs_flashinfer
+@pytest.mark.parametrize("heads", [(torch.bfloat16, 32, 8, 128), (torch.float16, 8, 8, 64)], ids=_id)
+@pytest.mark.parametrize("num_seqs", [4, 64])
+def test_flashinfer_decode_replays_in_a_cuda_graph(heads: tuple, num_seqs: int, record_property) -> None:
+    """As DecodeGraphs does: a warm-up step, a capture that plans inside it, then new lengths, a re-plan, a replay."""
+    width = 4096 // BLOCK
+    rng = random.Random(1)
+    lens_a = [rng.randint(1, 100) for _ in range(num_seqs)]
+    lens_b = [rng.choice([1, 15, 16, 17, rng.randint(1, 4096)]) for _ in range(num_seqs)]
+    batch = make_batch(heads, [(1, s) for s in lens_a + lens_b], 0, decode=True)
+    size = num_seqs + 2
+    meta_a = build_metadata(pad_decode(_slices([(1, s) for s in lens_a], _shuffled(batch, 3)), size), BLOCK, size, CUDA)
+    static = replace(meta_a, block_tables=F.pad(meta_a.block_tables, (0, width - meta_a.block_tables.shape[1])))
+    q, k, v = (t[:size] for t in batch.split())
+    out = torch.empty_like(q)
+    scale = q.shape[-1] ** -0.5
+    backend = FlashInferBackend(batch.cache)
+    backend.plan(static)(LAYER, q, k, v, out, scale)  # JIT, learn the head count, plan this batch size
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        backend.plan(static)(LAYER, q, k, v, out, scale)  # plans nothing while capturing
+
+    meta_b = build_metadata(pad_decode(_slices([(1, s) for s in lens_b], _shuffled(batch, 2)), size), BLOCK, size, CUDA)
+    static.seq_lens_t.copy_(meta_b.seq_lens_t)
+    static.block_tables.copy_(F.pad(meta_b.block_tables, (0, width - meta_b.block_tables.shape[1])))
+    static.slot_mapping.copy_(meta_b.slot_mapping)
+    backend.plan(replace(static, seq_lens=meta_b.seq_lens))  # the runner re-plans on the same buffers
+    batch.qkv[:size].normal_()
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+
+    replayed = Batch(batch.cache, meta_b, batch.qkv[:size], batch.num_heads, num_seqs)
+    expected = reference(replayed, meta_b, scale)
+    err = ((out[:num_seqs].float() - expected).norm() / expected.norm()).item()
+    record_property("rel_err", err)
+    assert err <= TOLERANCE[q.dtype], f"relative error {err:.3e}"
+    n = num_seqs
+    k_cache, v_cache = batch.cache.layer(LAYER)
+    assert torch.equal(k_cache.flatten(0, 1)[meta_b.slot_mapping[:n]], batch.split()[1][:n])
+
+
+def test_auto_backend_on_cuda() -> None:
+    """'auto' picks FlashInfer where it imports and serves the cache, Triton otherwise."""
+    served = make_batch((torch.bfloat16, 8, 2, 128), [(1, 5)], 0, decode=True).cache
+    other = make_batch((torch.bfloat16, 4, 2, 32), [(1, 5)], 0, decode=True).cache
+    assert select_backend("auto", served).name == ("flashinfer" if flashinfer_importable() else "triton")
+    assert select_backend("auto", other).name == "triton"
