@@ -119,6 +119,7 @@ def _compile_into(
         },
         "config": {k: v for k, v in asdict(config).items() if k != "inductor_options"},
         "passes": [{"name": r.name, "stage": r.stage, "uuid": r.uuid} for r in report.passes if r.enabled],
+        "compiler_hash": report.compiler_hash,
         "compiled": section,
         "timings": report.timings,
         "counters": report.counters.as_dict(),

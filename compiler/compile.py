@@ -41,6 +41,7 @@ class CompileReport:
     timings: dict[str, float] = field(default_factory=dict)
     counters: Counters = field(default_factory=Counters)
     piece_keys: dict[str, str] = field(default_factory=dict)
+    compiler_hash: str = ""
     passes: list[PassRecord] = field(default_factory=list)
 
     def summary(self) -> str:
@@ -107,6 +108,7 @@ def _compile(
         device, config.inductor_options, counters, lambda done: progress("inductor", done, total),
         post_grad_pass=manager, on_code=(lambda *code: codes.append(code)) if dump else None,
     )
+    report.compiler_hash = compiler.hash()
     pieces = {}
     for name in split.pieces:
         pieces[name] = compiler.compile_piece(split.gm.get_submodule(name), sizes)

@@ -148,6 +148,7 @@ class InductorCompiler:
         self._by_key: dict[str, CompiledPiece] = {}
 
     def hash(self) -> str:
+        """torch version, Inductor options and the pass manager's uuid: what decides the compiled code."""
         options = {k: v.uuid() if isinstance(v, CustomGraphPass) else v for k, v in self.options.items()}
         text = f"{torch.__version__}|{sorted(options.items())}"
         return hashlib.sha256(text.encode()).hexdigest()[:16]

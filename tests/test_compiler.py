@@ -169,3 +169,11 @@ def test_compile_config_defaults_and_specialization_default():
     assert CompileConfig(device="cuda").specializes
     with pytest.raises(Exception):
         config.dtype = "bfloat16"
+
+
+def test_compiler_hash_follows_the_passes_and_options():
+    model = toy_model()
+    base = compile_module(model, CompileConfig(specialize=False))[1].compiler_hash
+    assert compile_module(model, CompileConfig(specialize=False))[1].compiler_hash == base
+    disabled = CompileConfig(specialize=False, disabled_passes=("noop_elimination",))
+    assert compile_module(model, disabled)[1].compiler_hash != base
