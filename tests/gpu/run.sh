@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The GPU machine's test run, as one device call: install graphkiln, carried wheels if any
+# (tests/gpu/carry_wheels.sh), the attention tests in parallel, then the runtime tests.
+# Logs and the measurements the closing note quotes (report.jsonl) go to $OUT.
+#   run(command="bash tests/gpu/run.sh", carry=[".whl"], timeout_s=600)
+set -uo pipefail
+export PYTHONUNBUFFERED=1 GRAPHKILN_GPU_REPORT="$OUT/report.jsonl"
+python3 -m pip install --no-deps --no-build-isolation -e . -q 2>&1 | grep -v WARN
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site
+fi
+# -P: the repository folder must not shadow the installed package.
+python3 -P -m pytest tests/gpu/test_attention_backends.py -q -n 6 -p no:logging 2>&1 | tee "$OUT/attention.log" | tail -5
+python3 -P -m pytest tests/gpu/test_runtime_gpu.py -q -p no:logging --durations=6 2>&1 | tee "$OUT/runtime.log" | tail -12
+cat "$OUT/report.jsonl"
