@@ -1,30 +1,20 @@
-"""Attention planning on the CPU: Triton tile/split/work-item choices, batch metadata, SDPA vs float64,
-FlashInfer's page layout, backend selection, and the FlashInfer backend's planning driven through a
-torch stand-in for FlashInfer's wrappers."""
+"""Attention planning on the CPU: Triton tile/split/work-item choices, batch metadata, SDPA vs float64.
+
+FlashInfer's page layout, backend selection and planning are in test_flashinfer_planning.py."""
 
 from __future__ import annotations
 
 import random
-import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
-
-from graphkiln.errors import CapacityError, ConfigError
-from graphkiln.models.config import ModelConfig
-from graphkiln.runtime.attention.flashinfer_backend import (
-    INSTALL_HINT,
-    FlashInferBackend,
-    fill_page_indices,
-    import_flashinfer,
-    page_layout,
-    qo_indptr,
-    unsupported,
+from attention_helpers import CPU, model_config, naive_attention
+from graphkiln.runtime.attention.metadata import (
+    SequenceSlice,
+    build_metadata,
+    pad_decode,
 )
-from graphkiln.runtime.attention.metadata import SequenceSlice, build_metadata, pad_decode
 from graphkiln.runtime.attention.sdpa import SdpaBackend
-from graphkiln.runtime.attention.select import select_backend
 from graphkiln.runtime.attention.triton_backend import (
     MAX_SPLITS,
     MIN_SPLIT_TOKENS,
@@ -34,8 +24,6 @@ from graphkiln.runtime.attention.triton_backend import (
     prefill_work,
 )
 from graphkiln.runtime.kv_cache import DUMMY_BLOCK, KVCache
-
-CPU = torch.device("cpu")
 
 
 @pytest.mark.parametrize("num_seqs", [1, 3, 32, 128, 256])
@@ -96,30 +84,6 @@ def test_padded_decode_rows_live_in_the_dummy_block() -> None:
     assert meta.block_tables[1:].eq(DUMMY_BLOCK).all()
 
 
-def _config(num_heads: int, num_kv_heads: int, head_dim: int) -> ModelConfig:
-    return ModelConfig(
-        architecture="LlamaForCausalLM", family="llama", vocab_size=8, hidden_size=num_heads * head_dim,
-        intermediate_size=8, num_layers=2, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        rms_norm_eps=1e-5, max_context=4096, tie_word_embeddings=False, qkv_bias=False, o_bias=False,
-        mlp_bias=False, qk_norm=False, rope_type="default", bos_token_id=None, eos_token_ids=(),
-    )
-
-
-def _naive_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-    """float64 causal attention of q [n, Hq, D] at the last n positions of unpaged keys/values [L, Hkv, D]."""
-    n, num_heads, _ = q.shape
-    length, num_kv_heads, _ = keys.shape
-    out = torch.empty(q.shape, dtype=torch.float64)
-    for j in range(n):
-        visible = length - n + j + 1
-        for h in range(num_heads):
-            kv = h // (num_heads // num_kv_heads)
-            scores = keys[:visible, kv].double() @ q[j, h].double() * scale
-            weights = torch.exp(scores - scores.max())
-            out[j, h] = weights @ values[:visible, kv].double() / weights.sum()
-    return out
-
-
 @pytest.mark.parametrize(
     "lens,decode",
     [
@@ -132,7 +96,7 @@ def test_sdpa_backend_matches_naive_float64(lens: list[tuple[int, int]], decode:
     """Cached prefixes are written slot by slot, new tokens through the backend; outputs match unpaged math."""
     num_heads, num_kv_heads, head_dim, block_size, pad = 4, 2, 16, 16, 3
     gen = torch.Generator().manual_seed(0)
-    cache = KVCache(_config(num_heads, num_kv_heads, head_dim), 32, block_size, torch.float32, CPU)
+    cache = KVCache(model_config(num_heads, num_kv_heads, head_dim), 32, block_size, torch.float32, CPU)
     free = list(range(1, 32))
     random.Random(0).shuffle(free)
     slices, full_k, full_v = [], [], []
@@ -157,280 +121,7 @@ def test_sdpa_backend_matches_naive_float64(lens: list[tuple[int, int]], decode:
     SdpaBackend(cache).plan(meta)(1, q, k, v, out, head_dim**-0.5)
     start = 0
     for (q_len, _), keys, values in zip(lens, full_k, full_v):
-        expected = _naive_attention(q[start : start + q_len], keys, values, head_dim**-0.5)
+        expected = naive_attention(q[start : start + q_len], keys, values, head_dim**-0.5)
         torch.testing.assert_close(out[start : start + q_len].double(), expected, rtol=1e-5, atol=1e-5)
         start += q_len
     assert not out.isnan().any()
-
-
-# --- FlashInfer: page layout, selection, and planning against a torch stand-in -----------------
-
-
-def _page_indices(meta, capacity: int | None = None) -> list[int]:
-    indptr, _ = page_layout(meta.seq_lens, meta.block_size, meta.block_tables.shape[1])
-    out = torch.full(((capacity or int(indptr[-1])) + 1,), -1, dtype=torch.int32)
-    fill_page_indices(meta.block_tables, indptr, out)
-    return out.tolist()
-
-
-def test_flashinfer_page_layout_at_block_boundaries() -> None:
-    meta = build_metadata([SequenceSlice(1, n, b) for n, b in ((15, (7,)), (16, (3,)), (17, (9, 4)))], 16, 3, CPU)
-    indptr, last = page_layout(meta.seq_lens, 16, meta.block_tables.shape[1])
-    assert indptr.dtype == last.dtype == torch.int32 and indptr.device == last.device == CPU
-    assert indptr.tolist() == [0, 1, 2, 4]
-    assert last.tolist() == [15, 16, 1]
-    assert _page_indices(meta)[:-1] == [7, 3, 9, 4]
-    assert qo_indptr(meta.query_lens).tolist() == meta.query_start_loc.tolist() == [0, 1, 2, 3]
-
-
-def test_flashinfer_padded_decode_rows_read_the_dummy_block() -> None:
-    meta = build_metadata(pad_decode([SequenceSlice(1, 17, (5, 6))], 4), 16, 4, CPU)
-    indptr, last = page_layout(meta.seq_lens, 16)
-    assert indptr.tolist() == [0, 2, 3, 4, 5]
-    assert last.tolist() == [1, 1, 1, 1]
-    assert _page_indices(meta)[:-1] == [5, 6, DUMMY_BLOCK, DUMMY_BLOCK, DUMMY_BLOCK]
-
-
-def test_flashinfer_prefill_layout_with_a_cached_prefix() -> None:
-    slices = [SequenceSlice(5, 21, (8, 2)), SequenceSlice(1, 17, (4, 11)), SequenceSlice(16, 48, (6, 1, 9)),
-              SequenceSlice(3, 3, (12,))]
-    meta = build_metadata(slices, 16, 30, CPU)
-    indptr, last = page_layout(meta.seq_lens, 16, meta.block_tables.shape[1])
-    assert qo_indptr(meta.query_lens).tolist() == meta.query_start_loc.tolist() == [0, 5, 6, 22, 25]
-    assert indptr.tolist() == [0, 2, 4, 7, 8]
-    assert last.tolist() == [5, 1, 16, 3]
-    assert _page_indices(meta)[:-1] == [8, 2, 4, 11, 6, 1, 9, 12]
-
-
-def test_fill_page_indices_leaves_the_rest_of_a_static_buffer() -> None:
-    """A CUDA-graph decode buffer holds batch x width pages plus a scratch slot; only the page list is written."""
-    meta = build_metadata([SequenceSlice(1, 17, (9, 4)), SequenceSlice(1, 1, (5,))], 16, 2, CPU)
-    tables = torch.nn.functional.pad(meta.block_tables, (0, 6), value=DUMMY_BLOCK)  # width 8, like the runner's
-    indptr, _ = page_layout(meta.seq_lens, 16, tables.shape[1])
-    out = torch.full((2 * 8 + 1,), -1, dtype=torch.int32)
-    fill_page_indices(tables, indptr, out)
-    assert out[:3].tolist() == [9, 4, 5]
-    assert out[3:-1].eq(-1).all()
-
-
-def test_flashinfer_page_layout_rejects_empty_and_too_wide_sequences() -> None:
-    with pytest.raises(ValueError, match="at least one token"):
-        page_layout((3, 0), 16)
-    with pytest.raises(ValueError, match="does not fit"):
-        page_layout((33,), 16, width=2)
-
-
-def test_flashinfer_supports_half_types_and_three_head_sizes() -> None:
-    assert unsupported(torch.bfloat16, 128) is None and unsupported(torch.float16, 256) is None
-    assert "head_dim 96" in unsupported(torch.bfloat16, 96)
-    assert "float32" in unsupported(torch.float32, 128)
-
-
-def test_select_backend_on_the_cpu() -> None:
-    cache = KVCache(_config(4, 2, 64), 4, 16, torch.float32, CPU)
-    assert isinstance(select_backend("auto", cache), SdpaBackend)
-    for name in ("triton", "flashinfer"):
-        with pytest.raises(ConfigError, match="needs a CUDA device"):
-            select_backend(name, cache)
-    with pytest.raises(ConfigError, match="unknown"):
-        select_backend("flash", cache)
-
-
-def test_missing_flashinfer_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "flashinfer", None)  # makes `import flashinfer` raise ImportError
-    with pytest.raises(ConfigError, match=r"pip install graphkiln\[flashinfer\]"):
-        import_flashinfer()
-    assert INSTALL_HINT == "pip install graphkiln[flashinfer]"
-
-
-def _stand_in_attention(wrapper, q, paged_kv_cache, q_scale, out) -> None:
-    """What FlashInfer computes from a plan: causal attention (aligned to the end) over the listed pages."""
-    k_cache, v_cache = paged_kv_cache
-    qo, indptr, indices, last = (t.tolist() for t in wrapper.layout())
-    page_size, num_kv_heads, head_dim = k_cache.shape[1:]
-    scale = (wrapper.sm_scale or head_dim**-0.5) * (q_scale or 1.0)
-    for i in range(len(indptr) - 1):
-        pages = torch.tensor(indices[indptr[i] : indptr[i + 1]])
-        length = (len(pages) - 1) * page_size + last[i]
-        keys = k_cache[pages].reshape(-1, num_kv_heads, head_dim)[:length]
-        values = v_cache[pages].reshape(-1, num_kv_heads, head_dim)[:length]
-        out[qo[i] : qo[i + 1]] = _naive_attention(q[qo[i] : qo[i + 1]], keys, values, scale).to(out.dtype)
-
-
-class _StandInDecodeWrapper:
-    """FlashInfer 0.5.3's BatchDecodeWithPagedKVCacheWrapper signatures (decode.py), computed with torch."""
-
-    def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, use_tensor_cores=False,
-                 paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None, paged_kv_last_page_len_buffer=None,
-                 backend="auto", jit_args=None) -> None:
-        assert kv_layout == "NHD" and use_cuda_graph and use_tensor_cores
-        assert len(paged_kv_indptr_buffer) == len(paged_kv_last_page_len_buffer) + 1
-        self.buffers = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
-        self.plans = 0
-
-    def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
-             pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None, q_data_type="float16",
-             kv_data_type=None, data_type=None, sm_scale=None, rope_scale=None, rope_theta=None,
-             non_blocking=True, block_tables=None, seq_lens=None, fixed_split_size=None,
-             disable_split_kv=False) -> None:
-        assert indptr.device.type == last_page_len.device.type == "cpu"  # host arrays: no device read
-        assert indptr.dtype == indices.dtype == last_page_len.dtype == torch.int32
-        assert len(indptr) == len(self.buffers[0]) and len(indices) < len(self.buffers[1])
-        self.buffers[0].copy_(indptr)
-        self.buffers[1][: len(indices)].copy_(indices)
-        self.buffers[2].copy_(last_page_len)
-        self.sm_scale, self.q_dtype = sm_scale, q_data_type
-        self.plans += 1
-
-    def layout(self):  # run reads the persistent buffers, as a captured graph would
-        indptr, indices, last = self.buffers
-        return torch.arange(len(indptr), dtype=torch.int32), indptr, indices, last
-
-    def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
-            return_lse=False, enable_pdl=None, window_left=None, sinks=None, q_len_per_req=1):
-        assert out is not None and out.shape == q.shape and out.is_contiguous() and q.dtype == self.q_dtype
-        _stand_in_attention(self, q, paged_kv_cache, q_scale, out)
-        return out
-
-
-class _StandInPrefillWrapper:
-    """FlashInfer 0.5.3's BatchPrefillWithPagedKVCacheWrapper signatures (prefill.py), computed with torch."""
-
-    def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, qo_indptr_buf=None,
-                 paged_kv_indptr_buf=None, paged_kv_indices_buf=None, paged_kv_last_page_len_buf=None,
-                 custom_mask_buf=None, mask_indptr_buf=None, backend="auto", jit_args=None, jit_kwargs=None) -> None:
-        assert kv_layout == "NHD" and not use_cuda_graph
-        self.plans = 0
-
-    def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
-             num_kv_heads, head_dim_qk, page_size, head_dim_vo=None, custom_mask=None, packed_custom_mask=None,
-             causal=False, pos_encoding_mode="NONE", use_fp16_qk_reduction=False, sm_scale=None, window_left=-1,
-             logits_soft_cap=None, rope_scale=None, rope_theta=None, q_data_type="float16", kv_data_type=None,
-             non_blocking=True, prefix_len_ptr=None, token_pos_in_items_ptr=None, token_pos_in_items_len=0,
-             max_item_len_ptr=None, seq_lens=None, seq_lens_q=None, block_tables=None,
-             max_token_per_sequence=None, max_sequence_kv=None, fixed_split_size=None,
-             disable_split_kv=False) -> None:
-        assert causal and qo_indptr.device.type == paged_kv_indptr.device.type == "cpu"
-        assert paged_kv_last_page_len.device.type == "cpu"
-        self.arrays = (qo_indptr.clone(), paged_kv_indptr.clone(), paged_kv_indices, paged_kv_last_page_len.clone())
-        self.sm_scale, self.q_dtype = sm_scale, q_data_type
-        self.plans += 1
-
-    def layout(self):
-        return self.arrays
-
-    def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
-            return_lse=False, enable_pdl=None, window_left=None, sinks=None):
-        assert out is not None and out.shape == q.shape and out.is_contiguous() and q.dtype == self.q_dtype
-        assert q.shape[0] == self.arrays[0][-1]
-        _stand_in_attention(self, q, paged_kv_cache, q_scale, out)
-        return out
-
-
-def _cpu_write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
-    heads, dim = k.shape[1:]
-    slots = slot_mapping[: k.shape[0]]
-    k_cache.view(-1, heads, dim).index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.view(-1, heads, dim).index_copy_(0, slots, v.to(v_cache.dtype))
-
-
-@pytest.fixture
-def stand_in_flashinfer(monkeypatch: pytest.MonkeyPatch) -> None:
-    fake = SimpleNamespace(
-        BatchDecodeWithPagedKVCacheWrapper=_StandInDecodeWrapper,
-        BatchPrefillWithPagedKVCacheWrapper=_StandInPrefillWrapper,
-    )
-    monkeypatch.setitem(sys.modules, "flashinfer", fake)
-    monkeypatch.setitem(sys.modules, "graphkiln.runtime.attention.kv_write", SimpleNamespace(write_kv=_cpu_write_kv))
-
-
-def _paged_batch(cache: KVCache, lens, decode: bool, pad: int, seed: int):
-    """Slices over shuffled blocks with their cached prefixes written; the new rows' q, k, v; full k/v."""
-    gen = torch.Generator().manual_seed(seed)
-    num_kv_heads, head_dim = cache.keys.shape[-2:]
-    free = list(range(1, cache.num_blocks))
-    random.Random(seed).shuffle(free)
-    slices, full_k, full_v = [], [], []
-    for q_len, seq_len in lens:
-        blocks = tuple(free.pop() for _ in range(-(-seq_len // 16)))
-        slices.append(SequenceSlice(q_len, seq_len, blocks))
-        full_k.append(torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(cache.keys.dtype))
-        full_v.append(torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(cache.keys.dtype))
-        for pos in range(seq_len - q_len):
-            slot = blocks[pos // 16] * 16 + pos % 16
-            cache.keys[1].view(-1, num_kv_heads, head_dim)[slot] = full_k[-1][pos]
-            cache.values[1].view(-1, num_kv_heads, head_dim)[slot] = full_v[-1][pos]
-    slices = pad_decode(slices, len(slices) + pad) if decode else slices
-    rows = sum(s.query_len for s in slices) + (0 if decode else pad)
-    meta = build_metadata(slices, 16, rows, CPU)
-    new = [(k[s - q :], v[s - q :]) for k, v, (q, s) in zip(full_k, full_v, lens)]
-    extra = rows - sum(q for q, _ in lens)
-    k = torch.cat([n[0] for n in new] + [torch.zeros(extra, num_kv_heads, head_dim, dtype=cache.keys.dtype)])
-    v = torch.cat([n[1] for n in new] + [torch.zeros(extra, num_kv_heads, head_dim, dtype=cache.keys.dtype)])
-    return meta, k, v, full_k, full_v
-
-
-def _check_rows(out, q, lens, full_k, full_v, scale) -> None:
-    start = 0
-    for (q_len, _), keys, values in zip(lens, full_k, full_v):
-        expected = _naive_attention(q[start : start + q_len].double(), keys.double(), values.double(), scale)
-        torch.testing.assert_close(out[start : start + q_len].double(), expected, rtol=2e-2, atol=2e-2)
-        start += q_len
-
-
-@pytest.mark.usefixtures("stand_in_flashinfer")
-def test_flashinfer_backend_plans_once_per_step_and_matches_float64() -> None:
-    """Decode (padded rows), then chunked prefill on cached prefixes mixed with a decode, through the stand-in."""
-    num_heads, num_kv_heads, head_dim = 8, 2, 64
-    cache = KVCache(_config(num_heads, num_kv_heads, head_dim), 40, 16, torch.bfloat16, CPU)
-    backend = FlashInferBackend(cache, workspace_bytes=16)
-    scale = head_dim**-0.5
-    gen = torch.Generator().manual_seed(1)
-
-    decode_lens = [(1, 15), (1, 16), (1, 17), (1, 1), (1, 40)]
-    meta, k, v, full_k, full_v = _paged_batch(cache, decode_lens, decode=True, pad=3, seed=0)
-    q = torch.randn(meta.num_tokens, num_heads, head_dim, generator=gen).to(torch.bfloat16)
-    out = torch.full_like(q, float("nan"))
-    fn = backend.plan(meta)
-    wrapper = backend._decode[8].wrapper
-    assert wrapper.plans == 0  # the head count is learned from the first layer call
-    fn(1, q, k, v, out, scale)
-    fn(1, q, k, v, out, scale)  # a second layer plans nothing
-    assert wrapper.plans == 1
-    _check_rows(out, q, decode_lens, full_k, full_v, scale)
-    assert not out.isnan().any()
-    backend.plan(meta)
-    assert wrapper.plans == 2  # later steps plan in `plan`, before any layer runs (as a graph replay needs)
-
-    prefill_lens = [(5, 21), (1, 17), (16, 48), (3, 3)]
-    cache.keys.zero_()
-    cache.values.zero_()
-    meta, k, v, full_k, full_v = _paged_batch(cache, prefill_lens, decode=False, pad=3, seed=1)
-    q = torch.randn(meta.num_tokens + 3, num_heads, head_dim, generator=gen).to(torch.bfloat16)
-    out = torch.full_like(q, float("nan"))
-    fn = backend.plan(meta)
-    assert backend._prefill_wrapper.plans == 1
-    fn(1, q, k, v, out, scale)
-    _check_rows(out, q, prefill_lens, full_k, full_v, scale)
-    assert out[meta.num_tokens :].eq(0).all()
-
-    out.fill_(float("nan"))
-    fn(1, q, k, v, out, 0.5 * scale)  # a layer with another scale than the planned one
-    _check_rows(out, q, prefill_lens, full_k, full_v, 0.5 * scale)
-    assert backend._prefill_wrapper.plans == 1
-
-
-@pytest.mark.usefixtures("stand_in_flashinfer")
-def test_flashinfer_decode_buffers_grow_until_captured() -> None:
-    cache = KVCache(_config(4, 2, 64), 64, 16, torch.float16, CPU)
-    backend = FlashInferBackend(cache, workspace_bytes=16)
-    narrow = build_metadata([SequenceSlice(1, 16, (3,)), SequenceSlice(1, 5, (4,))], 16, 2, CPU)
-    wide = build_metadata([SequenceSlice(1, 40, (5, 6, 7)), SequenceSlice(1, 5, (4,))], 16, 2, CPU)
-    backend.plan(narrow)
-    assert backend._decode[2].capacity == 2
-    backend.plan(wide)
-    assert backend._decode[2].capacity == 6
-    backend._decode[2].captured = True
-    wider = build_metadata([SequenceSlice(1, 100, tuple(range(8, 15))), SequenceSlice(1, 5, (4,))], 16, 2, CPU)
-    with pytest.raises(CapacityError, match="captured graph holds 6"):
-        backend.plan(wider)
