@@ -12,6 +12,12 @@ DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "float16", "bfloat16")
 
 
+def check_block_size(value, field: str) -> None:
+    """KV blocks hold a power-of-two number of tokens (kernels index within a block by bit masks)."""
+    if not isinstance(value, int) or value < 1 or value & (value - 1):
+        raise ConfigError(f"{field}={value!r}: use a power of two such as 16")
+
+
 def _check_sizes(name: str, sizes: tuple[int, ...]) -> None:
     if not sizes:
         raise ConfigError(f"CompileConfig.{name} is empty; give at least one size")
@@ -56,8 +62,7 @@ class CompileConfig:
             raise ConfigError(f"CompileConfig.dtype={self.dtype!r}; use one of {DTYPES}")
         _check_sizes("decode_batch_sizes", self.decode_batch_sizes)
         _check_sizes("prefill_token_buckets", self.prefill_token_buckets)
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise ConfigError(f"CompileConfig.block_size={self.block_size}: use a power of two such as 16")
+        check_block_size(self.block_size, "CompileConfig.block_size")
         if self.max_seq_len is not None and self.max_seq_len < 1:
             raise ConfigError(f"CompileConfig.max_seq_len={self.max_seq_len}: must be positive")
         if self.kv_cache_tokens is not None:

@@ -14,6 +14,12 @@ PIECEWISE = "piecewise"
 FULL = "full"
 
 
+def smallest_bucket(sizes: tuple[int, ...], count: int) -> int | None:
+    """The smallest of the increasing `sizes` that holds `count`, or None beyond the largest."""
+    i = bisect.bisect_left(sizes, count)
+    return sizes[i] if i < len(sizes) else None
+
+
 @dataclass(frozen=True)
 class GraphPlan:
     phase: str
@@ -21,9 +27,7 @@ class GraphPlan:
     cuda_graph: str
 
     def bucket(self, num_tokens: int) -> int | None:
-        """The smallest size that holds `num_tokens`, or None beyond the largest (run unpadded)."""
-        i = bisect.bisect_left(self.sizes, num_tokens)
-        return self.sizes[i] if i < len(self.sizes) else None
+        return smallest_bucket(self.sizes, num_tokens)
 
 
 def plans_for(decode_batch_sizes: tuple[int, ...], prefill_token_buckets: tuple[int, ...]) -> dict[str, GraphPlan]:

@@ -78,7 +78,7 @@ def format_manifest(m: dict, root: Path) -> str:
         f"built with    graphkiln {env['graphkiln']}, torch {env['torch']}, triton {env['triton']}, python {env['python']}",
         f"device        {env['device']['type']} {env['device']['name']} ({env['device']['capability']})",
         f"model         {model['source']} ({model['architecture']}), config sha256 {model['config_sha256'][:12]}",
-        f"weights       " + ", ".join(f"{w['file']} ({w['size'] / 2**20:.1f} MiB)" for w in model["weights"]),
+        "weights       " + ", ".join(f"{w['file']} ({w['size'] / 2**20:.1f} MiB)" for w in model["weights"]),
         f"dtype         {cfg['dtype']}",
         f"decode sizes  {cfg['decode_batch_sizes']}",
         f"prefill sizes {cfg['prefill_token_buckets']}",

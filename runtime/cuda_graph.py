@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from graphkiln.compiler.counters import Counters
+from graphkiln.compiler.plan import smallest_bucket
 from graphkiln.models.attention import ForwardContext, forward_context
 from graphkiln.models.transformer import CausalLM
 
@@ -111,7 +112,7 @@ class DecodeGraphs:
         return self.stats
 
     def bucket(self, num_seqs: int) -> int | None:
-        return next((s for s in self.sizes if s >= num_seqs), None)
+        return smallest_bucket(self.sizes, num_seqs)
 
     def replay(self, ids: list[int], positions: list[int], slices: list[SequenceSlice], slots: list[int]) -> torch.Tensor:
         """Logits [len(slices), vocab] of one decode step (the batch must fit the largest bucket).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from graphkiln.compiler.config import check_block_size
 from graphkiln.errors import ConfigError
 from graphkiln.models.config import ModelConfig
 
@@ -33,8 +34,7 @@ def kv_cache_blocks(
     gpu_memory_fraction: float,
 ) -> int:
     """Number of KV blocks (the dummy block included) to allocate."""
-    if not isinstance(block_size, int) or block_size < 1 or block_size & (block_size - 1):
-        raise ConfigError(f"block_size={block_size!r}; use a power of two such as 16")
+    check_block_size(block_size, "block_size")
     if not 0 < gpu_memory_fraction <= 1:
         raise ConfigError(f"gpu_memory_fraction={gpu_memory_fraction}; it must be in (0, 1]")
     if kv_cache_tokens is None:

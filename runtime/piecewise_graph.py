@@ -16,6 +16,7 @@ import torch
 
 from graphkiln.compiler.compiled_model import CompiledModel
 from graphkiln.compiler.counters import Counters
+from graphkiln.compiler.plan import smallest_bucket
 from graphkiln.models.attention import ForwardContext, forward_context
 
 from .attention.base import AttentionBackend
@@ -77,7 +78,7 @@ class PiecewiseGraphs:
         self.stats: CaptureStats | None = None
 
     def bucket(self, num_tokens: int) -> int | None:
-        return next((s for s in self.sizes if s >= num_tokens), None)
+        return smallest_bucket(self.sizes, num_tokens)
 
     def _run(self, mode: str, size: int, meta: BatchMetadata) -> torch.Tensor:
         self.mode = (mode, size)
