@@ -7,6 +7,7 @@ import torch
 
 from graphkiln import CompileConfig, LLM, SamplingParams
 from graphkiln.errors import CapacityError
+from greedy_helpers import assert_greedy_agrees
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 CONFIG = CompileConfig(decode_batch_sizes=(1, 2, 4), prefill_token_buckets=(16, 32))
@@ -82,3 +83,35 @@ def test_streaming_yields_what_generate_returns(compiled_and_eager):
     prompt = ids(6, 4)
     streamed = [d.token_id for d in compiled.generate_stream(prompt, GREEDY)]
     assert streamed == compiled.generate([prompt], GREEDY)[0].token_ids
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16():
+    """The tiny model in bfloat16, compiled and eager: Inductor's fused kernels round differently."""
+    compiled = LLM.compile("tiny", CompileConfig(dtype="bfloat16", decode_batch_sizes=(1, 2, 4, 8)), kv_cache_tokens=4096)
+    eager = LLM.eager("tiny", dtype="bfloat16", kv_cache_tokens=4096)
+    return compiled, eager
+
+
+def uneven_prompts(count: int) -> list[list[int]]:
+    return [ids(1 + 7 * i, 10 + i) for i in range(count)]
+
+
+def test_bfloat16_compiled_greedy_agrees_with_eager(tiny_bf16):
+    compiled, eager = tiny_bf16
+    prompts = uneven_prompts(8)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    want = [o.token_ids for o in eager.generate(prompts, params)]
+    got = [o.token_ids for o in compiled.generate(prompts, params)]
+    assert assert_greedy_agrees(eager, prompts, want, got) >= len(prompts) // 2
+    ref = eager.score(prompts[-1])
+    assert ((compiled.score(prompts[-1]) - ref).norm() / ref.norm()).item() <= 2e-2
+
+
+def test_greedy_agreement_rejects_a_token_that_is_not_a_near_tie(tiny_bf16):
+    _, eager = tiny_bf16
+    prompt = uneven_prompts(3)[-1]
+    want = eager.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids
+    worst = int(eager.score(prompt + want[:1])[-1].argmin())
+    with pytest.raises(AssertionError, match="not a near-tie"):
+        assert_greedy_agrees(eager, [prompt], [want], [want[:1] + [worst] + want[2:]])

@@ -16,7 +16,9 @@ from graphkiln.compiler.compile import compile_module
 from graphkiln.compiler.counters import torch_compile_events
 from graphkiln.llm import load_tokenizer, resolve_model_dir
 from graphkiln.models import load_model
+from graphkiln.runtime.attention.flashinfer_backend import flashinfer_importable
 from graphkiln.runtime.builder import build_engine
+from greedy_helpers import assert_greedy_agrees
 
 DECODE_SIZES = (1, 2, 4, 8)
 PREFILL_SIZES = (16, 32, 64)
@@ -110,11 +112,13 @@ def test_tiny_bfloat16_logits_close_and_graph_modes_identical():
     want = eager.score(ids)
     got = plain.score(ids)
     assert (got - want).norm() / want.norm() <= 2e-2
-    prompts = uneven_prompts(4096, 5)
+    prompts = uneven_prompts(4096, 8)
     params = SamplingParams(max_tokens=16, ignore_eos=True)
-    want = [o.token_ids for o in plain.generate(prompts, params)]
-    assert [o.token_ids for o in graphed.generate(prompts, params)] == want
-    assert [o.token_ids for o in eager.generate(prompts, params)] == want
+    got = [o.token_ids for o in plain.generate(prompts, params)]
+    assert [o.token_ids for o in graphed.generate(prompts, params)] == got
+    want = [o.token_ids for o in eager.generate(prompts, params)]
+    exact = assert_greedy_agrees(eager, prompts, want, got)
+    record("tiny_bf16_greedy_exact_sequences", {"exact": exact, "of": len(prompts)})
 
 
 @pytest.fixture(scope="module")
@@ -151,14 +155,16 @@ prompts = [[5 + i] * (1 + 9 * i) for i in range(6)]
 outs = llm.generate(prompts, graphkiln.SamplingParams(max_tokens=16, ignore_eos=True))
 g = llm.engine.runner.graphs
 print(json.dumps({{"tokens": [o.token_ids for o in outs], "events": torch_compile_events(), "load_s": load_s,
-    "capture_s": g.stats.seconds, "pool_bytes": g.stats.pool_bytes, "replayed": sorted(g.replays)}}))
+    "capture_s": g.stats.seconds, "pool_bytes": g.stats.pool_bytes, "replayed": sorted(g.replays),
+    "backend": llm.engine.runner.backend.name}}))
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    record("llama2layer_fresh_load", {k: result[k] for k in ("load_s", "capture_s", "pool_bytes", "events")})
+    record("llama2layer_fresh_load", {k: result[k] for k in ("load_s", "capture_s", "pool_bytes", "events", "backend")})
     assert result["events"]["dynamo_graphs"] == 0 and result["events"]["inductor_compiles"] == 0
     assert result["replayed"]
+    assert result["backend"] == ("flashinfer" if flashinfer_importable() else "triton")  # 'auto'
     plain = graphkiln.load(out, kv_cache_tokens=8192, cuda_graphs=False)
     prompts = [[5 + i] * (1 + 9 * i) for i in range(6)]
     want = plain.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
