@@ -1,8 +1,10 @@
 """Where a decode step and a warm load spend their time (one GPU call, about two minutes).
 
-Builds a random Llama-3.2-1B-shaped bf16 model, compiles it with a few buckets, then reports:
-the load time split by function (cProfile), the decode step at batch 1 and 64 as wall time vs
-the graph replay alone (CUDA events) vs the host part, and a torch.profiler table of a few steps.
+Builds a random Llama-3.2-1B-shaped bf16 model and compiles it twice, with and without one
+Inductor compile per bucket size (`CompileConfig.specialize`); for each: compile and load time, the
+load split by function (cProfile), the decode step at batch 1, 8 and 64 as wall time vs the graph
+replay alone (CUDA events), prefill latency; then fresh-interpreter import times and a
+torch.profiler table of a few decode steps.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import cProfile
 import io
 import json
 import pstats
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -69,27 +73,73 @@ def step_times(llm, batch: int, steps: int) -> dict:
     return {"batch": batch, "step_ms_median": walls[len(walls) // 2] * 1e3, "replay_ms": start.elapsed_time(end) / steps}
 
 
+def prefill_ms(llm, tokens: int, repeats: int = 10) -> float:
+    import graphkiln
+
+    params = graphkiln.SamplingParams(max_tokens=1, ignore_eos=True)
+    prompt = [11] * tokens
+    llm.generate([prompt], params)
+    walls = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        llm.generate([prompt], params)
+        walls.append(time.perf_counter() - t)
+    walls.sort()
+    return walls[len(walls) // 2] * 1e3
+
+
+def import_seconds() -> dict:
+    """Fresh interpreters: `import torch` (twice: cold then warm page cache) and `import graphkiln`."""
+    timings = {}
+    for name, stmt in (("torch_first", "import torch"), ("torch_again", "import torch"),
+                       ("torch_cuda_init", "import torch; torch.zeros(1, device='cuda')"),
+                       ("graphkiln", "import graphkiln")):
+        t = time.perf_counter()
+        subprocess.run([sys.executable, "-P", "-c", stmt], check=True)
+        timings[name] = time.perf_counter() - t
+    return timings
+
+
+def measure(work: Path, specialize: bool, out: Path) -> tuple[dict, object]:
+    """Compile with or without per-size specialization; load; step and prefill times."""
+    import graphkiln
+    from graphkiln import CompileConfig
+
+    config = CompileConfig(device="cuda", dtype="bfloat16", decode_batch_sizes=(1, 8, 64),
+                           prefill_token_buckets=(128, 1024), specialize=specialize)
+    art = work / f"art-{specialize}"
+    t = time.perf_counter()
+    _, report = graphkiln.compile_model(work / "model", art, config)
+    compile_s = time.perf_counter() - t
+    profile = cProfile.Profile()
+    t = time.perf_counter()
+    profile.enable()
+    llm = graphkiln.load(art, kv_cache_tokens=65536)
+    profile.disable()
+    load_s = time.perf_counter() - t
+    (out / f"load_profile_specialize_{specialize}.txt").write_text(top_functions(profile, 60))
+    result = {"specialize": specialize, "compile_s": compile_s, "inductor_s": report.timings["inductor"],
+              "inductor_compiles": report.counters.inductor_compiles, "load_s": load_s,
+              "steps": [step_times(llm, b, 50) for b in (1, 8, 64)],
+              "prefill_ms": {n: prefill_ms(llm, n) for n in (128, 1024)}}
+    return result, llm
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--layers", type=int, default=16)
     args = parser.parse_args()
     import graphkiln
-    from graphkiln import CompileConfig
 
+    imports = import_seconds()
     work = Path(tempfile.mkdtemp())
     build_model(work / "model", args.layers)
-    config = CompileConfig(device="cuda", dtype="bfloat16", decode_batch_sizes=(1, 64), prefill_token_buckets=(128,))
-    t = time.perf_counter()
-    graphkiln.compile_model(work / "model", work / "art", config)
-    compile_s = time.perf_counter() - t
-    profile = cProfile.Profile()
-    t = time.perf_counter()
-    profile.enable()
-    llm = graphkiln.load(work / "art", kv_cache_tokens=65536)
-    profile.disable()
-    load_s = time.perf_counter() - t
-    steps = [step_times(llm, b, 50) for b in (1, 64)]
+    results = []
+    for specialize in (False, True):
+        result, llm = measure(work, specialize, args.out)
+        results.append(result)
     llm.engine.add_request([5] * 16, graphkiln.SamplingParams(max_tokens=64, ignore_eos=True))
     for _ in range(3):
         llm.engine.step()
@@ -98,13 +148,11 @@ def main() -> None:
             llm.engine.step()
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
     kernels = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=70)
-    (args.out / "load_profile.txt").write_text(top_functions(profile, 60))
     (args.out / "step_profile.txt").write_text(table)
     (args.out / "kernel_profile.txt").write_text(kernels)
-    result = {"compile_s": compile_s, "load_s": load_s, "steps": steps}
-    (args.out / "profile.json").write_text(json.dumps(result, indent=1))
-    print(kernels[:9000])
-    print(json.dumps(result, indent=1))
+    summary = {"imports_s": imports, "variants": results}
+    (args.out / "profile.json").write_text(json.dumps(summary, indent=1))
+    print(json.dumps(summary, indent=1))
 
 
 if __name__ == "__main__":
