@@ -55,7 +55,7 @@ class CompileReport:
 
 def compile_sizes(config: CompileConfig) -> tuple[int, ...]:
     """Token counts that get a specialized compile: every decode batch size and prefill bucket."""
-    if not config.specializes:
+    if not config.specialize:
         return ()
     return tuple(sorted(set(config.decode_batch_sizes) | set(config.prefill_token_buckets)))
 

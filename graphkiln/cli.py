@@ -34,7 +34,7 @@ def _compile_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--prefill-token-buckets", type=_sizes, default=None, metavar="16,32,...")
     parser.add_argument("--max-seq-len", type=int, default=None)
     parser.add_argument("--specialize", action=argparse.BooleanOptionalAction, default=None,
-                        help="one Inductor compile per bucket size (default: on for cuda, off for cpu)")
+                        help="one more Inductor compile per bucket size (default: off)")
     parser.add_argument("--disable-pass", action="append", default=[], metavar="NAME")
     parser.add_argument("--dump-dir", type=Path, default=None, help="write pass-debugging dumps here")
     parser.add_argument("--force", action="store_true", help="replace OUT if it exists")
