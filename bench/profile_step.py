@@ -54,7 +54,7 @@ def step_times(llm, batch: int, steps: int) -> dict:
         engine.step()
     graphs = engine.runner.graphs
     size = graphs.bucket(batch)
-    graph, _ = graphs.graphs[size]
+    graph, _, _ = graphs.graphs[size, "greedy"]
     walls = []
     for _ in range(steps):
         torch.cuda.synchronize()

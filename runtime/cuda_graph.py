@@ -1,9 +1,11 @@
-"""Decode CUDA graphs: one full graph per decode batch bucket, attention and the LM head inside.
+"""Decode CUDA graphs: per decode batch bucket, the whole step from input ids to sampled ids.
 
-Static buffers (token ids, positions, slot mapping, sequence lengths, block tables) are sized
-once for the largest bucket; every graph reads views of them. Graphs are captured largest
-first into one shared memory pool. A replay copies the batch into the buffers (padded rows are
-one-token sequences in the dummy block), re-plans the backend on the same buffers, and replays.
+Each bucket has one graph per sampling mode (greedy, sample, filter; see sampler.py), attention,
+LM head and sampler inside. Static buffers (token ids, positions, slot mapping, sequence lengths,
+block tables, per-row sampling parameters) are sized once for the largest bucket; every graph
+reads views of them. Graphs are captured largest first into one shared memory pool. A replay
+copies the batch into the buffers (padded rows are one-token greedy sequences in the dummy
+block), re-plans the backend on the same buffers, and replays the mode's graph.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from graphkiln.models.transformer import CausalLM
 from .attention.base import AttentionBackend
 from .attention.metadata import BatchMetadata, SequenceSlice
 from .kv_cache import DUMMY_BLOCK
+from .sampler import MODES, SamplingBatch, SamplingTensors, sample
 
 
 def reserved_after_sync() -> int:
@@ -65,12 +68,14 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(largest, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
         self.block_tables = torch.full((largest, max_blocks_per_seq), DUMMY_BLOCK, dtype=torch.int32, device=device)
+        self.sampling = SamplingTensors.empty(largest, device)
         self.staging = {
             name: torch.zeros_like(getattr(self, name), device="cpu").pin_memory()
             for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "block_tables")
         }
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.replays: Counter[int] = Counter()
+        self.sampling_staging = SamplingTensors(*(torch.zeros_like(t, device="cpu").pin_memory() for t in self.sampling))
+        self.graphs: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
+        self.replays: Counter[tuple[int, str]] = Counter()  # (bucket, sampling mode)
         self.stats: CaptureStats | None = None
 
     def metadata(self, size: int, seq_lens: tuple[int, ...] | None = None) -> BatchMetadata:
@@ -86,27 +91,28 @@ class DecodeGraphs:
             slot_mapping=self.slot_mapping[:size],
         )
 
-    def _step(self, size: int) -> torch.Tensor:
+    def _step(self, size: int, mode: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         with forward_context(ForwardContext(self.backend.plan(self.metadata(size)))):
             hidden = self.forward(self.input_ids[:size], self.positions[:size])
-            return self.model.compute_logits(hidden).float()
+            return sample(self.model.compute_logits(hidden), self.sampling.rows(size), mode)
 
     def capture(self) -> CaptureStats:
-        """Warm up and capture every bucket, largest first, into one pool."""
+        """Warm up and capture every bucket and sampling mode, largest bucket first, into one pool."""
         start = time.perf_counter()
         reserved_before = reserved_after_sync()
         stream = torch.cuda.Stream()
         with torch.inference_mode():
             for size in reversed(self.sizes):
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    self._step(size)
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                    logits = self._step(size)
-                self.graphs[size] = (graph, logits)
-                self.counters.cudagraphs_captured += 1
+                for mode in MODES:
+                    stream.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(stream):
+                        self._step(size, mode)
+                    torch.cuda.current_stream().wait_stream(stream)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                        ids, logprobs = self._step(size, mode)
+                    self.graphs[size, mode] = (graph, ids, logprobs)
+                    self.counters.cudagraphs_captured += 1
         torch.cuda.synchronize()
         self.stats = CaptureStats(len(self.graphs), time.perf_counter() - start, reserved_after_sync() - reserved_before)
         return self.stats
@@ -114,12 +120,15 @@ class DecodeGraphs:
     def bucket(self, num_seqs: int) -> int | None:
         return smallest_bucket(self.sizes, num_seqs)
 
-    def replay(self, ids: list[int], positions: list[int], slices: list[SequenceSlice], slots: list[int]) -> torch.Tensor:
-        """Logits [len(slices), vocab] of one decode step (the batch must fit the largest bucket).
+    def replay(
+        self, ids: list[int], positions: list[int], slices: list[SequenceSlice], slots: list[int], sampling: SamplingBatch
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Sampled ids [len(slices)] (and logprobs unless greedy) of one decode step that fits a bucket.
 
         The batch goes through pinned staging buffers with one asynchronous copy per field; the
         block-table copy covers only the columns this batch uses (kernels never read past a
-        sequence's length). The caller's read of the sampled ids orders the next step's writes.
+        sequence's length), and a greedy step copies no sampling parameters. The caller's read of
+        the sampled ids orders the next step's writes to the staging buffers.
         """
         n = len(slices)
         size = self.bucket(n)
@@ -138,8 +147,13 @@ class DecodeGraphs:
         for name in ("input_ids", "positions", "slot_mapping", "seq_lens"):
             getattr(self, name)[:size].copy_(self.staging[name][:size], non_blocking=True)
         self.block_tables[:size, :width].copy_(self.staging["block_tables"][:size, :width], non_blocking=True)
+        mode = sampling.mode
+        if mode != "greedy":
+            for column, staged, target, fill in zip(sampling.columns(), self.sampling_staging, self.sampling, (0, 0, 1, 0, 0)):
+                staged.numpy()[:size] = list(column) + [fill] * pad
+                target[:size].copy_(staged[:size], non_blocking=True)
         self.backend.plan(self.metadata(size, tuple(seq_lens)))
-        graph, logits = self.graphs[size]
+        graph, sampled, logprobs = self.graphs[size, mode]
         graph.replay()
-        self.replays[size] += 1
-        return logits[:n]
+        self.replays[size, mode] += 1
+        return sampled[:n], None if logprobs is None else logprobs[:n]

@@ -1,7 +1,7 @@
 """The engine: requests in, one scheduled step at a time, sampled tokens out.
 
-It owns the scheduler and the sampler and drives a runner (eager reference, or compiled later).
-The only host synchronisation per step is reading the sampled token ids.
+It owns the scheduler and drives a runner (eager reference, or compiled), which samples on the
+device. The only host synchronisation per step is reading the sampled token ids.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from graphkiln.errors import CapacityError, RequestError
 
 from .kv_cache import BlockAllocator
-from .sampler import sample
+from .sampler import SamplingBatch
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledChunk, Scheduler, Sequence
 
@@ -45,10 +45,8 @@ class Engine:
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         self._check_ids(prompt_ids)
         rid = self.scheduler.next_request_id()
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
-        seq = Sequence(rid, list(prompt_ids), params, generator, arrival=time.perf_counter())
+        seed = params.seed if params.seed is not None else int(torch.randint(2**62, ()))  # torch.manual_seed decides
+        seq = Sequence(rid, list(prompt_ids), params, seed, arrival=time.perf_counter())
         self.scheduler.add(seq)
         self.requests[rid] = seq
         return seq
@@ -70,12 +68,14 @@ class Engine:
         if not chunks:
             return []
         sampling = [c for c in chunks if c.samples]
-        logits = self.runner.execute(chunks, _sample_rows(chunks))
+        rows = SamplingBatch.of(
+            [c.seq.params for c in sampling], [c.seq.seed for c in sampling], [c.seq.num_output for c in sampling]
+        )
+        token_ids, logprobs = self.runner.sample(chunks, _sample_rows(chunks), rows)
         for c in chunks:
             c.seq.num_computed += c.num_tokens
         if not sampling:
             return []
-        token_ids, logprobs = sample(logits, [c.seq.params for c in sampling], [c.seq.generator for c in sampling])
         tokens = token_ids.tolist()
         chosen_logprobs = logprobs.tolist() if logprobs is not None else [None] * len(tokens)
         now = time.perf_counter()
@@ -107,7 +107,7 @@ class Engine:
 
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """float32 logits [len(token_ids), vocab] of one prompt, computed chunk by chunk."""
-        seq = Sequence(-1, list(token_ids), SamplingParams(max_tokens=1), None)
+        seq = Sequence(-1, list(token_ids), SamplingParams(max_tokens=1), seed=0)
         self._check_ids(seq.prompt_ids)
         self.scheduler.add(seq)
         self.scheduler.waiting.remove(seq)

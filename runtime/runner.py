@@ -2,7 +2,8 @@
 
 The same runner serves the eager reference (forward = the model itself, no padding) and the
 compiled model (forward = the CompiledModel, padded to decode batch or prefill token buckets).
-With decode CUDA graphs, a decode step that fits a bucket is one graph replay instead.
+With decode CUDA graphs, a decode step that fits a bucket is one graph replay instead, from input
+ids to sampled ids.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from .attention.metadata import SequenceSlice, build_metadata, pad_decode, slot_
 from .cuda_graph import DecodeGraphs
 from .piecewise_graph import PiecewiseGraphs
 from .kv_cache import KVCache
+from .sampler import SamplingBatch, sample
 from .scheduler import ScheduledChunk
 
 Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -81,20 +83,32 @@ class ModelRunner:
         self.device = kv_cache.keys.device
 
     def execute(self, chunks: list[ScheduledChunk], rows: list[int] | None = None) -> torch.Tensor:
-        """float32 logits of the given token rows (default: every token) of one step."""
+        """float32 logits of the given token rows (default: every token) of one step, without graphs
+        for decode (the decode graphs end in the sampler)."""
+        with torch.inference_mode():
+            return self._logits(pack(chunks), rows)
+
+    def sample(
+        self, chunks: list[ScheduledChunk], rows: list[int], sampling: SamplingBatch
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run one step and sample the given rows on the device: token ids [len(rows)] and logprobs
+        (None in greedy mode). A decode step that fits a bucket is one graph replay, sampler included."""
         batch = pack(chunks)
         with torch.inference_mode():
             if batch.decode and self.graphs is not None and self.graphs.bucket(len(batch.ids)) is not None:
                 slots = slot_list(batch.slices, self.kv_cache.block_size)
-                logits = self.graphs.replay(batch.ids, batch.positions, batch.slices, slots)
-                return logits if rows is None or rows == list(range(len(batch.ids))) else logits[rows]
-            if not batch.decode and self.prefill_graphs and self.prefill_graphs.bucket(len(batch.ids)):
-                hidden = self.prefill_graphs.replay(batch.ids, batch.positions, batch.slices)
-            else:
-                hidden = self._forward(batch)
-            if rows is not None:
-                hidden = hidden[rows]
-            return self.model.compute_logits(hidden).float()
+                return self.graphs.replay(batch.ids, batch.positions, batch.slices, slots, sampling)
+            logits = self._logits(batch, rows)
+            return sample(logits, sampling.tensors(self.device), sampling.mode)
+
+    def _logits(self, batch: Batch, rows: list[int] | None) -> torch.Tensor:
+        if not batch.decode and self.prefill_graphs and self.prefill_graphs.bucket(len(batch.ids)):
+            hidden = self.prefill_graphs.replay(batch.ids, batch.positions, batch.slices)
+        else:
+            hidden = self._forward(batch)
+        if rows is not None:
+            hidden = hidden[rows]
+        return self.model.compute_logits(hidden).float()
 
     def _forward(self, batch: Batch) -> torch.Tensor:
         num_tokens = len(batch.ids)

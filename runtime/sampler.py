@@ -1,31 +1,84 @@
-"""Sampling on the device: greedy, temperature, top-k, top-p, and the log-probability of each choice.
+"""Sampling on the device, batched and without a host round trip, so it runs inside decode CUDA graphs.
 
-Sampled rows use the exponential race (argmax of p / E with E ~ Exp(1)), which draws from p with
-one random vector per row and no host round trip; a per-request generator makes it reproducible.
-Log-probabilities are those of the model's own distribution (before temperature and filters).
+Every row carries its own temperature (0: greedy), top-k (0: off), top-p (1: off), seed and step.
+Sampled rows draw by the exponential race, argmax of p / E with E ~ Exp(1), where E comes from a
+counter-based hash of (seed, step, token id): a seeded request gets the same tokens whatever else
+shares its batch and whichever path (graph replay or not) runs it. Temperature applies first, then
+top-k, then top-p, as in transformers and vLLM. Log-probabilities are those of the model's own
+distribution (before temperature and filters).
+
+A step runs in one of three modes, so a batch pays only for what it uses: "greedy" (argmax only),
+"sample" (temperature, no filter: no sort) and "filter" (top-k/top-p: one sort of the logits).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from .sampling_params import SamplingParams
 
+MODES = ("greedy", "sample", "filter")
+# splitmix64's constants as signed int64 (torch multiplies int64 with two's-complement wrap-around)
+_GOLDEN = 0x9E3779B97F4A7C15 - 2**64
+_MIX1 = 0xBF58476D1CE4E5B9 - 2**64
+_MIX2 = 0x94D049BB133111EB - 2**64
 
-def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask (to -inf) the tokens top-k and top-p exclude from one row [V]."""
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        drop_sorted = cumulative - sorted_logits.softmax(-1) >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
+
+class SamplingTensors(NamedTuple):
+    """Per-row sampling parameters on the device; the decode graphs keep one static set."""
+
+    temperature: torch.Tensor  # float32 [N]
+    top_k: torch.Tensor  # int64 [N]
+    top_p: torch.Tensor  # float32 [N]
+    seed: torch.Tensor  # int64 [N]
+    step: torch.Tensor  # int64 [N]
+
+    @classmethod
+    def empty(cls, rows: int, device: torch.device | str) -> SamplingTensors:
+        f32, i64 = {"dtype": torch.float32, "device": device}, {"dtype": torch.int64, "device": device}
+        return cls(torch.zeros(rows, **f32), torch.zeros(rows, **i64), torch.ones(rows, **f32),
+                   torch.zeros(rows, **i64), torch.zeros(rows, **i64))
+
+    def rows(self, n: int) -> SamplingTensors:
+        return SamplingTensors(*(t[:n] for t in self))
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """One step's sampling rows on the host: what the device tensors are filled from."""
+
+    temperature: tuple[float, ...]
+    top_k: tuple[int, ...]
+    top_p: tuple[float, ...]
+    seed: tuple[int, ...]
+    step: tuple[int, ...]
+    logprobs: bool
+
+    @classmethod
+    def of(cls, params: list[SamplingParams], seeds: list[int], steps: list[int]) -> SamplingBatch:
+        return cls(
+            tuple(0.0 if p.greedy else p.temperature for p in params), tuple(p.top_k for p in params),
+            tuple(p.top_p for p in params), tuple(seeds), tuple(steps), any(p.logprobs for p in params),
+        )  # fmt: skip
+
+    @property
+    def mode(self) -> str:
+        sampled = [i for i, t in enumerate(self.temperature) if t > 0]
+        if any(self.top_k[i] > 1 or self.top_p[i] < 1.0 for i in sampled):
+            return "filter"
+        return "sample" if sampled or self.logprobs else "greedy"
+
+    def columns(self) -> tuple[tuple, ...]:
+        """The five per-row fields in SamplingTensors order."""
+        return self.temperature, self.top_k, self.top_p, self.seed, self.step
+
+    def tensors(self, device: torch.device | str) -> SamplingTensors:
+        dtypes = (torch.float32, torch.int64, torch.float32, torch.int64, torch.int64)
+        return SamplingTensors(*(torch.tensor(c, dtype=d).to(device) for c, d in zip(self.columns(), dtypes)))
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -44,20 +97,42 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return (best * (vocab // chunks) + inner.gather(1, best)).squeeze(1)
 
 
-def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Choose one token per row of float32 logits [N, V]; return (token ids [N], logprobs [N] or None
-    when no request asked for them)."""
+def filter_rows(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask to -inf what each row's top-k, then top-p (smallest prefix of probability >= p), excludes."""
+    vocab = logits.shape[-1]
+    ordered, order = logits.sort(-1, descending=True)
+    ranks = torch.arange(vocab, device=logits.device)
+    keep = ranks < torch.where(top_k > 0, top_k, vocab)[:, None]
+    probs = ordered.masked_fill(~keep, float("-inf")).softmax(-1)
+    keep &= probs.cumsum(-1) - probs < top_p[:, None]
+    drop = torch.empty_like(keep).scatter_(1, order, ~keep)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def _mix64(x: torch.Tensor) -> torch.Tensor:
+    x = (x ^ (x >> 30)) * _MIX1
+    x = (x ^ (x >> 27)) * _MIX2
+    return x ^ (x >> 31)
+
+
+def exponential_noise(seed: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exp(1) draws [N, vocab], a pure function of (seed, step, token id): splitmix64 of a counter."""
+    row = _mix64(seed * _GOLDEN + step)
+    x = _mix64(row[:, None] + torch.arange(vocab, device=seed.device, dtype=torch.int64) * _GOLDEN)
+    uniform = ((x >> 32) & 0x7FFFFF).float().add_(0.5).mul_(2.0**-23)  # bits 32..54; exact in float32, never 0 or 1
+    return uniform.log_().neg_()
+
+
+def sample(logits: torch.Tensor, rows: SamplingTensors, mode: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Token ids [N] (and, unless greedy, the model's log-probabilities of them) for logits [N, V]."""
     logits = logits.float()
-    chosen = argmax_rows(logits)
-    for row, (p, gen) in enumerate(zip(params, generators)):
-        if p.greedy:
-            continue
-        probs = (filter_logits(logits[row], p.top_k, p.top_p) / p.temperature).softmax(-1)
-        noise = torch.empty_like(probs).exponential_(generator=gen)
-        chosen[row] = (probs / noise).argmax()
-    if not any(p.logprobs for p in params):
-        return chosen, None
+    greedy = argmax_rows(logits)
+    if mode == "greedy":
+        return greedy, None
+    scaled = logits / rows.temperature.clamp_min(1e-6)[:, None]
+    if mode == "filter":
+        scaled = filter_rows(scaled, rows.top_k, rows.top_p)
+    drawn = argmax_rows(scaled - exponential_noise(rows.seed, rows.step, logits.shape[-1]).log_())
+    chosen = torch.where(rows.temperature > 0, drawn, greedy)
     logprobs = logits.log_softmax(-1).gather(1, chosen[:, None]).squeeze(1)
     return chosen, logprobs

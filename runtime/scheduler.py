@@ -29,7 +29,7 @@ class Sequence:
     request_id: int
     prompt_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator | None
+    seed: int
     tokens: list[int] = field(init=False, default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     num_computed: int = 0

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from graphkiln import LLM, SamplingParams
-from graphkiln.runtime.sampler import argmax_rows, filter_logits, sample
+from graphkiln.runtime.sampler import SamplingBatch, argmax_rows, exponential_noise, filter_rows, sample
 
 if TYPE_CHECKING:
     from conftest import Checkpoint
@@ -44,7 +44,7 @@ def test_seed_reproducible(
     assert sampled(llm, [prompt], seed=1)[0] == first
     assert sampled(llm, [prompt], seed=2)[0] != first
     assert first != greedy
-    batched = sampled(llm, [random_ids(5, seed=12), prompt, prompt], seed=1)  # one generator per request
+    batched = sampled(llm, [random_ids(5, seed=12), prompt, prompt], seed=1)  # draws depend on (seed, step) only
     assert batched[1] == batched[2] == first
 
 
@@ -65,14 +65,23 @@ def test_sampled_logprobs_are_the_model_distribution(llm: LLM, prompt: list[int]
     assert torch.allclose(torch.tensor(out.logprobs), expected, atol=1e-4, rtol=0)
 
 
+def filter_row(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    return filter_rows(logits[None], torch.tensor([top_k]), torch.tensor([top_p]))[0]
+
+
+def rows_of(params: list[SamplingParams], seeds: list[int] | None = None) -> SamplingBatch:
+    seeds = list(range(len(params))) if seeds is None else seeds
+    return SamplingBatch.of(params, seeds, [0] * len(params))
+
+
 def test_filter_top_k_keeps_exactly_k() -> None:
     logits = torch.randn(50, generator=torch.Generator().manual_seed(0))
     for k in (1, 7, 49):
-        kept = filter_logits(logits, top_k=k, top_p=1.0).isfinite()
+        kept = filter_row(logits, top_k=k, top_p=1.0).isfinite()
         assert kept.sum() == k
         assert set(kept.nonzero().flatten().tolist()) == set(logits.topk(k).indices.tolist())
-    assert torch.equal(filter_logits(logits, top_k=0, top_p=1.0), logits)
-    assert torch.equal(filter_logits(logits, top_k=50, top_p=1.0), logits)
+    assert torch.equal(filter_row(logits, top_k=0, top_p=1.0), logits)
+    assert torch.equal(filter_row(logits, top_k=50, top_p=1.0), logits)
 
 
 @pytest.mark.parametrize(
@@ -80,20 +89,32 @@ def test_filter_top_k_keeps_exactly_k() -> None:
 )
 def test_filter_top_p_keeps_smallest_prefix_reaching_p(top_p: float, kept: set[int]) -> None:
     probs = torch.tensor([0.3, 0.1, 0.4, 0.2])  # sorted: 2 (0.4), 0 (0.3), 3 (0.2), 1 (0.1)
-    filtered = filter_logits(probs.log(), top_k=0, top_p=top_p)
+    filtered = filter_row(probs.log(), top_k=0, top_p=top_p)
     assert set(filtered.isfinite().nonzero().flatten().tolist()) == kept
     assert torch.equal(filtered[list(kept)], probs.log()[list(kept)])
 
 
-def test_filter_top_p_random_rows() -> None:
+def test_filter_rows_each_row_its_own_top_k_and_top_p() -> None:
     gen = torch.Generator().manual_seed(1)
-    for _ in range(20):
-        logits = 3 * torch.randn(30, generator=gen)
-        top_p = torch.rand(1, generator=gen).item()
-        probs, order = logits.softmax(-1).sort(descending=True)
-        size = int((probs.cumsum(-1) < top_p).sum()) + 1
-        kept = filter_logits(logits, top_k=0, top_p=top_p).isfinite()
-        assert set(kept.nonzero().flatten().tolist()) == set(order[:size].tolist())
+    logits = 3 * torch.randn(20, 30, generator=gen)
+    top_k = torch.randint(0, 12, (20,), generator=gen)
+    top_p = torch.rand(20, generator=gen)
+    kept = filter_rows(logits, top_k, top_p).isfinite()
+    for row in range(20):
+        ordered, order = logits[row].sort(descending=True)
+        k = int(top_k[row]) or 30
+        probs = ordered[:k].softmax(-1)
+        size = int((probs.cumsum(-1) < top_p[row]).sum()) + 1  # top-p over what top-k kept
+        assert set(kept[row].nonzero().flatten().tolist()) == set(order[: min(size, k)].tolist())
+
+
+def test_noise_is_exponential_and_depends_only_on_seed_and_step() -> None:
+    noise = exponential_noise(torch.tensor([5, 5, 5, 6]), torch.tensor([0, 0, 1, 0]), 200_000)
+    assert torch.equal(noise[0], noise[1])
+    assert not torch.equal(noise[0], noise[2]) and not torch.equal(noise[0], noise[3])
+    assert (noise > 0).all() and noise.isfinite().all()
+    assert (noise.mean(1) - 1).abs().max() < 0.01 and (noise.std(1) - 1).abs().max() < 0.01
+    assert torch.corrcoef(noise[[0, 2, 3]]).triu(1).abs().max() < 0.01
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.5])
@@ -101,28 +122,43 @@ def test_sample_frequencies_follow_softmax(temperature: float) -> None:
     probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
     draws = 4000
     logits = probs.log().expand(draws, 4)
-    params = [SamplingParams(temperature=temperature, logprobs=True)] * draws
-    gen = torch.Generator().manual_seed(0)
-    tokens, logprobs = sample(logits, params, [gen] * draws)
+    rows = rows_of([SamplingParams(temperature=temperature, logprobs=True)] * draws)
+    tokens, logprobs = sample(logits, rows.tensors("cpu"), rows.mode)
     expected = (probs.log() / temperature).softmax(-1)
     frequencies = torch.bincount(tokens, minlength=4).float() / draws
     assert (frequencies - expected).abs().max() < 0.03  # about 4 standard deviations
     assert torch.allclose(logprobs, probs.log()[tokens])
 
 
+def test_filtered_sampling_draws_only_kept_tokens_in_proportion() -> None:
+    probs = torch.tensor([0.05, 0.15, 0.3, 0.5])
+    draws = 4000
+    rows = rows_of([SamplingParams(temperature=1.0, top_k=3, top_p=0.7)] * draws)
+    assert rows.mode == "filter"
+    tokens, _ = sample(probs.log().expand(draws, 4), rows.tensors("cpu"), rows.mode)
+    frequencies = torch.bincount(tokens, minlength=4).float() / draws  # top-k keeps 1..3, top-p keeps 3, 2
+    assert frequencies[:2].sum() == 0
+    assert abs(frequencies[3].item() - 0.5 / 0.8) < 0.03
+
+
 def test_sample_mixes_greedy_and_sampled_rows() -> None:
     logits = torch.tensor([[0.0, 2.0, 1.0], [0.0, 0.0, 0.0], [5.0, 0.0, 1.0]]).repeat(100, 1)
-    params = [SamplingParams(), SamplingParams(temperature=1.0), SamplingParams(top_k=1, temperature=1.0)] * 100
-    tokens, _ = sample(logits, params, [torch.Generator().manual_seed(0)] * 300)
+    rows = rows_of([SamplingParams(), SamplingParams(temperature=1.0), SamplingParams(top_k=1, temperature=1.0)] * 100)
+    assert rows.mode == "sample"  # top-k 1 is greedy, so no row filters
+    tokens, _ = sample(logits, rows.tensors("cpu"), rows.mode)
     assert tokens[0::3].eq(1).all() and tokens[2::3].eq(0).all()
     assert set(tokens[1::3].tolist()) == {0, 1, 2}
 
 
-def test_logprobs_only_when_asked() -> None:
+def test_modes_and_logprobs_only_when_asked() -> None:
     logits = torch.tensor([[0.0, 2.0, 1.0]])
-    assert sample(logits, [SamplingParams()], [None])[1] is None
-    _, logprobs = sample(logits, [SamplingParams(logprobs=True)], [None])
-    assert torch.allclose(logprobs, logits.log_softmax(-1)[:, 1])
+    greedy = rows_of([SamplingParams()])
+    assert greedy.mode == "greedy" and sample(logits, greedy.tensors("cpu"), greedy.mode)[1] is None
+    asked = rows_of([SamplingParams(logprobs=True)])
+    assert asked.mode == "sample"
+    tokens, logprobs = sample(logits, asked.tensors("cpu"), asked.mode)
+    assert tokens.tolist() == [1] and torch.allclose(logprobs, logits.log_softmax(-1)[:, 1])
+    assert rows_of([SamplingParams(temperature=0.0, top_p=0.5)]).mode == "greedy"
 
 
 @pytest.mark.parametrize("vocab", [7, 512, 4096, 1000, 151936])

@@ -18,6 +18,7 @@ from graphkiln.llm import load_tokenizer, resolve_model_dir
 from graphkiln.models import load_model
 from graphkiln.runtime.attention.flashinfer_backend import flashinfer_importable
 from graphkiln.runtime.builder import build_engine
+from graphkiln.runtime.sampler import MODES
 from greedy_helpers import assert_greedy_agrees
 
 DECODE_SIZES = (1, 2, 4, 8)
@@ -66,7 +67,7 @@ def test_tiny_float32_greedy_identical_in_all_three_modes(tiny_fp32):
     before = torch_compile_events()
     runner = graphed.engine.runner
     captured = runner.counters.cudagraphs_captured
-    assert captured == len(DECODE_SIZES) + len(PREFILL_SIZES) * len(runner.forward.pieces)
+    assert captured == len(DECODE_SIZES) * len(MODES) + len(PREFILL_SIZES) * len(runner.forward.pieces)
     assert [o.token_ids for o in graphed.generate(prompts, params)] == want
     assert torch_compile_events() == before
     assert runner.counters.cudagraphs_captured == captured
@@ -82,7 +83,7 @@ def test_every_decode_bucket_replays_correctly(tiny_fp32):
         assert [o.token_ids for o in graphed.generate(prompts, params)] == [
             o.token_ids for o in plain.generate(prompts, params)
         ]
-    assert set(graphs.replays) == set(DECODE_SIZES)
+    assert {size for size, _ in graphs.replays} == set(DECODE_SIZES)
     prefill = graphed.engine.runner.prefill_graphs
     for stats, kind in ((graphs.stats, "decode"), (prefill.stats, "prefill")):
         record(f"tiny_capture_{kind}", {"graphs": stats.graphs, "seconds": stats.seconds, "pool_bytes": stats.pool_bytes})
@@ -95,6 +96,27 @@ def test_every_prefill_bucket_replays_correctly(tiny_fp32):
         prompt = uneven_prompts(4096, 1)[0] * length
         assert graphed.generate([prompt[:length]], params)[0].token_ids == plain.generate([prompt[:length]], params)[0].token_ids
     assert set(graphed.engine.runner.prefill_graphs.replays) == set(PREFILL_SIZES)
+
+
+def test_sampling_inside_decode_graphs_matches_the_plain_compiled_engine(tiny_fp32):
+    """Seeded temperature, top-k/top-p and logprob requests: the graphs run the same sampler."""
+    _, plain, graphed = tiny_fp32
+    prompts = uneven_prompts(4096, 6)
+    params = [
+        SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=1),
+        SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0, top_k=20, top_p=0.9, seed=2, logprobs=True),
+        SamplingParams(max_tokens=12, ignore_eos=True),
+    ]
+    for batch in (params[:1], params[1:2], params[2:] * 2, params * 2):
+        got = graphed.generate(prompts[: len(batch)], batch)
+        want = plain.generate(prompts[: len(batch)], batch)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        for g, w in zip(got, want):
+            assert (g.logprobs is None) == (w.logprobs is None)
+            if g.logprobs is not None:
+                assert torch.allclose(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-4)
+    modes = {mode for _, mode in graphed.engine.runner.graphs.replays}
+    assert modes == set(MODES)
 
 
 def test_batch_beyond_largest_bucket_runs_without_graph(tiny_fp32):
@@ -155,7 +177,7 @@ prompts = [[5 + i] * (1 + 9 * i) for i in range(6)]
 outs = llm.generate(prompts, graphkiln.SamplingParams(max_tokens=16, ignore_eos=True))
 g = llm.engine.runner.graphs
 print(json.dumps({{"tokens": [o.token_ids for o in outs], "events": torch_compile_events(), "load_s": load_s,
-    "capture_s": g.stats.seconds, "pool_bytes": g.stats.pool_bytes, "replayed": sorted(g.replays),
+    "capture_s": g.stats.seconds, "pool_bytes": g.stats.pool_bytes, "replayed": sorted(size for size, _ in g.replays),
     "backend": llm.engine.runner.backend.name}}))
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
