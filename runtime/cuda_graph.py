@@ -74,6 +74,7 @@ class DecodeGraphs:
             for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "block_tables")
         }
         self.sampling_staging = SamplingTensors(*(torch.zeros_like(t, device="cpu").pin_memory() for t in self.sampling))
+        self.staged: torch.cuda.Event | None = None  # the last replay's copies from the staging buffers
         self.graphs: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
         self.replays: Counter[tuple[int, str]] = Counter()  # (bucket, sampling mode)
         self.stats: CaptureStats | None = None
@@ -121,18 +122,28 @@ class DecodeGraphs:
         return smallest_bucket(self.sizes, num_seqs)
 
     def replay(
-        self, ids: list[int], positions: list[int], slices: list[SequenceSlice], slots: list[int], sampling: SamplingBatch
+        self,
+        ids: list[int],
+        positions: list[int],
+        slices: list[SequenceSlice],
+        slots: list[int],
+        sampling: SamplingBatch,
+        pending=None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Sampled ids [len(slices)] (and logprobs unless greedy) of one decode step that fits a bucket.
 
         The batch goes through pinned staging buffers with one asynchronous copy per field; the
         block-table copy covers only the columns this batch uses (kernels never read past a
-        sequence's length), and a greedy step copies no sampling parameters. The caller's read of
-        the sampled ids orders the next step's writes to the staging buffers.
+        sequence's length), and a greedy step copies no sampling parameters. `pending`
+        (runner.PendingIds) then overwrites input ids still on the device. The engine launches a
+        step before the previous one ran, so the previous replay's copies from the staging
+        buffers are waited for (an event recorded after them) before the buffers are rewritten.
         """
         n = len(slices)
         size = self.bucket(n)
         pad = size - n
+        if self.staged is not None:
+            self.staged.synchronize()
         host = {name: t.numpy() for name, t in self.staging.items()}
         host["input_ids"][:size] = ids + [0] * pad
         host["positions"][:size] = positions + [0] * pad
@@ -147,11 +158,15 @@ class DecodeGraphs:
         for name in ("input_ids", "positions", "slot_mapping", "seq_lens"):
             getattr(self, name)[:size].copy_(self.staging[name][:size], non_blocking=True)
         self.block_tables[:size, :width].copy_(self.staging["block_tables"][:size, :width], non_blocking=True)
+        if pending is not None:
+            pending.fill(self.input_ids)
         mode = sampling.mode
         if mode != "greedy":
             for column, staged, target, fill in zip(sampling.columns(), self.sampling_staging, self.sampling, (0, 0, 1, 0, 0)):
                 staged.numpy()[:size] = list(column) + [fill] * pad
                 target[:size].copy_(staged[:size], non_blocking=True)
+        self.staged = torch.cuda.Event()
+        self.staged.record()
         self.backend.plan(self.metadata(size, tuple(seq_lens)))
         graph, sampled, logprobs = self.graphs[size, mode]
         graph.replay()

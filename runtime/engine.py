@@ -1,7 +1,11 @@
 """The engine: requests in, one scheduled step at a time, sampled tokens out.
 
 It owns the scheduler and drives a runner (eager reference, or compiled), which samples on the
-device. The only host synchronisation per step is reading the sampled token ids.
+device. Steps are pipelined one deep: `step()` launches the next step, then reads back the
+previous one's token ids, so the host schedules and packs step N+1 while the device still runs
+step N. A token not read back yet sits in its sequence as PENDING; the step that consumes it
+takes it from the previous step's device output. A sequence that stops on a token found only at
+read-back had one more step launched for it: that row is dropped.
 """
 
 from __future__ import annotations
@@ -15,9 +19,10 @@ import torch
 from graphkiln.errors import CapacityError, RequestError
 
 from .kv_cache import BlockAllocator
+from .runner import PendingIds
 from .sampler import SamplingBatch
 from .sampling_params import SamplingParams
-from .scheduler import ScheduledChunk, Scheduler, Sequence
+from .scheduler import PENDING, ScheduledChunk, Scheduler, Sequence
 
 
 @dataclass(frozen=True)
@@ -30,6 +35,46 @@ class TokenEvent:
     finish_reason: str | None
 
 
+@dataclass
+class LaunchedStep:
+    """A step on the device: which token of which sequence each sampled row fills."""
+
+    rows: list[tuple[Sequence, int]]
+    ids: torch.Tensor  # device [rows]
+    host_ids: torch.Tensor  # its copy on the host once `ready` (pinned on CUDA)
+    host_logprobs: torch.Tensor | None
+    ready: torch.cuda.Event | None
+
+    def live(self) -> bool:
+        return any(seq.finish_reason is None for seq, _ in self.rows)
+
+
+class ReadBack:
+    """Two pinned host buffers, alternating, for the asynchronous copy of each step's ids and logprobs."""
+
+    def __init__(self, rows: int, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        pin = {"pin_memory": True} if self.cuda else {}
+        self.ids = [torch.empty(rows, dtype=torch.int64, **pin) for _ in range(2)]
+        self.logprobs = [torch.empty(rows, dtype=torch.float32, **pin) for _ in range(2)]
+        self.turn = 0
+
+    def start(self, ids: torch.Tensor, logprobs: torch.Tensor | None):
+        self.turn ^= 1
+        n = ids.shape[0]
+        host_ids = self.ids[self.turn][:n]
+        host_ids.copy_(ids, non_blocking=self.cuda)
+        host_logprobs = None
+        if logprobs is not None:
+            host_logprobs = self.logprobs[self.turn][:n]
+            host_logprobs.copy_(logprobs, non_blocking=self.cuda)
+        ready = None
+        if self.cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        return host_ids, host_logprobs, ready
+
+
 class Engine:
     def __init__(self, runner, scheduler: Scheduler, eos_token_ids: Seq[int], vocab_size: int) -> None:
         self.runner = runner
@@ -37,6 +82,8 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.vocab_size = vocab_size
         self.requests: dict[int, Sequence] = {}
+        self.read_back = ReadBack(scheduler.max_num_seqs, runner.device)
+        self.launched: LaunchedStep | None = None
 
     @property
     def allocator(self) -> BlockAllocator:
@@ -61,52 +108,77 @@ class Engine:
         self.requests.pop(seq.request_id, None)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or (self.launched is not None and self.launched.live())
 
     def step(self) -> list[TokenEvent]:
+        """Launch the next step (if any is scheduled), then return the tokens of the previous one."""
+        previous, self.launched = self.launched, None
         chunks = self.scheduler.schedule()
-        if not chunks:
-            return []
+        if chunks:
+            self.launched = self._launch(chunks, previous)
+        return self._read(previous) if previous is not None else []
+
+    def drain(self) -> list[TokenEvent]:
+        """Read back the step in flight, launching nothing."""
+        previous, self.launched = self.launched, None
+        return self._read(previous) if previous is not None else []
+
+    def _launch(self, chunks: list[ScheduledChunk], previous: LaunchedStep | None) -> LaunchedStep:
         sampling = [c for c in chunks if c.samples]
         rows = SamplingBatch.of(
             [c.seq.params for c in sampling], [c.seq.seed for c in sampling], [c.seq.num_output for c in sampling]
         )
-        token_ids, logprobs = self.runner.sample(chunks, _sample_rows(chunks), rows)
+        pending = _pending_ids(chunks, previous)
+        ids, logprobs = self.runner.sample(chunks, _sample_rows(chunks), rows, pending)
+        launched = []
         for c in chunks:
             c.seq.num_computed += c.num_tokens
-        if not sampling:
-            return []
-        tokens = token_ids.tolist()
-        chosen_logprobs = logprobs.tolist() if logprobs is not None else [None] * len(tokens)
+        for c in sampling:
+            seq = c.seq
+            seq.tokens.append(PENDING)
+            index = seq.num_tokens - 1
+            seq.closing = seq.num_output >= seq.params.max_tokens or seq.num_tokens >= self.scheduler.max_context
+            launched.append((seq, index))
+        return LaunchedStep(launched, ids, *self.read_back.start(ids, logprobs))
+
+    def _read(self, step: LaunchedStep) -> list[TokenEvent]:
+        if step.ready is not None:
+            step.ready.synchronize()
+        tokens = step.host_ids.tolist()
+        logprobs = step.host_logprobs.tolist() if step.host_logprobs is not None else [None] * len(tokens)
         now = time.perf_counter()
         events = []
-        for c, token, logprob in zip(sampling, tokens, chosen_logprobs):
-            seq = c.seq
-            seq.tokens.append(token)
+        for (seq, index), token, logprob in zip(step.rows, tokens, logprobs):
+            if seq.finish_reason is not None:  # stopped (or aborted) before this row's token was read
+                continue
+            seq.tokens[index] = token
             if seq.params.logprobs:
                 seq.logprobs.append(logprob)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            reason = self._finish_reason(seq, token)
+            reason = self._finish_reason(seq, token, index)
             if reason:
+                del seq.tokens[index + 1 :]  # the step launched after this one computed past the stop
                 seq.finish_time = now
                 self.scheduler.finish(seq, reason)
                 self.requests.pop(seq.request_id)
             events.append(TokenEvent(seq.request_id, token, logprob, reason))
         return events
 
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+    def _finish_reason(self, seq: Sequence, token: int, index: int) -> str | None:
         p = seq.params
         if not p.ignore_eos and token in self.eos_token_ids:
             return "stop"
         if p.stop_token_ids and token in p.stop_token_ids:
             return "stop"
-        if seq.num_output >= p.max_tokens or seq.num_tokens >= self.scheduler.max_context:
+        if index + 1 - len(seq.prompt_ids) >= p.max_tokens or index + 1 >= self.scheduler.max_context:
             return "length"
         return None
 
     def score(self, token_ids: list[int]) -> torch.Tensor:
-        """float32 logits [len(token_ids), vocab] of one prompt, computed chunk by chunk."""
+        """float32 logits [len(token_ids), vocab] of one prompt, computed chunk by chunk (a step in
+        flight is read back first; its events are not returned)."""
+        self.drain()
         seq = Sequence(-1, list(token_ids), SamplingParams(max_tokens=1), seed=0)
         self._check_ids(seq.prompt_ids)
         self.scheduler.add(seq)
@@ -133,3 +205,18 @@ def _sample_rows(chunks: list[ScheduledChunk]) -> list[int]:
         if c.samples:
             rows.append(end - 1)
     return rows
+
+
+def _pending_ids(chunks: list[ScheduledChunk], previous: LaunchedStep | None) -> PendingIds | None:
+    """Where this step's PENDING input tokens are: rows of the previous step's device output."""
+    if previous is None:
+        return None
+    source = {(id(seq), index): row for row, (seq, index) in enumerate(previous.rows)}
+    targets, rows, offset = [], [], 0
+    for c in chunks:
+        start = c.seq.num_computed
+        if c.seq.tokens[start + c.num_tokens - 1] == PENDING:  # only the newest token can be pending
+            targets.append(offset + c.num_tokens - 1)
+            rows.append(source[id(c.seq), start + c.num_tokens - 1])
+        offset += c.num_tokens
+    return PendingIds(previous.ids, tuple(targets), tuple(rows)) if targets else None

@@ -106,12 +106,15 @@ class PiecewiseGraphs:
         self.stats = CaptureStats(graphs, time.perf_counter() - start, reserved_after_sync() - reserved_before)
         return self.stats
 
-    def replay(self, ids: list[int], positions: list[int], slices: list[SequenceSlice]) -> torch.Tensor:
-        """Hidden states [len(ids), hidden] of one prefill (or mixed) step that fits a bucket."""
+    def replay(self, ids: list[int], positions: list[int], slices: list[SequenceSlice], pending=None) -> torch.Tensor:
+        """Hidden states [len(ids), hidden] of one prefill (or mixed) step that fits a bucket; `pending`
+        (runner.PendingIds) fills input tokens still on the device."""
         n = len(ids)
         size = self.bucket(n)
         pad = [0] * (size - n)
         self.input_ids[:size].copy_(torch.tensor(ids + pad), non_blocking=True)
+        if pending is not None:
+            pending.fill(self.input_ids)
         self.positions[:size].copy_(torch.tensor(positions + pad), non_blocking=True)
         meta = build_metadata(slices, self.block_size, size, self.input_ids.device)
         self.replays[size] += 1

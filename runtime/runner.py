@@ -41,6 +41,25 @@ def padded_size(num_tokens: int, plan: GraphPlan | None) -> int:
 
 
 @dataclass(frozen=True)
+class PendingIds:
+    """Input tokens still on the device: batch rows `targets` take the previous step's `source[rows]`."""
+
+    source: torch.Tensor
+    targets: tuple[int, ...]
+    rows: tuple[int, ...]
+
+    def fill(self, input_ids: torch.Tensor) -> None:
+        """Write them into a device buffer of input ids (queued on the stream, no host sync)."""
+        n = len(self.targets)
+        if self.targets == self.rows == tuple(range(n)):  # steady decode: the same sequences, in order
+            input_ids[:n].copy_(self.source[:n])
+            return
+        device = input_ids.device
+        targets = torch.tensor(self.targets).to(device, non_blocking=True)
+        input_ids[targets] = self.source[torch.tensor(self.rows).to(device, non_blocking=True)]
+
+
+@dataclass(frozen=True)
 class Batch:
     ids: list[int]
     positions: list[int]
@@ -89,34 +108,37 @@ class ModelRunner:
             return self._logits(pack(chunks), rows)
 
     def sample(
-        self, chunks: list[ScheduledChunk], rows: list[int], sampling: SamplingBatch
+        self, chunks: list[ScheduledChunk], rows: list[int], sampling: SamplingBatch, pending: PendingIds | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Run one step and sample the given rows on the device: token ids [len(rows)] and logprobs
-        (None in greedy mode). A decode step that fits a bucket is one graph replay, sampler included."""
+        """Launch one step and sample the given rows on the device: token ids [len(rows)] and logprobs
+        (None in greedy mode), not synchronized. A decode step that fits a bucket is one graph
+        replay, sampler included. `pending` input tokens are taken from the previous step's output."""
         batch = pack(chunks)
         with torch.inference_mode():
             if batch.decode and self.graphs is not None and self.graphs.bucket(len(batch.ids)) is not None:
                 slots = slot_list(batch.slices, self.kv_cache.block_size)
-                return self.graphs.replay(batch.ids, batch.positions, batch.slices, slots, sampling)
-            logits = self._logits(batch, rows)
+                return self.graphs.replay(batch.ids, batch.positions, batch.slices, slots, sampling, pending)
+            logits = self._logits(batch, rows, pending)
             return sample(logits, sampling.tensors(self.device), sampling.mode)
 
-    def _logits(self, batch: Batch, rows: list[int] | None) -> torch.Tensor:
+    def _logits(self, batch: Batch, rows: list[int] | None, pending: PendingIds | None = None) -> torch.Tensor:
         if not batch.decode and self.prefill_graphs and self.prefill_graphs.bucket(len(batch.ids)):
-            hidden = self.prefill_graphs.replay(batch.ids, batch.positions, batch.slices)
+            hidden = self.prefill_graphs.replay(batch.ids, batch.positions, batch.slices, pending)
         else:
-            hidden = self._forward(batch)
+            hidden = self._forward(batch, pending)
         if rows is not None:
             hidden = hidden[rows]
         return self.model.compute_logits(hidden).float()
 
-    def _forward(self, batch: Batch) -> torch.Tensor:
+    def _forward(self, batch: Batch, pending: PendingIds | None = None) -> torch.Tensor:
         num_tokens = len(batch.ids)
         size = padded_size(num_tokens, self.plans.get("decode" if batch.decode else "prefill"))
         pad = [0] * (size - num_tokens)
         slices = pad_decode(batch.slices, size) if batch.decode else batch.slices
         meta = build_metadata(slices, self.kv_cache.block_size, size, self.device)
         input_ids = torch.tensor(batch.ids + pad, dtype=torch.int64).to(self.device)
+        if pending is not None:
+            pending.fill(input_ids)
         positions = torch.tensor(batch.positions + pad, dtype=torch.int64).to(self.device)
         with forward_context(ForwardContext(self.backend.plan(meta))):
             return self.forward(input_ids, positions)[:num_tokens]

@@ -21,6 +21,8 @@ from graphkiln.errors import CapacityError, ConfigError, RequestError
 from .kv_cache import BlockAllocator
 from .sampling_params import SamplingParams
 
+PENDING = -1  # a sampled token still on the device: its step was launched, not yet read back
+
 
 @dataclass(eq=False)
 class Sequence:
@@ -35,6 +37,7 @@ class Sequence:
     num_computed: int = 0
     blocks: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    closing: bool = False  # its pending token is its last (max_tokens or context): schedule no more
     arrival: float = 0.0
     scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -45,10 +48,13 @@ class Sequence:
 
     @property
     def output_ids(self) -> list[int]:
-        return self.tokens[len(self.prompt_ids) :]
+        """Generated tokens read back so far (a pending one is left out)."""
+        end = len(self.tokens) - (self.tokens[-1] == PENDING)
+        return self.tokens[len(self.prompt_ids) : end]
 
     @property
     def num_output(self) -> int:
+        """Generated tokens, the pending one included: the output index of the next draw."""
         return len(self.tokens) - len(self.prompt_ids)
 
     @property
@@ -110,7 +116,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         for seq in sorted(self.running, key=lambda s: s.request_id):
-            if seq not in self.running or budget == 0:
+            if seq.closing or seq not in self.running or budget == 0:
                 continue
             take = min(seq.num_pending, budget)
             if not self._reserve(seq, take, chunks):
@@ -134,7 +140,7 @@ class Scheduler:
         """Grow `seq`'s blocks, preempting the youngest other running sequences if needed."""
         while not self.allocator.grow(seq.blocks, seq.num_computed + take):
             busy = {c.seq.request_id for c in scheduled}
-            victims = [s for s in self.running if s is not seq and s.request_id not in busy]
+            victims = [s for s in self.running if s is not seq and not s.closing and s.request_id not in busy]
             victim = max(victims or [seq], key=lambda s: s.request_id)
             self._preempt(victim)
             if victim is seq:
@@ -148,14 +154,13 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def abort(self, seq: Sequence) -> None:
+        self.finish(seq, "abort")
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Leave the scheduler for good (a sequence preempted while its last step ran may be waiting)."""
         if seq in self.waiting:
             self.waiting.remove(seq)
         if seq in self.running:
             self.running.remove(seq)
         self.allocator.free(seq.blocks)
-        seq.finish_reason = "abort"
-
-    def finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
-        self.allocator.free(seq.blocks)
-        self.running.remove(seq)

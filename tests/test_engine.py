@@ -118,6 +118,32 @@ def test_stop_token_ids(llm: LLM, many_prompts: list[list[int]], solo: list[list
     assert out.finish_reason == "stop"
 
 
+def test_stop_found_at_read_back_drops_the_step_launched_after_it(
+    llm: LLM, many_prompts: list[list[int]], solo: list[list[int]]
+) -> None:
+    """Steps are pipelined: when a token is read back as a stop, one more step already ran for that
+    request. Its row is dropped, the others in the batch continue, and every KV block comes back."""
+    greedy = solo[1]
+    index = next(i for i, t in enumerate(greedy) if i >= 3 and t not in greedy[:i])
+    free = llm.engine.allocator.num_free
+    params = [SamplingParams(max_tokens=20, ignore_eos=True)] * len(many_prompts)
+    params[1] = SamplingParams(max_tokens=20, stop_token_ids=[greedy[index]])
+    outs = llm.generate(many_prompts, params)
+    assert (outs[1].token_ids, outs[1].finish_reason) == (greedy[: index + 1], "stop")
+    assert [o.token_ids for i, o in enumerate(outs) if i != 1] == [s for i, s in enumerate(solo) if i != 1]
+    assert not llm.engine.has_work() and llm.engine.allocator.num_free == free
+
+
+def test_a_step_in_flight_is_read_back_one_step_later(llm: LLM, many_prompts: list[list[int]]) -> None:
+    engine = llm.engine
+    seq = engine.add_request(many_prompts[0], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert engine.step() == [] and seq.output_ids == [] and seq.num_output == 1  # launched, token pending
+    first = engine.step()  # launches the next step, returns the first token
+    assert [e.token_id for e in first] == seq.output_ids and len(seq.output_ids) == 1
+    engine.abort(seq)
+    assert not engine.has_work() and engine.step() == [] and engine.launched is None
+
+
 def test_eos_stops_unless_ignored(
     hf_checkpoint: CheckpointFactory, many_prompts: list[list[int]], solo: list[list[int]]
 ) -> None:

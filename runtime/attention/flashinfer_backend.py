@@ -169,6 +169,7 @@ class FlashInferBackend:
             self._workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self._device)
         self._decode: dict[int, _DecodeSlot] = {}
         self._prefill_wrapper = None
+        self._planned: torch.cuda.Event | None = None  # the last plan's copies from the pinned workspace
         self._heads_and_scale: tuple[int, float] | None = None  # learned from the first layer call
 
     def plan(self, meta: BatchMetadata) -> AttentionFn:
@@ -245,7 +246,14 @@ class FlashInferBackend:
         return step
 
     def _plan_wrapper(self, step: _Step, num_qo_heads: int, scale: float) -> None:
-        """`wrapper.plan` on the host (a device-to-host read never happens: the arrays are host tensors)."""
+        """`wrapper.plan` on the host (a device-to-host read never happens: the arrays are host tensors).
+
+        plan copies from FlashInfer's pinned host workspace without blocking; the engine launches a
+        step before the previous one ran, so the previous plan's copies are waited for before the
+        workspace is rewritten.
+        """
+        if self._planned is not None:
+            self._planned.synchronize()
         cache = self.kv_cache.keys
         _, _, block_size, num_kv_heads, head_dim = cache.shape
         if num_qo_heads % num_kv_heads:
@@ -255,6 +263,9 @@ class FlashInferBackend:
             pos_encoding_mode="NONE", q_data_type=cache.dtype, kv_data_type=cache.dtype, sm_scale=scale,
             non_blocking=True, **step.options,
         )
+        if self._device.type == "cuda":  # the planning tests run this on the CPU
+            self._planned = torch.cuda.Event()
+            self._planned.record()
         step.scale = scale
         if step.slot is not None:
             step.slot.scale = scale
