@@ -2,9 +2,8 @@
 
 Pipeline (`manager.default_passes`), each switchable with `CompileConfig.disabled_passes`:
 
-1. `noop_elimination`: drops aliases (same-shape views, same-dtype casts, ...) from the Dynamo graph.
-2. `boundary_recompute`: recomputes the rope gather in every piece instead of carrying it across cuts.
-3. `attention_split`: cuts the graph at every graphkiln::attention call into pieces.
+1. `boundary_recompute`: recomputes the rope gather in every piece instead of carrying it across cuts.
+2. `attention_split`: cuts the graph at every graphkiln::attention call into pieces.
 
 Post-grad passes (`base.PostGradPass`) run inside Inductor through the one `PassManager`; none
 ships, because the fusions worth a post-grad pass in our decoder are already Inductor's:
@@ -23,7 +22,7 @@ ships, because the fusions worth a post-grad pass in our decoder are already Ind
 
 Measured on the H200 (1B-like bf16 model, bench/passes_bench.py): boundary_recompute takes the
 tensors crossing piece boundaries from 111 to 96 and the decode step's kernels from 218 to 217;
-replay times do not move beyond noise. noop_elimination changes neither there (Inductor drops
-the same aliases); it only makes the dumped FX graphs shorter (22 nodes fewer on the float32
-tiny model). Neither pass has yet shown a step-time benefit.
+replay times do not move beyond noise. A `noop_elimination` pass (same-shape views, same-dtype
+casts dropped from the Dynamo graph) was removed: on that model it changed neither (217 kernels,
+96 boundary tensors with and without it), since AOTAutograd and Inductor drop the same aliases.
 """

@@ -24,7 +24,6 @@ from graphkiln.errors import ConfigError
 from .attention_split import AttentionSplit
 from .base import DYNAMO, POST_GRAD, GraphPass, Pass, PassRecord, PostGradPass, content_hash
 from .boundary_recompute import BoundaryRecompute
-from .noop_elimination import NoopElimination
 
 log = logging.getLogger("graphkiln.passes")
 
@@ -34,7 +33,7 @@ GraphDump = Callable[[int, str, str, torch.fx.GraphModule | torch.fx.Graph], Non
 
 def default_passes(extra: Sequence[Pass] = ()) -> list[Pass]:
     """Built-in passes in pipeline order; `extra` Dynamo-graph passes run just before the split."""
-    return [NoopElimination(), BoundaryRecompute(), *extra, AttentionSplit()]
+    return [BoundaryRecompute(), *extra, AttentionSplit()]
 
 
 def _ops(target: torch.fx.GraphModule | torch.fx.Graph) -> Counter:

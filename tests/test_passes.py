@@ -28,9 +28,8 @@ from graphkiln.passes.attention_split import AttentionSplit, boundaries
 from graphkiln.passes.base import GraphPass, PostGradPass, content_hash
 from graphkiln.passes.boundary_recompute import BoundaryRecompute, BoundaryRecomputeConfig
 from graphkiln.passes.manager import PassManager, default_passes
-from graphkiln.passes.noop_elimination import NoopElimination
 
-NAMES = ["noop_elimination", "boundary_recompute", "attention_split"]
+NAMES = ["boundary_recompute", "attention_split"]
 
 
 def dynamo_graph(fn, *args) -> torch.fx.GraphModule:
@@ -88,12 +87,6 @@ def eager_and_compiled_agree(model, compiled, token_counts=(1, 7, 33)) -> None:
             torch.testing.assert_close(compiled(ids, torch.arange(n)), model(ids, torch.arange(n)), rtol=0, atol=1e-5)
 
 
-def noops(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    a = x.float().to(torch.float32)
-    b = a.view(x.shape[0], 8).contiguous()[:, :]
-    return b.reshape(-1, 2, 4).reshape(x.shape[0], 8) * w
-
-
 @pytest.fixture(scope="module")
 def toy():
     return toy_model()
@@ -106,36 +99,6 @@ def toy_graph(toy):
     return lambda: torch.fx.GraphModule(captured.gm, copy.deepcopy(captured.gm.graph))
 
 
-def test_noop_elimination_removes_aliases_and_keeps_numerics():
-    x, w = torch.randn(5, 8), torch.randn(8)
-    gm = dynamo_graph(noops, x, w)
-    assert ops(gm)["reshape"] == 2 and sum(ops(gm)[m] for m in ("float", "to", "view", "contiguous")) == 4
-    assert NoopElimination()(gm) == 7  # 6 no-ops + 1 reshape chain collapsed
-    gm.recompile()
-    assert ops(gm) == Counter({"mul": 1})
-    compiled = inductor_with(NoopElimination(), noops)
-    for n in (1, 5, 33):
-        x = torch.randn(n, 8)
-        torch.testing.assert_close(compiled(x, w), noops(x, w), rtol=0, atol=1e-5)
-
-
-def test_noop_elimination_keeps_real_copies_and_casts():
-    def real(x):
-        return x.t().contiguous().to(torch.float16).float().reshape(-1)[1:]
-
-    gm = dynamo_graph(real, torch.randn(5, 8))
-    before = ops(gm)
-    assert NoopElimination()(gm) == 0 and ops(gm) == before
-
-
-def test_noop_elimination_on_the_toy_model(toy_graph):
-    gm = toy_graph()
-    before = ops(gm)
-    run_manager(gm, disabled=("boundary_recompute", "attention_split"))
-    # per layer two RMSNorms with .float() and .to(float32), one cos_sin.to(float32); the final norm
-    assert before - ops(gm) == Counter({"float": 5, "to": 7})
-
-
 @pytest.mark.parametrize("name", NAMES)
 def test_a_pass_switched_off_by_name_does_nothing(toy_graph, name):
     on, off, absent = toy_graph(), toy_graph(), toy_graph()
@@ -144,21 +107,6 @@ def test_a_pass_switched_off_by_name_does_nothing(toy_graph, name):
     PassManager([p for p in default_passes() if p.name != name]).run_dynamo(absent)
     code = [gm.print_readable(print_output=False) for gm in (on, off, absent)]
     assert code[1] == code[2] != code[0]
-
-
-def test_noop_elimination_means_fewer_boundary_tensors():
-    def aliased(x):
-        h = x * 2
-        a = h.float()  # an alias of h that a later piece reads
-        out = torch.empty_like(h)
-        attention(h, h, h, out, 0, 1.0)
-        return out + h + a
-
-    x = torch.randn(5, 2, 4)
-    kept, dropped = dynamo_graph(aliased, x), dynamo_graph(aliased, x)
-    run_manager(kept, disabled=("noop_elimination",))
-    run_manager(dropped)
-    assert boundary_counts(kept) == [3, 3] and boundary_counts(dropped) == [2, 2]
 
 
 def test_boundary_recompute_gathers_rope_in_each_piece(toy, toy_graph):
@@ -170,14 +118,13 @@ def test_boundary_recompute_gathers_rope_in_each_piece(toy, toy_graph):
     assert boundary_counts(carried) == [6, 3, 5, 2]
     assert boundary_counts(recomputed) == [5, 2, 5, 2]
     assert rope_gathers(carried) == [1, 0, 0] and rope_gathers(recomputed) == [1, 1, 0]
-    compiled, report = compile_module(toy, CompileConfig(specialize=False, disabled_passes=("noop_elimination",)))
+    compiled, report = compile_module(toy, CompileConfig())
     assert report.counters.unique_pieces == 3
     eager_and_compiled_agree(toy, compiled)
 
 
 def test_boundary_recompute_config_bounds_the_chain(toy_graph):
     gm = toy_graph()
-    PassManager([NoopElimination()]).run_dynamo(gm)
     assert BoundaryRecompute(BoundaryRecomputeConfig(max_nodes=0))(gm) == 0
     assert BoundaryRecompute(BoundaryRecomputeConfig(max_nodes=1))(gm) == 1
 
@@ -199,8 +146,7 @@ def test_default_pipeline_matches_eager_and_reports_every_pass(toy):
     compiled, report = compile_module(toy, CompileConfig(specialize=False))
     eager_and_compiled_agree(toy, compiled)
     assert [(r.name, r.enabled, r.runs) for r in report.passes] == [(n, True, 1) for n in NAMES]
-    noop, recompute, split = report.passes
-    assert (noop.matches, noop.nodes_removed, noop.nodes_added) == (12, 12, 0)
+    recompute, split = report.passes
     assert (recompute.matches, recompute.nodes_added) == (1, 1)
     assert (split.matches, split.nodes_removed) == (2, 0)
 
@@ -226,14 +172,14 @@ def test_passes_without_uuid_are_refused():
     with pytest.raises(ConfigError, match="no uuid"):
         PassManager([Untracked()])
     with pytest.raises(ConfigError, match="twice"):
-        PassManager([NoopElimination(), NoopElimination()])
+        PassManager([AttentionSplit(), AttentionSplit()])
 
 
 def test_uuid_changes_with_enabled_passes_and_pass_config():
     base = PassManager(default_passes()).uuid()
     assert PassManager(default_passes()).uuid() == base
-    assert PassManager(default_passes(), ["noop_elimination"]).uuid() != base
-    other = [NoopElimination(), BoundaryRecompute(BoundaryRecomputeConfig(max_nodes=3)), AttentionSplit()]
+    assert PassManager(default_passes(), ["boundary_recompute"]).uuid() != base
+    other = [BoundaryRecompute(BoundaryRecomputeConfig(max_nodes=3)), AttentionSplit()]
     assert PassManager(other).uuid() != base
 
 
@@ -242,7 +188,7 @@ def test_uuid_is_stable_across_processes_and_folder_moves(tmp_path):
     other = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True,
                            env={**os.environ, "PYTHONHASHSEED": "1"})
     assert other.stdout.strip() == PassManager(default_passes()).uuid()
-    source = sys.modules[NoopElimination.__module__].__file__
+    source = sys.modules[BoundaryRecompute.__module__].__file__
     moved = [shutil.copy(source, tmp_path / name) for name in ("a.py", "b.py")]
     assert content_hash(moved[:1]) == content_hash(moved[1:]) == content_hash([source])
     (tmp_path / "b.py").write_text(open(source).read() + "\n")
