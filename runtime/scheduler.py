@@ -14,7 +14,6 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-import torch
 
 from graphkiln.errors import CapacityError, ConfigError, RequestError
 

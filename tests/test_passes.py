@@ -23,7 +23,7 @@ from graphkiln.compiler.compile import compile_module
 from graphkiln.compiler.inductor import InductorCompiler
 from graphkiln.compiler.split import split_pieces
 from graphkiln.errors import ConfigError
-from graphkiln.models.attention import ForwardContext, attention, forward_context
+from graphkiln.models.attention import ForwardContext, forward_context
 from graphkiln.passes.attention_split import AttentionSplit, boundaries
 from graphkiln.passes.base import GraphPass, PostGradPass, content_hash
 from graphkiln.passes.boundary_recompute import BoundaryRecompute, BoundaryRecomputeConfig
