@@ -14,7 +14,6 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-
 from graphkiln.errors import CapacityError, ConfigError, RequestError
 
 from .kv_cache import BlockAllocator
