@@ -134,11 +134,8 @@ class Engine:
         for c in chunks:
             c.seq.num_computed += c.num_tokens
         for c in sampling:
-            seq = c.seq
-            seq.tokens.append(PENDING)
-            index = seq.num_tokens - 1
-            seq.closing = seq.num_output >= seq.params.max_tokens or seq.num_tokens >= self.scheduler.max_context
-            launched.append((seq, index))
+            c.seq.tokens.append(PENDING)
+            launched.append((c.seq, c.seq.num_tokens - 1))
         return LaunchedStep(launched, ids, *self.read_back.start(ids, logprobs))
 
     def _read(self, step: LaunchedStep) -> list[TokenEvent]:

@@ -35,7 +35,6 @@ class Sequence:
     num_computed: int = 0
     blocks: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    closing: bool = False  # its pending token is its last (max_tokens or context): schedule no more
     arrival: float = 0.0
     scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -114,7 +113,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         for seq in sorted(self.running, key=lambda s: s.request_id):
-            if seq.closing or seq not in self.running or budget == 0:
+            if self._closing(seq) or seq not in self.running or budget == 0:
                 continue
             take = min(seq.num_pending, budget)
             if not self._reserve(seq, take, chunks):
@@ -134,11 +133,16 @@ class Scheduler:
             budget -= take
         return chunks
 
+    def _closing(self, seq: Sequence) -> bool:
+        """Its pending token is its last (max_tokens or the context reached): nothing more to schedule."""
+        last_pending = seq.tokens[-1] == PENDING
+        return last_pending and (seq.num_output >= seq.params.max_tokens or seq.num_tokens >= self.max_context)
+
     def _reserve(self, seq: Sequence, take: int, scheduled: list[ScheduledChunk]) -> bool:
         """Grow `seq`'s blocks, preempting the youngest other running sequences if needed."""
         while not self.allocator.grow(seq.blocks, seq.num_computed + take):
             busy = {c.seq.request_id for c in scheduled}
-            victims = [s for s in self.running if s is not seq and not s.closing and s.request_id not in busy]
+            victims = [s for s in self.running if s is not seq and not self._closing(s) and s.request_id not in busy]
             victim = max(victims or [seq], key=lambda s: s.request_id)
             self._preempt(victim)
             if victim is seq:

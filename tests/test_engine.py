@@ -168,6 +168,15 @@ def test_generation_stops_at_context_end(llm: LLM, llama: Checkpoint, random_ids
     assert len(out.token_ids) == 5 and out.finish_reason == "length"
 
 
+def test_prompt_filling_the_context_is_prefilled_in_chunks_then_stops(
+    llama: Checkpoint, random_ids: Callable[..., list[int]]
+) -> None:
+    """A full-context prompt reaches the context limit before its last chunk; it must still be scheduled."""
+    llm = LLM.eager(llama.path, max_num_batched_tokens=32)
+    out = llm.generate([random_ids(llama.max_context)], SamplingParams(max_tokens=5, ignore_eos=True))[0]
+    assert len(out.token_ids) == 1 and out.finish_reason == "length"
+
+
 def test_logprobs(llm: LLM, many_prompts: list[list[int]], solo: list[list[int]]) -> None:
     prompt = many_prompts[3]
     out = llm.generate([prompt], SamplingParams(max_tokens=20, ignore_eos=True, logprobs=True))[0]
