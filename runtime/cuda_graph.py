@@ -162,9 +162,11 @@ class DecodeGraphs:
             pending.fill(self.input_ids)
         mode = sampling.mode
         if mode != "greedy":
-            for column, staged, target, fill in zip(sampling.columns(), self.sampling_staging, self.sampling, (0, 0, 1, 0, 0)):
-                staged.numpy()[:size] = list(column) + [fill] * pad
-                target[:size].copy_(staged[:size], non_blocking=True)
+            for column, host_column, target, fill in zip(
+                sampling.columns(), self.sampling_staging, self.sampling, (0, 0, 1, 0, 0)
+            ):  # padded rows: greedy, no filter
+                host_column.numpy()[:size] = list(column) + [fill] * pad
+                target[:size].copy_(host_column[:size], non_blocking=True)
         self.staged = torch.cuda.Event()
         self.staged.record()
         self.backend.plan(self.metadata(size, tuple(seq_lens)))

@@ -211,9 +211,9 @@ def _pending_ids(chunks: list[ScheduledChunk], previous: LaunchedStep | None) ->
     source = {(id(seq), index): row for row, (seq, index) in enumerate(previous.rows)}
     targets, rows, offset = [], [], 0
     for c in chunks:
-        start = c.seq.num_computed
-        if c.seq.tokens[start + c.num_tokens - 1] == PENDING:  # only the newest token can be pending
+        last = c.seq.num_computed + c.num_tokens - 1
+        if c.seq.tokens[last] == PENDING:  # only the newest token can be pending
             targets.append(offset + c.num_tokens - 1)
-            rows.append(source[id(c.seq), start + c.num_tokens - 1])
+            rows.append(source[id(c.seq), last])
         offset += c.num_tokens
     return PendingIds(previous.ids, tuple(targets), tuple(rows)) if targets else None
