@@ -19,23 +19,19 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/gpu/, however this file is run
+
+from gpu.models import MODELS, build_hf_model  # noqa: E402
+
 
 def build_model(path: Path, layers: int) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        hidden_size=2048, intermediate_size=8192, num_hidden_layers=layers, num_attention_heads=32,
-        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, tie_word_embeddings=True,
-    )  # fmt: skip
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.02)
-    model.save_pretrained(path)
+    """The bench's random-weight Llama-3.2-1B-like model (bench/gpu/models.py) with `layers` layers."""
+    shape = {**MODELS["1b"], "num_hidden_layers": layers, "head_dim": 64, "max_position_embeddings": 8192}
+    build_hf_model(shape, SimpleNamespace(device="cuda", dtype=torch.bfloat16)).save_pretrained(path)
 
 
 def top_functions(profile: cProfile.Profile, count: int) -> str:
