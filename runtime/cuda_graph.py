@@ -24,7 +24,7 @@ from graphkiln.models.transformer import CausalLM
 from .attention.base import AttentionBackend
 from .attention.metadata import BatchMetadata, SequenceSlice
 from .kv_cache import DUMMY_BLOCK
-from .sampler import MODES, SamplingBatch, SamplingTensors, sample
+from .sampler import MODES, NEUTRAL_ROW, SamplingBatch, SamplingTensors, sample
 
 
 def reserved_after_sync() -> int:
@@ -163,8 +163,8 @@ class DecodeGraphs:
         mode = sampling.mode
         if mode != "greedy":
             for column, host_column, target, fill in zip(
-                sampling.columns(), self.sampling_staging, self.sampling, (0, 0, 1, 0, 0)
-            ):  # padded rows: greedy, no filter
+                sampling.columns(), self.sampling_staging, self.sampling, NEUTRAL_ROW
+            ):
                 host_column.numpy()[:size] = list(column) + [fill] * pad
                 target[:size].copy_(host_column[:size], non_blocking=True)
         self.staged = torch.cuda.Event()

@@ -28,6 +28,10 @@ _MIX1 = 0xBF58476D1CE4E5B9 - 2**64
 _MIX2 = 0x94D049BB133111EB - 2**64
 
 
+DTYPES = (torch.float32, torch.int64, torch.float32, torch.int64, torch.int64)  # SamplingTensors' fields
+NEUTRAL_ROW = (0.0, 0, 1.0, 0, 0)  # greedy, no filter: what padded rows carry
+
+
 class SamplingTensors(NamedTuple):
     """Per-row sampling parameters on the device; the decode graphs keep one static set."""
 
@@ -39,9 +43,8 @@ class SamplingTensors(NamedTuple):
 
     @classmethod
     def empty(cls, rows: int, device: torch.device | str) -> SamplingTensors:
-        f32, i64 = {"dtype": torch.float32, "device": device}, {"dtype": torch.int64, "device": device}
-        return cls(torch.zeros(rows, **f32), torch.zeros(rows, **i64), torch.ones(rows, **f32),
-                   torch.zeros(rows, **i64), torch.zeros(rows, **i64))
+        """`rows` neutral rows."""
+        return cls(*(torch.full((rows,), v, dtype=d, device=device) for v, d in zip(NEUTRAL_ROW, DTYPES)))
 
     def rows(self, n: int) -> SamplingTensors:
         return SamplingTensors(*(t[:n] for t in self))
@@ -77,8 +80,7 @@ class SamplingBatch:
         return self.temperature, self.top_k, self.top_p, self.seed, self.step
 
     def tensors(self, device: torch.device | str) -> SamplingTensors:
-        dtypes = (torch.float32, torch.int64, torch.float32, torch.int64, torch.int64)
-        return SamplingTensors(*(torch.tensor(c, dtype=d).to(device) for c, d in zip(self.columns(), dtypes)))
+        return SamplingTensors(*(torch.tensor(c, dtype=d).to(device) for c, d in zip(self.columns(), DTYPES)))
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
