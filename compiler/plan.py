@@ -1,8 +1,9 @@
 """Graph plans: how the runtime runs each phase of the one compiled model, as data.
 
-PREFILL runs piecewise: compiled pieces with attention called eagerly between them, padded to
-a token bucket (later one CUDA graph per piece and bucket). DECODE runs the whole step as one
-unit padded to a batch bucket (later one CUDA graph per bucket, attention inside).
+PREFILL is compiled piecewise (split at attention) and padded to a token bucket; the runtime
+replays it as one CUDA graph per bucket where the attention backend can capture its prefill,
+else one graph per piece and bucket with attention called eagerly between them. DECODE runs the
+whole step as one unit padded to a batch bucket (one CUDA graph per bucket, attention inside).
 """
 
 from __future__ import annotations

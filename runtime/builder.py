@@ -16,6 +16,7 @@ from .engine import Engine
 from .kv_cache import BlockAllocator, KVCache
 from .memory import kv_cache_blocks
 from .piecewise_graph import PiecewiseGraphs
+from .prefill_graph import PrefillGraphs
 from .runner import ModelRunner
 from .scheduler import Scheduler
 
@@ -39,7 +40,8 @@ def build_engine(
     max_num_batched_tokens: int = 2048,
     max_num_seqs: int = 256,
 ) -> Engine:
-    """Eager when `compiled` is None; with it, compiled pieces and, on CUDA, decode CUDA graphs."""
+    """Eager when `compiled` is None; with it, compiled pieces and, on CUDA, CUDA graphs: whole for
+    decode, and for prefill where the attention backend can capture it (piecewise otherwise)."""
     cfg = model.cfg
     max_context = min(cfg.max_context, max_seq_len or cfg.max_context)
     param = next(model.parameters())
@@ -52,14 +54,19 @@ def build_engine(
     counters = Counters()
     if compiled is not None and cuda_graphs and device.type == "cuda":
         pool = torch.cuda.graph_pool_handle()
+        max_blocks = -(-max_context // block_size)
         prefill_sizes = tuple(s for s in compiled.plans["prefill"].sizes if s <= max_num_batched_tokens)
         split_at_attention = any(attn for _, attn in compiled.split.submodules)
-        if prefill_sizes and split_at_attention:
+        if prefill_sizes and backend.capturable_prefill:
+            prefill_graphs = PrefillGraphs(
+                compiled, backend, prefill_sizes, block_size, max_num_seqs, max_blocks, counters, pool, device
+            )
+            _log_capture("prefill full", prefill_graphs.capture())
+        elif prefill_sizes and split_at_attention:
             prefill_graphs = PiecewiseGraphs(compiled, backend, prefill_sizes, block_size, counters, pool)
             _log_capture("prefill piecewise", prefill_graphs.capture())
         decode_sizes = tuple(s for s in compiled.plans["decode"].sizes if s <= max_num_seqs)
-        if backend.capturable and decode_sizes:
-            max_blocks = -(-max_context // block_size)
+        if backend.capturable_decode and decode_sizes:
             graphs = DecodeGraphs(compiled, model, backend, decode_sizes, block_size, max_blocks, counters, pool)
             _log_capture("decode full", graphs.capture())
     plans = compiled.plans if compiled is not None else None

@@ -1,11 +1,11 @@
 """Decode CUDA graphs: per decode batch bucket, the whole step from input ids to sampled ids.
 
 Each bucket has one graph per sampling mode (greedy, sample, filter; see sampler.py), attention,
-LM head and sampler inside. Static buffers (token ids, positions, slot mapping, sequence lengths,
-block tables, per-row sampling parameters) are sized once for the largest bucket; every graph
-reads views of them. Graphs are captured largest first into one shared memory pool. A replay
-copies the batch into the buffers (padded rows are one-token greedy sequences in the dummy
-block), re-plans the backend on the same buffers, and replays the mode's graph.
+LM head and sampler inside. The batch (static_batch.StaticBatch) and per-row sampling parameters
+live in buffers sized once for the largest bucket; every graph reads views of them. Graphs are
+captured largest first into one shared memory pool. A replay copies the batch into the buffers
+(padded rows are one-token greedy sequences in the dummy block), re-plans the backend on the
+same buffers, and replays the mode's graph.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from graphkiln.models.attention import ForwardContext, forward_context
 from graphkiln.models.transformer import CausalLM
 
 from .attention.base import AttentionBackend
-from .attention.metadata import BatchMetadata, SequenceSlice
-from .kv_cache import DUMMY_BLOCK
+from .attention.metadata import BatchMetadata, SequenceSlice, pad_decode
 from .sampler import MODES, NEUTRAL_ROW, SamplingBatch, SamplingTensors, sample
+from .static_batch import StaticBatch
 
 
 def reserved_after_sync() -> int:
@@ -57,44 +57,24 @@ class DecodeGraphs:
         self.model = model
         self.backend = backend
         self.sizes = tuple(sorted(sizes))
-        self.block_size = block_size
         self.counters = counters
         self.pool = pool
         device = next(model.parameters()).device
         largest = self.sizes[-1]
-        self.input_ids = torch.zeros(largest, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(largest, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((largest,), DUMMY_BLOCK * block_size, dtype=torch.int64, device=device)
-        self.seq_lens = torch.ones(largest, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
-        self.block_tables = torch.full((largest, max_blocks_per_seq), DUMMY_BLOCK, dtype=torch.int32, device=device)
+        self.batch = StaticBatch(largest, largest, max_blocks_per_seq, block_size, device)
         self.sampling = SamplingTensors.empty(largest, device)
-        self.staging = {
-            name: torch.zeros_like(getattr(self, name), device="cpu").pin_memory()
-            for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "block_tables")
-        }
-        self.sampling_staging = SamplingTensors(*(torch.zeros_like(t, device="cpu").pin_memory() for t in self.sampling))
-        self.staged: torch.cuda.Event | None = None  # the last replay's copies from the staging buffers
+        self.sampling_staging = SamplingTensors(*(self.batch.pinned_like(t) for t in self.sampling))
         self.graphs: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
         self.replays: Counter[tuple[int, str]] = Counter()  # (bucket, sampling mode)
         self.stats: CaptureStats | None = None
 
     def metadata(self, size: int, seq_lens: tuple[int, ...] | None = None) -> BatchMetadata:
-        """Views of the static buffers for a batch of `size` rows."""
-        return BatchMetadata(
-            query_lens=(1,) * size,
-            seq_lens=seq_lens or (1,) * size,
-            num_tokens=size,
-            block_size=self.block_size,
-            query_start_loc=self.query_start_loc[: size + 1],
-            seq_lens_t=self.seq_lens[:size],
-            block_tables=self.block_tables[:size],
-            slot_mapping=self.slot_mapping[:size],
-        )
+        """Views of the static buffers for a batch of `size` one-token rows."""
+        return self.batch.metadata("decode", size, size, (1,) * size, seq_lens or (1,) * size)
 
     def _step(self, size: int, mode: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         with forward_context(ForwardContext(self.backend.plan(self.metadata(size)))):
-            hidden = self.forward(self.input_ids[:size], self.positions[:size])
+            hidden = self.forward(self.batch.input_ids[:size], self.batch.positions[:size])
             return sample(self.model.compute_logits(hidden), self.sampling.rows(size), mode)
 
     def capture(self) -> CaptureStats:
@@ -126,50 +106,29 @@ class DecodeGraphs:
         ids: list[int],
         positions: list[int],
         slices: list[SequenceSlice],
-        slots: list[int],
         sampling: SamplingBatch,
         pending=None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Sampled ids [len(slices)] (and logprobs unless greedy) of one decode step that fits a bucket.
 
-        The batch goes through pinned staging buffers with one asynchronous copy per field; the
-        block-table copy covers only the columns this batch uses (kernels never read past a
-        sequence's length), and a greedy step copies no sampling parameters. `pending`
-        (runner.PendingIds) then overwrites input ids still on the device. The engine launches a
-        step before the previous one ran, so the previous replay's copies from the staging
-        buffers are waited for (an event recorded after them) before the buffers are rewritten.
+        Padded rows are one-token greedy sequences in the dummy block. A greedy step copies no
+        sampling parameters. `pending` (runner.PendingIds) then overwrites input ids still on the device.
         """
         n = len(slices)
         size = self.bucket(n)
         pad = size - n
-        if self.staged is not None:
-            self.staged.synchronize()
-        host = {name: t.numpy() for name, t in self.staging.items()}
-        host["input_ids"][:size] = ids + [0] * pad
-        host["positions"][:size] = positions + [0] * pad
-        host["slot_mapping"][:size] = slots + [DUMMY_BLOCK * self.block_size] * pad
-        seq_lens = [s.seq_len for s in slices] + [1] * pad
-        host["seq_lens"][:size] = seq_lens
-        width = max(len(s.blocks) for s in slices)
-        tables = host["block_tables"]
-        tables[:size, :width] = DUMMY_BLOCK
-        for row, s in enumerate(slices):
-            tables[row, : len(s.blocks)] = s.blocks
-        for name in ("input_ids", "positions", "slot_mapping", "seq_lens"):
-            getattr(self, name)[:size].copy_(self.staging[name][:size], non_blocking=True)
-        self.block_tables[:size, :width].copy_(self.staging["block_tables"][:size, :width], non_blocking=True)
-        if pending is not None:
-            pending.fill(self.input_ids)
         mode = sampling.mode
-        if mode != "greedy":
-            for column, host_column, target, fill in zip(
-                sampling.columns(), self.sampling_staging, self.sampling, NEUTRAL_ROW
-            ):
-                host_column.numpy()[:size] = list(column) + [fill] * pad
-                target[:size].copy_(host_column[:size], non_blocking=True)
-        self.staged = torch.cuda.Event()
-        self.staged.record()
-        self.backend.plan(self.metadata(size, tuple(seq_lens)))
+        with self.batch.staging_turn():
+            meta = self.batch.fill("decode", ids + [0] * pad, positions + [0] * pad, pad_decode(slices, size), size, size)
+            if mode != "greedy":
+                for column, host_column, target, fill in zip(
+                    sampling.columns(), self.sampling_staging, self.sampling, NEUTRAL_ROW
+                ):
+                    host_column.numpy()[:size] = list(column) + [fill] * pad
+                    target[:size].copy_(host_column[:size], non_blocking=True)
+        if pending is not None:
+            pending.fill(self.batch.input_ids)
+        self.backend.plan(meta)
         graph, sampled, logprobs = self.graphs[size, mode]
         graph.replay()
         self.replays[size, mode] += 1

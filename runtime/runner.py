@@ -3,7 +3,8 @@
 The same runner serves the eager reference (forward = the model itself, no padding) and the
 compiled model (forward = the CompiledModel, padded to decode batch or prefill token buckets).
 With decode CUDA graphs, a decode step that fits a bucket is one graph replay instead, from input
-ids to sampled ids.
+ids to sampled ids; with prefill graphs (prefill_graph.py whole, or piecewise_graph.py), a
+prefill or mixed step that fits a token bucket is replayed up to its hidden states.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from graphkiln.models.attention import ForwardContext, forward_context
 from graphkiln.models.transformer import CausalLM
 
 from .attention.base import AttentionBackend
-from .attention.metadata import SequenceSlice, build_metadata, pad_decode, slot_list
+from .attention.metadata import SequenceSlice, build_metadata, pad_decode
 from .cuda_graph import DecodeGraphs
 from .piecewise_graph import PiecewiseGraphs
+from .prefill_graph import PrefillGraphs
 from .kv_cache import KVCache
 from .sampler import SamplingBatch, sample
 from .scheduler import ScheduledChunk
@@ -88,7 +90,7 @@ class ModelRunner:
         forward: Forward | None = None,
         plans: dict[str, GraphPlan] | None = None,
         graphs: DecodeGraphs | None = None,
-        prefill_graphs: PiecewiseGraphs | None = None,
+        prefill_graphs: PrefillGraphs | PiecewiseGraphs | None = None,
         counters: Counters | None = None,
     ) -> None:
         self.model = model
@@ -116,8 +118,7 @@ class ModelRunner:
         batch = pack(chunks)
         with torch.inference_mode():
             if batch.decode and self.graphs is not None and self.graphs.bucket(len(batch.ids)) is not None:
-                slots = slot_list(batch.slices, self.kv_cache.block_size)
-                return self.graphs.replay(batch.ids, batch.positions, batch.slices, slots, sampling, pending)
+                return self.graphs.replay(batch.ids, batch.positions, batch.slices, sampling, pending)
             logits = self._logits(batch, rows, pending)
             return sample(logits, sampling.tensors(self.device), sampling.mode)
 

@@ -20,6 +20,8 @@ from graphkiln.runtime.attention.triton_backend import (
     MIN_SPLIT_TOKENS,
     PROGRAMS_PER_SM,
     decode_tiles,
+    graph_prefill_work,
+    graph_work_capacity,
     prefill_tiles,
     prefill_work,
 )
@@ -61,6 +63,34 @@ def test_prefill_work_covers_every_row_once_longest_first() -> None:
     keys = [seq_lens[i] - query_lens[i] + min(start + block_m, query_lens[i]) for i, start in items]
     assert keys == sorted(keys, reverse=True)
     assert items[0] == (1, 64)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_graph_work_capacity_holds_any_batch_that_fits(seed: int) -> None:
+    """A captured prefill grid is sized once per token bucket: no batch of at most that many tokens
+    and sequences may need more query tiles, whatever its split."""
+    rng = random.Random(seed)
+    tokens = rng.choice([16, 64, 128, 512, 4096])
+    max_seqs = rng.choice([1, 4, 256])
+    block_m = prefill_tiles(tokens, 128, 2).block_m
+    capacity = graph_work_capacity(tokens, max_seqs, block_m)
+    for _ in range(50):
+        count = rng.randint(1, min(max_seqs, tokens))
+        cuts = sorted(rng.sample(range(1, tokens), count - 1)) if count > 1 else []
+        query_lens = tuple(b - a for a, b in zip([0, *cuts], [*cuts, rng.randint(cuts[-1] + 1 if cuts else 1, tokens)]))
+        items = graph_prefill_work(query_lens, query_lens, block_m, capacity)
+        assert len(items) == capacity
+        real = [item for item in items if item[0] >= 0]
+        assert real == prefill_work(query_lens, query_lens, block_m)
+        assert items[len(real) :] == [(-1, 0)] * (capacity - len(real))
+
+
+def test_graph_work_capacity_examples() -> None:
+    assert graph_work_capacity(4096, 256, 128) == 32 + 256
+    assert graph_work_capacity(16, 256, 16) == 1 + 16
+    assert len(prefill_work((1,) * 16, (5,) * 16, 16)) == graph_work_capacity(16, 256, 16) - 1
+    with pytest.raises(ValueError, match="do not fit"):
+        graph_prefill_work((1,) * 16, (5,) * 16, 16, 15)
 
 
 def test_slot_mapping_at_block_boundaries() -> None:

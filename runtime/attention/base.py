@@ -1,12 +1,13 @@
 """The interface every attention backend implements.
 
 `plan(meta)` runs outside any graph, before every forward call, and returns the function the
-graphkiln::attention op calls for each layer. For CUDA-graph decode the runner allocates the
-metadata tensors once at the largest bucket and passes views of them: the returned function
-must then read only device tensors and sizes fixed by the bucket, so a captured replay sees
-whatever the runner (and a repeated `plan` on the same buffers) wrote there before it.
-Padded decode rows arrive as one-token sequences in the dummy block; padded prefill rows
-belong to no sequence and their outputs are ignored.
+graphkiln::attention op calls for each layer. For CUDA graphs (decode when `capturable_decode`,
+prefill and mixed steps when `capturable_prefill`; otherwise prefill runs piecewise, attention
+eager between graphed pieces) the runner allocates the metadata tensors once and passes views
+of them with `meta.graph` set: the returned function must then launch shapes fixed by those
+views, so a captured replay sees whatever the runner (and a repeated `plan` on the same
+buffers) wrote there before it. Padded decode rows arrive as one-token sequences in the dummy
+block; padded prefill rows belong to no sequence and their outputs are ignored.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from .metadata import BatchMetadata
 
 class AttentionBackend(Protocol):
     name: str
-    capturable: bool
+    capturable_decode: bool
+    capturable_prefill: bool
 
     def plan(self, meta: BatchMetadata) -> AttentionFn: ...

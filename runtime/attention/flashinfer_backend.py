@@ -153,7 +153,8 @@ class _Step:
 
 class FlashInferBackend:
     name = "flashinfer"
-    capturable = True
+    capturable_decode = True
+    capturable_prefill = False  # its prefill plan is host work per batch: prefill runs piecewise
 
     def __init__(self, kv_cache: KVCache, workspace_bytes: int = WORKSPACE_BYTES) -> None:
         self._fi = import_flashinfer()

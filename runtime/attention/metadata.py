@@ -30,6 +30,7 @@ class BatchMetadata:
     seq_lens_t: torch.Tensor  # int32 [num_seqs]
     block_tables: torch.Tensor  # int32 [num_seqs, max_blocks]
     slot_mapping: torch.Tensor  # int64 [num_padded_tokens]
+    graph: str | None = None  # "decode" or "prefill": views of that captured graph's buffers (see base.py)
 
     @property
     def num_seqs(self) -> int:
@@ -37,7 +38,10 @@ class BatchMetadata:
 
     @property
     def decode(self) -> bool:
-        """Every sequence adds exactly one token (padded decode rows included)."""
+        """Plan with the decode kernel: in a decode graph, or outside graphs when every sequence adds
+        exactly one token (padded decode rows included). A prefill graph's batch never is."""
+        if self.graph is not None:
+            return self.graph == "decode"
         return all(q == 1 for q in self.query_lens)
 
 

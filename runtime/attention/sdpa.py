@@ -19,7 +19,8 @@ from .metadata import BatchMetadata
 
 class SdpaBackend:
     name = "sdpa"
-    capturable = False
+    capturable_decode = False
+    capturable_prefill = False
 
     def __init__(self, kv_cache: KVCache) -> None:
         self.kv_cache = kv_cache

@@ -1,4 +1,4 @@
-"""The Triton attention backend: paged decode (split-K, CUDA-graph capturable) and varlen prefill.
+"""The Triton attention backend: paged decode (split-K) and varlen prefill, both CUDA-graph capturable.
 
 Every call writes the batch's keys and values through the slot mapping (one launch), then runs
 either the decode kernel (every sequence adds one token) or the varlen causal prefill kernel,
@@ -8,7 +8,9 @@ only when a backend is built.
 
 Decode launches depend only on static quantities (batch size, block table width, head shapes),
 and scratch buffers are allocated inside the call, so a capture takes them from the graph's
-pool and a replay reads whatever lengths and block tables the buffers hold by then.
+pool and a replay reads whatever lengths and block tables the buffers hold by then. A prefill
+planned for a graph launches a grid fixed by its padded token count; its work items are
+rewritten in place before each replay, unused ones marked to do nothing.
 """
 
 from __future__ import annotations
@@ -85,9 +87,26 @@ def prefill_work(query_lens: tuple[int, ...], seq_lens: tuple[int, ...], block_m
     return sorted(items, key=keys, reverse=True)
 
 
+def graph_work_capacity(num_tokens: int, num_seqs: int, block_m: int) -> int:
+    """The most query tiles a batch of at most `num_seqs` sequences and `num_tokens` tokens can need:
+    each sequence's tiles cover its query rows plus less than one tile."""
+    return _cdiv(num_tokens, block_m) + min(num_seqs, num_tokens)
+
+
+def graph_prefill_work(
+    query_lens: tuple[int, ...], seq_lens: tuple[int, ...], block_m: int, capacity: int
+) -> list[tuple[int, int]]:
+    """prefill_work padded with (-1, 0) items, which the kernel skips, to a captured grid's `capacity`."""
+    items = prefill_work(query_lens, seq_lens, block_m)
+    if len(items) > capacity:
+        raise ValueError(f"{len(items)} prefill tiles do not fit a captured grid of {capacity}")
+    return items + [(-1, 0)] * (capacity - len(items))
+
+
 class TritonBackend:
     name = "triton"
-    capturable = True
+    capturable_decode = True
+    capturable_prefill = True
 
     def __init__(self, kv_cache: KVCache) -> None:
         # triton is optional: import the kernels only when this backend is chosen.
@@ -105,6 +124,7 @@ class TritonBackend:
         self._write_kv, self._decode, self._prefill = write_kv, paged_decode, paged_prefill
         device = kv_cache.keys.device
         self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+        self._graph_work: dict[int, torch.Tensor] = {}  # padded token count -> a captured prefill's work items
 
     def plan(self, meta: BatchMetadata) -> AttentionFn:
         return self._plan_decode(meta) if meta.decode else self._plan_prefill(meta)
@@ -129,10 +149,31 @@ class TritonBackend:
         return run
 
     def _plan_prefill(self, meta: BatchMetadata) -> AttentionFn:
-        head_dim = self.kv_cache.keys.shape[-1]
-        tiles = prefill_tiles(max(meta.query_lens, default=1), head_dim, self.kv_cache.keys.element_size())
+        if meta.graph:
+            return self._plan_graph_prefill(meta)
+        tiles = prefill_tiles(max(meta.query_lens, default=1), *self._row_shape())
         items = prefill_work(meta.query_lens, meta.seq_lens, tiles.block_m)
         work = torch.tensor(items, dtype=torch.int32).reshape(-1, 2).to(meta.seq_lens_t.device)
+        return self._prefill_fn(meta, tiles, work, zero_padding=True)
+
+    def _plan_graph_prefill(self, meta: BatchMetadata) -> AttentionFn:
+        """Tiles and grid fixed by the padded token count and sequence rows; the items are rewritten in
+        place (a copy queued on the stream), so a captured graph replays whatever batch was planned last.
+        Padded rows are left unwritten: nothing reads them."""
+        padded = meta.slot_mapping.shape[0]
+        tiles = prefill_tiles(padded, *self._row_shape())
+        work = self._graph_work.get(padded)
+        if work is None:
+            capacity = graph_work_capacity(padded, meta.seq_lens_t.shape[0], tiles.block_m)
+            work = self._graph_work[padded] = torch.empty((capacity, 2), dtype=torch.int32, device=meta.seq_lens_t.device)
+        items = graph_prefill_work(meta.query_lens, meta.seq_lens, tiles.block_m, work.shape[0])
+        work.copy_(torch.tensor(items, dtype=torch.int32), non_blocking=True)
+        return self._prefill_fn(meta, tiles, work, zero_padding=False)
+
+    def _row_shape(self) -> tuple[int, int]:
+        return self.kv_cache.keys.shape[-1], self.kv_cache.keys.element_size()
+
+    def _prefill_fn(self, meta: BatchMetadata, tiles: PrefillTiles, work: torch.Tensor, zero_padding: bool) -> AttentionFn:
         tile_args = asdict(tiles)
 
         def run(layer: int, q, k, v, out, scale: float) -> None:
@@ -142,6 +183,7 @@ class TritonBackend:
                 q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens_t, meta.block_tables, work, out, scale,
                 **tile_args,
             )
-            out[meta.num_tokens :] = 0
+            if zero_padding:
+                out[meta.num_tokens :] = 0
 
         return run

@@ -3,7 +3,8 @@
 Sequence i contributes query_len new tokens at the end of a context of seq_len tokens; its query
 token j sits at position seq_len - query_len + j and attends keys 0..that position (the cached
 prefix and the new tokens, all read from the cache after the write). One program is one
-(work item, query head); a work item is a (sequence, first query row) tile planned on the host.
+(work item, query head); a work item is a (sequence, first query row) tile planned on the host; items with sequence -1 do nothing, so a
+captured graph can launch a fixed grid whatever batch a replay brings.
 Key tiles wholly below the tile's first position skip the causal mask.
 """
 
@@ -50,6 +51,8 @@ def _prefill_kernel(
     head = tl.program_id(1)
     kv_head = head // GROUP
     seq = tl.load(work + 2 * item)
+    if seq < 0:  # an unused item of a captured graph's fixed grid
+        return
     tile_start = tl.load(work + 2 * item + 1)
     q_begin = tl.load(query_start + seq)
     q_len = tl.load(query_start + seq + 1) - q_begin

@@ -25,6 +25,8 @@ from graphkiln.runtime.attention.sdpa import SdpaBackend  # noqa: E402
 from graphkiln.runtime.attention.select import select_backend  # noqa: E402
 from graphkiln.runtime.attention.triton_backend import TritonBackend  # noqa: E402
 from graphkiln.runtime.kv_cache import KVCache  # noqa: E402
+from graphkiln.runtime.prefill_graph import dummy_slices  # noqa: E402
+from graphkiln.runtime.static_batch import StaticBatch  # noqa: E402
 
 CUDA = torch.device("cuda")
 BLOCK = 16
@@ -213,6 +215,47 @@ def test_triton_decode_replays_in_a_cuda_graph(heads: tuple, num_seqs: int, reco
     err = ((out[:num_seqs].float() - expected).norm() / expected.norm()).item()
     record_property("rel_err", err)
     assert err <= TOLERANCE[q.dtype], f"relative error {err:.3e}"
+
+
+@pytest.mark.parametrize("heads", [(torch.bfloat16, 32, 8, 128), (torch.float16, 8, 8, 64)], ids=_id)
+def test_triton_prefill_replays_in_a_cuda_graph(heads: tuple, record_property) -> None:
+    """As PrefillGraphs does: capture a dummy batch through StaticBatch, then fill other batches (fresh
+    prompts, chunks on cached prefixes mixed with decode rows, a full bucket, fewer tokens than the
+    bucket), re-plan on the same buffers, replay."""
+    tokens, max_seqs = 512, 64
+    cases = [PREFILL["fresh"][0], PREFILL["chunked"][0][1:], [(512, 12000)], [(1, 9)] * 40]
+    batch = make_batch(heads, [lens for case in cases for lens in case], 0, decode=False)
+    width = -(-12000 // BLOCK)
+    static = StaticBatch(tokens, max_seqs, width, BLOCK, CUDA)
+    backend = TritonBackend(batch.cache)
+    qkv = torch.randn(tokens, *batch.qkv.shape[1:], dtype=batch.qkv.dtype, device=CUDA)
+    q, k, v = Batch(batch.cache, batch.meta, qkv, batch.num_heads, 0).split()
+    out = torch.empty_like(q)
+    scale = q.shape[-1] ** -0.5
+    with static.staging_turn():
+        meta = static.fill("prefill", [0] * tokens, [0] * tokens, dummy_slices(tokens, BLOCK, width), tokens, max_seqs)
+    fn = backend.plan(meta)
+    fn(LAYER, q, k, v, out, scale)  # compile the kernels outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn(LAYER, q, k, v, out, scale)
+
+    for seed, lens in enumerate(cases):
+        slices = _slices(lens, _shuffled(batch, seed))
+        real = sum(q_len for q_len, _ in lens)
+        with static.staging_turn():
+            meta = static.fill("prefill", [0] * real, [0] * real, slices, tokens, max_seqs)
+        backend.plan(meta)
+        qkv.normal_()
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        expected = reference(Batch(batch.cache, meta, qkv, batch.num_heads, real), meta, scale)
+        err = ((out[:real].float() - expected).norm() / expected.norm()).item()
+        record_property(f"rel_err_{seed}", err)
+        assert err <= TOLERANCE[q.dtype], f"case {lens[:3]}...: relative error {err:.3e}"
+        k_cache, _ = batch.cache.layer(LAYER)
+        assert torch.equal(k_cache.flatten(0, 1)[meta.slot_mapping[:real]], k[:real])
 
 
 @needs_flashinfer

@@ -18,6 +18,8 @@ from graphkiln.llm import load_tokenizer, resolve_model_dir
 from graphkiln.models import load_model
 from graphkiln.runtime.attention.flashinfer_backend import flashinfer_importable
 from graphkiln.runtime.builder import build_engine
+from graphkiln.runtime.piecewise_graph import PiecewiseGraphs
+from graphkiln.runtime.prefill_graph import PrefillGraphs
 from graphkiln.runtime.sampler import MODES
 from greedy_helpers import assert_greedy_agrees
 
@@ -33,15 +35,20 @@ def record(name: str, value) -> None:
             f.write(json.dumps({name: value}) + "\n")
 
 
-def engines(model: str, dtype: str):
-    """(eager, compiled without graphs, compiled with decode graphs) sharing one compile."""
-    model_dir = resolve_model_dir(model)
+def compile_tiny(dtype: str):
+    """(model, compiled model, tokenizer) of the tiny model on CUDA."""
+    model_dir = resolve_model_dir("tiny")
     net = load_model(model_dir, "cuda", dtype)
     config = CompileConfig(device="cuda", dtype=dtype, decode_batch_sizes=DECODE_SIZES, prefill_token_buckets=PREFILL_SIZES)
     compiled, report = compile_module(net, config)
     record(f"compile_timings_{model_dir.name}_{dtype}", report.timings)
-    tok = load_tokenizer(model_dir)
-    opts = dict(kv_cache_tokens=8192, attention_backend="triton")
+    return net, compiled, load_tokenizer(model_dir)
+
+
+def engines(parts, **options):
+    """(eager, compiled without graphs, compiled with CUDA graphs) sharing one compile."""
+    net, compiled, tok = parts
+    opts = dict(kv_cache_tokens=8192, attention_backend="triton", **options)
     eager = LLM(build_engine(net, **opts), tok)
     plain = LLM(build_engine(net, compiled, cuda_graphs=False, **opts), tok)
     graphed = LLM(build_engine(net, compiled, **opts), tok)
@@ -54,8 +61,13 @@ def uneven_prompts(vocab: int, count: int) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def tiny_fp32():
-    return engines("tiny", "float32")
+def tiny_fp32_parts():
+    return compile_tiny("float32")
+
+
+@pytest.fixture(scope="module")
+def tiny_fp32(tiny_fp32_parts):
+    return engines(tiny_fp32_parts)
 
 
 def test_tiny_float32_greedy_identical_in_all_three_modes(tiny_fp32):
@@ -67,7 +79,8 @@ def test_tiny_float32_greedy_identical_in_all_three_modes(tiny_fp32):
     before = torch_compile_events()
     runner = graphed.engine.runner
     captured = runner.counters.cudagraphs_captured
-    assert captured == len(DECODE_SIZES) * len(MODES) + len(PREFILL_SIZES) * len(runner.forward.pieces)
+    assert isinstance(runner.prefill_graphs, PrefillGraphs)  # Triton captures its prefill whole
+    assert captured == len(DECODE_SIZES) * len(MODES) + len(PREFILL_SIZES)
     assert [o.token_ids for o in graphed.generate(prompts, params)] == want
     assert torch_compile_events() == before
     assert runner.counters.cudagraphs_captured == captured
@@ -96,6 +109,20 @@ def test_every_prefill_bucket_replays_correctly(tiny_fp32):
         prompt = uneven_prompts(4096, 1)[0] * length
         assert graphed.generate([prompt[:length]], params)[0].token_ids == plain.generate([prompt[:length]], params)[0].token_ids
     assert set(graphed.engine.runner.prefill_graphs.replays) == set(PREFILL_SIZES)
+
+
+def test_chunked_prefill_mixed_with_decode_rows_replays_whole_prefill_graphs(tiny_fp32_parts):
+    """A step budget of 32 tokens: long prompts are prefilled in chunks, in the same steps as other
+    sequences' decode rows, every such step one whole prefill graph."""
+    _, plain, graphed = engines(tiny_fp32_parts, max_num_batched_tokens=32)
+    prompts = [p * 9 for p in uneven_prompts(4096, 5)]  # 9 to 261 tokens
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    assert [o.token_ids for o in graphed.generate(prompts, params)] == [
+        o.token_ids for o in plain.generate(prompts, params)
+    ]
+    replays = graphed.engine.runner.prefill_graphs.replays
+    assert set(replays) <= {16, 32}  # buckets past the step budget are not captured
+    assert replays[32] >= 15  # 675 prompt tokens, at most 32 a step
 
 
 def test_sampling_inside_decode_graphs_matches_the_plain_compiled_engine(tiny_fp32):
@@ -129,7 +156,7 @@ def test_batch_beyond_largest_bucket_runs_without_graph(tiny_fp32):
 
 
 def test_tiny_bfloat16_logits_close_and_graph_modes_identical():
-    eager, plain, graphed = engines("tiny", "bfloat16")
+    eager, plain, graphed = engines(compile_tiny("bfloat16"))
     ids = uneven_prompts(4096, 3)[2]
     want = eager.score(ids)
     got = plain.score(ids)
@@ -173,12 +200,12 @@ from graphkiln.compiler.counters import torch_compile_events
 t = time.perf_counter()
 llm = graphkiln.load({str(out)!r}, kv_cache_tokens=8192)
 load_s = time.perf_counter() - t
-prompts = [[5 + i] * (1 + 9 * i) for i in range(6)]
+prompts = [[5 + i] * (1 + 3 * i) for i in range(6)]
 outs = llm.generate(prompts, graphkiln.SamplingParams(max_tokens=16, ignore_eos=True))
-g = llm.engine.runner.graphs
+g, p = llm.engine.runner.graphs, llm.engine.runner.prefill_graphs
 print(json.dumps({{"tokens": [o.token_ids for o in outs], "events": torch_compile_events(), "load_s": load_s,
     "capture_s": g.stats.seconds, "pool_bytes": g.stats.pool_bytes, "replayed": sorted(size for size, _ in g.replays),
-    "backend": llm.engine.runner.backend.name}}))
+    "prefill": type(p).__name__, "prefill_replayed": sorted(p.replays), "backend": llm.engine.runner.backend.name}}))
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -187,8 +214,10 @@ print(json.dumps({{"tokens": [o.token_ids for o in outs], "events": torch_compil
     assert result["events"]["dynamo_graphs"] == 0 and result["events"]["inductor_compiles"] == 0
     assert result["replayed"]
     assert result["backend"] == ("flashinfer" if flashinfer_importable() else "triton")  # 'auto'
+    kind = {"triton": PrefillGraphs, "flashinfer": PiecewiseGraphs}[result["backend"]]
+    assert result["prefill"] == kind.__name__ and result["prefill_replayed"] == [PREFILL_SIZES[-1]]
     plain = graphkiln.load(out, kv_cache_tokens=8192, cuda_graphs=False)
-    prompts = [[5 + i] * (1 + 9 * i) for i in range(6)]
+    prompts = [[5 + i] * (1 + 3 * i) for i in range(6)]
     want = plain.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
     assert result["tokens"] == [o.token_ids for o in want]
     eager = LLM.eager(llama_2layer, device="cuda", dtype="bfloat16", kv_cache_tokens=8192, attention_backend="triton")
