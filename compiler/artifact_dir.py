@@ -22,17 +22,19 @@ import torch
 
 from graphkiln.errors import ArtifactError
 from graphkiln.models import load_model, resolve_dtype
+from graphkiln.models.config import ModelConfig
+from graphkiln.models.tokenizer import Tokenizer
 from graphkiln.models.fingerprint import model_fingerprint
 from graphkiln.models.transformer import CausalLM
 from graphkiln.passes.base import Pass
 from graphkiln.passes.manager import check_disabled, default_passes
 
-from .artifacts import CPU_KERNELS, load_compiled, save_compiled
+from .artifacts import CPU_KERNELS, TOKENIZER_FILE, load_compiled, save_compiled
 from .compat import private_inductor_cache
 from .compile import CompileReport, Progress, compile_module
 from .compiled_model import CompiledModel
 from .config import CompileConfig
-from .manifest import FIX, FORMAT_VERSION, MANIFEST, check_environment, check_files, environment, file_hashes, read_manifest
+from .manifest import FIX, FORMAT_VERSION, MANIFEST, REWRITE, check_environment, check_files, environment, file_hashes, read_manifest
 
 
 @contextlib.contextmanager
@@ -99,6 +101,8 @@ def _compile_into(
     start = time.perf_counter()
     model = load_model(model_dir, config.device, config.dtype)
     load_s = time.perf_counter() - start
+    tokenizer = Tokenizer.from_dir(model_dir)
+    snapshot = tokenizer is not None and tokenizer.save_snapshot(tmp / TOKENIZER_FILE)
     private_cache = tmp / ".inductor-cache"
     with private_inductor_cache(private_cache) if config.device == "cpu" else contextlib.nullcontext():
         compiled, report = compile_module(model, config, graph_passes, progress)
@@ -115,6 +119,8 @@ def _compile_into(
         "model": {
             "source": model_source,
             "architecture": model.cfg.architecture,
+            "config": asdict(model.cfg),
+            "tokenizer": "snapshot" if snapshot else ("transformers" if tokenizer else None),
             **fingerprint,
         },
         "config": {k: v for k, v in asdict(config).items() if k != "inductor_options"},
@@ -161,7 +167,7 @@ def check_artifact(out: Path, model_dir: Path, device: str | None = None, dtype:
     check_files(manifest, out)
     recorded = manifest["model"]
     now = model_fingerprint(model_dir)
-    for field in ("config_sha256", "weights"):
+    for field in ("config_sha256", "weights", "tokenizer_files"):
         if recorded[field] != now[field]:
             raise ArtifactError(
                 f"{out}: model files in {model_dir} differ from those compiled ({field} changed); {FIX}"
@@ -169,13 +175,29 @@ def check_artifact(out: Path, model_dir: Path, device: str | None = None, dtype:
     return manifest
 
 
-def read_artifact(out: Path, model_dir: Path, device=None, dtype=None) -> tuple[CausalLM, CompiledModel, dict]:
-    """Check, then load weights and compiled pieces: no Dynamo trace, no Inductor compile."""
+def recorded_config(manifest: dict, out: Path) -> ModelConfig:
+    """The ModelConfig compile-model read from config.json (whose sha256 the manifest checked)."""
+    try:
+        return ModelConfig.from_dict(manifest["model"]["config"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ArtifactError(f"{out / MANIFEST}: field model.config is missing or invalid ({e!r}); {REWRITE}") from e
+
+
+def read_artifact(
+    out: Path, model_dir: Path, device=None, dtype=None
+) -> tuple[CausalLM, CompiledModel, Tokenizer | None, dict]:
+    """Check, then load weights, compiled pieces and the tokenizer: no Dynamo trace, no Inductor compile,
+    and no transformers import where the artifact keeps a tokenizer snapshot."""
     out = out.resolve()
     with _locked(out, shared=True):
         manifest = check_artifact(out, model_dir, device, dtype)
         config = manifest["config"]
-        model = load_model(model_dir, torch.device(config["device"]), config["dtype"])
+        model = load_model(model_dir, torch.device(config["device"]), config["dtype"], recorded_config(manifest, out))
         tensors = dict(model.named_parameters(remove_duplicate=False))
         tensors.update(model.named_buffers(remove_duplicate=False))
-        return model, load_compiled(manifest["compiled"], out, tensors), manifest
+        compiled = load_compiled(manifest["compiled"], out, tensors)
+        if manifest["model"].get("tokenizer") == "snapshot":
+            tokenizer = Tokenizer.from_snapshot(model_dir, out / TOKENIZER_FILE)
+        else:
+            tokenizer = Tokenizer.from_dir(model_dir)
+        return model, compiled, tokenizer, manifest

@@ -4,6 +4,8 @@ Layout under the directory:
   graph.pkl                 the stitching graph with its attention submodules (FX code, no weights)
   pieces/<key>/<variant>.bin  Inductor standalone artifacts; variant is "dynamic" or a token count
   cpu-kernels/                (CPU only) the compiled C++ kernels, laid out as in Inductor's cache
+  tokenizer.json              the tokenizer pipeline transformers builds, when it alone reproduces
+                              transformers (models/tokenizer.py)
 
 Reading assumes the caller already checked every file's sha256 against the manifest: the graph
 is unpickled and the pieces hold compiled code, so artifacts are exactly as trusted as the
@@ -28,6 +30,7 @@ from .split import SplitGraph
 GRAPH_FILE = "graph.pkl"
 PIECES_DIR = "pieces"
 CPU_KERNELS = "cpu-kernels"
+TOKENIZER_FILE = "tokenizer.json"
 
 
 def save_compiled(compiled: CompiledModel, out: Path) -> dict:

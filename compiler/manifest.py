@@ -16,7 +16,7 @@ import torch
 
 from graphkiln.errors import ArtifactError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: model.config holds the ModelConfig, so loading needs no transformers
 MANIFEST = "manifest.json"
 FIX = "recompile with `compile-model ... --force`, or load with on_mismatch='recompile'"
 REWRITE = "recompile with `compile-model ... --force`"

@@ -9,7 +9,7 @@ from graphkiln.compiler.manifest import read_manifest
 from graphkiln.compiler.compile import CompileReport, Progress
 from graphkiln.compiler.config import CompileConfig
 from graphkiln.errors import ArtifactError, ConfigError
-from graphkiln.llm import LLM, load_tokenizer, resolve_model_dir
+from graphkiln.llm import LLM, resolve_model_dir
 from graphkiln.runtime.builder import build_engine
 
 
@@ -51,16 +51,16 @@ def load(
     source = model if model is not None else manifest["model"]["source"]
     model_dir = resolve_model_dir(source)
     try:
-        net, compiled, manifest = read_artifact(out, model_dir, device, dtype)
+        net, compiled, tokenizer, manifest = read_artifact(out, model_dir, device, dtype)
     except ArtifactError:
         if on_mismatch == "error":
             raise
         config = CompileConfig(**{**_config_fields(manifest["config"]), **_overrides(device, dtype)})
         compile_model(source, out, config, force=True)
-        net, compiled, manifest = read_artifact(out, model_dir, device, dtype)
+        net, compiled, tokenizer, manifest = read_artifact(out, model_dir, device, dtype)
     engine.setdefault("block_size", manifest["config"]["block_size"])
     engine.setdefault("max_seq_len", manifest["config"]["max_seq_len"])
-    llm = LLM(build_engine(net, compiled, **engine), load_tokenizer(model_dir))
+    llm = LLM(build_engine(net, compiled, **engine), tokenizer)
     llm.manifest = manifest
     return llm
 

@@ -11,6 +11,7 @@ import torch
 from graphkiln.errors import RequestError
 from graphkiln.models import load_model, resolve_dtype
 from graphkiln.models.tiny import TINY_NAME, tiny_model_dir
+from graphkiln.models.tokenizer import Tokenizer
 from graphkiln.compiler.compile import CompileReport, compile_module
 from graphkiln.compiler.config import CompileConfig
 from graphkiln.runtime.builder import build_engine
@@ -55,17 +56,8 @@ def resolve_model_dir(model: str | Path) -> Path:
     return tiny_model_dir() if str(model) == TINY_NAME else Path(model)
 
 
-def load_tokenizer(model_dir: Path):
-    """transformers' tokenizer for the directory, or None when it ships none (token-id prompts only)."""
-    if not any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-
-
 class LLM:
-    def __init__(self, engine: Engine, tokenizer) -> None:
+    def __init__(self, engine: Engine, tokenizer: Tokenizer | None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.compile_report: CompileReport | None = None
@@ -81,7 +73,7 @@ class LLM:
         """
         model_dir = resolve_model_dir(model)
         net = load_model(model_dir, resolve_device(device), resolve_dtype(dtype))
-        return cls(build_engine(net, **engine), load_tokenizer(model_dir))
+        return cls(build_engine(net, **engine), Tokenizer.from_dir(model_dir))
 
     @classmethod
     def compile(cls, model: str | Path, config: CompileConfig | None = None, **engine) -> LLM:
@@ -92,7 +84,7 @@ class LLM:
         compiled, report = compile_module(net, config)
         engine.setdefault("block_size", config.block_size)
         engine.setdefault("max_seq_len", config.max_seq_len)
-        llm = cls(build_engine(net, compiled, **engine), load_tokenizer(model_dir))
+        llm = cls(build_engine(net, compiled, **engine), Tokenizer.from_dir(model_dir))
         llm.compile_report = report
         return llm
 
@@ -105,11 +97,11 @@ class LLM:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError("this model directory has no tokenizer; pass prompts as lists of token ids")
-            return list(self.tokenizer(prompt)["input_ids"])
+            return self.tokenizer.encode(prompt)
         return [int(t) for t in prompt]
 
     def decode(self, token_ids: list[int]) -> str:
-        return "" if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return "" if self.tokenizer is None else self.tokenizer.decode(token_ids)
 
     def generate(
         self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
@@ -156,12 +148,9 @@ class LLM:
         """Generate replies to conversations ([{"role": ..., "content": ...}, ...]) with the tokenizer's chat template."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+        prompts = [self.tokenizer.chat_template_ids(list(c)) if self.tokenizer else None for c in conversations]
+        if any(p is None for p in prompts):
             raise RequestError("this model's tokenizer has no chat template; use generate() with plain prompts")
-        prompts = [
-            list(self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True, tokenize=True, return_dict=False))
-            for c in conversations
-        ]
         return self.generate(prompts, params)
 
     def score(self, token_ids: Sequence[int]) -> torch.Tensor:

@@ -5,6 +5,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+TOKENIZER_KINDS = {
+    "snapshot": "snapshot in the artifact (loads without transformers)",
+    "transformers": "transformers, from the model directory",
+    None: "none (token-id prompts only)",
+}
+
 
 class ProgressBar:
     """Called as progress(stage, done, total); redraws one stderr line per stage."""
@@ -79,6 +85,7 @@ def format_manifest(m: dict, root: Path) -> str:
         f"device        {env['device']['type']} {env['device']['name']} ({env['device']['capability']})",
         f"model         {model['source']} ({model['architecture']}), config sha256 {model['config_sha256'][:12]}",
         "weights       " + ", ".join(f"{w['file']} ({w['size'] / 2**20:.1f} MiB)" for w in model["weights"]),
+        f"tokenizer     {TOKENIZER_KINDS[model.get('tokenizer')]}",
         f"dtype         {cfg['dtype']}",
         f"decode sizes  {cfg['decode_batch_sizes']}",
         f"prefill sizes {cfg['prefill_token_buckets']}",

@@ -12,6 +12,8 @@ from pathlib import Path
 
 from graphkiln.errors import ModelFileError, UnsupportedModelError
 
+from .rope import rope_frequencies
+
 FAMILIES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -42,8 +44,15 @@ class ModelConfig:
     mlp_bias: bool
     qk_norm: bool
     rope_type: str
+    rope_inv_freq: tuple[float, ...]  # float32 values, scaled as rope_type asks
+    rope_scaling: float  # multiplies cos and sin
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_dict(cls, values: dict) -> ModelConfig:
+        """Rebuild from `dataclasses.asdict` after a JSON round trip (lists back to tuples)."""
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
 
     @property
     def q_size(self) -> int:
@@ -101,6 +110,7 @@ def model_config_from_hf(hf, source: Path) -> ModelConfig:
     window = getattr(hf, "sliding_window", None)
     if window and getattr(hf, "use_sliding_window", family == "mistral"):
         max_context = min(max_context, window)
+    inv_freq, scaling = rope_frequencies(hf, rope_type, head_dim)
     eos = hf.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
     attention_bias = bool(getattr(hf, "attention_bias", False))
@@ -122,6 +132,8 @@ def model_config_from_hf(hf, source: Path) -> ModelConfig:
         mlp_bias=bool(getattr(hf, "mlp_bias", False)),
         qk_norm=family == "qwen3",
         rope_type=rope_type,
+        rope_inv_freq=inv_freq,
+        rope_scaling=scaling,
         bos_token_id=getattr(hf, "bos_token_id", None),
         eos_token_ids=eos_ids,
     )

@@ -1,4 +1,5 @@
-"""A cheap identity of a model directory: config.json's hash and each weight file's name, size and header hash.
+"""A cheap identity of a model directory: config.json's and the tokenizer files' hashes, and each weight
+file's name, size and header hash.
 
 Reading only safetensors headers keeps it fast for multi-GB checkpoints while still catching a
 swapped, re-saved, truncated or resized weight file.
@@ -13,6 +14,7 @@ from pathlib import Path
 from graphkiln.errors import ModelFileError
 
 from .loader import check_model_dir, weight_files
+from .tokenizer import tokenizer_files
 
 
 def _header_sha256(path: Path) -> str:
@@ -37,4 +39,5 @@ def model_fingerprint(model_dir: Path) -> dict:
         "weights": [
             {"file": p.name, "size": p.stat().st_size, "header_sha256": _header_sha256(p)} for p in files
         ],
+        "tokenizer_files": {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in tokenizer_files(model_dir)},
     }

@@ -101,13 +101,18 @@ def _slice(cfg: ModelConfig, param: torch.Tensor, fused_name: str, index: int) -
     return param.split(sizes, dim=0)[index]
 
 
-def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype="float32") -> CausalLM:
-    """Build a CausalLM from a Hugging Face directory on `device` in `dtype`."""
+def load_model(
+    model_dir: str | Path, device: str | torch.device = "cpu", dtype="float32", cfg: ModelConfig | None = None
+) -> CausalLM:
+    """Build a CausalLM from a Hugging Face directory on `device` in `dtype`.
+
+    `cfg` is the ModelConfig already read from this directory's config.json (an artifact's manifest
+    records it, so a warm load never imports transformers); without it config.json is read here.
+    """
     model_dir = check_model_dir(model_dir)
     device = torch.device(device)
     dtype = resolve_dtype(dtype)
-    hf = read_hf_config(model_dir)
-    cfg = model_config_from_hf(hf, model_dir)
+    cfg = cfg or model_config_from_hf(read_hf_config(model_dir), model_dir)
     files = weight_files(model_dir)
     with torch.device("meta"):
         model = CausalLM(cfg)
@@ -121,7 +126,7 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype=
             f"{model_dir}: checkpoint lacks tensors for {missing[:5]}{' ...' if len(missing) > 5 else ''}; "
             "the checkpoint does not match config.json"
         )
-    model.model.register_buffer("rope_cache", rope_cache(hf, cfg, device), persistent=False)
+    model.model.register_buffer("rope_cache", rope_cache(cfg, device), persistent=False)
     return model.eval().requires_grad_(False)
 
 

@@ -13,7 +13,8 @@ def model_config(num_heads: int, num_kv_heads: int, head_dim: int) -> ModelConfi
         architecture="LlamaForCausalLM", family="llama", vocab_size=8, hidden_size=num_heads * head_dim,
         intermediate_size=8, num_layers=2, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
         rms_norm_eps=1e-5, max_context=4096, tie_word_embeddings=False, qkv_bias=False, o_bias=False,
-        mlp_bias=False, qk_norm=False, rope_type="default", bos_token_id=None, eos_token_ids=(),
+        mlp_bias=False, qk_norm=False, rope_type="default", rope_inv_freq=(), rope_scaling=1.0, bos_token_id=None,
+        eos_token_ids=(),
     )
 
 

@@ -39,6 +39,7 @@ from artifact_helpers import (
 from graphkiln import CompileConfig
 from graphkiln.compiler.artifact_dir import check_artifact
 from graphkiln.compiler.counters import torch_compile_events
+from graphkiln.compiler.manifest import FORMAT_VERSION
 from graphkiln.errors import ArtifactError
 from graphkiln.models.tiny import tiny_model_dir
 
@@ -82,17 +83,23 @@ def test_fresh_process_loads_without_tracing_or_compiling(
     code = f"""
 import os
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = {str(fresh_cache)!r}
-import json, torch
+import json, sys, torch
 torch.set_num_threads(1)
 import graphkiln
 from graphkiln.compiler.counters import torch_compile_events
+from graphkiln.compiler.manifest import FORMAT_VERSION
 before = torch_compile_events()
 llm = graphkiln.load({str(artifact)!r}, **{ENGINE!r})
 outs = llm.generate({PROMPTS!r}, graphkiln.{GREEDY!r})
+text = llm.generate(["Hello there"], graphkiln.{GREEDY!r})[0]
 print({RESULT_PREFIX!r} + json.dumps({{"before": before, "after": torch_compile_events(),
-      "tokens": [o.token_ids for o in outs]}}))
+      "tokens": [o.token_ids for o in outs], "text": [text.prompt_token_ids, text.text],
+      "transformers": "transformers" in sys.modules}}))
 """
     result = run_python_json(code)
+    assert not result["transformers"]  # config and tokenizer come from the artifact: seconds saved
+    reference = graphkiln.LLM.eager("tiny", **ENGINE).generate(["Hello there"], GREEDY)[0]
+    assert result["text"] == [reference.prompt_token_ids, reference.text]
     assert result["before"] == {"dynamo_graphs": 0, "inductor_compiles": 0, "inductor_cache_loads": 0}
     after = result["after"]
     assert after["dynamo_graphs"] == 0, after
@@ -108,7 +115,7 @@ print({RESULT_PREFIX!r} + json.dumps({{"before": before, "after": torch_compile_
 def test_copied_artifact_loads_and_matches_eager(art: Path, eager_tokens: list[list[int]]) -> None:
     """The control for every corruption test below: an untouched copy (in another folder) loads and generates."""
     llm = graphkiln.load(art, **ENGINE)
-    assert llm.manifest["format_version"] == 1
+    assert llm.manifest["format_version"] == FORMAT_VERSION
     assert greedy_tokens(llm) == eager_tokens
 
 
@@ -173,7 +180,7 @@ CORRUPTIONS = {
     "manifest-python-version": (_set_python_version, r"python is '2\.7\.18' but this process has"),
     "manifest-device": (_set_device_name, r"device is .*'NEON'.* but this process has"),
     "manifest-not-json": (_flip_manifest_byte, r"{art}/manifest\.json: not valid JSON"),
-    "format-version-99": (_format_99, r"{art}/manifest\.json: format_version 99, this graphkiln reads 1"),
+    "format-version-99": (_format_99, r"{art}/manifest\.json: format_version 99, this graphkiln reads 2"),
     "manifest-missing": (_delete_manifest, r"{art}/manifest\.json: missing"),
     "graph-missing": (_delete_graph, r"{art}/graph\.pkl: listed in manifest\.json but missing"),
 }
@@ -262,6 +269,19 @@ def test_manifest_missing_section_is_refused(art: Path, section: str) -> None:
         graphkiln.load(art, **ENGINE)
 
 
+@pytest.mark.parametrize("edit", ["drop", "unknown-field"])
+def test_manifest_model_config_must_be_a_model_config(art: Path, edit: str) -> None:
+    def change(m: dict) -> None:
+        if edit == "drop":
+            m["model"].pop("config")
+        else:
+            m["model"]["config"]["sliding"] = 1
+
+    edit_manifest(art, change)
+    with pytest.raises(ArtifactError, match=r"field model\.config is missing or invalid"):
+        graphkiln.load(art, **ENGINE)
+
+
 # ---------------------------------------------------------------- changed model files
 
 
@@ -297,11 +317,17 @@ def _edit_config(model_dir: Path) -> None:
     path.write_text(json.dumps({**json.loads(path.read_text()), "rms_norm_eps": 1e-6}))
 
 
+def _edit_tokenizer_config(model_dir: Path) -> None:
+    path = model_dir / "tokenizer_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "add_bos_token": False}))
+
+
 MODEL_EDITS = {
     "weights-resaved-one-tensor-changed": (_resave_one_tensor_changed, "weights"),
     "weights-one-tensor-reshaped": (_reshape_one_tensor, "weights"),
     "weights-tensor-added": (_add_tensor, "weights"),
     "config-json-changed": (_edit_config, "config_sha256"),
+    "tokenizer-config-changed": (_edit_tokenizer_config, "tokenizer_files"),
 }
 
 

@@ -176,6 +176,7 @@ def test_inspect_prints_the_piece_table(compiled: tuple[Path, dict, str], manife
             assert manifest["compiled"]["pieces"][name] in row
     assert set(manifest["compiled"]["unique_pieces"]) <= set(text.split())
     assert "attention" in text and "float32" in text and manifest["environment"]["torch"] in text
+    assert "tokenizer     snapshot in the artifact" in text
 
 
 def test_inspect_json(compiled: tuple[Path, dict, str], manifest: dict, capsys: pytest.CaptureFixture[str]) -> None:

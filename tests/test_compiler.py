@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ from graphkiln.compiler.plan import GraphPlan
 from graphkiln.errors import ConfigError
 from graphkiln.models.attention import ForwardContext, forward_context
 from graphkiln.models.config import ModelConfig
-from graphkiln.models.rope import rope_cache
+from graphkiln.models.rope import default_inv_freq, rope_cache
 from graphkiln.models.transformer import CausalLM
 from graphkiln.runtime.runner import padded_size
 
@@ -23,7 +22,8 @@ TOY = ModelConfig(
     architecture="LlamaForCausalLM", family="llama", vocab_size=256, hidden_size=64, intermediate_size=96,
     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, max_context=512,
     tie_word_embeddings=False, qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False,
-    rope_type="default", bos_token_id=None, eos_token_ids=(),
+    rope_type="default", rope_inv_freq=default_inv_freq(10000.0, 16), rope_scaling=1.0, bos_token_id=None,
+    eos_token_ids=(),
 )  # fmt: skip
 
 
@@ -32,8 +32,7 @@ def toy_model(num_layers: int = 2) -> CausalLM:
     with torch.random.fork_rng():
         torch.manual_seed(0)
         model = CausalLM(cfg)
-    rope = rope_cache(SimpleNamespace(rope_parameters={"rope_theta": 10000.0}), cfg, torch.device("cpu"))
-    model.model.register_buffer("rope_cache", rope, persistent=False)
+    model.model.register_buffer("rope_cache", rope_cache(cfg, torch.device("cpu")), persistent=False)
     return model.eval().requires_grad_(False)
 
 

@@ -99,4 +99,5 @@ def child_main(spec: dict) -> None:
         res["first_token_wall"] = time.time()
         res["generate_s"] = res["first_token_wall"] - t
         res["ttft_s"] = out[0].time_to_first_token_s
+        res["transformers_imported"] = "transformers" in sys.modules
     print(CHILD_PREFIX + json.dumps(res), flush=True)

@@ -14,8 +14,9 @@ import graphkiln
 from graphkiln import CompileConfig, LLM, SamplingParams
 from graphkiln.compiler.compile import compile_module
 from graphkiln.compiler.counters import torch_compile_events
-from graphkiln.llm import load_tokenizer, resolve_model_dir
+from graphkiln.llm import resolve_model_dir
 from graphkiln.models import load_model
+from graphkiln.models.tokenizer import Tokenizer
 from graphkiln.runtime.attention.flashinfer_backend import flashinfer_importable
 from graphkiln.runtime.builder import build_engine
 from graphkiln.runtime.piecewise_graph import PiecewiseGraphs
@@ -42,7 +43,7 @@ def compile_tiny(dtype: str):
     config = CompileConfig(device="cuda", dtype=dtype, decode_batch_sizes=DECODE_SIZES, prefill_token_buckets=PREFILL_SIZES)
     compiled, report = compile_module(net, config)
     record(f"compile_timings_{model_dir.name}_{dtype}", report.timings)
-    return net, compiled, load_tokenizer(model_dir)
+    return net, compiled, Tokenizer.from_dir(model_dir)
 
 
 def engines(parts, **options):

@@ -1,0 +1,59 @@
+"""The tokenizer snapshot an artifact keeps against transformers' own tokenizer, on the tiny model's files."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from graphkiln.models.tiny import tiny_model_dir
+from graphkiln.models.tokenizer import Tokenizer
+
+TEXTS = [
+    "Hi!",
+    "The cat sat on the mat.\n\nA new paragraph, with  two spaces.",
+    "éàü ß 中文 🙂 ‰",
+    "<s> special tokens typed as text </s><pad>",
+    "   ",
+    "",
+]
+
+
+def model_with(tmp_path: Path, **tokenizer_config) -> Path:
+    model_dir = Path(shutil.copytree(tiny_model_dir(), tmp_path / "model"))
+    path = model_dir / "tokenizer_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **tokenizer_config}))
+    return model_dir
+
+
+@pytest.mark.parametrize("tokenizer_class", ["PreTrainedTokenizerFast", "Qwen2TokenizerFast", "GPT2TokenizerFast"])
+def test_snapshot_tokenizes_as_transformers(tmp_path: Path, tokenizer_class: str) -> None:
+    model_dir = model_with(tmp_path, tokenizer_class=tokenizer_class, add_bos_token=False)
+    hf = Tokenizer.from_dir(model_dir)
+    path = tmp_path / "tokenizer.json"
+    assert hf.save_snapshot(path)
+    snapshot = Tokenizer.from_snapshot(model_dir, path)
+    for text in TEXTS:
+        ids = hf.encode(text)
+        assert snapshot.encode(text) == ids, text
+        assert snapshot.decode(ids) == hf.decode(ids), text
+    assert snapshot.encode("Hi")[0] == 1  # <s>, as transformers adds it
+
+
+def test_no_snapshot_when_transformers_cleans_up_spaces(tmp_path: Path) -> None:
+    """transformers then rewrites decoded text (" ." to "." and the like): such tokenizers stay with it."""
+    hf = Tokenizer.from_dir(model_with(tmp_path, clean_up_tokenization_spaces=True))
+    path = tmp_path / "tokenizer.json"
+    assert not hf.save_snapshot(path)
+    assert not path.exists()
+
+
+def test_chat_template_from_a_snapshot_loads_transformers(tmp_path: Path) -> None:
+    model_dir = model_with(tmp_path)
+    hf = Tokenizer.from_dir(model_dir)
+    path = tmp_path / "tokenizer.json"
+    assert hf.save_snapshot(path)
+    conversation = [{"role": "user", "content": "Hello"}]
+    assert Tokenizer.from_snapshot(model_dir, path).chat_template_ids(conversation) == hf.chat_template_ids(conversation)
