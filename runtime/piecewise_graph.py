@@ -1,4 +1,7 @@
-"""Prefill CUDA graphs: one graph per (token bucket, piece), attention run eagerly between them.
+"""Piecewise prefill CUDA graphs: one graph per (token bucket, piece), attention run eagerly between them.
+
+For attention backends whose prefill cannot be captured (FlashInfer plans each batch on the
+host); the others replay one whole graph per bucket (prefill_graph.py).
 
 A capture pass runs the stitching graph once per bucket (largest first) on static input
 buffers; each piece call is captured into its own graph in one shared pool and keeps its
