@@ -80,6 +80,11 @@ def edit_manifest(out: Path, edit: Callable[[dict], None]) -> None:
     path.write_text(json.dumps(manifest, indent=1))
 
 
+def set_torch_version(out: Path, version: str = "0.0") -> None:
+    """Make the artifact look built by another torch: stale, though every file is intact."""
+    edit_manifest(out, lambda m: m["environment"].__setitem__("torch", version))
+
+
 def single_error_line(stderr: str) -> str:
     """stderr must be exactly one newline-terminated line; return it without the newline."""
     lines = stderr.rstrip("\n").split("\n")

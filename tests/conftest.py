@@ -1,9 +1,11 @@
-"""Shared fixtures: tiny random Hugging Face checkpoints built once per session with transformers' own classes."""
+"""Shared fixtures: tiny random Hugging Face checkpoints built once per session with transformers' own
+classes, and the tiny model's artifact compiled once per session."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +23,10 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
 )
+
+import graphkiln
+from artifact_helpers import ENGINE, SMALL_CONFIG, greedy_tokens, temp_folders
+from graphkiln.compiler.counters import torch_compile_events
 
 FAMILIES = {
     "llama": (LlamaConfig, LlamaForCausalLM),
@@ -149,3 +155,26 @@ def random_ids() -> Callable[..., list[int]]:
 def prompts() -> list[list[int]]:
     """Token-id prompts of different lengths, the first of length 1."""
     return [_random_ids(n, seed=n) for n in (1, 6, 13)]
+
+
+@pytest.fixture(scope="session")
+def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model compiled once for the session. Tests must not modify it: copy it first (`art`)."""
+    out = tmp_path_factory.mktemp("artifacts") / "tiny"
+    manifest, report = graphkiln.compile_model("tiny", out, SMALL_CONFIG)
+    report.counters.expect(graphs_traced=1, inductor_compiles=3, specialized_compiles=0)
+    assert torch_compile_events()["dynamo_graphs"] >= 1  # the counters the fresh-process test reads do count
+    assert (out / "manifest.json").is_file() and not temp_folders(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def eager_tokens() -> list[list[int]]:
+    """Greedy tokens of the eager tiny model for artifact_helpers.PROMPTS."""
+    return greedy_tokens(graphkiln.LLM.eager("tiny", **ENGINE))
+
+
+@pytest.fixture
+def art(artifact: Path, tmp_path: Path) -> Path:
+    """A private copy of the session's artifact, free to corrupt."""
+    return Path(shutil.copytree(artifact, tmp_path / "art"))

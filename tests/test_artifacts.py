@@ -1,24 +1,19 @@
 """compile_model writes an artifact directory that a fresh process loads without tracing or compiling;
-every stale, tampered or mismatched artifact is refused with an ArtifactError naming what differs;
-writes are atomic (an interrupted compile leaves no OUT) and concurrent writers serialize.
+every tampered or mismatched artifact is refused with an ArtifactError naming what differs, before
+anything in it is unpickled.
 
-The tiny model is compiled once per module (3 Inductor compiles, specialization off on CPU); the
-corruption tests edit private copies of that artifact.
+The tiny model is compiled once per session (the `artifact` fixture in conftest.py); the
+corruption tests edit private copies of it (`art`).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import re
-import shutil
-import signal
-import time
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file, save_file
 
 import graphkiln
 from artifact_helpers import (
@@ -26,46 +21,17 @@ from artifact_helpers import (
     GREEDY,
     PROMPTS,
     RESULT_PREFIX,
-    SMALL_CONFIG,
-    SMALL_CONFIG_ARGS,
-    compile_cmd,
     edit_manifest,
     greedy_tokens,
-    popen,
     run_python_json,
-    single_error_line,
-    temp_folders,
+    set_torch_version,
 )
-from graphkiln import CompileConfig
 from graphkiln.compiler.artifact_dir import check_artifact
-from graphkiln.compiler.counters import torch_compile_events
 from graphkiln.compiler.manifest import FORMAT_VERSION
 from graphkiln.errors import ArtifactError
 from graphkiln.models.tiny import tiny_model_dir
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model compiled once for this module. Tests must not modify it: copy it first."""
-    out = tmp_path_factory.mktemp("artifacts") / "tiny"
-    manifest, report = graphkiln.compile_model("tiny", out, SMALL_CONFIG)
-    report.counters.expect(graphs_traced=1, inductor_compiles=3, specialized_compiles=0)
-    assert torch_compile_events()["dynamo_graphs"] >= 1  # the counters the fresh-process test reads do count
-    assert (out / "manifest.json").is_file() and not temp_folders(out)
-    return out
-
-
-@pytest.fixture(scope="module")
-def eager_tokens() -> list[list[int]]:
-    return greedy_tokens(graphkiln.LLM.eager("tiny", **ENGINE))
-
-
-@pytest.fixture
-def art(artifact: Path, tmp_path: Path) -> Path:
-    """A private copy of the module's artifact, free to corrupt."""
-    return Path(shutil.copytree(artifact, tmp_path / "art"))
 
 
 def piece_files(out: Path) -> list[Path]:
@@ -122,10 +88,6 @@ def test_copied_artifact_loads_and_matches_eager(art: Path, eager_tokens: list[l
 # ---------------------------------------------------------------- refused artifacts
 
 
-def _set_torch_version(art: Path) -> None:
-    edit_manifest(art, lambda m: m["environment"].__setitem__("torch", "0.0"))
-
-
 def _set_python_version(art: Path) -> None:
     edit_manifest(art, lambda m: m["environment"].__setitem__("python", "2.7.18"))
 
@@ -176,7 +138,7 @@ def _delete_piece(art: Path) -> Path:
 
 # (edit, regex the message must match; "{art}" is the artifact folder)
 CORRUPTIONS = {
-    "manifest-torch-version": (_set_torch_version, r"torch is '0\.0' but this process has '.+'"),
+    "manifest-torch-version": (set_torch_version, r"torch is '0\.0' but this process has '.+'"),
     "manifest-python-version": (_set_python_version, r"python is '2\.7\.18' but this process has"),
     "manifest-device": (_set_device_name, r"device is .*'NEON'.* but this process has"),
     "manifest-not-json": (_flip_manifest_byte, r"{art}/manifest\.json: not valid JSON"),
@@ -256,7 +218,7 @@ def test_tampered_graph_with_other_mismatch_is_never_unpickled(art: Path, tmp_pa
     """A stale environment is found before the file hashes; still nothing is unpickled."""
     marker = tmp_path / "unpickled"
     (art / "graph.pkl").write_bytes(pickle.dumps(_Marker(marker)))
-    _set_torch_version(art)
+    set_torch_version(art)
     with pytest.raises(ArtifactError, match="torch"):
         graphkiln.load(art, **ENGINE)
     assert not marker.exists()
@@ -282,173 +244,3 @@ def test_manifest_model_config_must_be_a_model_config(art: Path, edit: str) -> N
         graphkiln.load(art, **ENGINE)
 
 
-# ---------------------------------------------------------------- changed model files
-
-
-@pytest.fixture
-def model_dir(tmp_path: Path) -> Path:
-    """A private copy of the tiny model directory (never edit the shared one in GRAPHKILN_CACHE)."""
-    return Path(shutil.copytree(tiny_model_dir(), tmp_path / "model"))
-
-
-def _resave_one_tensor_changed(model_dir: Path) -> None:
-    path = model_dir / "model.safetensors"
-    tensors = load_file(path)
-    tensors["model.norm.weight"] = tensors["model.norm.weight"] * 2  # same shape, new values
-    save_file(tensors, path, metadata={"format": "pt", "edited": "norm doubled"})  # a new header
-
-
-def _reshape_one_tensor(model_dir: Path) -> None:
-    path = model_dir / "model.safetensors"
-    tensors = load_file(path)
-    tensors["model.norm.weight"] = tensors["model.norm.weight"][:-1].clone()
-    save_file(tensors, path, metadata={"format": "pt"})
-
-
-def _add_tensor(model_dir: Path) -> None:
-    path = model_dir / "model.safetensors"
-    tensors = load_file(path)
-    tensors["model.extra.weight"] = tensors["model.norm.weight"].clone()
-    save_file(tensors, path, metadata={"format": "pt"})
-
-
-def _edit_config(model_dir: Path) -> None:
-    path = model_dir / "config.json"
-    path.write_text(json.dumps({**json.loads(path.read_text()), "rms_norm_eps": 1e-6}))
-
-
-def _edit_tokenizer_config(model_dir: Path) -> None:
-    path = model_dir / "tokenizer_config.json"
-    path.write_text(json.dumps({**json.loads(path.read_text()), "add_bos_token": False}))
-
-
-MODEL_EDITS = {
-    "weights-resaved-one-tensor-changed": (_resave_one_tensor_changed, "weights"),
-    "weights-one-tensor-reshaped": (_reshape_one_tensor, "weights"),
-    "weights-tensor-added": (_add_tensor, "weights"),
-    "config-json-changed": (_edit_config, "config_sha256"),
-    "tokenizer-config-changed": (_edit_tokenizer_config, "tokenizer_files"),
-}
-
-
-@pytest.mark.parametrize("case", list(MODEL_EDITS))
-def test_changed_model_files_are_refused(artifact: Path, model_dir: Path, case: str) -> None:
-    """The fingerprint ignores where the model lives, so `model=` can point the shared artifact at a copy."""
-    check_artifact(artifact, model_dir)  # control: the untouched copy passes
-    edit, field = MODEL_EDITS[case]
-    edit(model_dir)
-    with pytest.raises(ArtifactError, match=re.escape(f"model files in {model_dir} differ") + rf".*\({field} changed\)"):
-        graphkiln.load(artifact, model=model_dir, **ENGINE)
-
-
-def test_changed_weights_in_recorded_source_are_refused(model_dir: Path, tmp_path: Path) -> None:
-    """The default path: with no `model=`, load checks the directory recorded at compile time."""
-    out = tmp_path / "art"
-    manifest, _ = graphkiln.compile_model(model_dir, out, SMALL_CONFIG)
-    assert manifest["model"]["source"] == str(model_dir.resolve())
-    check_artifact(out, Path(manifest["model"]["source"]))  # control
-    _resave_one_tensor_changed(model_dir)
-    with pytest.raises(ArtifactError, match=re.escape(str(model_dir.resolve())) + r".*\(weights changed\)"):
-        graphkiln.load(out, **ENGINE)
-
-
-# ---------------------------------------------------------------- on_mismatch="recompile"
-
-
-def test_stale_artifact_recompiles_on_request(art: Path, eager_tokens: list[list[int]]) -> None:
-    _set_torch_version(art)
-    with pytest.raises(ArtifactError, match="torch"):
-        graphkiln.load(art, **ENGINE)
-    llm = graphkiln.load(art, on_mismatch="recompile", **ENGINE)
-    assert llm.manifest["environment"]["torch"] != "0.0"
-    assert json.loads((art / "manifest.json").read_text())["environment"]["torch"] != "0.0"  # rewritten on disk
-    assert llm.manifest["config"]["decode_batch_sizes"] == list(SMALL_CONFIG.decode_batch_sizes)
-    assert greedy_tokens(llm) == eager_tokens
-    assert not temp_folders(art)
-    check_artifact(art, tiny_model_dir())  # and it stays valid for a plain load
-
-
-def test_on_mismatch_must_be_known(artifact: Path) -> None:
-    with pytest.raises(graphkiln.errors.ConfigError, match="on_mismatch"):
-        graphkiln.load(artifact, on_mismatch="ignore", **ENGINE)
-
-
-def test_stale_artifact_recompiles_with_device_and_dtype_named(art: Path) -> None:
-    _set_torch_version(art)
-    llm = graphkiln.load(art, device="cpu", dtype="float32", on_mismatch="recompile", **ENGINE)
-    assert llm.manifest["environment"]["torch"] != "0.0"
-
-
-# ---------------------------------------------------------------- atomic and concurrent writes
-
-
-def test_interrupted_compile_leaves_no_artifact(tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    proc = popen(compile_cmd("tiny", "-o", out, "--quiet", *SMALL_CONFIG_ARGS))
-    try:
-        deadline = time.monotonic() + 240
-        while not temp_folders(out):
-            assert proc.poll() is None, f"compile ended before its temp folder was seen: {proc.communicate()}"
-            assert time.monotonic() < deadline, "no .out.tmp-* folder appeared"
-            time.sleep(0.02)
-        proc.send_signal(signal.SIGKILL)
-    finally:
-        proc.kill()
-        proc.communicate()
-    assert proc.returncode == -signal.SIGKILL
-    stale = temp_folders(out)
-    assert stale, "the killed compile should have left its temp folder behind"
-    assert not out.exists()
-    with pytest.raises(ArtifactError, match="no such artifact directory"):
-        graphkiln.load(out, **ENGINE)
-
-    graphkiln.compile_model("tiny", out, SMALL_CONFIG)
-    assert not any(p.exists() for p in stale), "the next compile should remove stale temp folders"
-    assert not temp_folders(out)
-    check_artifact(out, tiny_model_dir())
-
-
-def test_compile_refuses_existing_out_without_force(artifact: Path) -> None:
-    before = (artifact / "manifest.json").read_bytes()
-    with pytest.raises(ArtifactError, match=re.escape(str(artifact)) + ": already exists"):
-        graphkiln.compile_model("tiny", artifact, SMALL_CONFIG)
-    assert (artifact / "manifest.json").read_bytes() == before
-
-
-def test_concurrent_compiles_of_one_out(tmp_path: Path, eager_tokens: list[list[int]]) -> None:
-    out = tmp_path / "out"
-    plain = popen(compile_cmd("tiny", "-o", out, "--quiet", *SMALL_CONFIG_ARGS))
-    forced = popen(compile_cmd("tiny", "-o", out, "--quiet", "--force", *SMALL_CONFIG_ARGS))
-    results = {}
-    for name, proc in (("plain", plain), ("forced", forced)):
-        try:
-            _, err = proc.communicate(timeout=400)
-        finally:
-            proc.kill()
-        results[name] = (proc.returncode, err)
-    # --force always ends in success: it either compiled first, or waited for the lock and replaced OUT.
-    assert results["forced"][0] == 0, results["forced"][1][-3000:]
-    code, err = results["plain"]
-    assert code in (0, 2), err[-3000:]
-    if code == 2:  # lost the race: waited for the lock, then found OUT present
-        line = single_error_line(err)
-        assert line.startswith("error: ") and "already exists" in line, line
-    assert not temp_folders(out)
-    llm = graphkiln.load(out, **ENGINE)
-    assert greedy_tokens(llm, PROMPTS[:1]) == eager_tokens[:1]
-
-
-# ---------------------------------------------------------------- specialized artifacts
-
-
-def test_specialized_artifact_loads(tmp_path: Path, eager_tokens: list[list[int]]) -> None:
-    config = CompileConfig(decode_batch_sizes=(1, 2), prefill_token_buckets=(16,), specialize=True)
-    out = tmp_path / "spec"
-    manifest, report = graphkiln.compile_model("tiny", out, config)
-    unique = manifest["compiled"]["unique_pieces"]
-    assert {key: info["sizes"] for key, info in unique.items()} == {key: [1, 2, 16] for key in unique}
-    for key in unique:
-        assert {p.name for p in (out / "pieces" / key).iterdir()} == {"dynamic.bin", "1.bin", "2.bin", "16.bin"}
-    assert report.counters.specialized_compiles == 3 * len(unique)
-    llm = graphkiln.load(out, **ENGINE)
-    assert greedy_tokens(llm, PROMPTS[:2]) == eager_tokens[:2]

@@ -9,11 +9,10 @@ junit properties (`pytest --junitxml`).
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -180,42 +179,54 @@ def _shuffled(batch: Batch, seed: int) -> list[int]:
     return free
 
 
-@pytest.mark.parametrize("heads", [(torch.bfloat16, 32, 8, 128), (torch.float16, 8, 8, 64)], ids=_id)
-@pytest.mark.parametrize("num_seqs", [4, 64])
-def test_triton_decode_replays_in_a_cuda_graph(heads: tuple, num_seqs: int, record_property) -> None:
-    """Capture with one set of lengths, overwrite the metadata buffers in place, replay for new lengths."""
-    width = 4096 // BLOCK
-    rng = random.Random(1)
-    lens_a = [rng.randint(1, 100) for _ in range(num_seqs)]
-    lens_b = [rng.choice([1, 15, 16, 17, rng.randint(1, 4096)]) for _ in range(num_seqs)]
-    batch = make_batch(heads, [(1, s) for s in lens_a + lens_b], 0, decode=True)
-    meta_a = build_metadata(pad_decode(_slices([(1, s) for s in lens_a], _shuffled(batch, 3)), num_seqs + 2),
-                            BLOCK, num_seqs + 2, CUDA)
-    static = replace(meta_a, block_tables=F.pad(meta_a.block_tables, (0, width - meta_a.block_tables.shape[1])))
-    q, k, v = (t[: num_seqs + 2] for t in batch.split())
+def check_decode_replay(backend, batch: Batch, lens_a: list[int], lens_b: list[int], record_property) -> None:
+    """As DecodeGraphs does, through a StaticBatch: fill a batch, warm up (kernels compile, FlashInfer
+    learns the head count and plans this size), capture with the plan made inside the capture, then
+    fill new lengths, re-plan on the same buffers and replay."""
+    num_seqs = len(lens_a)
+    size = num_seqs + 2
+    static = StaticBatch(size, size, 4096 // BLOCK, BLOCK, CUDA)
+    q, k, v = (t[:size] for t in batch.split())
     out = torch.empty_like(q)
     scale = q.shape[-1] ** -0.5
-    fn = TritonBackend(batch.cache).plan(static)
-    fn(LAYER, q, k, v, out, scale)  # compile the kernels outside the capture
+
+    def fill(lens: list[int], seed: int) -> BatchMetadata:
+        slices = pad_decode(_slices([(1, s) for s in lens], _shuffled(batch, seed)), size)
+        with static.staging_turn():
+            return static.fill("decode", [0] * size, [0] * size, slices, size, size)
+
+    backend.plan(fill(lens_a, 3))(LAYER, q, k, v, out, scale)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn(LAYER, q, k, v, out, scale)
-
-    meta_b = build_metadata(pad_decode(_slices([(1, s) for s in lens_b], _shuffled(batch, 2)), num_seqs + 2),
-                            BLOCK, num_seqs + 2, CUDA)
-    static.seq_lens_t.copy_(meta_b.seq_lens_t)
-    static.block_tables.copy_(F.pad(meta_b.block_tables, (0, width - meta_b.block_tables.shape[1])))
-    static.slot_mapping.copy_(meta_b.slot_mapping)
-    batch.qkv[: num_seqs + 2].normal_()
+        backend.plan(static.metadata("decode", size, size, (1,) * size, (1,) * size))(LAYER, q, k, v, out, scale)
+    meta = fill(lens_b, 2)
+    backend.plan(meta)
+    batch.qkv[:size].normal_()
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
 
-    replayed = Batch(batch.cache, meta_b, batch.qkv[: num_seqs + 2], batch.num_heads, num_seqs)
-    expected = reference(replayed, meta_b, scale)
+    expected = reference(Batch(batch.cache, meta, batch.qkv[:size], batch.num_heads, num_seqs), meta, scale)
     err = ((out[:num_seqs].float() - expected).norm() / expected.norm()).item()
     record_property("rel_err", err)
     assert err <= TOLERANCE[q.dtype], f"relative error {err:.3e}"
+    k_cache, _ = batch.cache.layer(LAYER)
+    assert torch.equal(k_cache.flatten(0, 1)[meta.slot_mapping[:num_seqs]], k[:num_seqs])
+
+
+def replay_lengths(num_seqs: int) -> tuple[list[int], list[int]]:
+    """Context lengths to capture with, and others (block boundaries, up to 4096) to replay with."""
+    rng = random.Random(1)
+    lens_a = [rng.randint(1, 100) for _ in range(num_seqs)]
+    return lens_a, [rng.choice([1, 15, 16, 17, rng.randint(1, 4096)]) for _ in range(num_seqs)]
+
+
+@pytest.mark.parametrize("heads", [(torch.bfloat16, 32, 8, 128), (torch.float16, 8, 8, 64)], ids=_id)
+@pytest.mark.parametrize("num_seqs", [4, 64])
+def test_triton_decode_replays_in_a_cuda_graph(heads: tuple, num_seqs: int, record_property) -> None:
+    lens_a, lens_b = replay_lengths(num_seqs)
+    batch = make_batch(heads, [(1, s) for s in lens_a + lens_b], 0, decode=True)
+    check_decode_replay(TritonBackend(batch.cache), batch, lens_a, lens_b, record_property)
 
 
 @pytest.mark.parametrize("heads", [(torch.bfloat16, 32, 8, 128), (torch.float16, 8, 8, 64)], ids=_id)
@@ -281,42 +292,9 @@ def test_flashinfer_prefill(heads: tuple, case: str, record_property) -> None:
 @pytest.mark.parametrize("heads", [(torch.bfloat16, 32, 8, 128), (torch.float16, 8, 8, 64)], ids=_id)
 @pytest.mark.parametrize("num_seqs", [4, 64])
 def test_flashinfer_decode_replays_in_a_cuda_graph(heads: tuple, num_seqs: int, record_property) -> None:
-    """As DecodeGraphs does: a warm-up step, a capture that plans inside it, then new lengths, a re-plan, a replay."""
-    width = 4096 // BLOCK
-    rng = random.Random(1)
-    lens_a = [rng.randint(1, 100) for _ in range(num_seqs)]
-    lens_b = [rng.choice([1, 15, 16, 17, rng.randint(1, 4096)]) for _ in range(num_seqs)]
+    lens_a, lens_b = replay_lengths(num_seqs)
     batch = make_batch(heads, [(1, s) for s in lens_a + lens_b], 0, decode=True)
-    size = num_seqs + 2
-    meta_a = build_metadata(pad_decode(_slices([(1, s) for s in lens_a], _shuffled(batch, 3)), size), BLOCK, size, CUDA)
-    static = replace(meta_a, block_tables=F.pad(meta_a.block_tables, (0, width - meta_a.block_tables.shape[1])))
-    q, k, v = (t[:size] for t in batch.split())
-    out = torch.empty_like(q)
-    scale = q.shape[-1] ** -0.5
-    backend = FlashInferBackend(batch.cache)
-    backend.plan(static)(LAYER, q, k, v, out, scale)  # JIT, learn the head count, plan this batch size
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        backend.plan(static)(LAYER, q, k, v, out, scale)  # plans nothing while capturing
-
-    meta_b = build_metadata(pad_decode(_slices([(1, s) for s in lens_b], _shuffled(batch, 2)), size), BLOCK, size, CUDA)
-    static.seq_lens_t.copy_(meta_b.seq_lens_t)
-    static.block_tables.copy_(F.pad(meta_b.block_tables, (0, width - meta_b.block_tables.shape[1])))
-    static.slot_mapping.copy_(meta_b.slot_mapping)
-    backend.plan(replace(static, seq_lens=meta_b.seq_lens))  # the runner re-plans on the same buffers
-    batch.qkv[:size].normal_()
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-
-    replayed = Batch(batch.cache, meta_b, batch.qkv[:size], batch.num_heads, num_seqs)
-    expected = reference(replayed, meta_b, scale)
-    err = ((out[:num_seqs].float() - expected).norm() / expected.norm()).item()
-    record_property("rel_err", err)
-    assert err <= TOLERANCE[q.dtype], f"relative error {err:.3e}"
-    n = num_seqs
-    k_cache, v_cache = batch.cache.layer(LAYER)
-    assert torch.equal(k_cache.flatten(0, 1)[meta_b.slot_mapping[:n]], batch.split()[1][:n])
+    check_decode_replay(FlashInferBackend(batch.cache), batch, lens_a, lens_b, record_property)
 
 
 def test_auto_backend_on_cuda() -> None:
