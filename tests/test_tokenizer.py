@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
 import pytest
 
+from graphkiln.errors import ModelFileError
 from graphkiln.models.tiny import tiny_model_dir
 from graphkiln.models.tokenizer import Tokenizer
 
@@ -57,3 +59,10 @@ def test_chat_template_from_a_snapshot_loads_transformers(tmp_path: Path) -> Non
     assert hf.save_snapshot(path)
     conversation = [{"role": "user", "content": "Hello"}]
     assert Tokenizer.from_snapshot(model_dir, path).chat_template_ids(conversation) == hf.chat_template_ids(conversation)
+
+
+def test_unreadable_tokenizer_files_name_the_directory(tmp_path: Path) -> None:
+    model_dir = model_with(tmp_path)
+    (model_dir / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ModelFileError, match=re.escape(f"{model_dir}: its tokenizer files cannot be read")):
+        Tokenizer.from_dir(model_dir)
