@@ -68,9 +68,9 @@ class DecodeGraphs:
         self.replays: Counter[tuple[int, str]] = Counter()  # (bucket, sampling mode)
         self.stats: CaptureStats | None = None
 
-    def metadata(self, size: int, seq_lens: tuple[int, ...] | None = None) -> BatchMetadata:
-        """Views of the static buffers for a batch of `size` one-token rows."""
-        return self.batch.metadata("decode", size, size, (1,) * size, seq_lens or (1,) * size)
+    def metadata(self, size: int) -> BatchMetadata:
+        """Views of the static buffers for a capture of `size` one-token rows (replays plan from `fill`)."""
+        return self.batch.metadata("decode", size, size, (1,) * size, (1,) * size)
 
     def _step(self, size: int, mode: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         with forward_context(ForwardContext(self.backend.plan(self.metadata(size)))):
