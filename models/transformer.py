@@ -13,6 +13,7 @@ from torch import nn
 
 from .attention import attention
 from .config import ModelConfig
+from .linear import linear
 from .rope import apply_rope
 
 
@@ -111,4 +112,4 @@ class CausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        return linear(hidden, self.lm_head.weight)

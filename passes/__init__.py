@@ -4,19 +4,17 @@ Pipeline (`manager.default_passes`), each switchable with `CompileConfig.disable
 
 1. `boundary_recompute`: recomputes the rope gather in every piece instead of carrying it across cuts.
 2. `attention_split`: cuts the graph at every graphkiln::attention call into pieces.
+3. `linear_op` (post-grad): routes weight products through graphkiln::linear, whose one-row
+   Triton GEMV beats cuBLAS on decode at batch 1 (see models/linear.py).
 
-Post-grad passes (`base.PostGradPass`) run inside Inductor through the one `PassManager`; none
-ships, because the fusions worth a post-grad pass in our decoder are already Inductor's:
+Post-grad passes (`base.PostGradPass`) run inside Inductor through the one `PassManager`. The
+other fusions worth a post-grad pass in our decoder are already Inductor's:
 
-- residual add + RMSNorm: on CPU (checked, torch 2.13) the add rides in the o_proj/down_proj
-  GEMM as `addmm(residual, ...)` and the whole RMSNorm (pow, mean, +eps, rsqrt, two muls) is one
-  C++ kernel (`cpp_fused_add_mean_mul_pow_rsqrt`). On CUDA, Inductor's post-grad patterns keep
-  `mm + add` unfused when every use is pointwise (`should_prefer_unfused_addmm`), so the add
-  lands in the RMSNorm's Triton reduction kernel; bfloat16 on torch 2.13 keeps `addmm` instead
-  (`keep_addmm_fused_for_half_dtypes`). Either way no separate add or norm-step kernel.
-  Checked on the H200 (bf16, torch 2.11 profile of a decode step): one
-  `triton_red_fused__to_copy_add_mean_mul_pow_rsqrt` kernel per norm, and cuBLAS `..._badd` GEMMs
-  that add the residual in their epilogue.
+- residual add + RMSNorm: the whole RMSNorm (pow, mean, +eps, rsqrt, two muls) is one kernel
+  (`triton_red_fused__to_copy_add_mean_mul_pow_rsqrt` on the H200). Without `linear_op`, bf16
+  keeps the residual add in cuBLAS `addmm` (`..._badd`), which first copies the residual into
+  its output: one more launch per product (`memcpy32_post`, 30 per 1B decode step). With it,
+  the add joins the norm kernel, which reads the residual anyway.
 - SiLU-and-mul: one kernel reading the gate_up GEMM output (`cpp_fused_mul_silu_split` on CPU,
   `triton_poi_fused_mul_silu_split` on the H200).
 

@@ -47,8 +47,10 @@ def test_decompiled_bytecode_and_every_pass_before_and_after(dumped):
     assert "def __transformed_code_0_for_forward(self, input_ids, positions)" in transformed
     for number, name in enumerate(NAMES, 1):
         for when in ("before", "after"):
-            assert "class GraphModule" in (dump / f"{number:02d}-{name}.{when}.py").read_text()
+            assert "def forward(self" in (dump / f"{number:02d}-{name}.{when}.py").read_text()
     assert "submod_1" in (dump / "02-attention_split.after.py").read_text()
+    before, after = ((dump / f"03-linear_op.{when}.py").read_text() for when in ("before", "after"))
+    assert "aten.mm.default" in before and "aten.mm.default" not in after and "graphkiln.linear.default" in after
     summary = (dump / "02-split.summary.md").read_text()
     assert "5 pieces, 4 attention submodules; 28 tensors cross 8 cuts" in summary
     assert "`x: float32[s" in summary
@@ -62,6 +64,8 @@ def test_inductor_code_for_every_piece_and_size(dumped):
             name = next(n for n, what in files.items() if "inductor" in n and piece in what and f"({size})" in what)
             code = (dump / name).read_text()
             assert "def call(" in code and kernel_counts(code)["kernels"] >= 1
+            # linear_op: every weight product goes through graphkiln::linear, none to extern mm/addmm
+            assert "torch.ops.graphkiln.linear.default(" in code and "extern_kernels" not in code.split("def call(")[1]
     assert [p["name"] for p in manifest["passes"]] == NAMES
     assert all(re.fullmatch(r"[0-9a-f]{64}", p["uuid"]) for p in manifest["passes"])
     assert [r.name for r in report.passes] == NAMES

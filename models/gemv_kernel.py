@@ -1,0 +1,41 @@
+"""Triton GEMV: y[1, N] = x[1, K] @ w[N, K]^T, one program per slab of BLOCK_N weight rows over all of K."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+TILINGS = (  # (most outputs, BLOCK_N, BLOCK_K, warps, stages), first match wins; the fastest measured
+    (8192, 8, 512, 8, 3),  # q/k/v, o, down of the 1B- and 8B-like models
+    (16384, 32, 256, 4, 5),  # 1B-like gate_up
+    (None, 16, 256, 4, 5),  # 8B-like gate_up, LM heads
+)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 EVEN_K: tl.constexpr):
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    col_mask = cols < N
+    w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        k_mask = ks < BLOCK_K if EVEN_K else (k + ks) < K  # a constant mask keeps the loads vectorized
+        w = tl.load(w_ptrs + k, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+        x = tl.load(x_ptr + k + ks, mask=k_mask, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    tl.store(y_ptr + cols, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=col_mask)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [1, K] @ weight [N, K]^T with unit stride along K; tiling measured on an H200 (bench/skinny_gemm.py)."""
+    n, k = weight.shape
+    block_n, block_k, warps, stages = next(t[1:] for t in TILINGS if t[0] is None or n <= t[0])
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, y, n, k, weight.stride(0), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+        num_warps=warps, num_stages=stages,
+    )
+    return y

@@ -1,0 +1,36 @@
+"""graphkiln::linear on CUDA: the Triton GEMV for one-row inputs against float32, and what falls back to cuBLAS."""
+
+import pytest
+import torch
+
+from graphkiln.models.linear import linear, uses_gemv
+
+SHAPES = [  # (N, K): the bench models' projections, then ragged sizes that leave partial slabs and K steps
+    (3072, 2048), (2048, 8192), (16384, 2048), (128256, 2048), (6144, 4096), (4096, 14336),
+    (1, 16), (37, 100), (8193, 520), (1000, 3000),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"n{s[0]}-k{s[1]}")
+def test_one_row_runs_the_gemv_and_matches_float32(shape, dtype):
+    n, k = shape
+    gen = torch.Generator(device="cuda").manual_seed(n * 31 + k)
+    x = torch.randn(1, k, device="cuda", dtype=dtype, generator=gen)
+    weight = torch.randn(n, k, device="cuda", dtype=dtype, generator=gen) * k**-0.5
+    assert uses_gemv(x, weight)
+    y = linear(x, weight)
+    expected = x.float() @ weight.float().t()
+    assert y.shape == (1, n) and y.dtype == dtype
+    # float32 accumulation, one rounding to the output dtype
+    torch.testing.assert_close(y.float(), expected, rtol=1e-2, atol=1e-2)
+    assert ((y.float() - expected).abs().max() <= expected.abs().max() * 2**-7 + 1e-3)
+
+
+def test_other_inputs_go_to_torch_mm():
+    x = torch.randn(4, 64, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16)
+    cases = [(x, weight), (x[:1].float(), weight.float()), (x[:, ::2][:1], weight[:, ::2])]
+    for a, w in cases:
+        assert not uses_gemv(a, w)
+        assert torch.equal(linear(a, w), torch.mm(a, w.t()))
