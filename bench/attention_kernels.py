@@ -65,8 +65,11 @@ def bench_decode(num_seqs: int, context: int, copy_bw: float, tiles: DecodeTiles
     planned = decode_tiles(num_seqs, HKV, tables.shape[1] * BLOCK, D, k_cache.element_size(), num_sms)
     q = torch.randn(num_seqs, HQ, D, dtype=DTYPE, device="cuda")
     out = torch.empty_like(q)
-    ms = do_bench(lambda: paged_decode(q, k_cache, v_cache, seq_lens, tables, out, D**-0.5, **asdict(tiles or planned)),
-                  return_mode="median")
+    last = context - 1  # the step's new key and value: rewritten in place with what the slot holds already
+    slots = (tables[:, last // BLOCK].long() * BLOCK + last % BLOCK).contiguous()
+    k, v = k_cache.view(-1, HKV, D)[slots], v_cache.view(-1, HKV, D)[slots]
+    ms = do_bench(lambda: paged_decode(q, k, v, k_cache, v_cache, seq_lens, tables, slots, out, D**-0.5,
+                                       **asdict(tiles or planned)), return_mode="median")
     kv_bytes = 2 * num_seqs * context * HKV * D * k_cache.element_size()
     bw = kv_bytes / (ms * 1e-3)
     row = dict(batch=num_seqs, context=context, **asdict(tiles or planned), us=ms * 1e3, gbs=bw / 1e9,

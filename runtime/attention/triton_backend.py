@@ -1,8 +1,9 @@
 """The Triton attention backend: paged decode (split-K) and varlen prefill, both CUDA-graph capturable.
 
-Every call writes the batch's keys and values through the slot mapping (one launch), then runs
-either the decode kernel (every sequence adds one token) or the varlen causal prefill kernel,
-both reading the whole context from the paged cache. Planning (tile sizes, decode splits,
+A decode call (every sequence adds one token) is one launch: the decode kernel stores the new
+keys and values through the slot mapping itself and attends over the paged context. A prefill
+call writes the keys and values (one launch), then runs the varlen causal prefill kernel, which
+reads the whole context from the paged cache. Planning (tile sizes, decode splits,
 prefill work items) is plain Python here; the kernels import triton, an optional dependency,
 only when a backend is built.
 
@@ -143,8 +144,8 @@ class TritonBackend:
 
         def run(layer: int, q, k, v, out, scale: float) -> None:
             k_cache, v_cache = self.kv_cache.layer(layer)
-            self._write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-            self._decode(q, k_cache, v_cache, meta.seq_lens_t, meta.block_tables, out, scale, **tile_args)
+            self._decode(q, k, v, k_cache, v_cache, meta.seq_lens_t, meta.block_tables, meta.slot_mapping, out, scale,
+                         **tile_args)
 
         return run
 

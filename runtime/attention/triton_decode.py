@@ -4,6 +4,11 @@ Grid (kv_head, split, sequence): each program loads one KV head's tiles of its s
 attends all query heads of that head's GQA group (padded to 16 rows for tensor cores). Lengths
 and block tables are read from device memory, so a launch can be captured in a CUDA graph and
 replayed with new lengths. Splits past the end of a short sequence store an empty partial.
+
+The step's new key and value (the context's last position) come from the projections, not the
+cache: split 0 of each (sequence, KV head) stores them into their slot, and every split that
+covers the last position takes them from registers. So the cache write needs no launch of its
+own and no split reads a slot while it is written.
 """
 
 from __future__ import annotations
@@ -24,10 +29,10 @@ def load_paged_tile(cache, table_row, pos, valid, kv_head, stride_cb, stride_ct,
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_cache, v_cache, seq_lens, block_tables, out_ptr, part_out, part_lse,
+    q_ptr, k_ptr, v_ptr, k_cache, v_cache, seq_lens, block_tables, slot_mapping, out_ptr, part_out, part_lse,
     scale_log2, num_splits,
-    stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
-    stride_cb, stride_ct, stride_ch, stride_bt,
+    stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
+    stride_ot, stride_oh, stride_od, stride_cb, stride_ct, stride_ch, stride_bt,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -47,22 +52,34 @@ def _decode_kernel(
                 other=0.0)
     table_row = block_tables + seq.to(tl.int64) * stride_bt
 
+    last = seq_len - 1
+    k_new = tl.load(k_ptr + seq * stride_kt + kv_head * stride_kh + dims * stride_kd).to(k_cache.dtype.element_ty)
+    v_new = tl.load(v_ptr + seq * stride_vt + kv_head * stride_vh + dims * stride_vd).to(v_cache.dtype.element_ty)
+    if split == 0:
+        slot = tl.load(slot_mapping + seq).to(tl.int64)
+        dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + kv_head * stride_ch + dims
+        tl.store(k_cache + dst, k_new)
+        tl.store(v_cache + dst, v_new)
+
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
     for tile in range(start, end, BLOCK_N):
         pos = tile + tl.arange(0, BLOCK_N)
         valid = pos < end
-        k = load_paged_tile(k_cache, table_row, pos, valid, kv_head, stride_cb, stride_ct, stride_ch,
-                            BLOCK_SIZE, HEAD_DIM)
+        is_new = (pos == last)[:, None]
+        k = load_paged_tile(k_cache, table_row, pos, valid & (pos != last), kv_head, stride_cb, stride_ct,
+                            stride_ch, BLOCK_SIZE, HEAD_DIM)
+        k = tl.where(is_new, k_new[None, :], k)
         qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale_log2
         qk = tl.where(valid[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = load_paged_tile(v_cache, table_row, pos, valid, kv_head, stride_cb, stride_ct, stride_ch,
-                            BLOCK_SIZE, HEAD_DIM)
+        v = load_paged_tile(v_cache, table_row, pos, valid & (pos != last), kv_head, stride_cb, stride_ct,
+                            stride_ch, BLOCK_SIZE, HEAD_DIM)
+        v = tl.where(is_new, v_new[None, :], v)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
         m_i = m_new
 
@@ -97,11 +114,12 @@ def _reduce_kernel(
 
 
 def paged_decode(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
-    block_tables: torch.Tensor, out: torch.Tensor, scale: float,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    seq_lens: torch.Tensor, block_tables: torch.Tensor, slot_mapping: torch.Tensor, out: torch.Tensor, scale: float,
     *, num_splits: int, block_n: int, num_warps: int, num_stages: int,
 ) -> None:
-    """out[i] = attention of q[i] [Hq, D] over the first seq_lens[i] cached tokens of sequence i."""
+    """Store k[i], v[i] [Hkv, D] at slot_mapping[i], the last of seq_lens[i] positions of sequence i, and
+    write to out[i] the attention of q[i] [Hq, D] over those positions."""
     num_seqs = seq_lens.shape[0]
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[2]
@@ -111,9 +129,9 @@ def paged_decode(
                                               device=q.device)
     part_lse = out if direct else torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
     _decode_kernel[(num_kv_heads, num_splits, num_seqs)](
-        q, k_cache, v_cache, seq_lens, block_tables, out, part_out, part_lse,
+        q, k, v, k_cache, v_cache, seq_lens, block_tables, slot_mapping, out, part_out, part_lse,
         scale * 1.4426950408889634, num_splits,
-        *q.stride(), *out.stride(),
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         NUM_HEADS=num_heads, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_N=block_n, DIRECT=direct,
