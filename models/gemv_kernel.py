@@ -6,12 +6,6 @@ import torch
 import triton
 import triton.language as tl
 
-TILINGS = (  # (most outputs, BLOCK_N, BLOCK_K, warps, stages), first match wins; the fastest measured
-    (8192, 8, 512, 8, 3),  # q/k/v, o, down of the 1B- and 8B-like models
-    (16384, 32, 256, 4, 5),  # 1B-like gate_up
-    (None, 16, 256, 4, 5),  # 8B-like gate_up, LM heads
-)
-
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -29,10 +23,20 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, BL
     tl.store(y_ptr + cols, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=col_mask)
 
 
+def tiling(n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages) for N outputs and K inputs: the fastest that
+    `bench/skinny_gemm.py --sweep` measured on an H200 for the bench models' projections."""
+    if n <= 8192:  # q/k/v, o, down: thin slabs, long K steps; 8 warps for the long K of down
+        return 8, 512, 8 if k >= 8192 else 4, 3
+    if n <= 16384:  # 1B-like gate_up
+        return 32, 256, 4, 5
+    return 16, 256, 4, 5  # 8B-like gate_up, LM heads
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [1, K] @ weight [N, K]^T with unit stride along K; tiling measured on an H200 (bench/skinny_gemm.py)."""
     n, k = weight.shape
-    block_n, block_k, warps, stages = next(t[1:] for t in TILINGS if t[0] is None or n <= t[0])
+    block_n, block_k, warps, stages = tiling(n, k)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, y, n, k, weight.stride(0), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,

@@ -27,8 +27,8 @@ def uses_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
 @torch.library.custom_op("graphkiln::linear", mutates_args=())
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T -> [M, N]."""
-    if uses_gemv(x, weight):
-        from .gemv_kernel import gemv  # triton is optional: imported only where the kernel runs
+    if uses_gemv(x, weight):  # triton is optional: the kernel is imported only where it runs
+        from .gemv_kernel import gemv
 
         return gemv(x, weight)
     return torch.mm(x, weight.t())
