@@ -41,9 +41,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def apply_rope(
-    q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q [T, Hq, D] and k [T, Hk, D] by the rows of cos_sin [T, 2D] gathered for their positions."""
-    cos, sin = cos_sin.to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+def apply_rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, H, D] (the query and key heads side by side: one kernel for both) by the rows of
+    cos_sin [T, 2D] gathered for their positions."""
+    cos, sin = cos_sin.to(x.dtype).unsqueeze(1).chunk(2, dim=-1)
+    return x * cos + rotate_half(x) * sin

@@ -47,14 +47,15 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.view(tokens, cfg.num_heads, cfg.head_dim)
-        k = k.view(tokens, cfg.num_kv_heads, cfg.head_dim)
+        heads = cfg.num_heads + cfg.num_kv_heads
+        qk, v = self.qkv_proj(x).split([cfg.q_size + cfg.kv_size, cfg.kv_size], dim=-1)
+        qk = qk.view(tokens, heads, cfg.head_dim)
         v = v.view(tokens, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, k, cos_sin)
-        out = torch.empty_like(q)
+            q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        q, k = apply_rope(qk, cos_sin).split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+        out = q.new_empty(tokens, cfg.num_heads, cfg.head_dim)
         attention(q, k, v, out, self.layer_index, self.scale)
         return self.o_proj(out.view(tokens, cfg.q_size))
 
