@@ -1,4 +1,9 @@
-"""Triton GEMV: y[1, N] = x[1, K] @ w[N, K]^T, one program per slab of BLOCK_N weight rows over all of K."""
+"""Triton kernels behind models/linear.py.
+
+GEMV: y[1, N] = x[1, K] @ w[N, K]^T, one program per slab of BLOCK_N weight rows over all of K;
+gated, x is silu(g) * u of the row [g | u] (2K wide), computed as the weight streams by.
+SiLU-and-mul: y[M, I] = silu(x[:, :I]) * x[:, I:], for the gated product's other row counts.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ import triton.language as tl
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr):
+                 EVEN_K: tl.constexpr, GATED: tl.constexpr):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     col_mask = cols < N
@@ -19,6 +24,9 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, BL
         k_mask = ks < BLOCK_K if EVEN_K else (k + ks) < K  # a constant mask keeps the loads vectorized
         w = tl.load(w_ptrs + k, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
         x = tl.load(x_ptr + k + ks, mask=k_mask, other=0.0)
+        if GATED:  # rounded to x's dtype, as the product feeding cuBLAS at more rows is
+            up = tl.load(x_ptr + K + k + ks, mask=k_mask, other=0.0).to(tl.float32)
+            x = (x.to(tl.float32) * tl.sigmoid(x.to(tl.float32)) * up).to(x_ptr.dtype.element_ty)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     tl.store(y_ptr + cols, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=col_mask)
 
@@ -33,13 +41,35 @@ def tiling(n: int, k: int) -> tuple[int, int, int, int]:
     return 16, 256, 4, 5  # 8B-like gate_up, LM heads
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [1, K] @ weight [N, K]^T with unit stride along K; tiling measured on an H200 (bench/skinny_gemm.py)."""
+def gemv(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> torch.Tensor:
+    """x [1, K] @ weight [N, K]^T, or with `gated` silu(x[:, :K]) * x[:, K:] @ weight^T for x [1, 2K];
+    unit stride along K. Tiling measured on an H200 (bench/skinny_gemm.py)."""
     n, k = weight.shape
     block_n, block_k, warps, stages = tiling(n, k)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, y, n, k, weight.stride(0), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        num_warps=warps, num_stages=stages,
+        GATED=gated, num_warps=warps, num_stages=stages,
     )
+    return y
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, y_ptr, I, stride_x, stride_y, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < I
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + I + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_y + cols, (gate * tl.sigmoid(gate) * up).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(x[:, :I]) * x[:, I:] for x [M, 2I] with unit stride along its last dim: one launch."""
+    rows, width = x.shape
+    half = width // 2
+    y = torch.empty(rows, half, dtype=x.dtype, device=x.device)
+    block = 1024
+    if rows:
+        _silu_mul_kernel[(rows, triton.cdiv(half, block))](x, y, half, x.stride(0), y.stride(0), BLOCK=block)
     return y

@@ -1,4 +1,6 @@
-"""`graphkiln::linear(x, weight)`: y = x @ weight^T, with a Triton kernel for one-row inputs on CUDA.
+"""`graphkiln::linear(x, weight)`: y = x @ weight^T, with a Triton kernel for one-row inputs on CUDA;
+`graphkiln::silu_mul_linear(gate_up, weight)`: y = (silu(gate) * up) @ weight^T, the MLP's down
+projection with its activation, so that at one row the activation rides in the GEMV.
 
 At one row (decode at batch 1) the product is a pass over the weight, and cuBLAS reads the
 narrow projections of a decoder (q/k/v, o, down: 2048 to 6144 outputs) at a half to two thirds of
@@ -6,22 +8,25 @@ the memory bandwidth: its few output tiles leave multiprocessors idle, and a spl
 a second launch. Here each program owns a slab of a few weight rows and walks all of K, so every
 multiprocessor streams. Measured on an H200 by bench/skinny_gemm.py (bf16): 1B-like q/k/v 6.4 ->
 5.5 us, o 6.1 -> 4.8 us, down 14.0 -> 13.0 us; 8B-like q/k/v 16.6 -> 14.2 us, o 13.2 -> 11.1 us.
-Every other input (more rows, CPU, float32) goes to torch.mm. The op is opaque to Inductor; the
-post-grad pass `passes/linear_op.py` routes the decoder's weight products through it.
+Every other input (more rows, CPU, float32) goes to torch.mm. The ops are opaque to Inductor; the
+passes `passes/linear_op.py` and `passes/silu_mul_linear.py` route the decoder's products to them.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def uses_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (
-        x.is_cuda and x.shape[0] == 1 and x.dtype in GEMV_DTYPES and weight.dtype == x.dtype
-        and x.stride(-1) == 1 and weight.stride(-1) == 1
-    )
+    return x.shape[0] == 1 and on_triton(x, weight)
+
+
+def on_triton(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """CUDA, half precision, unit stride along K: what the Triton kernels take."""
+    return x.is_cuda and x.dtype in GEMV_DTYPES and weight.dtype == x.dtype and x.stride(-1) == weight.stride(-1) == 1
 
 
 @torch.library.custom_op("graphkiln::linear", mutates_args=())
@@ -37,3 +42,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 @linear.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@torch.library.custom_op("graphkiln::silu_mul_linear", mutates_args=())
+def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """gate_up [M, 2I] = [gate | up], weight [N, I] -> (silu(gate) * up) @ weight^T [M, N]."""
+    if on_triton(gate_up, weight):  # triton is optional: the kernels are imported only where they run
+        from .gemv_kernel import gemv, silu_mul
+
+        if gate_up.shape[0] == 1:
+            return gemv(gate_up, weight, gated=True)
+        return torch.mm(silu_mul(gate_up), weight.t())
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.mm(F.silu(gate) * up, weight.t())
+
+
+@silu_mul_linear.register_fake
+def _(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return gate_up.new_empty(gate_up.shape[0], weight.shape[0])

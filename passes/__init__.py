@@ -3,8 +3,10 @@
 Pipeline (`manager.default_passes`), each switchable with `CompileConfig.disabled_passes`:
 
 1. `boundary_recompute`: recomputes the rope gather in every piece instead of carrying it across cuts.
-2. `attention_split`: cuts the graph at every graphkiln::attention call into pieces.
-3. `linear_op` (post-grad): routes weight products through graphkiln::linear, whose one-row
+2. `silu_mul_linear`: `down_proj(silu(gate) * up)` becomes one graphkiln::silu_mul_linear call,
+   whose one-row GEMV computes the activation as it streams the weight.
+3. `attention_split`: cuts the graph at every graphkiln::attention call into pieces.
+4. `linear_op` (post-grad): routes weight products through graphkiln::linear, whose one-row
    Triton GEMV beats cuBLAS on decode at batch 1 (see models/linear.py).
 
 Post-grad passes (`base.PostGradPass`) run inside Inductor through the one `PassManager`. The
@@ -15,8 +17,9 @@ other fusions worth a post-grad pass in our decoder are already Inductor's:
   keeps the residual add in cuBLAS `addmm` (`..._badd`), which first copies the residual into
   its output: one more launch per product (`memcpy32_post`, 30 per 1B decode step). With it,
   the add joins the norm kernel, which reads the residual anyway.
-- SiLU-and-mul: one kernel reading the gate_up GEMM output (`cpp_fused_mul_silu_split` on CPU,
-  `triton_poi_fused_mul_silu_split` on the H200).
+- SiLU-and-mul: Inductor emits one kernel reading the gate_up GEMM output
+  (`triton_poi_fused_mul_silu_split` on the H200); `silu_mul_linear` goes one step further at one
+  row, where that kernel is a whole launch for 16 KB of work.
 
 Measured on the H200 (1B-like bf16 model, bench/passes_bench.py): boundary_recompute takes the
 tensors crossing piece boundaries from 111 to 96 and the decode step's kernels from 218 to 217;

@@ -25,6 +25,7 @@ from .attention_split import AttentionSplit
 from .base import DYNAMO, POST_GRAD, GraphPass, Pass, PassRecord, PostGradPass, content_hash
 from .boundary_recompute import BoundaryRecompute
 from .linear_op import LinearOp
+from .silu_mul_linear import SiluMulLinear
 
 log = logging.getLogger("graphkiln.passes")
 
@@ -34,7 +35,7 @@ GraphDump = Callable[[int, str, str, torch.fx.GraphModule | torch.fx.Graph], Non
 
 def default_passes(extra: Sequence[Pass] = ()) -> list[Pass]:
     """Built-in passes in pipeline order; `extra` Dynamo-graph passes run just before the split."""
-    return [BoundaryRecompute(), *extra, AttentionSplit(), LinearOp()]
+    return [BoundaryRecompute(), SiluMulLinear(), *extra, AttentionSplit(), LinearOp()]
 
 
 def _ops(target: torch.fx.GraphModule | torch.fx.Graph) -> Counter:

@@ -48,10 +48,14 @@ def test_decompiled_bytecode_and_every_pass_before_and_after(dumped):
     for number, name in enumerate(NAMES, 1):
         for when in ("before", "after"):
             assert "def forward(self" in (dump / f"{number:02d}-{name}.{when}.py").read_text()
-    assert "submod_1" in (dump / "02-attention_split.after.py").read_text()
-    before, after = ((dump / f"03-linear_op.{when}.py").read_text() for when in ("before", "after"))
+    number = {name: i for i, name in enumerate(NAMES, 1)}
+    assert "submod_1" in (dump / f"{number['attention_split']:02d}-attention_split.after.py").read_text()
+    before, after = ((dump / f"{number['linear_op']:02d}-linear_op.{when}.py").read_text() for when in ("before", "after"))
     assert "aten.mm.default" in before and "aten.mm.default" not in after and "graphkiln.linear.default" in after
-    summary = (dump / "02-split.summary.md").read_text()
+    before, after = ((dump / f"{number['silu_mul_linear']:02d}-silu_mul_linear.{when}.py").read_text()
+                     for when in ("before", "after"))
+    assert "silu" in before and "silu_mul_linear" not in before and "graphkiln.silu_mul_linear.default" in after
+    summary = (dump / f"{number['attention_split']:02d}-split.summary.md").read_text()
     assert "5 pieces, 4 attention submodules; 28 tensors cross 8 cuts" in summary
     assert "`x: float32[s" in summary
     assert "boundary_recompute" in (dump / "passes.md").read_text()

@@ -30,8 +30,9 @@ from graphkiln.passes.base import GraphPass, PostGradPass, content_hash
 from graphkiln.passes.boundary_recompute import BoundaryRecompute, BoundaryRecomputeConfig
 from graphkiln.passes.linear_op import LinearOp
 from graphkiln.passes.manager import PassManager, default_passes
+from graphkiln.passes.silu_mul_linear import SiluMulLinear
 
-DYNAMO_NAMES = ["boundary_recompute", "attention_split"]
+DYNAMO_NAMES = ["boundary_recompute", "silu_mul_linear", "attention_split"]
 NAMES = [*DYNAMO_NAMES, "linear_op"]
 
 
@@ -149,8 +150,10 @@ def test_default_pipeline_matches_eager_and_reports_every_pass(toy):
     compiled, report = compile_module(toy, CompileConfig(specialize=False))
     eager_and_compiled_agree(toy, compiled)
     assert [(r.name, r.enabled) for r in report.passes] == [(n, True) for n in NAMES]
-    recompute, split, _ = report.passes  # linear_op runs inside Inductor, on cache misses only
+    recompute, silu_mul, split, _ = report.passes  # linear_op runs inside Inductor, on cache misses only
     assert (recompute.runs, recompute.matches, recompute.nodes_added) == (1, 1, 1)
+    # per layer: chunk, two getitems, silu, mul and linear become one silu_mul_linear
+    assert (silu_mul.runs, silu_mul.matches, silu_mul.nodes_removed, silu_mul.nodes_added) == (1, 2, 12, 2)
     assert (split.runs, split.matches, split.nodes_removed) == (1, 2, 0)
 
 
@@ -234,6 +237,43 @@ def test_linear_op_takes_weight_products_and_leaves_other_matmuls(tmp_path):
         feeds = {"L_x_": x[:rows], "L_w_": w, "L_bias_": bias, "L_other_": other}
         args = [feeds.get(n.target, rows) for n in gm.graph.nodes if n.op == "placeholder"]
         torch.testing.assert_close(piece(*args)[0], fn(x[:rows], w, bias, other))
+
+
+def _mlp_variants():
+    """(name, fn(x, gate_up_w, down_w, bias), matches): MLP tails the pass must take and must leave."""
+    F = torch.nn.functional
+
+    def gated(x, w, d, b):
+        gate, up = F.linear(x, w).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, d)
+
+    def swapped_with_bias(x, w, d, b):
+        gate, up = F.linear(x, w).chunk(2, dim=-1)
+        return F.linear(up * F.silu(gate), d, b)
+
+    def silu_of_up(x, w, d, b):
+        gate, up = F.linear(x, w).chunk(2, dim=-1)
+        return F.linear(F.silu(up) * gate, d)
+
+    def gelu(x, w, d, b):
+        gate, up = F.linear(x, w).chunk(2, dim=-1)
+        return F.linear(F.gelu(gate) * up, d)
+
+    def two_chunks(x, w, d, b):
+        return F.linear(F.silu(F.linear(x, w).chunk(2, dim=-1)[0]) * F.linear(x, 2 * w).chunk(2, dim=-1)[1], d)
+
+    return [("silu(gate) * up", gated, 1), ("up * silu(gate), bias", swapped_with_bias, 1),
+            ("silu of the second half", silu_of_up, 0), ("gelu", gelu, 0), ("halves of two chunks", two_chunks, 0)]
+
+
+@pytest.mark.parametrize("name,fn,matches", _mlp_variants(), ids=[v[0] for v in _mlp_variants()])
+def test_silu_mul_linear_takes_the_gated_down_projection_only(name, fn, matches):
+    x, w, d, b = torch.randn(5, 8), torch.randn(12, 8), torch.randn(4, 6), torch.randn(4)
+    gm = dynamo_graph(fn, x, w, d, b)
+    assert SiluMulLinear()(gm) == matches
+    assert ("graphkiln.silu_mul_linear" in gm.code) == bool(matches)
+    args = [{"L_x_": x, "L_w_": w, "L_d_": d, "L_b_": b}.get(n.target, 5) for n in gm.graph.nodes if n.op == "placeholder"]
+    torch.testing.assert_close(gm(*args)[0], fn(x, w, d, b))
 
 
 def test_post_grad_pass_runs_inside_inductor_and_stays_cacheable(tmp_path):

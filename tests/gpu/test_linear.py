@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from graphkiln.models.linear import linear, uses_gemv
+from graphkiln.models.linear import linear, silu_mul_linear, uses_gemv
 
 SHAPES = [  # (N, K): the bench models' projections, then ragged sizes that leave partial slabs and K steps
     (3072, 2048), (2048, 8192), (16384, 2048), (128256, 2048), (6144, 4096), (4096, 14336),
@@ -34,3 +34,18 @@ def test_other_inputs_go_to_torch_mm():
     for a, w in cases:
         assert not uses_gemv(a, w)
         assert torch.equal(linear(a, w), torch.mm(a, w.t()))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 64])
+@pytest.mark.parametrize("shape", [(2048, 8192), (4096, 14336), (37, 100)], ids=lambda s: f"n{s[0]}-i{s[1]}")
+def test_silu_mul_linear_matches_float32(shape, rows):
+    """One row: the gated GEMV; more: the Triton SiLU-and-mul kernel, then cuBLAS."""
+    n, inner = shape
+    gen = torch.Generator(device="cuda").manual_seed(n + inner + rows)
+    gate_up = torch.randn(rows, 2 * inner, device="cuda", dtype=torch.bfloat16, generator=gen)
+    weight = torch.randn(n, inner, device="cuda", dtype=torch.bfloat16, generator=gen) * inner**-0.5
+    y = silu_mul_linear(gate_up, weight)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    expected = (torch.nn.functional.silu(gate) * up) @ weight.float().t()
+    assert y.shape == (rows, n) and y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), expected, rtol=2e-2, atol=2e-2)

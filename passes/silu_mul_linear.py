@@ -1,0 +1,86 @@
+"""silu_mul_linear: the MLP's `down_proj(silu(gate) * up)` becomes graphkiln::silu_mul_linear(gate_up, w).
+
+A Dynamo-graph pass. It matches `linear(silu(a) * b, w[, bias])` where a and b are the two halves
+of one `chunk(2, dim=-1)`, and calls the op on the chunked tensor instead (plus the bias, if
+any). At one row on CUDA the op computes the activation inside its GEMV as the weight streams
+by, so a decode step at batch 1 loses the SiLU-and-mul launch of every layer; at more rows it
+is one Triton SiLU-and-mul launch and cuBLAS, as Inductor's fused kernel and mm were.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.nn.functional as F
+
+import graphkiln.models.linear  # noqa: F401  (registers graphkiln::silu_mul_linear)
+
+from .base import GraphPass
+
+SILU_MUL_LINEAR = torch.ops.graphkiln.silu_mul_linear.default
+LINEARS = (torch._C._nn.linear, F.linear)
+MULS = (operator.mul, torch.mul)
+
+
+def _half(node, index: int) -> torch.fx.Node | None:
+    """The chunked tensor, when `node` is half `index` of `t.chunk(2, dim=-1)`."""
+    if not (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is operator.getitem):
+        return None
+    chunk, i = node.args
+    if i != index or chunk.op != "call_method" or chunk.target != "chunk":
+        return None
+    source, *rest = chunk.args
+    dim = rest[1] if len(rest) > 1 else chunk.kwargs.get("dim", 0)
+    chunks = rest[0] if rest else chunk.kwargs.get("chunks")
+    ndim = source.meta["example_value"].dim()
+    return source if chunks == 2 and dim in (-1, ndim - 1) else None
+
+
+def _gated_input(mul) -> torch.fx.Node | None:
+    """t, when `mul` is silu(t.chunk(2, -1)[0]) * t.chunk(2, -1)[1] (either operand order)."""
+    if not (isinstance(mul, torch.fx.Node) and mul.op == "call_function" and mul.target in MULS):
+        return None
+    for silu, up in (mul.args, mul.args[::-1]):
+        if isinstance(silu, torch.fx.Node) and silu.target is F.silu and not silu.kwargs.get("inplace", False):
+            source = _half(silu.args[0], 0)
+            if source is not None and _half(up, 1) is source:
+                return source
+    return None
+
+
+def _erase_unused(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
+    """Erase `node` and, transitively, the pure ops that fed only it (the old chunk, silu, mul)."""
+    work = [node]
+    while work:
+        n = work.pop()
+        if n.users or n.op not in ("call_function", "call_method") or n.is_impure():
+            continue
+        work.extend(n.all_input_nodes)
+        graph.erase_node(n)
+
+
+class SiluMulLinear(GraphPass):
+    name = "silu_mul_linear"
+
+    def __call__(self, gm: torch.fx.GraphModule) -> int:
+        graph, matches = gm.graph, 0
+        for node in list(graph.nodes):
+            if node.op != "call_function" or node.target not in LINEARS:
+                continue
+            x, weight, *rest = node.args
+            bias = rest[0] if rest else node.kwargs.get("bias")
+            gate_up = _gated_input(x)
+            if gate_up is None:
+                continue
+            with graph.inserting_before(node):
+                result = graph.call_function(SILU_MUL_LINEAR, (gate_up, weight))
+                result.meta["example_value"] = node.meta["example_value"]
+                if bias is not None:
+                    result = graph.call_function(operator.add, (result, bias))
+                    result.meta["example_value"] = node.meta["example_value"]
+            node.replace_all_uses_with(result)
+            _erase_unused(graph, node)
+            matches += 1
+        gm.recompile()
+        return matches
