@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from profile_step import build_model, step_times
 
-GEMM = re.compile(r"gemm|gemv|cutlass|nvjet|splitK|sm90_xmma|cublas|skinny_mm", re.IGNORECASE)
+GEMM = re.compile(r"gemm|gemv|cutlass|nvjet|splitK|sm90_xmma|cublas", re.IGNORECASE)
 
 
 def kernel_table(graph: torch.cuda.CUDAGraph, replays: int) -> list[dict]:

@@ -1,4 +1,4 @@
-"""What each graph pass buys on the GPU (one device call, about two minutes).
+"""What each graph pass buys on the GPU (one device call, about four minutes).
 
 Compiles a random Llama-3.2-1B-shaped bf16 model once with every pass and once with each optional
 pass switched off, and reports per configuration: Inductor compiles, tensors crossing the piece
@@ -18,9 +18,10 @@ import time
 from pathlib import Path
 
 import torch
+from decode_kernels import kernel_table
 from profile_step import build_model, prefill_ms, step_times
 
-CONFIGS = {"all passes": (), "no boundary_recompute": ("boundary_recompute",)}
+CONFIGS = {"all passes": (), **{f"no {name}": (name,) for name in ("boundary_recompute", "silu_mul_linear", "linear_op")}}
 PROFILED_REPLAYS = 5
 
 
@@ -34,14 +35,7 @@ def boundary_tensors(llm) -> int:
 
 def kernels_per_decode_step(llm) -> float:
     graph, _, _ = llm.engine.runner.graphs.graphs[1, "greedy"]
-    graph.replay()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(PROFILED_REPLAYS):
-            graph.replay()
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and "Memcpy" not in e.name]
-    return len(kernels) / PROFILED_REPLAYS
+    return sum(r["per_replay"] for r in kernel_table(graph, PROFILED_REPLAYS) if "Memcpy" not in r["name"])
 
 
 def measure(model: Path, work: Path, disabled: tuple[str, ...]) -> dict:
