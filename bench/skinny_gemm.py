@@ -53,16 +53,6 @@ def graph_time_us(fn, weights: list[torch.Tensor], calls: int) -> float:
     return best
 
 
-def sweep_call(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, warps: int, stages: int) -> torch.Tensor:
-    from graphkiln.models.gemv_kernel import _gemv_kernel
-
-    n, k = w.shape
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(n, block_n),)](x, w, y, n, k, w.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
-                                             EVEN_K=k % block_k == 0, num_warps=warps, num_stages=stages)
-    return y
-
-
 def main() -> None:
     from graphkiln.models.gemv_kernel import gemv
 
@@ -89,7 +79,7 @@ def main() -> None:
             if args.sweep:
                 sweep = {}
                 for cfg in itertools.product((8, 16, 32, 64), (128, 256, 512, 1024), (4, 8), (3, 5)):
-                    sweep[cfg] = graph_time_us(lambda w, x=x, cfg=cfg: sweep_call(x, w, *cfg), weights, calls)
+                    sweep[cfg] = graph_time_us(lambda w, x=x, cfg=cfg: gemv(x, w, tiles=cfg), weights, calls)
                 row["top5"] = sorted((v, c) for c, v in sweep.items())[:5]
             for key in ("cublas_us", "gemv_us"):
                 row[key.replace("_us", "_tbps")] = nbytes / row[key] / 1e6

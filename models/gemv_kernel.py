@@ -41,11 +41,13 @@ def tiling(n: int, k: int) -> tuple[int, int, int, int]:
     return 16, 256, 4, 5  # 8B-like gate_up, LM heads
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> torch.Tensor:
+def gemv(
+    x: torch.Tensor, weight: torch.Tensor, gated: bool = False, tiles: tuple[int, int, int, int] | None = None
+) -> torch.Tensor:
     """x [1, K] @ weight [N, K]^T, or with `gated` silu(x[:, :K]) * x[:, K:] @ weight^T for x [1, 2K];
-    unit stride along K. Tiling measured on an H200 (bench/skinny_gemm.py)."""
+    unit stride along K. `tiles` defaults to `tiling(N, K)` (bench/skinny_gemm.py --sweep tries others)."""
     n, k = weight.shape
-    block_n, block_k, warps, stages = tiling(n, k)
+    block_n, block_k, warps, stages = tiles or tiling(n, k)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, y, n, k, weight.stride(0), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
