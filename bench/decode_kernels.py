@@ -1,8 +1,11 @@
-"""The kernels inside one decode CUDA graph replay, by name, count and time (one GPU call, ~1 minute).
+"""The kernels inside one decode CUDA graph replay, by name, count and time (one GPU call, ~1 minute),
+and where a short prefill's time to first token goes.
 
 Compiles the bench's random Llama-3.2-1B-like bf16 model for a few decode buckets, decodes a
 128-token prompt per row, then profiles replays of each bucket's greedy graph with
-torch.profiler and prints per-replay kernel counts and microseconds, largest first.
+torch.profiler and prints per-replay kernel counts and microseconds, largest first. Then it
+profiles `generate(max_tokens=1)` on a prompt of each `--prefill` length: the call's wall time,
+when its first kernel started and its last ended, and the GPU's busy time in between.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from profile_step import build_model, step_times
+from profile_step import build_model, prefill_ms, step_times
 
 GEMM = re.compile(r"gemm|gemv|cutlass|nvjet|splitK|sm90_xmma|cublas", re.IGNORECASE)
 
@@ -41,10 +44,40 @@ def kernel_table(graph: torch.cuda.CUDAGraph, replays: int) -> list[dict]:
     return sorted(table, key=lambda r: -r["us"])
 
 
+def prefill_timeline(llm, tokens: int, repeats: int = 5) -> dict:
+    """One `generate(max_tokens=1)` of `tokens` prompt tokens, profiled: offsets in us from the call's start."""
+    import graphkiln
+
+    params = graphkiln.SamplingParams(max_tokens=1, ignore_eos=True)
+    prompt = [11] * tokens
+    llm.generate([prompt], params)
+    timelines = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities) as prof, torch.profiler.record_function("generate"):
+            llm.generate([prompt], params)
+        events = prof.events()
+        call = next(e for e in events if e.name == "generate" and e.device_type != torch.autograd.DeviceType.CUDA)
+        kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
+                         key=lambda e: e.time_range.start)
+        start = call.time_range.start
+        timelines.append({
+            "tokens": tokens, "wall_us": call.time_range.elapsed_us(), "kernels": len(kernels),
+            "first_kernel_us": kernels[0].time_range.start - start, "last_kernel_end_us": kernels[-1].time_range.end - start,
+            "gpu_busy_us": sum(e.time_range.elapsed_us() for e in kernels),
+            "top": [f"{e.time_range.start - start:8.0f} {e.time_range.elapsed_us():6.0f} {e.name[:70]}"
+                    for e in sorted(kernels, key=lambda e: -e.time_range.elapsed_us())[:8]],
+        })
+    return {**sorted(timelines, key=lambda t: t["wall_us"])[len(timelines) // 2],
+            "unprofiled_ms": prefill_ms(llm, tokens)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--prefill", type=int, nargs="*", default=[128])
     args = parser.parse_args()
     import graphkiln
     from graphkiln import CompileConfig
@@ -52,7 +85,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp())
     build_model(work / "model", 16)
     config = CompileConfig(device="cuda", dtype="bfloat16", decode_batch_sizes=tuple(args.batches),
-                           prefill_token_buckets=(128,))
+                           prefill_token_buckets=tuple(sorted({128, *args.prefill})))
     graphkiln.compile_model(work / "model", work / "art", config)
     llm = graphkiln.load(work / "art", kv_cache_tokens=65536)
     summary = {}
@@ -68,6 +101,14 @@ def main() -> None:
               f"kernels {total_us:.0f} us in {launches:.0f} launches, GEMM {gemm_us:.0f} us")
         for r in table[:28]:
             print(f"{r['us']:8.1f} us {r['per_replay']:5.0f}x  {r['name']}")
+    for tokens in args.prefill:
+        timeline = prefill_timeline(llm, tokens)
+        summary[f"prefill_{tokens}"] = timeline
+        print(f"\n== prefill {tokens}: {timeline['unprofiled_ms']:.2f} ms; profiled {timeline['wall_us']:.0f} us, "
+              f"{timeline['kernels']} kernels from "
+              f"{timeline['first_kernel_us']:.0f} to {timeline['last_kernel_end_us']:.0f} us, busy "
+              f"{timeline['gpu_busy_us']:.0f} us (start, us, name of the longest):")
+        print("\n".join(timeline["top"]))
     (args.out / "decode_kernels.json").write_text(json.dumps(summary, indent=1))
 
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from .attention import attention
 from .config import ModelConfig
-from .linear import linear
+from .linear import linear, rms_norm
 from .rope import apply_rope
 
 
@@ -26,10 +26,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
