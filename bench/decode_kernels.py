@@ -59,7 +59,8 @@ def prefill_timeline(llm, tokens: int, repeats: int = 5) -> dict:
             llm.generate([prompt], params)
         events = prof.events()
         call = next(e for e in events if e.name == "generate" and e.device_type != torch.autograd.DeviceType.CUDA)
-        kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
+        kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e is not call
+                          and e.name != "generate"),  # the annotation shows on the GPU's timeline too
                          key=lambda e: e.time_range.start)
         start = call.time_range.start
         timelines.append({

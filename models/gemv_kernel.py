@@ -10,39 +10,68 @@ Add-and-RMSNorm: h = x + r and rmsnorm(h) * g per row, for the normed product's 
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+
+@triton.jit
+def _gemv_step(acc, squares, w, k, ks, x_ptr, r_ptr, g_ptr, h_ptr, K, pid, EVEN_K: tl.constexpr,
+               GATED: tl.constexpr, NORMED: tl.constexpr):
+    """acc += w * x over the K step at k (x gated or normed as the kernel's mode says)."""
+    k_mask = ks < ks.shape[0] if EVEN_K else (k + ks) < K  # a constant mask keeps the loads vectorized
+    x = tl.load(x_ptr + k + ks, mask=k_mask, other=0.0)
+    if GATED:  # rounded to x's dtype, as the product feeding cuBLAS at more rows is
+        up = tl.load(x_ptr + K + k + ks, mask=k_mask, other=0.0).to(tl.float32)
+        x = (x.to(tl.float32) * tl.sigmoid(x.to(tl.float32)) * up).to(x_ptr.dtype.element_ty)
+    if NORMED:  # the residual sum rounds to x's dtype, as the unfused add does
+        h = (x.to(tl.float32) + tl.load(r_ptr + k + ks, mask=k_mask, other=0.0).to(tl.float32))
+        h = h.to(x_ptr.dtype.element_ty)
+        tl.store(h_ptr + k + ks, h, mask=k_mask & (pid == 0))
+        squares += h.to(tl.float32) * h.to(tl.float32)
+        x = h.to(tl.float32) * tl.load(g_ptr + k + ks, mask=k_mask, other=0.0).to(tl.float32)
+    return acc + w.to(tl.float32) * x.to(tl.float32)[None, :], squares
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_wn, r_ptr, g_ptr, h_ptr, eps, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr, NORMED: tl.constexpr):
+                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr, NORMED: tl.constexpr,
+                 PDL: tl.constexpr):
     pid = tl.program_id(0)
+    if PDL:  # the next kernel may start once every program has begun
+        gdc_launch_dependents()
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     col_mask = cols < N
     w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        k_mask = ks < BLOCK_K if EVEN_K else (k + ks) < K  # a constant mask keeps the loads vectorized
-        w = tl.load(w_ptrs + k, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-        x = tl.load(x_ptr + k + ks, mask=k_mask, other=0.0)
-        if GATED:  # rounded to x's dtype, as the product feeding cuBLAS at more rows is
-            up = tl.load(x_ptr + K + k + ks, mask=k_mask, other=0.0).to(tl.float32)
-            x = (x.to(tl.float32) * tl.sigmoid(x.to(tl.float32)) * up).to(x_ptr.dtype.element_ty)
-        if NORMED:  # the residual sum rounds to x's dtype, as the unfused add does
-            h = (x.to(tl.float32) + tl.load(r_ptr + k + ks, mask=k_mask, other=0.0).to(tl.float32))
-            h = h.to(x_ptr.dtype.element_ty)
-            tl.store(h_ptr + k + ks, h, mask=k_mask & (pid == 0))
-            squares += h.to(tl.float32) * h.to(tl.float32)
-            x = h.to(tl.float32) * tl.load(g_ptr + k + ks, mask=k_mask, other=0.0).to(tl.float32)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    w_mask = col_mask[:, None] & (ks < BLOCK_K if EVEN_K else ks < K)[None, :]
+    w = tl.load(w_ptrs, mask=w_mask, other=0.0)  # the weights are no earlier kernel's output
+    if PDL:  # x is: wait for the previous kernel to finish and its writes to land
+        gdc_wait()
+    acc, squares = _gemv_step(acc, squares, w, 0, ks, x_ptr, r_ptr, g_ptr, h_ptr, K, pid, EVEN_K, GATED, NORMED)
+    for k in range(BLOCK_K, K, BLOCK_K):
+        w_mask = col_mask[:, None] & (ks < BLOCK_K if EVEN_K else (k + ks) < K)[None, :]
+        w = tl.load(w_ptrs + k, mask=w_mask, other=0.0)
+        acc, squares = _gemv_step(acc, squares, w, k, ks, x_ptr, r_ptr, g_ptr, h_ptr, K, pid, EVEN_K, GATED,
+                                  NORMED)
     y = tl.sum(acc, axis=1)
     if NORMED:
         y = y * tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
     tl.store(y_ptr + cols, y.to(y_ptr.dtype.element_ty), mask=col_mask)
+
+
+@functools.cache
+def pdl(device_index: int) -> bool:
+    """Programmatic dependent launch for the GEMV: on sm90 and later unless GRAPHKILN_PDL=0. A GEMV then
+    starts while the kernel before it drains (its first weight step loads before it waits for x), and
+    lets the kernel after it do the same, including inside CUDA graphs."""
+    return os.environ.get("GRAPHKILN_PDL", "1") != "0" and torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 def tiling(n: int, k: int) -> tuple[int, int, int, int]:
@@ -81,9 +110,11 @@ def _launch_gemv(x, weight, y, tiles, gated=False, residual=None, norm_weight=No
     normed = residual is not None
     if not normed:  # the norm's pointers are never read: any tensor will do
         residual = norm_weight = h = x
+    launch_pdl = x.is_cuda and pdl(x.device.index if x.device.index is not None else torch.cuda.current_device())
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, y, n, k, weight.stride(0), residual, norm_weight, h, eps, BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_K=k % block_k == 0, GATED=gated, NORMED=normed, num_warps=warps, num_stages=stages,
+        EVEN_K=k % block_k == 0, GATED=gated, NORMED=normed, PDL=launch_pdl, num_warps=warps, num_stages=stages,
+        launch_pdl=launch_pdl,
     )
 
 
