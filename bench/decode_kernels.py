@@ -79,14 +79,18 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--prefill", type=int, nargs="*", default=[128])
+    parser.add_argument("--model", default="1b", help="bench/gpu/models.py shape (default 1b)")
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--disable-pass", action="append", default=[], help="a pass to switch off (repeatable)")
     args = parser.parse_args()
     import graphkiln
     from graphkiln import CompileConfig
 
     work = Path(tempfile.mkdtemp())
-    build_model(work / "model", 16)
+    build_model(work / "model", args.layers, args.model)
     config = CompileConfig(device="cuda", dtype="bfloat16", decode_batch_sizes=tuple(args.batches),
-                           prefill_token_buckets=tuple(sorted({128, *args.prefill})))
+                           prefill_token_buckets=tuple(sorted({128, *args.prefill})),
+                           disabled_passes=tuple(args.disable_pass))
     graphkiln.compile_model(work / "model", work / "art", config)
     llm = graphkiln.load(work / "art", kv_cache_tokens=65536)
     summary = {}

@@ -28,9 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/gpu/, however 
 from gpu.models import MODELS, build_hf_model  # noqa: E402
 
 
-def build_model(path: Path, layers: int) -> None:
-    """The bench's random-weight Llama-3.2-1B-like model (bench/gpu/models.py) with `layers` layers."""
-    shape = {**MODELS["1b"], "num_hidden_layers": layers, "head_dim": 64, "max_position_embeddings": 8192}
+def build_model(path: Path, layers: int, model: str = "1b") -> None:
+    """The bench's random-weight Llama-3.2-1B-like (or `model`) model (bench/gpu/models.py) with `layers` layers."""
+    shape = {**MODELS[model], "num_hidden_layers": layers, "max_position_embeddings": 8192}
+    shape["head_dim"] = shape["hidden_size"] // shape["num_attention_heads"]
     build_hf_model(shape, SimpleNamespace(device="cuda", dtype=torch.bfloat16)).save_pretrained(path)
 
 
