@@ -1,9 +1,6 @@
 """`graphkiln::linear(x, weight)`: y = x @ weight^T, with a Triton kernel for one-row inputs on CUDA;
 `graphkiln::silu_mul_linear(gate_up, weight)`: y = (silu(gate) * up) @ weight^T, the MLP's down
-projection with its activation, so that at one row the activation rides in the GEMV;
-`graphkiln::add_rmsnorm_linear(x, residual, norm_weight, weight, eps)`: the residual add, the
-RMSNorm after it and the projection that reads the norm, so that at one row the add and the norm
-ride in the GEMV too (one launch where there were two).
+projection with its activation, so that at one row the activation rides in the GEMV.
 
 At one row (decode at batch 1) the product is a pass over the weight, and cuBLAS reads the
 narrow projections of a decoder (q/k/v, o, down: 2048 to 6144 outputs) at a half to two thirds of
@@ -12,7 +9,7 @@ a second launch. Here each program owns a slab of a few weight rows and walks al
 multiprocessor streams. Measured on an H200 by bench/skinny_gemm.py (bf16): 1B-like q/k/v 6.4 ->
 5.5 us, o 6.1 -> 4.8 us, down 14.0 -> 13.0 us; 8B-like q/k/v 16.6 -> 14.2 us, o 13.2 -> 11.1 us.
 Every other input (more rows, CPU, float32) goes to torch.mm. The ops are opaque to Inductor; the
-passes `linear_op`, `silu_mul_linear` and `add_rmsnorm_linear` route the decoder's products to them.
+passes `passes/linear_op.py` and `passes/silu_mul_linear.py` route the decoder's products to them.
 """
 
 from __future__ import annotations
@@ -30,13 +27,6 @@ def uses_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def on_triton(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """CUDA, half precision, unit stride along K: what the Triton kernels take."""
     return x.is_cuda and x.dtype in GEMV_DTYPES and weight.dtype == x.dtype and x.stride(-1) == weight.stride(-1) == 1
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm as transformers computes it: normalized in float32, cast back, then scaled."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
 
 
 @torch.library.custom_op("graphkiln::linear", mutates_args=())
@@ -70,26 +60,3 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
 @silu_mul_linear.register_fake
 def _(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return gate_up.new_empty(gate_up.shape[0], weight.shape[0])
-
-
-@torch.library.custom_op("graphkiln::add_rmsnorm_linear", mutates_args=())
-def add_rmsnorm_linear(
-    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """h = x + residual [M, K]; (rms_norm(h, norm_weight, eps) @ weight^T [M, N], h)."""
-    if on_triton(x, weight) and residual.stride(-1) == 1 and norm_weight.is_contiguous():
-        from .gemv_kernel import add_rmsnorm, add_rmsnorm_gemv
-
-        if x.shape[0] == 1:
-            return add_rmsnorm_gemv(x, residual, norm_weight, weight, eps)
-        normed, h = add_rmsnorm(x, residual, norm_weight, eps)
-        return torch.mm(normed, weight.t()), h
-    h = x + residual
-    return torch.mm(rms_norm(h, norm_weight, eps), weight.t()), h
-
-
-@add_rmsnorm_linear.register_fake
-def _(
-    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return x.new_empty(x.shape[0], weight.shape[0]), x.new_empty(x.shape)

@@ -13,7 +13,7 @@ from torch import nn
 
 from .attention import attention
 from .config import ModelConfig
-from .linear import linear, rms_norm
+from .linear import linear
 from .rope import apply_rope
 
 
@@ -26,7 +26,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
 
 
 class Attention(nn.Module):

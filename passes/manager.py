@@ -21,7 +21,6 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from graphkiln.errors import ConfigError
 
-from .add_rmsnorm_linear import AddRmsNormLinear
 from .attention_split import AttentionSplit
 from .base import DYNAMO, POST_GRAD, GraphPass, Pass, PassRecord, PostGradPass, content_hash
 from .boundary_recompute import BoundaryRecompute
@@ -36,7 +35,7 @@ GraphDump = Callable[[int, str, str, torch.fx.GraphModule | torch.fx.Graph], Non
 
 def default_passes(extra: Sequence[Pass] = ()) -> list[Pass]:
     """Built-in passes in pipeline order; `extra` Dynamo-graph passes run just before the split."""
-    return [BoundaryRecompute(), SiluMulLinear(), AddRmsNormLinear(), *extra, AttentionSplit(), LinearOp()]
+    return [BoundaryRecompute(), SiluMulLinear(), *extra, AttentionSplit(), LinearOp()]
 
 
 def _ops(target: torch.fx.GraphModule | torch.fx.Graph) -> Counter:

@@ -17,9 +17,10 @@ import torch.nn.functional as F
 import graphkiln.models.linear  # noqa: F401  (registers graphkiln::silu_mul_linear)
 
 from .base import GraphPass
-from .fx_match import LINEARS, MULS, erase_unused
 
 SILU_MUL_LINEAR = torch.ops.graphkiln.silu_mul_linear.default
+LINEARS = (torch._C._nn.linear, F.linear)
+MULS = (operator.mul, torch.mul)
 
 
 def _half(node, index: int) -> torch.fx.Node | None:
@@ -48,6 +49,17 @@ def _gated_input(mul) -> torch.fx.Node | None:
     return None
 
 
+def _erase_unused(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
+    """Erase `node` and, transitively, the pure ops that fed only it (the old chunk, silu, mul)."""
+    work = [node]
+    while work:
+        n = work.pop()
+        if n.users or n.op not in ("call_function", "call_method") or n.is_impure():
+            continue
+        work.extend(n.all_input_nodes)
+        graph.erase_node(n)
+
+
 class SiluMulLinear(GraphPass):
     name = "silu_mul_linear"
 
@@ -68,7 +80,7 @@ class SiluMulLinear(GraphPass):
                     result = graph.call_function(operator.add, (result, bias))
                     result.meta["example_value"] = node.meta["example_value"]
             node.replace_all_uses_with(result)
-            erase_unused(graph, node)
+            _erase_unused(graph, node)
             matches += 1
         gm.recompile()
         return matches

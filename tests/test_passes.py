@@ -25,8 +25,6 @@ from graphkiln.compiler.inductor import InductorCompiler
 from graphkiln.compiler.split import split_pieces
 from graphkiln.errors import ConfigError
 from graphkiln.models.attention import ForwardContext, forward_context
-from graphkiln.models.linear import rms_norm
-from graphkiln.passes.add_rmsnorm_linear import AddRmsNormLinear
 from graphkiln.passes.attention_split import AttentionSplit, boundaries
 from graphkiln.passes.base import GraphPass, PostGradPass, content_hash
 from graphkiln.passes.boundary_recompute import BoundaryRecompute, BoundaryRecomputeConfig
@@ -34,7 +32,7 @@ from graphkiln.passes.linear_op import LinearOp
 from graphkiln.passes.manager import PassManager, default_passes
 from graphkiln.passes.silu_mul_linear import SiluMulLinear
 
-DYNAMO_NAMES = ["boundary_recompute", "silu_mul_linear", "add_rmsnorm_linear", "attention_split"]
+DYNAMO_NAMES = ["boundary_recompute", "silu_mul_linear", "attention_split"]
 NAMES = [*DYNAMO_NAMES, "linear_op"]
 
 
@@ -152,13 +150,10 @@ def test_default_pipeline_matches_eager_and_reports_every_pass(toy):
     compiled, report = compile_module(toy, CompileConfig(specialize=False))
     eager_and_compiled_agree(toy, compiled)
     assert [(r.name, r.enabled) for r in report.passes] == [(n, True) for n in NAMES]
-    recompute, silu_mul, norm, split, _ = report.passes  # linear_op runs inside Inductor, on cache misses only
+    recompute, silu_mul, split, _ = report.passes  # linear_op runs inside Inductor, on cache misses only
     assert (recompute.runs, recompute.matches, recompute.nodes_added) == (1, 1, 1)
     # per layer: chunk, two getitems, silu, mul and linear become one silu_mul_linear
     assert (silu_mul.runs, silu_mul.matches, silu_mul.nodes_removed, silu_mul.nodes_added) == (1, 2, 12, 2)
-    # every norm after a residual add (all but the first layer's input norm): the add, the norm's
-    # eight ops and the linear become add_rmsnorm_linear and its two getitems
-    assert (norm.runs, norm.matches, norm.nodes_removed, norm.nodes_added) == (1, 3, 30, 9)
     assert (split.runs, split.matches, split.nodes_removed) == (1, 2, 0)
 
 
@@ -279,56 +274,6 @@ def test_silu_mul_linear_takes_the_gated_down_projection_only(name, fn, matches)
     assert ("graphkiln.silu_mul_linear" in gm.code) == bool(matches)
     args = [{"L_x_": x, "L_w_": w, "L_d_": d, "L_b_": b}.get(n.target, 5) for n in gm.graph.nodes if n.op == "placeholder"]
     torch.testing.assert_close(gm(*args)[0], fn(x, w, d, b))
-
-
-def _norm_variants():
-    """(name, fn(x, r, g, w, b), matches): norm-then-projection shapes the pass must take and must leave."""
-    F = torch.nn.functional
-
-    def add_norm_linear(x, r, g, w, b):
-        h = x + r
-        return F.linear(rms_norm(h, g, 1e-5), w), h * 2
-
-    def with_bias(x, r, g, w, b):
-        h = x + r
-        return (F.linear(rms_norm(h, g, 1e-6), w, b) + h.sum(-1, keepdim=True),)
-
-    def no_residual_add(x, r, g, w, b):
-        return (F.linear(rms_norm(x * r, g, 1e-5), w),)
-
-    def norm_read_twice(x, r, g, w, b):
-        normed = rms_norm(x + r, g, 1e-5)
-        return F.linear(normed, w), normed
-
-    def broadcast_add(x, r, g, w, b):
-        return (F.linear(rms_norm(x + g, g, 1e-5), w),)
-
-    def sum_read_before_the_linear(x, r, g, w, b):
-        h = x + r
-        early = h * 3
-        return (F.linear(rms_norm(h, g, 1e-5), w) + early.sum(-1, keepdim=True),)
-
-    def layer_norm(x, r, g, w, b):
-        return (F.linear(F.layer_norm(x + r, (8,), g), w),)
-
-    return [("add, norm, linear", add_norm_linear, 1), ("with bias", with_bias, 1),
-            ("no residual add", no_residual_add, 0), ("norm read twice", norm_read_twice, 0),
-            ("broadcast add", broadcast_add, 0), ("sum read before the linear", sum_read_before_the_linear, 1),
-            ("layer norm", layer_norm, 0)]
-
-
-@pytest.mark.parametrize("name,fn,matches", _norm_variants(), ids=[v[0] for v in _norm_variants()])
-def test_add_rmsnorm_linear_takes_a_residual_add_norm_and_its_projection_only(name, fn, matches):
-    x, r, g = torch.randn(5, 8), torch.randn(5, 8), torch.rand(8) + 0.5
-    w, b = torch.randn(6, 8), torch.randn(6)
-    torch._dynamo.mark_dynamic(r, 0)  # x's is, and x + r ties them
-    gm = dynamo_graph(fn, x, r, g, w, b)
-    assert AddRmsNormLinear()(gm) == matches
-    assert ("graphkiln.add_rmsnorm_linear" in gm.code) == bool(matches)
-    assert ("rsqrt" in gm.code) != bool(matches) or name == "layer norm"
-    args = [{"L_x_": x, "L_r_": r, "L_g_": g, "L_w_": w, "L_b_": b}.get(n.target, 5)
-            for n in gm.graph.nodes if n.op == "placeholder"]
-    torch.testing.assert_close(gm(*args), fn(x, r, g, w, b))
 
 
 def test_post_grad_pass_runs_inside_inductor_and_stays_cacheable(tmp_path):
