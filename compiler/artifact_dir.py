@@ -165,6 +165,7 @@ def check_artifact(out: Path, model_dir: Path, device: str | None = None, dtype:
         raise ArtifactError(f"{out}: compiled for dtype {config['dtype']!r}, asked for {dtype!r}; {FIX}")
     check_environment(manifest, config["device"])
     check_files(manifest, out)
+    check_passes(manifest, out)
     recorded = manifest["model"]
     now = model_fingerprint(model_dir)
     for field in ("config_sha256", "weights", "tokenizer_files"):
@@ -173,6 +174,17 @@ def check_artifact(out: Path, model_dir: Path, device: str | None = None, dtype:
                 f"{out}: model files in {model_dir} differ from those compiled ({field} changed); {FIX}"
             )
     return manifest
+
+
+def check_passes(manifest: dict, out: Path) -> None:
+    """Every built-in pass the artifact records must be this graphkiln's pass of that name, source for source
+    (its uuid): a graph rewritten by other pass code may call ops this code no longer has. Passes given
+    to compile_model by name only the caller knows are left to the caller."""
+    here = {p.name: p.uuid() for p in default_passes()}
+    for recorded in manifest["passes"]:
+        name, uuid = recorded.get("name"), recorded.get("uuid")
+        if name in here and uuid != here[name]:
+            raise ArtifactError(f"{out / MANIFEST}: pass {name} has changed since this artifact was compiled; {FIX}")
 
 
 def recorded_config(manifest: dict, out: Path) -> ModelConfig:

@@ -20,10 +20,13 @@ from pathlib import Path
 
 import torch
 
+from graphkiln.errors import ArtifactError
+
 from .capture import Binding
 from .compat import install_cpu_kernels
 from .compiled_model import CompiledModel
 from .inductor import CompiledPiece
+from .manifest import FIX
 from .plan import GraphPlan
 from .split import SplitGraph
 
@@ -73,7 +76,10 @@ def load_compiled(section: dict, out: Path, tensors: dict[str, torch.Tensor]) ->
     """Rebuild a CompiledModel from checked files, with no Dynamo trace and no Inductor compile."""
     if (out / CPU_KERNELS).is_dir():
         install_cpu_kernels(out / CPU_KERNELS)
-    gm = pickle.loads((out / GRAPH_FILE).read_bytes())
+    try:  # the file's sha256 matched: what fails here was written by other graphkiln code
+        gm = pickle.loads((out / GRAPH_FILE).read_bytes())
+    except Exception as e:
+        raise ArtifactError(f"{out / GRAPH_FILE}: this graphkiln cannot rebuild it ({type(e).__name__}: {e}); {FIX}") from e
     unique = {}
     for key, info in section["unique_pieces"].items():
         folder = out / PIECES_DIR / key

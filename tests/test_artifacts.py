@@ -8,6 +8,7 @@ corruption tests edit private copies of it (`art`).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pickle
 import re
@@ -222,6 +223,27 @@ def test_tampered_graph_with_other_mismatch_is_never_unpickled(art: Path, tmp_pa
     with pytest.raises(ArtifactError, match="torch"):
         graphkiln.load(art, **ENGINE)
     assert not marker.exists()
+
+
+def test_artifact_of_other_pass_code_is_refused_naming_the_pass(art: Path) -> None:
+    """A graph rewritten by another version of a built-in pass may call ops this code lacks."""
+    users_pass = {"name": "users_own_pass", "stage": "dynamo", "uuid": "not ours to judge"}
+    edit_manifest(art, lambda m: m["passes"].append(users_pass))
+    check_artifact(art, tiny_model_dir())  # a pass graphkiln does not know is the caller's business
+    edit_manifest(art, lambda m: next(p for p in m["passes"] if p["name"] == "silu_mul_linear").update(uuid="0" * 64))
+    with pytest.raises(ArtifactError, match=re.escape(str(art / "manifest.json")) +
+                       r": pass silu_mul_linear has changed since this artifact was compiled; recompile"):
+        graphkiln.load(art, **ENGINE)
+
+
+def test_graph_needing_code_this_graphkiln_lacks_is_refused_naming_the_file(art: Path) -> None:
+    """Hashes intact (as when other graphkiln code wrote the artifact), yet the graph cannot be rebuilt."""
+    stale = b"cgraphkiln_removed_module\nremoved_op\n."  # a pickle naming a module that no longer exists
+    (art / "graph.pkl").write_bytes(stale)
+    edit_manifest(art, lambda m: m["files"].__setitem__("graph.pkl", hashlib.sha256(stale).hexdigest()))
+    with pytest.raises(ArtifactError, match=re.escape(str(art / "graph.pkl")) +
+                       r": this graphkiln cannot rebuild it \(ModuleNotFoundError: .*graphkiln_removed_module.*recompile"):
+        graphkiln.load(art, **ENGINE)
 
 
 @pytest.mark.parametrize("section", ["files", "environment"])
