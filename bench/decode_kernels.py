@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from profile_step import build_model, prefill_ms, step_times
+from profile_step import build_model, prefill_ms, step_times, warm_prefill
 
 GEMM = re.compile(r"gemm|gemv|cutlass|nvjet|splitK|sm90_xmma|cublas", re.IGNORECASE)
 
@@ -46,17 +46,13 @@ def kernel_table(graph: torch.cuda.CUDAGraph, replays: int) -> list[dict]:
 
 def prefill_timeline(llm, tokens: int, repeats: int = 5) -> dict:
     """One `generate(max_tokens=1)` of `tokens` prompt tokens, profiled: offsets in us from the call's start."""
-    import graphkiln
-
-    params = graphkiln.SamplingParams(max_tokens=1, ignore_eos=True)
-    prompt = [11] * tokens
-    llm.generate([prompt], params)
+    prefill = warm_prefill(llm, tokens)
     timelines = []
     for _ in range(repeats):
         torch.cuda.synchronize()
         activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=activities) as prof, torch.profiler.record_function("generate"):
-            llm.generate([prompt], params)
+            prefill()
         events = prof.events()
         call = next(e for e in events if e.name == "generate" and e.device_type != torch.autograd.DeviceType.CUDA)
         kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e is not call

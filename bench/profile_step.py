@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -70,17 +71,27 @@ def step_times(llm, batch: int, steps: int) -> dict:
     return {"batch": batch, "step_ms_median": walls[len(walls) // 2] * 1e3, "replay_ms": start.elapsed_time(end) / steps}
 
 
-def prefill_ms(llm, tokens: int, repeats: int = 10) -> float:
+def warm_prefill(llm, tokens: int) -> Callable[[], object]:
+    """A call that prefills a `tokens`-long prompt and samples one token, run once already."""
     import graphkiln
 
     params = graphkiln.SamplingParams(max_tokens=1, ignore_eos=True)
     prompt = [11] * tokens
-    llm.generate([prompt], params)
+
+    def prefill():
+        return llm.generate([prompt], params)
+
+    prefill()
+    return prefill
+
+
+def prefill_ms(llm, tokens: int, repeats: int = 10) -> float:
+    prefill = warm_prefill(llm, tokens)
     walls = []
     for _ in range(repeats):
         torch.cuda.synchronize()
         t = time.perf_counter()
-        llm.generate([prompt], params)
+        prefill()
         walls.append(time.perf_counter() - t)
     walls.sort()
     return walls[len(walls) // 2] * 1e3
