@@ -55,7 +55,7 @@ def prefill_timeline(llm, tokens: int, repeats: int = 5) -> dict:
             prefill()
         events = prof.events()
         call = next(e for e in events if e.name == "generate" and e.device_type != torch.autograd.DeviceType.CUDA)
-        kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e is not call
+        kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
                           and e.name != "generate"),  # the annotation shows on the GPU's timeline too
                          key=lambda e: e.time_range.start)
         start = call.time_range.start

@@ -17,9 +17,14 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
-def _gemv_step(acc, w, k, ks, x_ptr, K, EVEN_K: tl.constexpr, GATED: tl.constexpr):
+def _k_mask(ks, k, K, EVEN_K: tl.constexpr):
+    """Which of the K step at k's offsets `ks` are inside K; a constant mask keeps the loads vectorized."""
+    return ks < ks.shape[0] if EVEN_K else (k + ks) < K
+
+
+@triton.jit
+def _gemv_step(acc, w, k, ks, k_mask, x_ptr, K, GATED: tl.constexpr):
     """acc + w * x over the K step at k (x gated if the kernel's mode says so)."""
-    k_mask = ks < ks.shape[0] if EVEN_K else (k + ks) < K  # a constant mask keeps the loads vectorized
     x = tl.load(x_ptr + k + ks, mask=k_mask, other=0.0)
     if GATED:  # rounded to x's dtype, as the product feeding cuBLAS at more rows is
         up = tl.load(x_ptr + K + k + ks, mask=k_mask, other=0.0).to(tl.float32)
@@ -38,15 +43,15 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, BL
     col_mask = cols < N
     w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    w_mask = col_mask[:, None] & (ks < BLOCK_K if EVEN_K else ks < K)[None, :]
-    w = tl.load(w_ptrs, mask=w_mask, other=0.0)  # the weights are no earlier kernel's output
+    k_mask = _k_mask(ks, 0, K, EVEN_K)
+    w = tl.load(w_ptrs, mask=col_mask[:, None] & k_mask[None, :], other=0.0)  # no earlier kernel's output
     if PDL:  # x is: wait for the previous kernel to finish and its writes to land
         gdc_wait()
-    acc = _gemv_step(acc, w, 0, ks, x_ptr, K, EVEN_K, GATED)
+    acc = _gemv_step(acc, w, 0, ks, k_mask, x_ptr, K, GATED)
     for k in range(BLOCK_K, K, BLOCK_K):
-        w_mask = col_mask[:, None] & (ks < BLOCK_K if EVEN_K else (k + ks) < K)[None, :]
-        w = tl.load(w_ptrs + k, mask=w_mask, other=0.0)
-        acc = _gemv_step(acc, w, k, ks, x_ptr, K, EVEN_K, GATED)
+        k_mask = _k_mask(ks, k, K, EVEN_K)
+        w = tl.load(w_ptrs + k, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+        acc = _gemv_step(acc, w, k, ks, k_mask, x_ptr, K, GATED)
     tl.store(y_ptr + cols, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=col_mask)
 
 
