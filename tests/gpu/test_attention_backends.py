@@ -221,12 +221,14 @@ def replay_lengths(num_seqs: int) -> tuple[list[int], list[int]]:
     return lens_a, [rng.choice([1, 15, 16, 17, rng.randint(1, 4096)]) for _ in range(num_seqs)]
 
 
+@pytest.mark.parametrize("backend", [pytest.param(TritonBackend, id="triton"),
+                                     pytest.param(FlashInferBackend, id="flashinfer", marks=needs_flashinfer)])
 @pytest.mark.parametrize("heads", [(torch.bfloat16, 32, 8, 128), (torch.float16, 8, 8, 64)], ids=_id)
 @pytest.mark.parametrize("num_seqs", [4, 64])
-def test_triton_decode_replays_in_a_cuda_graph(heads: tuple, num_seqs: int, record_property) -> None:
+def test_decode_replays_in_a_cuda_graph(backend: type, heads: tuple, num_seqs: int, record_property) -> None:
     lens_a, lens_b = replay_lengths(num_seqs)
     batch = make_batch(heads, [(1, s) for s in lens_a + lens_b], 0, decode=True)
-    check_decode_replay(TritonBackend(batch.cache), batch, lens_a, lens_b, record_property)
+    check_decode_replay(backend(batch.cache), batch, lens_a, lens_b, record_property)
 
 
 @pytest.mark.parametrize("heads", [(torch.bfloat16, 32, 8, 128), (torch.float16, 8, 8, 64)], ids=_id)
@@ -286,15 +288,6 @@ def test_flashinfer_prefill(heads: tuple, case: str, record_property) -> None:
     lens, pad = PREFILL[case]
     batch = make_batch(heads, lens, pad, decode=False)
     run_and_check(FlashInferBackend(batch.cache), batch, record_property)
-
-
-@needs_flashinfer
-@pytest.mark.parametrize("heads", [(torch.bfloat16, 32, 8, 128), (torch.float16, 8, 8, 64)], ids=_id)
-@pytest.mark.parametrize("num_seqs", [4, 64])
-def test_flashinfer_decode_replays_in_a_cuda_graph(heads: tuple, num_seqs: int, record_property) -> None:
-    lens_a, lens_b = replay_lengths(num_seqs)
-    batch = make_batch(heads, [(1, s) for s in lens_a + lens_b], 0, decode=True)
-    check_decode_replay(FlashInferBackend(batch.cache), batch, lens_a, lens_b, record_property)
 
 
 def test_auto_backend_on_cuda() -> None:
