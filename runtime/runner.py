@@ -27,6 +27,7 @@ from .prefill_graph import PrefillGraphs
 from .kv_cache import KVCache
 from .sampler import SamplingBatch, sample
 from .scheduler import ScheduledChunk
+from .transfer import upload
 
 Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -57,8 +58,7 @@ class PendingIds:
             input_ids[:n].copy_(self.source[:n])
             return
         device = input_ids.device
-        targets = torch.tensor(self.targets).to(device, non_blocking=True)
-        input_ids[targets] = self.source[torch.tensor(self.rows).to(device, non_blocking=True)]
+        input_ids[upload(self.targets, torch.int64, device)] = self.source[upload(self.rows, torch.int64, device)]
 
 
 @dataclass(frozen=True)
@@ -128,7 +128,7 @@ class ModelRunner:
         else:
             hidden = self._forward(batch, pending)
         if rows is not None:
-            hidden = hidden[rows]
+            hidden = hidden.index_select(0, upload(rows, torch.int64, hidden.device))
         return self.model.compute_logits(hidden).float()
 
     def _forward(self, batch: Batch, pending: PendingIds | None = None) -> torch.Tensor:
@@ -137,9 +137,9 @@ class ModelRunner:
         pad = [0] * (size - num_tokens)
         slices = pad_decode(batch.slices, size) if batch.decode else batch.slices
         meta = build_metadata(slices, self.kv_cache.block_size, size, self.device)
-        input_ids = torch.tensor(batch.ids + pad, dtype=torch.int64).to(self.device)
+        input_ids = upload(batch.ids + pad, torch.int64, self.device)
         if pending is not None:
             pending.fill(input_ids)
-        positions = torch.tensor(batch.positions + pad, dtype=torch.int64).to(self.device)
+        positions = upload(batch.positions + pad, torch.int64, self.device)
         with forward_context(ForwardContext(self.backend.plan(meta))):
             return self.forward(input_ids, positions)[:num_tokens]

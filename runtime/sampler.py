@@ -20,6 +20,7 @@ from typing import NamedTuple
 import torch
 
 from .sampling_params import SamplingParams
+from .transfer import upload
 
 MODES = ("greedy", "sample", "filter")
 # splitmix64's constants as signed int64 (torch multiplies int64 with two's-complement wrap-around)
@@ -80,7 +81,7 @@ class SamplingBatch:
         return self.temperature, self.top_k, self.top_p, self.seed, self.step
 
     def tensors(self, device: torch.device | str) -> SamplingTensors:
-        return SamplingTensors(*(torch.tensor(c, dtype=d).to(device) for c, d in zip(self.columns(), DTYPES)))
+        return SamplingTensors(*(upload(c, d, device) for c, d in zip(self.columns(), DTYPES)))
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from graphkiln.runtime.kv_cache import DUMMY_BLOCK
+from graphkiln.runtime.transfer import upload
 
 
 @dataclass(frozen=True)
@@ -75,16 +76,13 @@ def build_metadata(
     for q in query_lens:
         starts.append(starts[-1] + q)
 
-    def tensor(values, dtype):
-        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
     return BatchMetadata(
         query_lens=query_lens,
         seq_lens=seq_lens,
         num_tokens=num_tokens,
         block_size=block_size,
-        query_start_loc=tensor(starts, torch.int32),
-        seq_lens_t=tensor(list(seq_lens), torch.int32),
-        block_tables=tensor(tables, torch.int32),
-        slot_mapping=tensor(slots, torch.int64),
+        query_start_loc=upload(starts, torch.int32, device),
+        seq_lens_t=upload(list(seq_lens), torch.int32, device),
+        block_tables=upload(tables, torch.int32, device),
+        slot_mapping=upload(slots, torch.int64, device),
     )

@@ -23,6 +23,7 @@ import torch
 from graphkiln.errors import UnsupportedModelError
 from graphkiln.models.attention import AttentionFn
 from graphkiln.runtime.kv_cache import KVCache
+from graphkiln.runtime.transfer import upload
 
 from .metadata import BatchMetadata
 
@@ -154,7 +155,7 @@ class TritonBackend:
             return self._plan_graph_prefill(meta)
         tiles = prefill_tiles(max(meta.query_lens, default=1), *self._row_shape())
         items = prefill_work(meta.query_lens, meta.seq_lens, tiles.block_m)
-        work = torch.tensor(items, dtype=torch.int32).reshape(-1, 2).to(meta.seq_lens_t.device)
+        work = upload(items, torch.int32, meta.seq_lens_t.device)
         return self._prefill_fn(meta, tiles, work, zero_padding=True)
 
     def _plan_graph_prefill(self, meta: BatchMetadata) -> AttentionFn:

@@ -156,6 +156,32 @@ def test_batch_beyond_largest_bucket_runs_without_graph(tiny_fp32):
     ]
 
 
+def test_launching_a_step_never_waits_for_the_device(tiny_fp32, monkeypatch):
+    """Every launch queues its work and returns: whole prefill graphs with the LM head and sampler
+    after them, decode graphs, steps past the largest buckets, sampled rows with logprobs. torch
+    raises on a blocking copy or a synchronize while its sync debug mode is "error"."""
+    _, plain, graphed = tiny_fp32
+    engine = graphed.engine
+    launch = engine._launch
+
+    def strict_launch(*args):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    monkeypatch.setattr(engine, "_launch", strict_launch)
+    sampled = SamplingParams(max_tokens=5, ignore_eos=True, temperature=0.7, top_k=5, seed=3, logprobs=True)
+    greedy = SamplingParams(max_tokens=5, ignore_eos=True)
+    for prompts in (uneven_prompts(4096, 3), [uneven_prompts(4096, 1)[0] * 80], uneven_prompts(4096, DECODE_SIZES[-1] + 3)):
+        params = [sampled] + [greedy] * (len(prompts) - 1)
+        got = graphed.generate(prompts, params)
+        assert [o.token_ids for o in got] == [o.token_ids for o in plain.generate(prompts, params)]
+    runner = graphed.engine.runner
+    assert runner.prefill_graphs.replays and runner.graphs.replays
+
+
 def test_tiny_bfloat16_logits_close_and_graph_modes_identical():
     eager, plain, graphed = engines(compile_tiny("bfloat16"))
     ids = uneven_prompts(4096, 3)[2]
