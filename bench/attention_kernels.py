@@ -21,7 +21,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench
 
-from graphkiln.runtime.attention.triton_backend import DecodeTiles, PrefillTiles, decode_tiles, prefill_tiles
+from graphkiln.runtime.attention.triton_backend import (
+    MIN_SPLIT_TOKENS, DecodeTiles, PrefillTiles, decode_tiles, prefill_tiles,
+)
 from graphkiln.runtime.attention.triton_decode import paged_decode
 from graphkiln.runtime.attention.triton_prefill import paged_prefill
 
@@ -68,7 +70,8 @@ def bench_decode(num_seqs: int, context: int, copy_bw: float, tiles: DecodeTiles
     last = context - 1  # the step's new key and value: rewritten in place with what the slot holds already
     slots = (tables[:, last // BLOCK].long() * BLOCK + last % BLOCK).contiguous()
     k, v = k_cache.view(-1, HKV, D)[slots], v_cache.view(-1, HKV, D)[slots]
-    ms = do_bench(lambda: paged_decode(q, k, v, k_cache, v_cache, seq_lens, tables, slots, out, D**-0.5,
+    counters = torch.zeros(num_seqs * HKV, dtype=torch.int32, device="cuda")
+    ms = do_bench(lambda: paged_decode(q, k, v, k_cache, v_cache, seq_lens, tables, slots, out, D**-0.5, counters,
                                        **asdict(tiles or planned)), return_mode="median")
     kv_bytes = 2 * num_seqs * context * HKV * D * k_cache.element_size()
     bw = kv_bytes / (ms * 1e-3)
@@ -136,10 +139,10 @@ def main() -> None:
     result["prefill"] = [bench_prefill(t) for t in (1024, 4096)]
     print(table(result["prefill"], prefill_cols))
     if not args.no_sweep:
-        default = DecodeTiles(*(result["decode"][4][k] for k in ("num_splits", "block_n", "num_warps", "num_stages")))
+        default = DecodeTiles(**{k: result["decode"][4][k] for k in DecodeTiles.__dataclass_fields__})
         variants = [replace(default, num_splits=s) for s in (1, 2, 3, 4, 8)]
-        variants += [DecodeTiles(default.num_splits, n, w, st) for n, w, st in
-                     [(32, 4, 3), (64, 4, 2), (64, 4, 4), (64, 8, 3), (128, 4, 3), (128, 8, 3), (32, 2, 4)]]
+        variants += [replace(default, min_split_tiles=MIN_SPLIT_TOKENS // n, block_n=n, num_warps=w, num_stages=st)
+                     for n, w, st in [(32, 4, 3), (64, 4, 2), (64, 4, 4), (64, 8, 3), (128, 4, 3), (128, 8, 3), (32, 2, 4)]]
         result["decode_sweep"] = fitting(lambda t: bench_decode(32, 4096, copy_bw, t), variants)
         result["decode_sweep"] += [bench_decode(1, 16384, copy_bw, replace(default, num_splits=s)) for s in (8, 16, 64)]
         result["decode_sweep"] += [bench_decode(128, 4096, copy_bw, replace(default, num_splits=2))]

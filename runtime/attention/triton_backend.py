@@ -1,7 +1,8 @@
 """The Triton attention backend: paged decode (split-K) and varlen prefill, both CUDA-graph capturable.
 
 A decode call (every sequence adds one token) is one launch: the decode kernel stores the new
-keys and values through the slot mapping itself and attends over the paged context. A prefill
+keys and values through the slot mapping itself, attends over the paged context and merges its
+splits (the last split of a sequence to finish, counting on zeros the backend keeps). A prefill
 call writes the keys and values (one launch), then runs the varlen causal prefill kernel, which
 reads the whole context from the paged cache. Planning (tile sizes, decode splits,
 prefill work items) is plain Python here; the kernels import triton, an optional dependency,
@@ -28,13 +29,14 @@ from graphkiln.runtime.transfer import upload
 from .metadata import BatchMetadata
 
 PROGRAMS_PER_SM = 2  # decode programs resident per SM at the default tiles (shared-memory bound)
-MIN_SPLIT_TOKENS = 256  # a decode split never covers fewer tokens than this of the longest context
+MIN_SPLIT_TOKENS = 256  # a decode split never covers fewer tokens than this of its sequence's context
 MAX_SPLITS = 64
 
 
 @dataclass(frozen=True)
 class DecodeTiles:
     num_splits: int
+    min_split_tiles: int
     block_n: int
     num_warps: int
     num_stages: int
@@ -62,12 +64,14 @@ def decode_tiles(
     """Split each (sequence, KV head) so the grid fills every SM, but never below MIN_SPLIT_TOKENS a split.
 
     `max_context` is what the block table can hold (its width times the block size): a static
-    quantity, so a captured graph keeps its grid whatever lengths a replay brings.
+    quantity, so a captured graph keeps its grid whatever lengths a replay brings. The kernel
+    applies the floor again per sequence at run time: a short context runs in one split.
     """
     wanted = _cdiv(PROGRAMS_PER_SM * num_sms, num_seqs * num_kv_heads)
     splits = max(1, min(wanted, _cdiv(max_context, MIN_SPLIT_TOKENS), MAX_SPLITS))
     row_bytes = head_dim * itemsize
-    return DecodeTiles(splits, 64 if row_bytes <= 256 else 32, 4, 3 if row_bytes <= 512 else 2)
+    block_n = 64 if row_bytes <= 256 else 32
+    return DecodeTiles(splits, MIN_SPLIT_TOKENS // block_n, block_n, 4, 3 if row_bytes <= 512 else 2)
 
 
 def prefill_tiles(max_query_len: int, head_dim: int, itemsize: int) -> PrefillTiles:
@@ -127,6 +131,10 @@ class TritonBackend:
         device = kv_cache.keys.device
         self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         self._graph_work: dict[int, torch.Tensor] = {}  # padded token count -> a captured prefill's work items
+        num_blocks, _, num_kv_heads = kv_cache.keys.shape[1:4]
+        # The decode kernels' split counters: zeros between launches, shared by every launch and layer.
+        # A batch's real rows come before its padding and each holds a block: one set per block will do.
+        self._split_counters = torch.zeros(num_blocks * num_kv_heads, dtype=torch.int32, device=device)
 
     def plan(self, meta: BatchMetadata) -> AttentionFn:
         return self._plan_decode(meta) if meta.decode else self._plan_prefill(meta)
@@ -146,7 +154,7 @@ class TritonBackend:
         def run(layer: int, q, k, v, out, scale: float) -> None:
             k_cache, v_cache = self.kv_cache.layer(layer)
             self._decode(q, k, v, k_cache, v_cache, meta.seq_lens_t, meta.block_tables, meta.slot_mapping, out, scale,
-                         **tile_args)
+                         self._split_counters, **tile_args)
 
         return run
 

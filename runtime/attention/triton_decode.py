@@ -1,9 +1,13 @@
-"""Paged flash-decoding: one query token per sequence, split-K over the context, then a reduce.
+"""Paged flash-decoding in one launch: one query token per sequence, split-K over long contexts.
 
 Grid (kv_head, split, sequence): each program loads one KV head's tiles of its split once and
 attends all query heads of that head's GQA group (padded to 16 rows for tensor cores). Lengths
 and block tables are read from device memory, so a launch can be captured in a CUDA graph and
-replayed with new lengths. Splits past the end of a short sequence store an empty partial.
+replayed with new lengths. The grid has the planned splits; how many a sequence uses follows its
+length at run time (no split covers fewer than `min_split_tiles` tiles), and the rest exit at once. A
+sequence that one split covers is written directly. Otherwise every split stores its partial
+result and log-sum-exp, then counts itself done on a per-(sequence, KV head) counter; the last
+one merges the partials, writes the output and resets the counter to zero for the next launch.
 
 The step's new key and value (the context's last position) come from the projections, not the
 cache: split 0 of each (sequence, KV head) stores them into their slot, and every split that
@@ -17,7 +21,6 @@ import torch
 import triton
 import triton.language as tl
 
-
 @triton.jit
 def load_paged_tile(cache, table_row, pos, valid, kv_head, stride_cb, stride_ct, stride_ch,
                     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
@@ -28,118 +31,121 @@ def load_paged_tile(cache, table_row, pos, valid, kv_head, stride_cb, stride_ct,
 
 
 @triton.jit
+def merge_splits(part_out, part_lse, out_row, first_head, first_part, num_splits, active, stride_oh, stride_od,
+                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Write the output of GROUP heads from `first_head` on: the `active` partials of each, weighted by
+    their log-sum-exps. Partials are read past L1, which other programs' stores do not update."""
+    splits = tl.arange(0, BLOCK_S)
+    used = splits < active
+    dims = tl.arange(0, HEAD_DIM)
+    for g in tl.static_range(GROUP):
+        part = (first_part + g) * num_splits + splits
+        lse = tl.load(part_lse + part, mask=used, other=float("-inf"), cache_modifier=".cg")
+        weight = tl.exp2(lse - tl.max(lse, 0))
+        partial = tl.load(part_out + part[:, None] * HEAD_DIM + dims[None, :], mask=used[:, None], other=0.0,
+                          cache_modifier=".cg")
+        result = tl.sum(partial * weight[:, None], 0) / tl.sum(weight, 0)
+        tl.store(out_row + (first_head + g) * stride_oh + dims * stride_od, result.to(out_row.dtype.element_ty))
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, k_cache, v_cache, seq_lens, block_tables, slot_mapping, out_ptr, part_out, part_lse,
-    scale_log2, num_splits,
+    counters, scale_log2, num_splits, min_split_tiles,
     stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
     stride_ot, stride_oh, stride_od, stride_cb, stride_ct, stride_ch, stride_bt,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, PRECISION: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
     split = tl.program_id(1)
     seq = tl.program_id(2)
     seq_len = tl.load(seq_lens + seq)
-    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)
-    start = split * tiles_per_split * BLOCK_N
-    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+    tiles = tl.cdiv(seq_len, BLOCK_N)
+    tiles_per_split = tl.maximum(tl.cdiv(tiles, num_splits), min_split_tiles)
+    active = tl.cdiv(tiles, tiles_per_split)
+    if split < active:
+        start = split * tiles_per_split * BLOCK_N
+        end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+        h = tl.arange(0, BLOCK_H)
+        heads = kv_head * GROUP + h
+        head_mask = (h < GROUP)[:, None]
+        dims = tl.arange(0, HEAD_DIM)
+        q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + dims[None, :] * stride_qd, mask=head_mask,
+                    other=0.0)
+        table_row = block_tables + seq.to(tl.int64) * stride_bt
 
-    h = tl.arange(0, BLOCK_H)
-    heads = kv_head * GROUP + h
-    head_mask = (h < GROUP)[:, None]
-    dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + dims[None, :] * stride_qd, mask=head_mask,
-                other=0.0)
-    table_row = block_tables + seq.to(tl.int64) * stride_bt
+        last = seq_len - 1
+        k_new = tl.load(k_ptr + seq * stride_kt + kv_head * stride_kh + dims * stride_kd).to(k_cache.dtype.element_ty)
+        v_new = tl.load(v_ptr + seq * stride_vt + kv_head * stride_vh + dims * stride_vd).to(v_cache.dtype.element_ty)
+        if split == 0:
+            slot = tl.load(slot_mapping + seq).to(tl.int64)
+            dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + kv_head * stride_ch + dims
+            tl.store(k_cache + dst, k_new)
+            tl.store(v_cache + dst, v_new)
 
-    last = seq_len - 1
-    k_new = tl.load(k_ptr + seq * stride_kt + kv_head * stride_kh + dims * stride_kd).to(k_cache.dtype.element_ty)
-    v_new = tl.load(v_ptr + seq * stride_vt + kv_head * stride_vh + dims * stride_vd).to(v_cache.dtype.element_ty)
-    if split == 0:
-        slot = tl.load(slot_mapping + seq).to(tl.int64)
-        dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + kv_head * stride_ch + dims
-        tl.store(k_cache + dst, k_new)
-        tl.store(v_cache + dst, v_new)
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+        for tile in range(start, end, BLOCK_N):
+            pos = tile + tl.arange(0, BLOCK_N)
+            valid = pos < end
+            is_new = (pos == last)[:, None]
+            k = load_paged_tile(k_cache, table_row, pos, valid & (pos != last), kv_head, stride_cb, stride_ct,
+                                stride_ch, BLOCK_SIZE, HEAD_DIM)
+            k = tl.where(is_new, k_new[None, :], k)
+            qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale_log2
+            qk = tl.where(valid[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = load_paged_tile(v_cache, table_row, pos, valid & (pos != last), kv_head, stride_cb, stride_ct,
+                                stride_ch, BLOCK_SIZE, HEAD_DIM)
+            v = tl.where(is_new, v_new[None, :], v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+            m_i = m_new
 
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    for tile in range(start, end, BLOCK_N):
-        pos = tile + tl.arange(0, BLOCK_N)
-        valid = pos < end
-        is_new = (pos == last)[:, None]
-        k = load_paged_tile(k_cache, table_row, pos, valid & (pos != last), kv_head, stride_cb, stride_ct,
-                            stride_ch, BLOCK_SIZE, HEAD_DIM)
-        k = tl.where(is_new, k_new[None, :], k)
-        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale_log2
-        qk = tl.where(valid[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = load_paged_tile(v_cache, table_row, pos, valid & (pos != last), kv_head, stride_cb, stride_ct,
-                            stride_ch, BLOCK_SIZE, HEAD_DIM)
-        v = tl.where(is_new, v_new[None, :], v)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
-        m_i = m_new
-
-    empty = l_i == 0.0
-    acc = acc / tl.where(empty, 1.0, l_i)[:, None]
-    if DIRECT:
-        dst = out_ptr + seq * stride_ot + heads[:, None] * stride_oh + dims[None, :] * stride_od
-        tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=head_mask)
-    else:
-        part = (seq * NUM_HEADS + heads) * num_splits + split
-        tl.store(part_out + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=head_mask)
-        lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
-        tl.store(part_lse + part, lse, mask=h < GROUP)
-
-
-@triton.jit
-def _reduce_kernel(
-    part_out, part_lse, out_ptr, num_splits, stride_ot, stride_oh, stride_od,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
-):
-    head = tl.program_id(0)
-    seq = tl.program_id(1)
-    splits = tl.arange(0, BLOCK_S)
-    part = (seq * NUM_HEADS + head) * num_splits + splits
-    lse = tl.load(part_lse + part, mask=splits < num_splits, other=float("-inf"))
-    weight = tl.exp2(lse - tl.max(lse, 0))
-    dims = tl.arange(0, HEAD_DIM)
-    partial = tl.load(part_out + part[:, None] * HEAD_DIM + dims[None, :], mask=(splits < num_splits)[:, None],
-                      other=0.0)
-    result = tl.sum(partial * weight[:, None], 0) / tl.sum(weight, 0)
-    tl.store(out_ptr + seq * stride_ot + head * stride_oh + dims * stride_od, result.to(out_ptr.dtype.element_ty))
+        acc = acc / l_i[:, None]  # every running split holds at least one position
+        out_row = out_ptr + seq * stride_ot
+        if active == 1:
+            tl.store(out_row + heads[:, None] * stride_oh + dims[None, :] * stride_od, acc.to(out_ptr.dtype.element_ty),
+                     mask=head_mask)
+        else:
+            part = (seq * NUM_HEADS + heads) * num_splits + split
+            tl.store(part_out + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=head_mask)
+            tl.store(part_lse + part, m_i + tl.log2(l_i), mask=h < GROUP)
+            tl.debug_barrier()  # every thread's partial is stored before the count (acq_rel, GPU scope) releases it
+            counter = counters + seq * tl.num_programs(0) + kv_head
+            if tl.atomic_add(counter, 1) == active - 1:
+                tl.store(counter, 0)
+                merge_splits(part_out, part_lse, out_row, kv_head * GROUP, seq * NUM_HEADS + kv_head * GROUP,
+                             num_splits, active, stride_oh, stride_od, GROUP, HEAD_DIM, BLOCK_S)
 
 
 def paged_decode(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     seq_lens: torch.Tensor, block_tables: torch.Tensor, slot_mapping: torch.Tensor, out: torch.Tensor, scale: float,
-    *, num_splits: int, block_n: int, num_warps: int, num_stages: int,
+    counters: torch.Tensor, *, num_splits: int, min_split_tiles: int, block_n: int, num_warps: int, num_stages: int,
 ) -> None:
     """Store k[i], v[i] [Hkv, D] at slot_mapping[i], the last of seq_lens[i] positions of sequence i, and
-    write to out[i] the attention of q[i] [Hq, D] over those positions."""
+    write to out[i] the attention of q[i] [Hq, D] over those positions. `counters` (int32 zeros, one
+    per KV head of every row up to the last whose sequence spans two splits) are zeros again after."""
     num_seqs = seq_lens.shape[0]
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    direct = num_splits == 1
-    part_out = out if direct else torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32,
-                                              device=q.device)
-    part_lse = out if direct else torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    part_out = part_lse = out
+    if num_splits > 1:
+        part_out = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
     _decode_kernel[(num_kv_heads, num_splits, num_seqs)](
-        q, k, v, k_cache, v_cache, seq_lens, block_tables, slot_mapping, out, part_out, part_lse,
-        scale * 1.4426950408889634, num_splits,
+        q, k, v, k_cache, v_cache, seq_lens, block_tables, slot_mapping, out, part_out, part_lse, counters,
+        scale * 1.4426950408889634, num_splits, min_split_tiles,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         NUM_HEADS=num_heads, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
-        BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_N=block_n, DIRECT=direct,
+        BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_S=triton.next_power_of_2(num_splits),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )
-    if not direct:
-        _reduce_kernel[(num_heads, num_seqs)](
-            part_out, part_lse, out, num_splits, *out.stride(),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits),
-        )
