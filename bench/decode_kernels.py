@@ -1,11 +1,14 @@
 """The kernels inside one decode CUDA graph replay, by name, count and time (one GPU call, ~1 minute),
-and where a short prefill's time to first token goes.
+what a pipelined decode step adds to its replay, and where a short prefill's time to first token goes.
 
 Compiles the bench's random Llama-3.2-1B-like bf16 model for a few decode buckets, decodes a
 128-token prompt per row, then profiles replays of each bucket's greedy graph with
-torch.profiler and prints per-replay kernel counts and microseconds, largest first. Then it
-profiles `generate(max_tokens=1)` on a prompt of each `--prefill` length: the call's wall time,
-when its first kernel started and its last ended, and the GPU's busy time in between.
+torch.profiler and prints per-replay kernel counts and microseconds, largest first, and the
+first layer's kernels in launch order. Then it times engine steps back to back, as `generate`
+runs them, against the replay alone, and lists what the device runs per step outside the graph
+(copies, kernels). Then it profiles `generate(max_tokens=1)` on a prompt of each `--prefill`
+length: the call's wall time, when its first kernel started and its last ended, and the GPU's
+busy time in between.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import json
 import re
 import sys
 import tempfile
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -27,21 +31,61 @@ from profile_step import build_model, prefill_ms, step_times, warm_prefill
 GEMM = re.compile(r"gemm|gemv|cutlass|nvjet|splitK|sm90_xmma|cublas", re.IGNORECASE)
 
 
-def kernel_table(graph: torch.cuda.CUDAGraph, replays: int) -> list[dict]:
-    graph.replay()
+def device_events(run, repeats: int) -> list:
+    """The device's events, in start order, of `repeats` calls of run() after one unprofiled call."""
+    run()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            graph.replay()
+        for _ in range(repeats):
+            run()
         torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sorted(events, key=lambda e: e.time_range.start)
+
+
+def by_name(events: list, repeats: int) -> list[dict]:
     rows = defaultdict(lambda: [0, 0.0])
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            rows[event.name][0] += 1
-            rows[event.name][1] += event.device_time
-    table = [{"name": name[:90], "per_replay": count / replays, "us": total / replays}
+    for event in events:
+        rows[event.name][0] += 1
+        rows[event.name][1] += event.device_time
+    table = [{"name": name[:90], "per_replay": count / repeats, "us": total / repeats}
              for name, (count, total) in rows.items()]
     return sorted(table, key=lambda r: -r["us"])
+
+
+def kernel_table(graph: torch.cuda.CUDAGraph, replays: int) -> list[dict]:
+    """The kernels of one replay by name: count and microseconds, largest first (mean of `replays`)."""
+    return by_name(device_events(graph.replay, replays), replays)
+
+
+def launch_order(events: list, count: int) -> list[str]:
+    """The first `count` kernels of one replay: start offset and duration in us, name."""
+    first = events[0].time_range.start
+    return [f"{e.time_range.start - first:7.1f} {e.time_range.elapsed_us():6.1f}  {e.name[:60]}" for e in events[:count]]
+
+
+def pipelined_steps(llm, batch: int, steps: int) -> dict:
+    """Engine steps back to back (as generate runs them) against the replay alone, and the device work a
+    step adds outside its graph (names not among the replay's kernels), per step."""
+    import graphkiln
+
+    engine = llm.engine
+    prompts = [[7 + i] * 128 for i in range(batch)]
+    seqs = [engine.add_request(p, graphkiln.SamplingParams(max_tokens=3 * steps + 8, ignore_eos=True)) for p in prompts]
+    while any(s.num_computed < len(s.prompt_ids) for s in seqs):
+        engine.step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    step_ms = (time.perf_counter() - start) * 1e3 / steps
+    graph = engine.runner.graphs.graphs[engine.runner.graphs.bucket(batch), "greedy"][0]
+    in_graph = {e.name for e in device_events(graph.replay, 1)}
+    extra = by_name([e for e in device_events(engine.step, steps) if e.name not in in_graph], steps)
+    for s in seqs:
+        engine.abort(s)
+    return {"pipelined_step_ms": step_ms, "outside_graph": extra}
 
 
 def prefill_timeline(llm, tokens: int, repeats: int = 5) -> dict:
@@ -94,14 +138,22 @@ def main() -> None:
         timing = step_times(llm, batch, 30)
         graph = llm.engine.runner.graphs.graphs[batch, "greedy"][0]
         table = kernel_table(graph, 10)
+        order = launch_order(device_events(graph.replay, 1), 14)
+        pipelined = pipelined_steps(llm, batch, 30)
         gemm_us = sum(r["us"] for r in table if GEMM.search(r["name"]))
         total_us = sum(r["us"] for r in table)
         launches = sum(r["per_replay"] for r in table)
-        summary[batch] = {**timing, "kernel_us": total_us, "gemm_us": gemm_us, "launches": launches, "table": table}
-        print(f"\n== batch {batch}: step {timing['step_ms_median']:.3f} ms, replay {timing['replay_ms']:.3f} ms, "
+        summary[batch] = {**timing, **pipelined, "kernel_us": total_us, "gemm_us": gemm_us, "launches": launches,
+                          "table": table, "launch_order": order}
+        print(f"\n== batch {batch}: step {timing['step_ms_median']:.3f} ms host, "
+              f"{pipelined['pipelined_step_ms']:.3f} ms pipelined; replay {timing['replay_ms']:.3f} ms, "
               f"kernels {total_us:.0f} us in {launches:.0f} launches, GEMM {gemm_us:.0f} us")
         for r in table[:28]:
             print(f"{r['us']:8.1f} us {r['per_replay']:5.0f}x  {r['name']}")
+        print("first kernels of a replay (start us, us, name):\n" + "\n".join(order))
+        print("per pipelined step, outside the graph:")
+        for r in pipelined["outside_graph"][:10]:
+            print(f"{r['us']:8.1f} us {r['per_replay']:5.1f}x  {r['name']}")
     for tokens in args.prefill:
         timeline = prefill_timeline(llm, tokens)
         summary[f"prefill_{tokens}"] = timeline
