@@ -21,9 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench
 
-from graphkiln.runtime.attention.triton_backend import (
-    MIN_SPLIT_TOKENS, DecodeTiles, PrefillTiles, decode_tiles, prefill_tiles,
-)
+from graphkiln.runtime.attention.triton_backend import DecodeTiles, PrefillTiles, decode_tiles, prefill_tiles
 from graphkiln.runtime.attention.triton_decode import paged_decode
 from graphkiln.runtime.attention.triton_prefill import paged_prefill
 
@@ -141,8 +139,8 @@ def main() -> None:
     if not args.no_sweep:
         default = DecodeTiles(**{k: result["decode"][4][k] for k in DecodeTiles.__dataclass_fields__})
         variants = [replace(default, num_splits=s) for s in (1, 2, 3, 4, 8)]
-        variants += [replace(default, min_split_tiles=MIN_SPLIT_TOKENS // n, block_n=n, num_warps=w, num_stages=st)
-                     for n, w, st in [(32, 4, 3), (64, 4, 2), (64, 4, 4), (64, 8, 3), (128, 4, 3), (128, 8, 3), (32, 2, 4)]]
+        variants += [replace(default, block_n=n, num_warps=w, num_stages=st) for n, w, st in
+                     [(32, 4, 3), (64, 4, 2), (64, 4, 4), (64, 8, 3), (128, 4, 3), (128, 8, 3), (32, 2, 4)]]
         result["decode_sweep"] = fitting(lambda t: bench_decode(32, 4096, copy_bw, t), variants)
         result["decode_sweep"] += [bench_decode(1, 16384, copy_bw, replace(default, num_splits=s)) for s in (8, 16, 64)]
         result["decode_sweep"] += [bench_decode(128, 4096, copy_bw, replace(default, num_splits=2))]

@@ -7,13 +7,12 @@ SiLU-and-mul: y[M, I] = silu(x[:, :I]) * x[:, I:], for the gated product's other
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from .pdl import pdl_on
 
 
 @triton.jit
@@ -55,14 +54,6 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, BL
     tl.store(y_ptr + cols, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=col_mask)
 
 
-@functools.cache
-def pdl(device_index: int) -> bool:
-    """Programmatic dependent launch for the GEMV: on sm90 and later unless GRAPHKILN_PDL=0. A GEMV then
-    starts while the kernel before it drains (its first weight step loads before it waits for x), and
-    lets the kernel after it do the same, including inside CUDA graphs."""
-    return os.environ.get("GRAPHKILN_PDL", "1") != "0" and torch.cuda.get_device_capability(device_index)[0] >= 9
-
-
 def tiling(n: int, k: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, warps, stages) for N outputs and K inputs: the fastest that
     `bench/skinny_gemm.py --sweep` measured on an H200 for the bench models' projections."""
@@ -81,7 +72,7 @@ def gemv(
     n, k = weight.shape
     block_n, block_k, warps, stages = tiles or tiling(n, k)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    launch_pdl = x.is_cuda and pdl(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    launch_pdl = pdl_on(x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, y, n, k, weight.stride(0), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         GATED=gated, PDL=launch_pdl, num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,

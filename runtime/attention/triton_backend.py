@@ -29,14 +29,13 @@ from graphkiln.runtime.transfer import upload
 from .metadata import BatchMetadata
 
 PROGRAMS_PER_SM = 2  # decode programs resident per SM at the default tiles (shared-memory bound)
-MIN_SPLIT_TOKENS = 256  # a decode split never covers fewer tokens than this of its sequence's context
+MIN_SPLIT_TOKENS = 256  # a decode split never covers fewer tokens than this of the longest context
 MAX_SPLITS = 64
 
 
 @dataclass(frozen=True)
 class DecodeTiles:
     num_splits: int
-    min_split_tiles: int
     block_n: int
     num_warps: int
     num_stages: int
@@ -64,14 +63,12 @@ def decode_tiles(
     """Split each (sequence, KV head) so the grid fills every SM, but never below MIN_SPLIT_TOKENS a split.
 
     `max_context` is what the block table can hold (its width times the block size): a static
-    quantity, so a captured graph keeps its grid whatever lengths a replay brings. The kernel
-    applies the floor again per sequence at run time: a short context runs in one split.
+    quantity, so a captured graph keeps its grid whatever lengths a replay brings.
     """
     wanted = _cdiv(PROGRAMS_PER_SM * num_sms, num_seqs * num_kv_heads)
     splits = max(1, min(wanted, _cdiv(max_context, MIN_SPLIT_TOKENS), MAX_SPLITS))
     row_bytes = head_dim * itemsize
-    block_n = 64 if row_bytes <= 256 else 32
-    return DecodeTiles(splits, MIN_SPLIT_TOKENS // block_n, block_n, 4, 3 if row_bytes <= 512 else 2)
+    return DecodeTiles(splits, 64 if row_bytes <= 256 else 32, 4, 3 if row_bytes <= 512 else 2)
 
 
 def prefill_tiles(max_query_len: int, head_dim: int, itemsize: int) -> PrefillTiles:

@@ -3,11 +3,14 @@
 Grid (kv_head, split, sequence): each program loads one KV head's tiles of its split once and
 attends all query heads of that head's GQA group (padded to 16 rows for tensor cores). Lengths
 and block tables are read from device memory, so a launch can be captured in a CUDA graph and
-replayed with new lengths. The grid has the planned splits; how many a sequence uses follows its
-length at run time (no split covers fewer than `min_split_tiles` tiles), and the rest exit at once. A
-sequence that one split covers is written directly. Otherwise every split stores its partial
-result and log-sum-exp, then counts itself done on a per-(sequence, KV head) counter; the last
-one merges the partials, writes the output and resets the counter to zero for the next launch.
+replayed with new lengths. The grid has the planned splits; a sequence uses as many as it has
+tiles, at most all, and the rest exit at once. A sequence that one split covers is written
+directly. Otherwise every split stores its partial result and log-sum-exp, then counts itself
+done on a per-(sequence, KV head) counter; the last one merges the partials, writes the output
+and resets the counter to zero for the next launch.
+
+With programmatic dependent launch (models/pdl.py) a program loads its first cached tile while
+the kernel before it (rope) drains, and the next kernel may launch once every program began.
 
 The step's new key and value (the context's last position) come from the projections, not the
 cache: split 0 of each (sequence, KV head) stores them into their slot, and every split that
@@ -20,6 +23,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from graphkiln.models.pdl import pdl_on
 
 @triton.jit
 def load_paged_tile(cache, table_row, pos, valid, kv_head, stride_cb, stride_ct, stride_ch,
@@ -49,33 +55,60 @@ def merge_splits(part_out, part_lse, out_row, first_head, first_part, num_splits
 
 
 @triton.jit
+def attend_tile(q, k, v, pos, valid, last, k_new, v_new, m_i, l_i, acc, scale_log2, PRECISION: tl.constexpr):
+    """Online-softmax update of (m_i, l_i, acc) with one tile of keys and values at positions `pos`;
+    the tile's rows at `last` take the step's new key and value."""
+    is_new = (pos == last)[:, None]
+    k = tl.where(is_new, k_new[None, :], k)
+    qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale_log2
+    qk = tl.where(valid[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    v = tl.where(is_new, v_new[None, :], v)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, k_cache, v_cache, seq_lens, block_tables, slot_mapping, out_ptr, part_out, part_lse,
-    counters, scale_log2, num_splits, min_split_tiles,
+    counters, scale_log2, num_splits,
     stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
     stride_ot, stride_oh, stride_od, stride_cb, stride_ct, stride_ch, stride_bt,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
     split = tl.program_id(1)
     seq = tl.program_id(2)
+    if PDL:  # the next kernel may start once every program has begun
+        gdc_launch_dependents()
     seq_len = tl.load(seq_lens + seq)
-    tiles = tl.cdiv(seq_len, BLOCK_N)
-    tiles_per_split = tl.maximum(tl.cdiv(tiles, num_splits), min_split_tiles)
-    active = tl.cdiv(tiles, tiles_per_split)
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)
+    active = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), tiles_per_split)
     if split < active:
         start = split * tiles_per_split * BLOCK_N
         end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+        table_row = block_tables + seq.to(tl.int64) * stride_bt
+        last = seq_len - 1
+        # The cached positions before the last were written by earlier steps, never by the kernels
+        # this one may overlap: the first tile loads before waiting for q, k and v.
+        pos = start + tl.arange(0, BLOCK_N)
+        valid = pos < end
+        k = load_paged_tile(k_cache, table_row, pos, valid & (pos != last), kv_head, stride_cb, stride_ct, stride_ch,
+                            BLOCK_SIZE, HEAD_DIM)
+        v = load_paged_tile(v_cache, table_row, pos, valid & (pos != last), kv_head, stride_cb, stride_ct, stride_ch,
+                            BLOCK_SIZE, HEAD_DIM)
+        if PDL:
+            gdc_wait()
         h = tl.arange(0, BLOCK_H)
         heads = kv_head * GROUP + h
         head_mask = (h < GROUP)[:, None]
         dims = tl.arange(0, HEAD_DIM)
         q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + dims[None, :] * stride_qd, mask=head_mask,
                     other=0.0)
-        table_row = block_tables + seq.to(tl.int64) * stride_bt
-
-        last = seq_len - 1
         k_new = tl.load(k_ptr + seq * stride_kt + kv_head * stride_kh + dims * stride_kd).to(k_cache.dtype.element_ty)
         v_new = tl.load(v_ptr + seq * stride_vt + kv_head * stride_vh + dims * stride_vd).to(v_cache.dtype.element_ty)
         if split == 0:
@@ -87,24 +120,15 @@ def _decode_kernel(
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-        for tile in range(start, end, BLOCK_N):
+        m_i, l_i, acc = attend_tile(q, k, v, pos, valid, last, k_new, v_new, m_i, l_i, acc, scale_log2, PRECISION)
+        for tile in range(start + BLOCK_N, end, BLOCK_N):
             pos = tile + tl.arange(0, BLOCK_N)
             valid = pos < end
-            is_new = (pos == last)[:, None]
             k = load_paged_tile(k_cache, table_row, pos, valid & (pos != last), kv_head, stride_cb, stride_ct,
                                 stride_ch, BLOCK_SIZE, HEAD_DIM)
-            k = tl.where(is_new, k_new[None, :], k)
-            qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale_log2
-            qk = tl.where(valid[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
             v = load_paged_tile(v_cache, table_row, pos, valid & (pos != last), kv_head, stride_cb, stride_ct,
                                 stride_ch, BLOCK_SIZE, HEAD_DIM)
-            v = tl.where(is_new, v_new[None, :], v)
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = attend_tile(q, k, v, pos, valid, last, k_new, v_new, m_i, l_i, acc, scale_log2, PRECISION)
 
         acc = acc / l_i[:, None]  # every running split holds at least one position
         out_row = out_ptr + seq * stride_ot
@@ -126,7 +150,7 @@ def _decode_kernel(
 def paged_decode(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     seq_lens: torch.Tensor, block_tables: torch.Tensor, slot_mapping: torch.Tensor, out: torch.Tensor, scale: float,
-    counters: torch.Tensor, *, num_splits: int, min_split_tiles: int, block_n: int, num_warps: int, num_stages: int,
+    counters: torch.Tensor, *, num_splits: int, block_n: int, num_warps: int, num_stages: int,
 ) -> None:
     """Store k[i], v[i] [Hkv, D] at slot_mapping[i], the last of seq_lens[i] positions of sequence i, and
     write to out[i] the attention of q[i] [Hq, D] over those positions. `counters` (int32 zeros, one
@@ -135,17 +159,18 @@ def paged_decode(
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
+    launch_pdl = pdl_on(q.device)
     part_out = part_lse = out
     if num_splits > 1:
         part_out = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
     _decode_kernel[(num_kv_heads, num_splits, num_seqs)](
         q, k, v, k_cache, v_cache, seq_lens, block_tables, slot_mapping, out, part_out, part_lse, counters,
-        scale * 1.4426950408889634, num_splits, min_split_tiles,
+        scale * 1.4426950408889634, num_splits,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         NUM_HEADS=num_heads, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_S=triton.next_power_of_2(num_splits),
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=launch_pdl,
+        num_warps=num_warps, num_stages=num_stages, launch_pdl=launch_pdl,
     )
