@@ -10,9 +10,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import torch
-
-from graphkiln.models.pdl import pdl_on
 from graphkiln.models.transformer import CausalLM
 from graphkiln.passes.base import Pass, PassRecord, format_records
 from graphkiln.passes.dump import Dump
@@ -63,16 +60,6 @@ def compile_sizes(config: CompileConfig) -> tuple[int, ...]:
     return tuple(sorted(set(config.decode_batch_sizes) | set(config.prefill_token_buckets)))
 
 
-def inductor_options(config: CompileConfig, device: torch.device) -> dict:
-    """The user's Inductor options, with programmatic dependent launch for Inductor's kernels where
-    graphkiln's own kernels use it (models/pdl.py): the norm and rope kernels between GEMVs then
-    let the next GEMV start loading its weights before they finish."""
-    options = dict(config.inductor_options)
-    if pdl_on(device):
-        options.setdefault("triton.enable_pdl", True)
-    return options
-
-
 def compile_module(
     model: CausalLM, config: CompileConfig, graph_passes: Sequence[Pass] = (), progress: Progress = _silent
 ) -> tuple[CompiledModel, CompileReport]:
@@ -118,7 +105,7 @@ def _compile(
     total = len(set(keys.values())) * (1 + len(sizes))
     codes: list[tuple[str, str, str]] = []
     compiler = InductorCompiler(
-        device, inductor_options(config, device), counters, lambda done: progress("inductor", done, total),
+        device, config.inductor_options, counters, lambda done: progress("inductor", done, total),
         post_grad_pass=manager, on_code=(lambda *code: codes.append(code)) if dump else None,
     )
     report.compiler_hash = compiler.hash()

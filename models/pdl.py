@@ -1,8 +1,13 @@
-"""Programmatic dependent launch: whether graphkiln's kernels, and Inductor's, use it on a device.
+"""Programmatic dependent launch: whether graphkiln's own kernels (GEMV, decode attention) use it.
 
 A kernel launched with it may start while the kernel before it drains: it does what does not
 depend on that kernel's output (weight or cache loads), then waits (griddepcontrol.wait) for it
 to finish and its writes to land. It works inside CUDA graphs.
+
+Inductor's kernels can do the same (`CompileConfig(inductor_options={"triton.enable_pdl": True})`),
+but not by default: Inductor cannot launch such kernels statically, so a fresh process loading
+the artifact compiles them again. Measured on an H200 (1B-like model, one call): the decode
+replay at batch 1 went from 1.061 to 1.018 ms with it, and the warm load from 3.6 to 15.1 s.
 """
 
 from __future__ import annotations
