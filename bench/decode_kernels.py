@@ -61,7 +61,8 @@ def kernel_table(graph: torch.cuda.CUDAGraph, replays: int) -> list[dict]:
 def launch_order(events: list, count: int) -> list[str]:
     """The first `count` kernels of one replay: start offset and duration in us, name."""
     first = events[0].time_range.start
-    return [f"{e.time_range.start - first:7.1f} {e.time_range.elapsed_us():6.1f}  {e.name[:60]}" for e in events[:count]]
+    return [f"{e.time_range.start - first:7.1f} {e.time_range.elapsed_us():6.1f}  {e.name[:60]}"
+            for e in events[:count]]
 
 
 def pipelined_steps(llm, batch: int, steps: int) -> dict:
