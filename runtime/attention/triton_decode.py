@@ -27,6 +27,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from graphkiln.models.pdl import pdl_on
 
+
 @triton.jit
 def load_paged_tile(cache, table_row, pos, valid, kv_head, stride_cb, stride_ct, stride_ch,
                     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
