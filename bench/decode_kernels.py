@@ -6,7 +6,7 @@ Compiles the bench's random Llama-3.2-1B-like bf16 model for a few decode bucket
 torch.profiler and prints per-replay kernel counts and microseconds, largest first, and the
 first layer's kernels in launch order. Then it times engine steps back to back, as `generate`
 runs them, against the replay alone, and lists what the device runs per step outside the graph
-(copies, kernels). Then it profiles `generate(max_tokens=1)` on a prompt of each `--prefill`
+(copies, kernels) and how long it idles inside the graph and at its edges. Then it profiles `generate(max_tokens=1)` on a prompt of each `--prefill`
 length: the call's wall time, when its first kernel started and its last ended, and the GPU's
 busy time in between.
 """
@@ -66,8 +66,9 @@ def launch_order(events: list, count: int) -> list[str]:
 
 
 def pipelined_steps(llm, batch: int, steps: int) -> dict:
-    """Engine steps back to back (as generate runs them) against the replay alone, and the device work a
-    step adds outside its graph (names not among the replay's kernels), per step."""
+    """Engine steps back to back (as generate runs them) against the replay alone, the device work a
+    step adds outside its graph (names not among the replay's kernels), and the device's idle time per
+    step: inside the graph (between two of its kernels) and at its edges (next to an outside op)."""
     import graphkiln
 
     engine = llm.engine
@@ -83,10 +84,19 @@ def pipelined_steps(llm, batch: int, steps: int) -> dict:
     step_ms = (time.perf_counter() - start) * 1e3 / steps
     graph = engine.runner.graphs.graphs[engine.runner.graphs.bucket(batch), "greedy"][0]
     in_graph = {e.name for e in device_events(graph.replay, 1)}
-    extra = by_name([e for e in device_events(engine.step, steps) if e.name not in in_graph], steps)
+    events = device_events(engine.step, steps)
+    extra = by_name([e for e in events if e.name not in in_graph], steps)
+    idle = {"inside_graph_us": 0.0, "at_graph_edges_us": 0.0}
+    busy_until = events[0].time_range.end
+    for before, after in zip(events, events[1:]):
+        gap = after.time_range.start - busy_until
+        if gap > 0:
+            inside = before.name in in_graph and after.name in in_graph
+            idle["inside_graph_us" if inside else "at_graph_edges_us"] += gap / steps
+        busy_until = max(busy_until, after.time_range.end)
     for s in seqs:
         engine.abort(s)
-    return {"pipelined_step_ms": step_ms, "outside_graph": extra}
+    return {"pipelined_step_ms": step_ms, "outside_graph": extra, "idle_per_step": idle}
 
 
 def prefill_timeline(llm, tokens: int, repeats: int = 5) -> dict:
@@ -152,7 +162,9 @@ def main() -> None:
         for r in table[:28]:
             print(f"{r['us']:8.1f} us {r['per_replay']:5.0f}x  {r['name']}")
         print("first kernels of a replay (start us, us, name):\n" + "\n".join(order))
-        print("per pipelined step, outside the graph:")
+        idle = pipelined["idle_per_step"]
+        print(f"per pipelined step: device idle {idle['inside_graph_us']:.1f} us inside the graph, "
+              f"{idle['at_graph_edges_us']:.1f} us at its edges; outside the graph:")
         for r in pipelined["outside_graph"][:10]:
             print(f"{r['us']:8.1f} us {r['per_replay']:5.1f}x  {r['name']}")
     for tokens in args.prefill:
