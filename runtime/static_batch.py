@@ -1,10 +1,13 @@
 """The fixed device buffers a captured CUDA graph reads its batch from, refilled before every replay.
 
 Sized once (tokens, sequences, block-table width), they hold token ids, positions, slot mapping,
-sequence lengths, query start offsets and block tables. `fill` writes a batch through pinned
-staging buffers, one asynchronous copy per field; token rows past the batch go to the dummy slot.
-The engine launches a step before the previous one ran, so `staging()` waits for the previous
-fill's copies (an event recorded after them) before the staging buffers are rewritten.
+sequence lengths, query start offsets and block tables. The first five are views of one packed
+buffer, so `fill` sends them in one asynchronous copy from a pinned twin; block tables have their
+own, sent only when the rows a batch uses changed since the last send (a decode step's tables
+change once a block fills). Token rows past the batch go to the dummy slot. Each copy is a stream
+operation of its own between graph replays, which is why there are few. The engine launches a
+step before the previous one ran, so `staging_turn()` waits for the previous fill's copies (an
+event recorded after them) before the staging buffers are rewritten.
 """
 
 from __future__ import annotations
@@ -12,25 +15,52 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 
 from .attention.metadata import BatchMetadata, SequenceSlice, slot_list
 from .kv_cache import DUMMY_BLOCK
 
+ALIGN = 8  # int64 words: every packed field starts on a 64-byte boundary, as a buffer of its own would
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def packed_layout(max_tokens: int, max_seqs: int) -> tuple[int, int, int]:
+    """(int64 words a token field spans, where query_start_loc starts among the int32 sequence fields,
+    int64 words in all)."""
+    row = _round_up(max_tokens, ALIGN)
+    starts = _round_up(max_seqs, 2 * ALIGN)
+    return row, starts, 3 * row + _round_up(starts + max_seqs + 1, 2) // 2
+
+
+def packed_fields(packed: torch.Tensor, max_tokens: int, max_seqs: int) -> tuple[torch.Tensor, ...]:
+    """Views of one int64 buffer: input_ids, positions, slot_mapping (int64 [max_tokens]), seq_lens
+    (int32 [max_seqs]), query_start_loc (int32 [max_seqs + 1])."""
+    row, starts, _ = packed_layout(max_tokens, max_seqs)
+    ints = packed[3 * row :].view(torch.int32)
+    return (packed[:max_tokens], packed[row : row + max_tokens], packed[2 * row : 2 * row + max_tokens],
+            ints[:max_seqs], ints[starts : starts + max_seqs + 1])  # fmt: skip
+
 
 class StaticBatch:
-    FIELDS = ("input_ids", "positions", "slot_mapping", "seq_lens", "query_start_loc", "block_tables")
-
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, block_size: int, device: torch.device) -> None:
         self.block_size = block_size
-        self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((max_tokens,), DUMMY_BLOCK * block_size, dtype=torch.int64, device=device)
-        self.seq_lens = torch.ones(max_seqs, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(max_seqs + 1, dtype=torch.int32, device=device)
-        self.block_tables = torch.full((max_seqs, max_blocks), DUMMY_BLOCK, dtype=torch.int32, device=device)
         self.cuda = device.type == "cuda"
-        self.staging = {name: self.pinned_like(getattr(self, name)) for name in self.FIELDS}
+        self.packed = torch.zeros(packed_layout(max_tokens, max_seqs)[2], dtype=torch.int64, device=device)
+        fields = packed_fields(self.packed, max_tokens, max_seqs)
+        self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.query_start_loc = fields
+        self.slot_mapping.fill_(DUMMY_BLOCK * block_size)
+        self.seq_lens.fill_(1)
+        self.query_start_loc.copy_(torch.arange(max_seqs + 1, dtype=torch.int32))
+        self.block_tables = torch.full((max_seqs, max_blocks), DUMMY_BLOCK, dtype=torch.int32, device=device)
+        self.packed_staging = self.pinned_like(self.packed)
+        self.packed_staging.copy_(self.packed)
+        self.tables_staging = self.pinned_like(self.block_tables)
+        self.tables_staging.copy_(self.block_tables)
+        self._tables_sent = np.empty((0, max_blocks), dtype=np.int32)  # the rows the device got last
         self._staged: torch.cuda.Event | None = None
 
     @property
@@ -72,27 +102,30 @@ class StaticBatch:
         self, graph: str, ids: list[int], positions: list[int], slices: list[SequenceSlice], tokens: int, seqs: int
     ) -> BatchMetadata:
         """Copy one batch in (call inside `staging_turn`) and return its metadata for a `graph` graph over
-        `tokens` rows and `seqs` sequence rows. Sequence rows past the batch keep what they held; kernels
-        never read them."""
+        `tokens` rows and `seqs` sequence rows. Rows past the batch get what the staging buffers hold
+        there (an earlier batch's); kernels never read them."""
         n, count = len(ids), len(slices)
-        host = {name: t.numpy() for name, t in self.staging.items()}
-        host["input_ids"][:tokens] = ids + [0] * (tokens - n)
-        host["positions"][:tokens] = positions + [0] * (tokens - n)
-        host["slot_mapping"][:tokens] = slot_list(slices, self.block_size) + [DUMMY_BLOCK * self.block_size] * (tokens - n)
+        max_tokens = self.input_ids.shape[0]
+        host_ids, host_positions, host_slots, host_lens, starts = (
+            t.numpy() for t in packed_fields(self.packed_staging, max_tokens, self.max_seqs)
+        )
+        host_ids[:tokens] = ids + [0] * (tokens - n)
+        host_positions[:tokens] = positions + [0] * (tokens - n)
+        host_slots[:tokens] = slot_list(slices, self.block_size) + [DUMMY_BLOCK * self.block_size] * (tokens - n)
         query_lens = tuple(s.query_len for s in slices)
         seq_lens = tuple(s.seq_len for s in slices)
-        host["seq_lens"][:count] = seq_lens
-        starts = host["query_start_loc"]
+        host_lens[:count] = seq_lens
         starts[0] = 0
         starts[1 : count + 1] = query_lens
         starts[: count + 1].cumsum(out=starts[: count + 1])
         width = max(len(s.blocks) for s in slices)
-        tables = host["block_tables"]
+        tables = self.tables_staging.numpy()
         tables[:count, :width] = DUMMY_BLOCK
         for row, s in enumerate(slices):
             tables[row, : len(s.blocks)] = s.blocks
-        for name, rows in (("input_ids", tokens), ("positions", tokens), ("slot_mapping", tokens), ("seq_lens", count)):
-            getattr(self, name)[:rows].copy_(self.staging[name][:rows], non_blocking=True)
-        self.query_start_loc[: count + 1].copy_(self.staging["query_start_loc"][: count + 1], non_blocking=True)
-        self.block_tables[:count, :width].copy_(self.staging["block_tables"][:count, :width], non_blocking=True)
+        self.packed.copy_(self.packed_staging, non_blocking=True)
+        sent = self._tables_sent
+        if count > sent.shape[0] or not np.array_equal(sent[:count], tables[:count]):
+            self.block_tables[:count].copy_(self.tables_staging[:count], non_blocking=True)
+            self._tables_sent = tables[:count].copy()
         return self.metadata(graph, tokens, seqs, query_lens, seq_lens)

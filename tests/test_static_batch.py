@@ -70,3 +70,31 @@ def test_dummy_slices_cover_the_bucket_within_a_block_table_row() -> None:
         assert sum(s.query_len for s in slices) == tokens
         assert all(s.query_len == s.seq_len <= max_blocks * BLOCK for s in slices)
         assert all(s.blocks == (DUMMY_BLOCK,) * -(-s.seq_len // BLOCK) for s in slices)
+
+
+def test_packed_fields_start_on_64_byte_boundaries_and_do_not_overlap() -> None:
+    for max_tokens, max_seqs in ((1, 1), (3, 5), (64, 64), (4096, 17)):
+        batch = StaticBatch(max_tokens, max_seqs, 4, BLOCK, CPU)
+        fields = (batch.input_ids, batch.positions, batch.slot_mapping, batch.seq_lens, batch.query_start_loc)
+        spans = sorted((f.data_ptr(), f.data_ptr() + f.numel() * f.element_size()) for f in fields)
+        assert all(start % 64 == (batch.packed.data_ptr() % 64) for start, _ in spans)
+        assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+        assert spans[-1][1] <= batch.packed.data_ptr() + batch.packed.numel() * 8
+        assert [f.numel() for f in fields] == [max_tokens] * 3 + [max_seqs, max_seqs + 1]
+
+
+def test_block_tables_sent_only_when_the_rows_a_batch_uses_change() -> None:
+    """Tables alternate, shrink and grow; the device rows a batch uses always hold its tables, and a
+    batch with the same tables as the last send leaves them as they were."""
+    batch = StaticBatch(8, 4, 4, BLOCK, CPU)
+    a = [SequenceSlice(1, 20, (3, 4)), SequenceSlice(1, 5, (6,))]
+    b = [SequenceSlice(1, 21, (3, 4)), SequenceSlice(1, 40, (7, 8, 9))]
+    for slices in (a, b, a, a[:1], b, b[:1] + [SequenceSlice(1, 2, (5,))]):
+        meta, _, positions = fill(batch, slices, 4, 4, graph="decode")
+        for row, s in enumerate(slices):
+            assert meta.block_tables[row, : len(s.blocks)].tolist() == list(s.blocks)
+        assert meta.seq_lens_t[: len(slices)].tolist() == [s.seq_len for s in slices]
+        assert batch.positions[: len(slices)].tolist() == positions
+    batch.block_tables[0, 0] = 99  # what a skipped send leaves alone
+    fill(batch, b[:1] + [SequenceSlice(1, 2, (5,))], 4, 4, graph="decode")
+    assert batch.block_tables[0, 0].item() == 99
