@@ -1,4 +1,4 @@
-"""GEMV tilings tried inside the real decode graph: one device call, about three minutes for the 1B model.
+"""GEMV tilings and decode-attention tiles tried inside the real decode graph (one device call, ~4 min, 1B).
 
 `bench/skinny_gemm.py --sweep` times each tiling back to back against itself; in the model every
 GEMV follows a norm, rope or attention kernel and ramps up on its own, so the fastest tiling
@@ -6,6 +6,7 @@ there need not be the fastest in place. This compiles the bench's random-weight 
 batch 1, then for each projection shape re-captures the decode graph with one candidate tiling
 for that shape (the others at their defaults) and times graph replays with CUDA events. The
 default is timed before and after each shape's candidates; a row's delta is against their mean.
+Then the same for the Triton decode attention's tiles (splits, block_n, warps, stages).
 
     python3 -P bench/tiles_in_graph.py --out $OUT [--model 8b --layers 4]
 """
@@ -29,6 +30,8 @@ THIN = [(4, 512, 4, 3), (4, 1024, 4, 3), (8, 256, 4, 4), (8, 512, 4, 4), (8, 512
         (8, 1024, 8, 3), (16, 256, 4, 4), (16, 512, 4, 3), (16, 512, 8, 3)]  # N of a few thousand rows
 WIDE = [(16, 256, 4, 5), (32, 256, 4, 5), (32, 256, 4, 3), (16, 512, 4, 3), (32, 128, 4, 6), (64, 128, 4, 5),
         (16, 256, 8, 4), (32, 512, 8, 3)]  # gate_up and LM heads
+ATTENTION = [(None, 32, 4, 3), (None, 64, 2, 3), (None, 32, 2, 2), (None, 64, 8, 3), (None, 16, 2, 2),
+             (4, 64, 4, 3), (8, 64, 4, 3), (16, 64, 4, 3)]  # (splits or the planned ones, block_n, warps, stages)
 
 
 def replay_ms(graph: torch.cuda.CUDAGraph, replays: int = 200, repeats: int = 5) -> float:
@@ -46,6 +49,28 @@ def replay_ms(graph: torch.cuda.CUDAGraph, replays: int = 200, repeats: int = 5)
     return sorted(times)[len(times) // 2]
 
 
+def replay_with(graphs, module, attribute: str, replacement) -> float:
+    """Replay time of the batch-1 greedy decode graph re-captured with `module.attribute` replaced."""
+    original = getattr(module, attribute)
+    setattr(module, attribute, replacement)
+    try:
+        graphs.capture()
+    finally:
+        setattr(module, attribute, original)
+    return replay_ms(graphs.graphs[1, "greedy"][0])
+
+
+def sweep(label: str, candidates: list, measure) -> list[dict]:
+    """measure(candidate) for each candidate and measure(None) (the default) before and after them."""
+    before = measure(None)
+    timed = [(c, measure(c)) for c in candidates]
+    base = (before + measure(None)) / 2
+    print(f"{label}: default {base:.4f} ms; " + ", ".join(f"{c}:{(ms - base) * 1e3:+.1f} us" for c, ms in timed),
+          flush=True)
+    return [{"what": label, "tiles": c, "replay_ms": ms, "delta_us": (ms - base) * 1e3}
+            for c, ms in sorted(timed, key=lambda t: t[1])]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -55,6 +80,7 @@ def main() -> None:
     import graphkiln
     from graphkiln import CompileConfig
     from graphkiln.models import gemv_kernel
+    from graphkiln.runtime.attention import triton_backend
 
     work = Path(tempfile.mkdtemp())
     build_model(work / "model", args.layers, args.model)
@@ -63,29 +89,26 @@ def main() -> None:
     llm = graphkiln.load(work / "art", kv_cache_tokens=65536)
     step_times(llm, 1, 10)  # a 128-token context in the cache, the graph's buffers holding its last step
     graphs = llm.engine.runner.graphs
-    default_tiling = gemv_kernel.tiling
+    tiling, decode_tiles = gemv_kernel.tiling, triton_backend.decode_tiles
 
-    def measure(shape: tuple[int, int], tiles: tuple[int, int, int, int] | None) -> float:
-        gemv_kernel.tiling = lambda n, k: tiles if tiles and (n, k) == shape else default_tiling(n, k)
-        try:
-            graphs.capture()
-        finally:
-            gemv_kernel.tiling = default_tiling
-        return replay_ms(graphs.graphs[1, "greedy"][0])
+    def gemv_tiles(shape: tuple[int, int]):
+        def measure(tiles):
+            chosen = (lambda n, k: tiles if (n, k) == shape else tiling(n, k)) if tiles else tiling
+            return replay_with(graphs, gemv_kernel, "tiling", chosen)
+        return measure
+
+    def attention_tiles(tiles):
+        def chosen(*plan_args):
+            planned = decode_tiles(*plan_args)
+            splits, block_n, warps, stages = tiles
+            return triton_backend.DecodeTiles(splits or planned.num_splits, block_n, warps, stages)
+        return replay_with(graphs, triton_backend, "decode_tiles", chosen if tiles else decode_tiles)
 
     rows = []
     for name, shape in SHAPES[args.model].items():
-        candidates = THIN if shape[0] <= 8192 else WIDE
-        before = measure(shape, None)
-        timed = [(tiles, measure(shape, tiles)) for tiles in candidates if tiles != default_tiling(*shape)]
-        base = (before + measure(shape, None)) / 2
-        for tiles, ms in sorted(timed, key=lambda t: t[1]):
-            rows.append({"shape": name, "n": shape[0], "k": shape[1], "tiles": tiles, "replay_ms": ms,
-                         "delta_us": (ms - base) * 1e3})
-        best = min(timed, key=lambda t: t[1])
-        print(f"{name:8} {shape}: default {default_tiling(*shape)} {base:.4f} ms; best {best[0]} "
-              f"{(best[1] - base) * 1e3:+.1f} us; " + ", ".join(f"{t}:{(ms - base) * 1e3:+.1f}" for t, ms in timed),
-              flush=True)
+        candidates = [t for t in (THIN if shape[0] <= 8192 else WIDE) if t != tiling(*shape)]
+        rows += sweep(f"{name} {shape} (default {tiling(*shape)})", candidates, gemv_tiles(shape))
+    rows += sweep("decode attention (planned tiles)", ATTENTION, attention_tiles)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"tiles_in_graph_{args.model}.json").write_text(json.dumps(
         {"model": args.model, "layers": args.layers, "rows": rows}, indent=1))
