@@ -38,6 +38,19 @@ def load_paged_tile(cache, table_row, pos, valid, kv_head, stride_cb, stride_ct,
 
 
 @triton.jit
+def load_kv_tile(k_cache, v_cache, table_row, tile, end, last, kv_head, stride_cb, stride_ct, stride_ch,
+                 BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Positions, validity and cached keys and values of the tile from `tile` on, short of `end`; the
+    last position is left to the step's new key and value (attend_tile puts them in)."""
+    pos = tile + tl.arange(0, BLOCK_N)
+    valid = pos < end
+    cached = valid & (pos != last)
+    k = load_paged_tile(k_cache, table_row, pos, cached, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE, HEAD_DIM)
+    v = load_paged_tile(v_cache, table_row, pos, cached, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE, HEAD_DIM)
+    return pos, valid, k, v
+
+
+@triton.jit
 def merge_splits(part_out, part_lse, out_row, first_head, first_part, num_splits, active, stride_oh, stride_od,
                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
     """Write the output of GROUP heads from `first_head` on: the `active` partials of each, weighted by
@@ -87,8 +100,9 @@ def _decode_kernel(
     if PDL:  # the next kernel may start once every program has begun
         gdc_launch_dependents()
     seq_len = tl.load(seq_lens + seq)
-    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)
-    active = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), tiles_per_split)
+    tiles = tl.cdiv(seq_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(tiles, num_splits)
+    active = tl.cdiv(tiles, tiles_per_split)
     if split < active:
         start = split * tiles_per_split * BLOCK_N
         end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
@@ -96,12 +110,8 @@ def _decode_kernel(
         last = seq_len - 1
         # The cached positions before the last were written by earlier steps, never by the kernels
         # this one may overlap: the first tile loads before waiting for q, k and v.
-        pos = start + tl.arange(0, BLOCK_N)
-        valid = pos < end
-        k = load_paged_tile(k_cache, table_row, pos, valid & (pos != last), kv_head, stride_cb, stride_ct, stride_ch,
-                            BLOCK_SIZE, HEAD_DIM)
-        v = load_paged_tile(v_cache, table_row, pos, valid & (pos != last), kv_head, stride_cb, stride_ct, stride_ch,
-                            BLOCK_SIZE, HEAD_DIM)
+        pos, valid, k, v = load_kv_tile(k_cache, v_cache, table_row, start, end, last, kv_head, stride_cb, stride_ct,
+                                        stride_ch, BLOCK_N, BLOCK_SIZE, HEAD_DIM)
         if PDL:
             gdc_wait()
         h = tl.arange(0, BLOCK_H)
@@ -123,12 +133,8 @@ def _decode_kernel(
         acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
         m_i, l_i, acc = attend_tile(q, k, v, pos, valid, last, k_new, v_new, m_i, l_i, acc, scale_log2, PRECISION)
         for tile in range(start + BLOCK_N, end, BLOCK_N):
-            pos = tile + tl.arange(0, BLOCK_N)
-            valid = pos < end
-            k = load_paged_tile(k_cache, table_row, pos, valid & (pos != last), kv_head, stride_cb, stride_ct,
-                                stride_ch, BLOCK_SIZE, HEAD_DIM)
-            v = load_paged_tile(v_cache, table_row, pos, valid & (pos != last), kv_head, stride_cb, stride_ct,
-                                stride_ch, BLOCK_SIZE, HEAD_DIM)
+            pos, valid, k, v = load_kv_tile(k_cache, v_cache, table_row, tile, end, last, kv_head, stride_cb,
+                                            stride_ct, stride_ch, BLOCK_N, BLOCK_SIZE, HEAD_DIM)
             m_i, l_i, acc = attend_tile(q, k, v, pos, valid, last, k_new, v_new, m_i, l_i, acc, scale_log2, PRECISION)
 
         acc = acc / l_i[:, None]  # every running split holds at least one position
