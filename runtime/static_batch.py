@@ -60,6 +60,8 @@ class StaticBatch:
         self.packed_staging.copy_(self.packed)
         self.tables_staging = self.pinned_like(self.block_tables)
         self.tables_staging.copy_(self.block_tables)
+        self._host_fields = tuple(t.numpy() for t in packed_fields(self.packed_staging, max_tokens, max_seqs))
+        self._host_tables = self.tables_staging.numpy()
         self._tables_sent = np.empty((0, max_blocks), dtype=np.int32)  # the rows the device got last
         self._staged: torch.cuda.Event | None = None
 
@@ -105,10 +107,7 @@ class StaticBatch:
         `tokens` rows and `seqs` sequence rows. Rows past the batch get what the staging buffers hold
         there (an earlier batch's); kernels never read them."""
         n, count = len(ids), len(slices)
-        max_tokens = self.input_ids.shape[0]
-        host_ids, host_positions, host_slots, host_lens, starts = (
-            t.numpy() for t in packed_fields(self.packed_staging, max_tokens, self.max_seqs)
-        )
+        host_ids, host_positions, host_slots, host_lens, starts = self._host_fields
         host_ids[:tokens] = ids + [0] * (tokens - n)
         host_positions[:tokens] = positions + [0] * (tokens - n)
         host_slots[:tokens] = slot_list(slices, self.block_size) + [DUMMY_BLOCK * self.block_size] * (tokens - n)
@@ -119,7 +118,7 @@ class StaticBatch:
         starts[1 : count + 1] = query_lens
         starts[: count + 1].cumsum(out=starts[: count + 1])
         width = max(len(s.blocks) for s in slices)
-        tables = self.tables_staging.numpy()
+        tables = self._host_tables
         tables[:count, :width] = DUMMY_BLOCK
         for row, s in enumerate(slices):
             tables[row, : len(s.blocks)] = s.blocks
