@@ -6,9 +6,9 @@ Compiles the bench's random Llama-3.2-1B-like bf16 model for a few decode bucket
 torch.profiler and prints per-replay kernel counts and microseconds, largest first, and the
 first layer's kernels in launch order. Then it times engine steps back to back, as `generate`
 runs them, against the replay alone, and lists what the device runs per step outside the graph
-(copies, kernels) and how long it idles inside the graph and at its edges. Then it profiles `generate(max_tokens=1)` on a prompt of each `--prefill`
-length: the call's wall time, when its first kernel started and its last ended, and the GPU's
-busy time in between.
+(copies, kernels) and how long it idles inside the graph and at its edges. Then it profiles
+`generate(max_tokens=1)` on a prompt of each `--prefill` length: the call's wall time, when its
+first kernel started and its last ended, and the GPU's busy time in between.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from profile_step import build_model, prefill_ms, step_times, warm_prefill
+from profile_step import build_model, prefill_ms, start_decoding, step_times, warm_prefill
 
 GEMM = re.compile(r"gemm|gemv|cutlass|nvjet|splitK|sm90_xmma|cublas", re.IGNORECASE)
 
@@ -69,13 +69,8 @@ def pipelined_steps(llm, batch: int, steps: int) -> dict:
     """Engine steps back to back (as generate runs them) against the replay alone, the device work a
     step adds outside its graph (names not among the replay's kernels), and the device's idle time per
     step: inside the graph (between two of its kernels) and at its edges (next to an outside op)."""
-    import graphkiln
-
     engine = llm.engine
-    prompts = [[7 + i] * 128 for i in range(batch)]
-    seqs = [engine.add_request(p, graphkiln.SamplingParams(max_tokens=3 * steps + 8, ignore_eos=True)) for p in prompts]
-    while any(s.num_computed < len(s.prompt_ids) for s in seqs):
-        engine.step()
+    seqs = start_decoding(llm, batch, 3 * steps + 8)
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(steps):

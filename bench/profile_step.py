@@ -42,33 +42,49 @@ def top_functions(profile: cProfile.Profile, count: int) -> str:
     return out.getvalue()
 
 
-def step_times(llm, batch: int, steps: int) -> dict:
+def start_decoding(llm, batch: int, max_tokens: int) -> list:
+    """`batch` sequences of 128 prompt tokens, prefilled: the engine's next steps are decode steps."""
     import graphkiln
 
     engine = llm.engine
-    prompts = [[7 + i] * 128 for i in range(batch)]
-    seqs = [engine.add_request(p, graphkiln.SamplingParams(max_tokens=steps + 8, ignore_eos=True)) for p in prompts]
+    params = graphkiln.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    seqs = [engine.add_request([7 + i] * 128, params) for i in range(batch)]
     while any(s.num_computed < len(s.prompt_ids) for s in seqs):
         engine.step()
+    return seqs
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, replays: int, repeats: int = 1) -> float:
+    """Median over `repeats` of the mean time of `replays` back-to-back replays (CUDA events)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    times = []
+    for _ in range(repeats):
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / replays)
+    return sorted(times)[len(times) // 2]
+
+
+def step_times(llm, batch: int, steps: int) -> dict:
+    engine = llm.engine
+    seqs = start_decoding(llm, batch, steps + 8)
     graphs = engine.runner.graphs
-    size = graphs.bucket(batch)
-    graph, _, _ = graphs.graphs[size, "greedy"]
+    graph, _, _ = graphs.graphs[graphs.bucket(batch), "greedy"]
     walls = []
     for _ in range(steps):
         torch.cuda.synchronize()
         t = time.perf_counter()
         engine.step()
         walls.append(time.perf_counter() - t)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(steps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
+    replay = replay_ms(graph, steps)
     for s in seqs:
         engine.abort(s)
     walls.sort()
-    return {"batch": batch, "step_ms_median": walls[len(walls) // 2] * 1e3, "replay_ms": start.elapsed_time(end) / steps}
+    return {"batch": batch, "step_ms_median": walls[len(walls) // 2] * 1e3, "replay_ms": replay}
 
 
 def warm_prefill(llm, tokens: int) -> Callable[[], object]:

@@ -19,11 +19,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from profile_step import build_model, step_times  # noqa: E402
+from profile_step import build_model, replay_ms, step_times  # noqa: E402
 from skinny_gemm import SHAPES  # noqa: E402
 
 THIN = [(4, 512, 4, 3), (4, 1024, 4, 3), (8, 256, 4, 4), (8, 512, 4, 4), (8, 512, 8, 3), (8, 1024, 4, 3),
@@ -34,21 +32,6 @@ ATTENTION = [(None, 32, 4, 3), (None, 64, 2, 3), (None, 32, 2, 2), (None, 64, 8,
              (4, 64, 4, 3), (8, 64, 4, 3), (16, 64, 4, 3)]  # (splits or the planned ones, block_n, warps, stages)
 
 
-def replay_ms(graph: torch.cuda.CUDAGraph, replays: int = 200, repeats: int = 5) -> float:
-    """Median over `repeats` of the mean replay time of `replays` back-to-back replays."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
-    times = []
-    for _ in range(repeats):
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / replays)
-    return sorted(times)[len(times) // 2]
-
-
 def replay_with(graphs, module, attribute: str, replacement) -> float:
     """Replay time of the batch-1 greedy decode graph re-captured with `module.attribute` replaced."""
     original = getattr(module, attribute)
@@ -57,7 +40,7 @@ def replay_with(graphs, module, attribute: str, replacement) -> float:
         graphs.capture()
     finally:
         setattr(module, attribute, original)
-    return replay_ms(graphs.graphs[1, "greedy"][0])
+    return replay_ms(graphs.graphs[1, "greedy"][0], replays=200, repeats=5)
 
 
 def sweep(label: str, candidates: list, measure) -> list[dict]:
