@@ -42,13 +42,13 @@ def top_functions(profile: cProfile.Profile, count: int) -> str:
     return out.getvalue()
 
 
-def start_decoding(llm, batch: int, max_tokens: int) -> list:
-    """`batch` sequences of 128 prompt tokens, prefilled: the engine's next steps are decode steps."""
+def start_decoding(llm, batch: int, max_tokens: int, prompt_tokens: int = 128) -> list:
+    """`batch` sequences of `prompt_tokens` prompt tokens, prefilled: the engine's next steps are decode steps."""
     import graphkiln
 
     engine = llm.engine
     params = graphkiln.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    seqs = [engine.add_request([7 + i] * 128, params) for i in range(batch)]
+    seqs = [engine.add_request([7 + i] * prompt_tokens, params) for i in range(batch)]
     while any(s.num_computed < len(s.prompt_ids) for s in seqs):
         engine.step()
     return seqs
@@ -69,9 +69,9 @@ def replay_ms(graph: torch.cuda.CUDAGraph, replays: int, repeats: int = 1) -> fl
     return sorted(times)[len(times) // 2]
 
 
-def step_times(llm, batch: int, steps: int) -> dict:
+def step_times(llm, batch: int, steps: int, prompt_tokens: int = 128) -> dict:
     engine = llm.engine
-    seqs = start_decoding(llm, batch, steps + 8)
+    seqs = start_decoding(llm, batch, steps + 8, prompt_tokens)
     graphs = engine.runner.graphs
     graph, _, _ = graphs.graphs[graphs.bucket(batch), "greedy"]
     walls = []

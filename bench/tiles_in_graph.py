@@ -6,9 +6,10 @@ there need not be the fastest in place. This compiles the bench's random-weight 
 batch 1, then for each projection shape re-captures the decode graph with one candidate tiling
 for that shape (the others at their defaults) and times graph replays with CUDA events. The
 default is timed before and after each shape's candidates; a row's delta is against their mean.
-Then the same for the Triton decode attention's tiles (splits, block_n, warps, stages).
+Then the same for the Triton decode attention's tiles (splits, block_n, warps, stages) at each
+context length asked for. Results go to $OUT after every sweep.
 
-    python3 -P bench/tiles_in_graph.py --out $OUT [--model 8b --layers 4]
+    python3 -P bench/tiles_in_graph.py --out $OUT [--model 8b --layers 4] [--contexts 128 1024]
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from profile_step import build_model, replay_ms, step_times  # noqa: E402
 from skinny_gemm import SHAPES  # noqa: E402
 
-THIN = [(4, 512, 4, 3), (4, 1024, 4, 3), (8, 256, 4, 4), (8, 512, 4, 4), (8, 512, 8, 3), (8, 1024, 4, 3),
-        (8, 1024, 8, 3), (16, 256, 4, 4), (16, 512, 4, 3), (16, 512, 8, 3)]  # N of a few thousand rows
-WIDE = [(16, 256, 4, 5), (32, 256, 4, 5), (32, 256, 4, 3), (16, 512, 4, 3), (32, 128, 4, 6), (64, 128, 4, 5),
-        (16, 256, 8, 4), (32, 512, 8, 3)]  # gate_up and LM heads
+# Round 1 (bench/results/2026-11-29-nvidia-h200-tiles-in-graph-1b-round1.json) found longer K steps
+# on fewer rows best in place; these are its winners and their neighbours.
+THIN = [(4, 1024, 4, 3), (4, 1024, 4, 4), (4, 1024, 8, 3), (2, 1024, 4, 3), (4, 2048, 4, 2), (4, 2048, 8, 2),
+        (2, 2048, 4, 2), (8, 1024, 8, 3), (8, 1024, 8, 4), (8, 1024, 4, 4), (8, 2048, 8, 2), (16, 1024, 8, 3)]
+WIDE = [(16, 512, 4, 3), (16, 512, 4, 4), (16, 512, 8, 3), (8, 512, 4, 3), (8, 512, 4, 4), (8, 1024, 4, 3),
+        (16, 1024, 8, 3), (32, 128, 4, 6), (32, 128, 4, 8), (16, 256, 4, 6), (32, 256, 8, 4)]  # gate_up, LM heads
 ATTENTION = [(None, 32, 4, 3), (None, 64, 2, 3), (None, 32, 2, 2), (None, 64, 8, 3), (None, 16, 2, 2),
              (4, 64, 4, 3), (8, 64, 4, 3), (16, 64, 4, 3)]  # (splits or the planned ones, block_n, warps, stages)
 
@@ -59,6 +62,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--model", default="1b", choices=sorted(SHAPES))
     parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[128],
+                        help="prompt lengths the attention tiles are tried at (the GEMVs at the first)")
     args = parser.parse_args()
     import graphkiln
     from graphkiln import CompileConfig
@@ -70,7 +75,7 @@ def main() -> None:
     config = CompileConfig(device="cuda", dtype="bfloat16", decode_batch_sizes=(1,), prefill_token_buckets=(128,))
     graphkiln.compile_model(work / "model", work / "art", config)
     llm = graphkiln.load(work / "art", kv_cache_tokens=65536)
-    step_times(llm, 1, 10)  # a 128-token context in the cache, the graph's buffers holding its last step
+    step_times(llm, 1, 10, args.contexts[0])  # a context in the cache, the graph's buffers holding its last step
     graphs = llm.engine.runner.graphs
     tiling, decode_tiles = gemv_kernel.tiling, triton_backend.decode_tiles
 
@@ -83,18 +88,25 @@ def main() -> None:
     def attention_tiles(tiles):
         def chosen(*plan_args):
             planned = decode_tiles(*plan_args)
-            splits, block_n, warps, stages = tiles
-            return triton_backend.DecodeTiles(splits or planned.num_splits, block_n, warps, stages)
+            splits, *rest = tiles
+            return triton_backend.DecodeTiles(splits or planned.num_splits, *rest)
         return replay_with(graphs, triton_backend, "decode_tiles", chosen if tiles else decode_tiles)
 
     rows = []
+    out = args.out / f"tiles_in_graph_{args.model}.json"
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    def record(new_rows: list[dict]) -> None:  # after every sweep: a run cut short keeps what it measured
+        rows.extend(new_rows)
+        out.write_text(json.dumps({"model": args.model, "layers": args.layers, "rows": rows}, indent=1))
+
     for name, shape in SHAPES[args.model].items():
         candidates = [t for t in (THIN if shape[0] <= 8192 else WIDE) if t != tiling(*shape)]
-        rows += sweep(f"{name} {shape} (default {tiling(*shape)})", candidates, gemv_tiles(shape))
-    rows += sweep("decode attention (planned tiles)", ATTENTION, attention_tiles)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"tiles_in_graph_{args.model}.json").write_text(json.dumps(
-        {"model": args.model, "layers": args.layers, "rows": rows}, indent=1))
+        record(sweep(f"{name} {shape} (default {tiling(*shape)})", candidates, gemv_tiles(shape)))
+    for context in args.contexts:
+        if context != args.contexts[0]:
+            step_times(llm, 1, 10, context)
+        record(sweep(f"decode attention at {context} tokens (planned tiles)", ATTENTION, attention_tiles))
 
 
 if __name__ == "__main__":

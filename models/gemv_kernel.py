@@ -56,19 +56,29 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, BL
 
 def tiling(n: int, k: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, warps, stages) for N outputs and K inputs: the fastest that
-    `bench/skinny_gemm.py --sweep` measured on an H200 for the bench models' projections."""
-    if n <= 8192:  # q/k/v, o, down: thin slabs, long K steps; 8 warps for the long K of down
-        return 8, 512, 8 if k >= 8192 else 4, 3
-    if n <= 16384:  # 1B-like gate_up
-        return 32, 256, 4, 5
-    return 16, 256, 4, 5  # 8B-like gate_up, LM heads
+    `bench/tiles_in_graph.py` measured inside the decode graphs of the bench models on an H200
+    (results 2026-11-29-nvidia-h200-tiles-in-graph-*). In place, where each GEMV starts cold after
+    a small kernel, long K steps beat the tilings that win back to back (`bench/skinny_gemm.py`)."""
+    if n <= 8192:  # q/k/v, o, down: a few rows a program
+        if k <= 2048:  # 1B-like q/k/v and o: all of K in one step
+            tiles = 2, 2048, 4, 2
+        elif k < 8192:  # 8B-like q/k/v and o
+            tiles = 8, 512, 4, 3
+        else:  # down
+            tiles = 8, 2048, 8, 2
+    elif n <= 32768:  # gate_up: short K steps, deep pipeline
+        tiles = 32, 128, 4, 8
+    else:  # LM heads
+        tiles = 16, 256, 4, 5
+    block_n, block_k, warps, stages = tiles
+    return block_n, min(block_k, triton.next_power_of_2(k)), warps, stages
 
 
 def gemv(
     x: torch.Tensor, weight: torch.Tensor, gated: bool = False, tiles: tuple[int, int, int, int] | None = None
 ) -> torch.Tensor:
     """x [1, K] @ weight [N, K]^T, or with `gated` silu(x[:, :K]) * x[:, K:] @ weight^T for x [1, 2K];
-    unit stride along K. `tiles` defaults to `tiling(N, K)` (bench/skinny_gemm.py --sweep tries others)."""
+    unit stride along K. `tiles` defaults to `tiling(N, K)` (bench/tiles_in_graph.py tries others)."""
     n, k = weight.shape
     block_n, block_k, warps, stages = tiles or tiling(n, k)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)

@@ -7,7 +7,7 @@ from graphkiln.models.linear import linear, silu_mul_linear, uses_gemv
 
 SHAPES = [  # (N, K): the bench models' projections, then ragged sizes that leave partial slabs and K steps
     (3072, 2048), (2048, 8192), (16384, 2048), (128256, 2048), (6144, 4096), (4096, 14336),
-    (1, 16), (37, 100), (8193, 520), (1000, 3000),
+    (1, 16), (37, 100), (8193, 520), (1000, 3000), (100, 9000),
 ]
 
 
