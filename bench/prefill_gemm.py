@@ -21,22 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from attention_kernels import copy_bandwidth  # noqa: E402
 from skinny_gemm import SHAPES, graph_time_us  # noqa: E402
-
-
-def copy_tbps() -> float:
-    """Device-to-device copy rate (read + write bytes), TB/s, best of 5 copies of 1 GiB."""
-    src = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(5):
-        start.record()
-        dst.copy_(src)
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end))
-    return 2 * src.numel() * src.element_size() / (best * 1e-3) / 1e12
 
 
 def with_blas(library: str, fn):
@@ -58,7 +44,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=sorted(SHAPES), choices=sorted(SHAPES))
     args = parser.parse_args()
     torch.manual_seed(0)
-    rate = copy_tbps()
+    rate = copy_bandwidth() / 1e12  # TB/s
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_tbps": rate, "shapes": []}
     print(f"{results['device']}: copy {rate:.2f} TB/s", flush=True)
 
