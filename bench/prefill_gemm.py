@@ -1,8 +1,9 @@
 """Short-prefill matrix products (M = 128 rows) on the bench models' weights: cuBLAS, cuBLASLt and
 Inductor's max-autotune choice (its Triton templates against ATen), against the copy-rate floor.
 
-Prefill of 128 tokens on the 8B-like model takes 1.72x its bandwidth floor, almost all of it in
-these products (`bench/decode_kernels.py --prefill 128`). Each variant is timed as in
+Prefill of 128 tokens on the 8B-like model takes 1.72x its bandwidth floor (run9); on the 1B-like
+model these products are its longest kernels (`bench/decode_kernels.py --prefill 128`; the 8B is
+not yet profiled). Each variant is timed as in
 `skinny_gemm.py`: inside a CUDA graph, cycling through enough weight copies that every call reads
 its weight from HBM. One device call, a few minutes (max-autotune benchmarks every template once
 per shape).
