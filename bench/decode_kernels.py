@@ -8,7 +8,7 @@ first layer's kernels in launch order. Then it times engine steps back to back, 
 runs them, against the replay alone, and lists what the device runs per step outside the graph
 (copies, kernels) and how long it idles inside the graph and at its edges. Then it profiles
 `generate(max_tokens=1)` on a prompt of each `--prefill` length: the call's wall time, when its
-first kernel started and its last ended, and the GPU's busy time in between.
+first kernel started and its last ended, the GPU's busy time in between, and its kernels by name.
 """
 
 from __future__ import annotations
@@ -115,6 +115,7 @@ def prefill_timeline(llm, tokens: int, repeats: int = 5) -> dict:
             "gpu_busy_us": sum(e.time_range.elapsed_us() for e in kernels),
             "top": [f"{e.time_range.start - start:8.0f} {e.time_range.elapsed_us():6.0f} {e.name[:70]}"
                     for e in sorted(kernels, key=lambda e: -e.time_range.elapsed_us())[:8]],
+            "table": by_name(kernels, 1),
         })
     return {**sorted(timelines, key=lambda t: t["wall_us"])[len(timelines) // 2],
             "unprofiled_ms": prefill_ms(llm, tokens)}
@@ -170,6 +171,9 @@ def main() -> None:
               f"{timeline['first_kernel_us']:.0f} to {timeline['last_kernel_end_us']:.0f} us, busy "
               f"{timeline['gpu_busy_us']:.0f} us (start, us, name of the longest):")
         print("\n".join(timeline["top"]))
+        print("by name:")
+        for r in timeline["table"][:24]:
+            print(f"{r['us']:8.1f} us {r['per_replay']:5.0f}x  {r['name']}")
     (args.out / "decode_kernels.json").write_text(json.dumps(summary, indent=1))
 
 
