@@ -21,7 +21,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench
 
-from graphkiln.runtime.attention.triton_backend import DecodeTiles, PrefillTiles, decode_tiles, prefill_tiles
+from graphkiln.runtime.attention.triton_backend import (
+    DecodeTiles,
+    PrefillTiles,
+    decode_tiles,
+    prefill_tiles,
+    prefill_work,
+    work_table,
+)
 from graphkiln.runtime.attention.triton_decode import paged_decode
 from graphkiln.runtime.attention.triton_prefill import paged_prefill
 
@@ -84,9 +91,10 @@ def bench_prefill(tokens: int, tiles: PrefillTiles | None = None) -> dict:
     q = torch.randn(tokens, HQ, D, dtype=DTYPE, device="cuda")
     out = torch.empty_like(q)
     query_start = torch.tensor([0, tokens], dtype=torch.int32, device="cuda")
-    work = torch.tensor([(0, row) for row in range(0, tokens, tiles.block_m)][::-1], dtype=torch.int32, device="cuda")
+    items = prefill_work((tokens,), (tokens,), tiles.block_m)
+    work = torch.tensor(work_table(items), dtype=torch.int32, device="cuda")
     ms = do_bench(lambda: paged_prefill(q, k_cache, v_cache, query_start, seq_lens, tables, work, out, D**-0.5,
-                                        **asdict(tiles)), return_mode="median")
+                                        len(items), **asdict(tiles)), return_mode="median")
 
     def heads_first(cache: torch.Tensor) -> torch.Tensor:  # [1, HQ, tokens, D], GQA heads repeated
         return cache[tables[0].long()].flatten(0, 1)[:tokens].transpose(0, 1).repeat_interleave(HQ // HKV, 0)[None]

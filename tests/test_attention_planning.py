@@ -21,6 +21,7 @@ from graphkiln.runtime.attention.triton_backend import (
     PROGRAMS_PER_SM,
     decode_tiles,
     graph_prefill_work,
+    graph_programs,
     graph_work_capacity,
     prefill_tiles,
     prefill_work,
@@ -49,10 +50,11 @@ def test_decode_tiles_examples() -> None:
 
 def test_prefill_tiles_follow_the_longest_query() -> None:
     assert prefill_tiles(1, 128, 2).block_m == 16
+    assert prefill_tiles(20, 128, 2).block_m == 32
     assert prefill_tiles(40, 128, 2).block_m == 64
-    assert prefill_tiles(4096, 128, 2).block_m == 128
-    assert prefill_tiles(4096, 256, 2).block_m == 64
-    assert prefill_tiles(4096, 128, 2).num_warps == 8
+    assert prefill_tiles(4096, 128, 2).block_m == 64
+    assert prefill_tiles(4096, 256, 2).block_n == 32  # 512-byte rows: shorter key tiles
+    assert prefill_tiles(4096, 256, 4).num_stages == 1
 
 
 def test_prefill_work_covers_every_row_once_longest_first() -> None:
@@ -78,19 +80,23 @@ def test_graph_work_capacity_holds_any_batch_that_fits(seed: int) -> None:
         count = rng.randint(1, min(max_seqs, tokens))
         cuts = sorted(rng.sample(range(1, tokens), count - 1)) if count > 1 else []
         query_lens = tuple(b - a for a, b in zip([0, *cuts], [*cuts, rng.randint(cuts[-1] + 1 if cuts else 1, tokens)]))
-        items = graph_prefill_work(query_lens, query_lens, block_m, capacity)
-        assert len(items) == capacity
-        real = [item for item in items if item[0] >= 0]
-        assert real == prefill_work(query_lens, query_lens, block_m)
-        assert items[len(real) :] == [(-1, 0)] * (capacity - len(real))
+        table = graph_prefill_work(query_lens, query_lens, block_m, capacity)
+        assert table[1:] == prefill_work(query_lens, query_lens, block_m)
+        assert table[0] == (len(table) - 1, 0) and len(table) <= 1 + capacity
 
 
 def test_graph_work_capacity_examples() -> None:
-    assert graph_work_capacity(4096, 256, 128) == 32 + 256
+    assert graph_work_capacity(4096, 256, 64) == 64 + 256
     assert graph_work_capacity(16, 256, 16) == 1 + 16
     assert len(prefill_work((1,) * 16, (5,) * 16, 16)) == graph_work_capacity(16, 256, 16) - 1
     with pytest.raises(ValueError, match="do not fit"):
         graph_prefill_work((1,) * 16, (5,) * 16, 16, 15)
+
+
+def test_graph_programs_fill_the_gpu_without_an_idle_program_per_item() -> None:
+    assert graph_programs(4096, 64 + 256, 64, 32, num_sms=132) == 64  # one per tile of a single prompt
+    assert graph_programs(128, 2 + 128, 64, 32, num_sms=132) == 9  # 2 x 132 programs over 32 heads
+    assert graph_programs(16, 1 + 16, 16, 1, num_sms=132) == 17  # never more than the table can hold
 
 
 def test_slot_mapping_at_block_boundaries() -> None:

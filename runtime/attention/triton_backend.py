@@ -11,12 +11,13 @@ only when a backend is built.
 Decode launches depend only on static quantities (batch size, block table width, head shapes),
 and scratch buffers are allocated inside the call, so a capture takes them from the graph's
 pool and a replay reads whatever lengths and block tables the buffers hold by then. A prefill
-planned for a graph launches a grid fixed by its padded token count; its work items are
-rewritten in place before each replay, unused ones marked to do nothing.
+planned for a graph launches a grid fixed by its padded token count; its work table (the item
+count, then the items) is rewritten in place before each replay.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -28,7 +29,7 @@ from graphkiln.runtime.transfer import upload
 
 from .metadata import BatchMetadata
 
-PROGRAMS_PER_SM = 2  # decode programs resident per SM at the default tiles (shared-memory bound)
+PROGRAMS_PER_SM = 2  # decode or prefill programs resident per SM at the default tiles (shared-memory bound)
 MIN_SPLIT_TOKENS = 256  # a decode split never covers fewer tokens than this of the longest context
 MAX_SPLITS = 64
 
@@ -72,11 +73,14 @@ def decode_tiles(
 
 
 def prefill_tiles(max_query_len: int, head_dim: int, itemsize: int) -> PrefillTiles:
-    """Query tiles of up to 128 rows (64 for rows wider than 256 bytes), no taller than the longest query."""
+    """Query tiles of up to 64 rows, no taller than the longest query, 4 warps, 2 stages.
+
+    On an H200 these beat 128-row tiles with 8 warps and 3 stages by 10-25% from 128 to 1024 prompt
+    tokens at head_dim 64 and 128 (bench/results/2026-11-29-nvidia-h200-prefill-tiles.json).
+    """
     row_bytes = head_dim * itemsize
-    block_m = min(128 if row_bytes <= 256 else 64, max(16, _next_pow2(max_query_len)))
-    stages = 3 if row_bytes <= 256 else 2 if row_bytes <= 512 else 1
-    return PrefillTiles(block_m, 64 if row_bytes <= 256 else 32, 8 if block_m >= 128 else 4, stages)
+    block_m = min(64, max(16, _next_pow2(max_query_len)))
+    return PrefillTiles(block_m, 64 if row_bytes <= 256 else 32, 4, 2 if row_bytes <= 512 else 1)
 
 
 def prefill_work(query_lens: tuple[int, ...], seq_lens: tuple[int, ...], block_m: int) -> list[tuple[int, int]]:
@@ -90,20 +94,32 @@ def prefill_work(query_lens: tuple[int, ...], seq_lens: tuple[int, ...], block_m
     return sorted(items, key=keys, reverse=True)
 
 
+def work_table(items: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The prefill kernel's work table: (number of items, 0), then the items."""
+    return [(len(items), 0), *items]
+
+
 def graph_work_capacity(num_tokens: int, num_seqs: int, block_m: int) -> int:
     """The most query tiles a batch of at most `num_seqs` sequences and `num_tokens` tokens can need:
     each sequence's tiles cover its query rows plus less than one tile."""
     return _cdiv(num_tokens, block_m) + min(num_seqs, num_tokens)
 
 
+def graph_programs(num_tokens: int, capacity: int, block_m: int, num_heads: int, num_sms: int) -> int:
+    """Prefill programs per query head of a captured grid: one per tile of a single `num_tokens`
+    prompt, or enough for PROGRAMS_PER_SM on every SM, whichever is more (never above `capacity`);
+    a batch of many short prompts has each program take several items."""
+    return min(capacity, max(_cdiv(num_tokens, block_m), _cdiv(PROGRAMS_PER_SM * num_sms, num_heads)))
+
+
 def graph_prefill_work(
     query_lens: tuple[int, ...], seq_lens: tuple[int, ...], block_m: int, capacity: int
 ) -> list[tuple[int, int]]:
-    """prefill_work padded with (-1, 0) items, which the kernel skips, to a captured grid's `capacity`."""
+    """The work table of a batch for a captured grid of `capacity` items."""
     items = prefill_work(query_lens, seq_lens, block_m)
     if len(items) > capacity:
         raise ValueError(f"{len(items)} prefill tiles do not fit a captured grid of {capacity}")
-    return items + [(-1, 0)] * (capacity - len(items))
+    return work_table(items)
 
 
 class TritonBackend:
@@ -160,27 +176,36 @@ class TritonBackend:
             return self._plan_graph_prefill(meta)
         tiles = prefill_tiles(max(meta.query_lens, default=1), *self._row_shape())
         items = prefill_work(meta.query_lens, meta.seq_lens, tiles.block_m)
-        work = upload(items, torch.int32, meta.seq_lens_t.device)
-        return self._prefill_fn(meta, tiles, work, zero_padding=True)
+        work = upload(work_table(items), torch.int32, meta.seq_lens_t.device)
+        return self._prefill_fn(meta, tiles, work, lambda num_heads: max(1, len(items)), zero_padding=True)
 
     def _plan_graph_prefill(self, meta: BatchMetadata) -> AttentionFn:
-        """Tiles and grid fixed by the padded token count and sequence rows; the items are rewritten in
-        place (a copy queued on the stream), so a captured graph replays whatever batch was planned last.
-        Padded rows are left unwritten: nothing reads them."""
+        """Tiles and grid fixed by the padded token count and sequence rows; the work table is rewritten
+        in place (a copy queued on the stream), so a captured graph replays whatever batch was planned
+        last. Padded rows are left unwritten: nothing reads them."""
         padded = meta.slot_mapping.shape[0]
         tiles = prefill_tiles(padded, *self._row_shape())
         work = self._graph_work.get(padded)
         if work is None:
             capacity = graph_work_capacity(padded, meta.seq_lens_t.shape[0], tiles.block_m)
-            work = self._graph_work[padded] = torch.empty((capacity, 2), dtype=torch.int32, device=meta.seq_lens_t.device)
-        items = graph_prefill_work(meta.query_lens, meta.seq_lens, tiles.block_m, work.shape[0])
-        work.copy_(torch.tensor(items, dtype=torch.int32), non_blocking=True)
-        return self._prefill_fn(meta, tiles, work, zero_padding=False)
+            work = self._graph_work[padded] = torch.empty((1 + capacity, 2), dtype=torch.int32, device=meta.seq_lens_t.device)
+        capacity = work.shape[0] - 1
+        table = graph_prefill_work(meta.query_lens, meta.seq_lens, tiles.block_m, capacity)
+        work[: len(table)].copy_(torch.tensor(table, dtype=torch.int32), non_blocking=True)
+
+        def programs(num_heads: int) -> int:
+            return graph_programs(padded, capacity, tiles.block_m, num_heads, self._num_sms)
+
+        return self._prefill_fn(meta, tiles, work, programs, zero_padding=False)
 
     def _row_shape(self) -> tuple[int, int]:
         return self.kv_cache.keys.shape[-1], self.kv_cache.keys.element_size()
 
-    def _prefill_fn(self, meta: BatchMetadata, tiles: PrefillTiles, work: torch.Tensor, zero_padding: bool) -> AttentionFn:
+    def _prefill_fn(
+        self, meta: BatchMetadata, tiles: PrefillTiles, work: torch.Tensor, programs: Callable[[int], int],
+        zero_padding: bool,
+    ) -> AttentionFn:
+        """The prefill call; `programs` gives the grid's programs per query head from the head count."""
         tile_args = asdict(tiles)
 
         def run(layer: int, q, k, v, out, scale: float) -> None:
@@ -188,7 +213,7 @@ class TritonBackend:
             self._write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             self._prefill(
                 q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens_t, meta.block_tables, work, out, scale,
-                **tile_args,
+                programs(q.shape[1]), **tile_args,
             )
             if zero_padding:
                 out[meta.num_tokens :] = 0
