@@ -5,6 +5,7 @@ where they are used, so the start-up children and report.py stay light.
 
     common     paths, the run clock and log, errors, the watchdog's exception, importing graphkiln
     settings   the --rows table and Settings (everything a run decides up front)
+    bytecode   .pyc files for the installed packages before start-up times are taken
     timing     device clocks, random prompts, the prefill and decode loops every row shares
     models     the model shapes, their byte and FLOP counts, building the random transformers model
     floor      copy bandwidth, matmul rate and the floor they give

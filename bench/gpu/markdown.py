@@ -55,6 +55,10 @@ def to_markdown(results: dict) -> str:
         "before the compile: the decode step is what it compiles).",
         "",
     ]
+    bytecode = (results.get("meta") or {}).get("bytecode") or {}
+    if bytecode.get("state", "present") != "present":
+        lines += [f"Python bytecode of the installed packages was {bytecode['state']} before any timing "
+                  f"({bytecode.get('seconds', 0):.0f} s), as `pip install` does; this machine's image ships none.", ""]
     return "\n".join(lines)
 
 

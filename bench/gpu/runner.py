@@ -15,6 +15,7 @@ import time
 import traceback
 
 from . import rows_graphkiln, rows_transformers
+from .bytecode import ensure_bytecode
 from .common import REPO, T0, OutOfTime, error_text, log
 from .floor import floor_row, measure_hardware
 from .markdown import to_markdown
@@ -66,6 +67,7 @@ def environment(s: Settings) -> dict:
         env["cpu"] = platform.processor() or platform.machine()
         env["threads"] = torch.get_num_threads()
     env["git_commit"], env["git_dirty"] = git_state(s.commit)
+    env["bytecode"] = ensure_bytecode()
     return env
 
 
