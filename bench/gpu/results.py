@@ -24,6 +24,7 @@ TARGETS = (
     ("1b", "decode batch 1", ("decode", "1"), 1.0, "ms/token", ""),
     ("1b", "decode batch 64", ("decode", "64"), 1.6, "ms/step", ""),
     ("1b", "prefill 128 tokens", ("prefill", "128"), 2.0, "ms", ""),
+    ("8b", "prefill 128 tokens", ("prefill", "128"), 5.0, "ms", ""),
     ("1b", "warm start to first token", ("start", "warm_s"), 10.0, "s", ""),
     ("1b", "cold start (compile) to first token", ("start", "cold_s"), 60.0, "s", ""),
 )
