@@ -3,8 +3,10 @@
 Decode: Llama-8B-like heads (32 q, 8 kv, head_dim 128, bf16), batch 1/32/128 x context 1k/4k/16k,
 every sequence at full context in shuffled 16-token blocks; achieved bandwidth counts the K and V
 bytes read, against a device-to-device copy of 1 GiB (read + write bytes). Prefill: one causal
-sequence of 1024 and 4096 tokens against torch SDPA's flash kernel. A small sweep of tile
-configurations at batch 32 / 4k and at prefill 4096 shows how much the defaults leave on the table.
+sequence of 128, 1024 and 4096 tokens against torch SDPA's flash kernel, timed in a CUDA graph as
+the engine replays it (a 128-token call is a few microseconds). A small sweep of tile
+configurations at batch 32 / 4k and at prefill 128 and 4096 shows how much the defaults leave on
+the table.
 
     python bench/attention_kernels.py --out bench/results/attention_kernels.json
 """
@@ -19,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.runtime.errors import OutOfResources
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 from graphkiln.runtime.attention.triton_backend import (
     DecodeTiles,
@@ -93,16 +95,16 @@ def bench_prefill(tokens: int, tiles: PrefillTiles | None = None) -> dict:
     query_start = torch.tensor([0, tokens], dtype=torch.int32, device="cuda")
     items = prefill_work((tokens,), (tokens,), tiles.block_m)
     work = torch.tensor(work_table(items), dtype=torch.int32, device="cuda")
-    ms = do_bench(lambda: paged_prefill(q, k_cache, v_cache, query_start, seq_lens, tables, work, out, D**-0.5,
-                                        len(items), **asdict(tiles)), return_mode="median")
+    ms = do_bench_cudagraph(lambda: paged_prefill(q, k_cache, v_cache, query_start, seq_lens, tables, work, out,
+                                                  D**-0.5, len(items), **asdict(tiles)), return_mode="median")
 
     def heads_first(cache: torch.Tensor) -> torch.Tensor:  # [1, HQ, tokens, D], GQA heads repeated
         return cache[tables[0].long()].flatten(0, 1)[:tokens].transpose(0, 1).repeat_interleave(HQ // HKV, 0)[None]
 
     query, keys, values = q.transpose(0, 1).contiguous()[None], heads_first(k_cache), heads_first(v_cache)
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        sdpa_ms = do_bench(lambda: F.scaled_dot_product_attention(query, keys, values, is_causal=True),
-                           return_mode="median")
+        sdpa_ms = do_bench_cudagraph(lambda: F.scaled_dot_product_attention(query, keys, values, is_causal=True),
+                                     return_mode="median")
         expected = F.scaled_dot_product_attention(query, keys, values, is_causal=True)[0].transpose(0, 1).float()
     err = ((out.float() - expected).norm() / expected.norm()).item()
     flops = 2 * 2 * HQ * D * tokens * tokens / 2  # QK^T and PV, causal half
@@ -142,7 +144,7 @@ def main() -> None:
                     "rel_err_vs_sdpa"]
     result["decode"] = [bench_decode(b, c, copy_bw) for b in (1, 32, 128) for c in (1024, 4096, 16384)]
     print(table(result["decode"], decode_cols))
-    result["prefill"] = [bench_prefill(t) for t in (1024, 4096)]
+    result["prefill"] = [bench_prefill(t) for t in (128, 1024, 4096)]
     print(table(result["prefill"], prefill_cols))
     if not args.no_sweep:
         default = DecodeTiles(**{k: result["decode"][4][k] for k in DecodeTiles.__dataclass_fields__})
@@ -153,9 +155,10 @@ def main() -> None:
         result["decode_sweep"] += [bench_decode(1, 16384, copy_bw, replace(default, num_splits=s)) for s in (8, 16, 64)]
         result["decode_sweep"] += [bench_decode(128, 4096, copy_bw, replace(default, num_splits=2))]
         print(table(result["decode_sweep"], decode_cols + ["rel_err"]))
-        result["prefill_sweep"] = fitting(lambda t: bench_prefill(4096, t), [PrefillTiles(*t) for t in
-                                          [(128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 8, 3),
-                                           (128, 64, 8, 2), (128, 64, 8, 4)]])
+        prefill_variants = [PrefillTiles(*t) for t in [(32, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3),
+                                                       (128, 128, 8, 2)]]
+        result["prefill_sweep"] = [row for tokens in (128, 4096)
+                                   for row in fitting(lambda t, n=tokens: bench_prefill(n, t), prefill_variants)]
         print(table(result["prefill_sweep"], prefill_cols))
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
