@@ -143,7 +143,7 @@ class TritonBackend:
         self._write_kv, self._decode, self._prefill = write_kv, paged_decode, paged_prefill
         device = kv_cache.keys.device
         self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-        self._graph_work: dict[int, torch.Tensor] = {}  # padded token count -> a captured prefill's work items
+        self._graph_work: dict[int, torch.Tensor] = {}  # padded token count -> a captured prefill's work table
         num_blocks, _, num_kv_heads = kv_cache.keys.shape[1:4]
         # The decode kernels' split counters: zeros between launches, shared by every launch and layer.
         # A batch's real rows come before its padding and each holds a block: one set per block will do.
