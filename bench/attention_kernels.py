@@ -31,8 +31,8 @@ from graphkiln.runtime.attention.triton_backend import (
     prefill_work,
     work_table,
 )
-from graphkiln.runtime.attention.triton_decode import paged_decode
-from graphkiln.runtime.attention.triton_prefill import paged_prefill
+from graphkiln.kernels.decode_attention import paged_decode
+from graphkiln.kernels.prefill_attention import paged_prefill
 
 HQ, HKV, D, BLOCK = 32, 8, 128, 16
 DTYPE = torch.bfloat16

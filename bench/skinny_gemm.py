@@ -54,7 +54,7 @@ def graph_time_us(fn, weights: list[torch.Tensor], calls: int) -> float:
 
 
 def main() -> None:
-    from graphkiln.models.gemv_kernel import gemv
+    from graphkiln.kernels.gemv import gemv
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)

@@ -67,7 +67,7 @@ def main() -> None:
     args = parser.parse_args()
     import graphkiln
     from graphkiln import CompileConfig
-    from graphkiln.models import gemv_kernel
+    from graphkiln.kernels import gemv as gemv_kernel
     from graphkiln.runtime.attention import triton_backend
 
     work = Path(tempfile.mkdtemp())

@@ -1,13 +1,43 @@
 """graphkiln: compile Hugging Face decoder LLMs with torch.compile/Inductor and serve them with CUDA graphs.
 
-Public API: `LLM`, `SamplingParams`, `RequestOutput`, and the typed errors in `graphkiln.errors`.
+Public API: `compile_model`, `load`, `LLM`, `SamplingParams`, `CompileConfig`, `EngineConfig`,
+`RequestOutput`, `StreamDelta`, and the typed errors in `graphkiln.errors`. Names are imported on
+first use, so `import graphkiln.errors` (or any one room) does not pull in the rest.
 """
 
-from graphkiln import errors
-from graphkiln.api import compile_model, load
-from graphkiln.compiler.config import CompileConfig
-from graphkiln.llm import LLM, RequestOutput, StreamDelta
-from graphkiln.runtime.sampling_params import SamplingParams
+from __future__ import annotations
 
-__version__ = "0.1.0"
-__all__ = ["CompileConfig", "LLM", "RequestOutput", "SamplingParams", "StreamDelta", "compile_model", "errors", "load", "__version__"]
+import importlib
+from typing import TYPE_CHECKING
+
+from graphkiln.version import __version__
+
+_NAMES = {
+    "compile_model": "graphkiln.api",
+    "load": "graphkiln.api",
+    "LLM": "graphkiln.llm",
+    "RequestOutput": "graphkiln.llm",
+    "StreamDelta": "graphkiln.llm",
+    "CompileConfig": "graphkiln.compiler.config",
+    "EngineConfig": "graphkiln.runtime.config",
+    "SamplingParams": "graphkiln.runtime.sampling_params",
+}
+__all__ = [*_NAMES, "errors", "__version__"]
+
+if TYPE_CHECKING:
+    from graphkiln import errors
+    from graphkiln.api import compile_model, load
+    from graphkiln.compiler.config import CompileConfig
+    from graphkiln.llm import LLM, RequestOutput, StreamDelta
+    from graphkiln.runtime.config import EngineConfig
+    from graphkiln.runtime.sampling_params import SamplingParams
+
+
+def __getattr__(name: str):
+    if name == "errors":
+        return importlib.import_module("graphkiln.errors")
+    if name not in _NAMES:
+        raise AttributeError(f"module 'graphkiln' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_NAMES[name]), name)
+    globals()[name] = value
+    return value

@@ -208,7 +208,7 @@ def stand_in_flashinfer(monkeypatch: pytest.MonkeyPatch) -> None:
         BatchPrefillWithPagedKVCacheWrapper=_StandInPrefillWrapper,
     )
     monkeypatch.setitem(sys.modules, "flashinfer", fake)
-    monkeypatch.setitem(sys.modules, "graphkiln.runtime.attention.kv_write", SimpleNamespace(write_kv=_cpu_write_kv))
+    monkeypatch.setitem(sys.modules, "graphkiln.kernels.kv_write", SimpleNamespace(write_kv=_cpu_write_kv))
 
 
 def _paged_batch(cache: KVCache, lens, decode: bool, pad: int, seed: int):

@@ -129,9 +129,9 @@ class TritonBackend:
 
     def __init__(self, kv_cache: KVCache) -> None:
         # triton is optional: import the kernels only when this backend is chosen.
-        from .kv_write import write_kv
-        from .triton_decode import paged_decode
-        from .triton_prefill import paged_prefill
+        from graphkiln.kernels.kv_write import write_kv
+        from graphkiln.kernels.decode_attention import paged_decode
+        from graphkiln.kernels.prefill_attention import paged_prefill
 
         head_dim = kv_cache.keys.shape[-1]
         if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):

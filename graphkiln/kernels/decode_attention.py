@@ -9,7 +9,7 @@ directly. Otherwise every split stores its partial result and log-sum-exp, then 
 done on a per-(sequence, KV head) counter; the last one merges the partials, writes the output
 and resets the counter to zero for the next launch.
 
-With programmatic dependent launch (models/pdl.py) a program loads its first cached tile while
+With programmatic dependent launch (kernels/pdl.py) a program loads its first cached tile while
 the kernel before it (rope) drains, and the next kernel may launch once every program began.
 
 The step's new key and value (the context's last position) come from the projections, not the
@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from graphkiln.models.pdl import pdl_on
+from .pdl import pdl_on
 
 
 @triton.jit

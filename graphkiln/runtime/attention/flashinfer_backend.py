@@ -158,7 +158,7 @@ class FlashInferBackend:
 
     def __init__(self, kv_cache: KVCache, workspace_bytes: int = WORKSPACE_BYTES) -> None:
         self._fi = import_flashinfer()
-        from .kv_write import write_kv  # triton, like the Triton backend: imported only when built
+        from graphkiln.kernels.kv_write import write_kv  # triton, like the Triton backend: imported only when built
 
         reason = unsupported(kv_cache.keys.dtype, kv_cache.keys.shape[-1])
         if reason:

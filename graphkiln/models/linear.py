@@ -33,7 +33,7 @@ def on_triton(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T -> [M, N]."""
     if uses_gemv(x, weight):  # triton is optional: the kernel is imported only where it runs
-        from .gemv_kernel import gemv
+        from graphkiln.kernels.gemv import gemv
 
         return gemv(x, weight)
     return torch.mm(x, weight.t())
@@ -48,7 +48,7 @@ def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """gate_up [M, 2I] = [gate | up], weight [N, I] -> (silu(gate) * up) @ weight^T [M, N]."""
     if on_triton(gate_up, weight):  # triton is optional: the kernels are imported only where they run
-        from .gemv_kernel import gemv, silu_mul
+        from graphkiln.kernels.gemv import gemv, silu_mul
 
         if gate_up.shape[0] == 1:
             return gemv(gate_up, weight, gated=True)

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from graphkiln.errors import ArtifactError
+from graphkiln.version import __version__
 
 FORMAT_VERSION = 2  # 2: model.config holds the ModelConfig, so loading needs no transformers
 MANIFEST = "manifest.json"
@@ -39,8 +40,6 @@ def device_identity(device: str) -> dict:
 
 
 def environment(device: str) -> dict:
-    from graphkiln import __version__
-
     return {
         "graphkiln": __version__,
         "torch": torch.__version__,

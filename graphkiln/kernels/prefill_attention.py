@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_decode import load_paged_tile
+from .decode_attention import load_paged_tile
 
 
 @triton.jit
