@@ -5,12 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from graphkiln.compiler.artifact_dir import read_artifact, write_artifact
-from graphkiln.compiler.manifest import read_manifest
 from graphkiln.compiler.compile import CompileReport, Progress
 from graphkiln.compiler.config import CompileConfig
+from graphkiln.compiler.manifest import MANIFEST, REWRITE, read_manifest
 from graphkiln.errors import ArtifactError, ConfigError
 from graphkiln.llm import LLM, resolve_model_dir
 from graphkiln.runtime.builder import build_engine
+from graphkiln.runtime.config import EngineConfig
 
 
 def compile_model(
@@ -18,14 +19,20 @@ def compile_model(
     out: str | Path,
     config: CompileConfig | None = None,
     *,
+    engine: EngineConfig | None = None,
     force: bool = False,
     progress: Progress = lambda stage, done, total: None,
 ) -> tuple[dict, CompileReport]:
-    """Compile a model directory (or "tiny") into the artifact directory `out`; returns (manifest, report)."""
+    """Compile a model directory (or "tiny") into the artifact directory `out`; returns (manifest, report).
+
+    `engine` is recorded as the artifact's default EngineConfig (capture sizes, KV cache, ...), which
+    `load` starts from.
+    """
     config = config or CompileConfig()
     model_dir = resolve_model_dir(model)
     source = str(model) if str(model) == "tiny" else str(model_dir.resolve())
-    return write_artifact(model_dir, source, Path(out), config, force=force, progress=progress)
+    defaults = (engine or EngineConfig()).to_dict()
+    return write_artifact(model_dir, source, Path(out), config, defaults, force=force, progress=progress)
 
 
 def load(
@@ -35,19 +42,23 @@ def load(
     device: str | None = None,
     dtype: str | None = None,
     on_mismatch: str = "error",
-    **engine,
+    engine: EngineConfig | None = None,
+    **options,
 ) -> LLM:
     """Load an artifact directory into an LLM without tracing or compiling.
 
     `model` overrides where the weights are (default: the directory recorded at compile time).
     `device`/`dtype`, when given, must match the artifact. `on_mismatch="recompile"` recompiles
-    a stale artifact in place instead of raising. `engine` options go to the engine (KV cache size...).
+    a stale artifact in place instead of raising. The engine starts from `engine`, else from the
+    EngineConfig the artifact records; `options` override single fields (decode_batch_sizes,
+    kv_cache_tokens, attention_backend, ...).
     Artifacts contain executable code: load only those you would run the compiling code for.
     """
     if on_mismatch not in ("error", "recompile"):
         raise ConfigError(f"on_mismatch={on_mismatch!r}; use 'error' or 'recompile'")
     out = Path(out)
     manifest = read_manifest(out)
+    serving = (engine or recorded_engine(manifest, out)).replace(**options)
     source = model if model is not None else manifest["model"]["source"]
     model_dir = resolve_model_dir(source)
     try:
@@ -56,13 +67,19 @@ def load(
         if on_mismatch == "error":
             raise
         config = CompileConfig(**{**_config_fields(manifest["config"]), **_overrides(device, dtype)})
-        compile_model(source, out, config, force=True)
+        compile_model(source, out, config, engine=recorded_engine(manifest, out), force=True)
         net, compiled, tokenizer, manifest = read_artifact(out, model_dir, device, dtype)
-    engine.setdefault("block_size", manifest["config"]["block_size"])
-    engine.setdefault("max_seq_len", manifest["config"]["max_seq_len"])
-    llm = LLM(build_engine(net, compiled, **engine), tokenizer)
+    llm = LLM(build_engine(net, compiled, serving), tokenizer, manifest.get("counters"))
     llm.manifest = manifest
     return llm
+
+
+def recorded_engine(manifest: dict, root: Path) -> EngineConfig:
+    """The EngineConfig compile-model recorded as the artifact's serving defaults."""
+    try:
+        return EngineConfig.from_dict(manifest["engine"])
+    except (ConfigError, TypeError) as e:
+        raise ArtifactError(f"{root / MANIFEST}: section 'engine' is invalid ({e}); {REWRITE}") from e
 
 
 def _config_fields(recorded: dict) -> dict:

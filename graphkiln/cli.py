@@ -30,17 +30,41 @@ def _compile_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available")
     parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
                         help="default: bfloat16 on cuda, float32 on cpu")
-    parser.add_argument("--decode-batch-sizes", type=_sizes, default=None, metavar="1,2,4,...")
-    parser.add_argument("--prefill-token-buckets", type=_sizes, default=None, metavar="16,32,...")
-    parser.add_argument("--max-seq-len", type=int, default=None)
-    parser.add_argument("--specialize", action=argparse.BooleanOptionalAction, default=None,
-                        help="one more Inductor compile per bucket size (default: off)")
+    parser.add_argument("--specialize-sizes", type=_sizes, default=(), metavar="1,2,4,...",
+                        help="token counts that get one more Inductor compile each, with the token dim fixed")
     parser.add_argument("--disable-pass", action="append", default=[], metavar="NAME")
     parser.add_argument("--dump-dir", type=Path, default=None, help="write pass-debugging dumps here")
     parser.add_argument("--force", action="store_true", help="replace OUT if it exists")
     parser.add_argument("--quiet", action="store_true", help="no progress, no summary table")
     parser.add_argument("--json", action="store_true", help="print a machine-readable summary on stdout")
+    _engine_parser(parser.add_argument_group("serving defaults recorded in the artifact (load can override them)"))
     return parser
+
+
+def _engine_parser(group) -> None:
+    """EngineConfig fields as flags; left out, a flag keeps the default (or the artifact's recorded one)."""
+    group.add_argument("--decode-batch-sizes", type=_sizes, default=None, metavar="1,2,4,...",
+                       help="decode batch sizes that get a CUDA graph")
+    group.add_argument("--prefill-token-buckets", type=_sizes, default=None, metavar="16,32,...",
+                       help="prefill token counts that get a CUDA graph")
+    group.add_argument("--max-seq-len", type=int, default=None, help="longest prompt plus output")
+    group.add_argument("--kv-cache-tokens", type=int, default=None, help="KV cache size in tokens")
+    group.add_argument("--gpu-memory-fraction", type=float, default=None, help="share of GPU memory for the KV cache")
+    group.add_argument("--block-size", type=int, default=None, help="tokens per KV cache block")
+    group.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step")
+    group.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step")
+    group.add_argument("--attention-backend", choices=("auto", "sdpa", "triton", "flashinfer"), default=None)
+    group.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None)
+
+
+ENGINE_FLAGS = (
+    "decode_batch_sizes", "prefill_token_buckets", "max_seq_len", "kv_cache_tokens", "gpu_memory_fraction",
+    "block_size", "max_num_seqs", "max_num_batched_tokens", "attention_backend", "cuda_graphs",
+)  # fmt: skip
+
+
+def _engine_options(args) -> dict:
+    return {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name) is not None}
 
 
 def _config(args):
@@ -52,10 +76,7 @@ def _config(args):
     fields = {
         "device": device,
         "dtype": args.dtype or ("bfloat16" if device == "cuda" else "float32"),
-        "decode_batch_sizes": args.decode_batch_sizes,
-        "prefill_token_buckets": args.prefill_token_buckets,
-        "max_seq_len": args.max_seq_len,
-        "specialize": args.specialize,
+        "specialize_sizes": args.specialize_sizes,
         "disabled_passes": tuple(args.disable_pass),
         "dump_dir": str(args.dump_dir) if args.dump_dir else None,
     }
@@ -64,12 +85,14 @@ def _config(args):
 
 def run_compile(args) -> int:
     from graphkiln.api import compile_model
+    from graphkiln.runtime.config import engine_config
 
     config = _config(args)
+    engine = engine_config(**_engine_options(args))
     bar = report.ProgressBar(enabled=not args.quiet and not args.json)
     start = time.perf_counter()
     try:
-        manifest, rep = compile_model(args.model, args.out, config, force=args.force, progress=bar)
+        manifest, rep = compile_model(args.model, args.out, config, engine=engine, force=args.force, progress=bar)
     finally:
         bar.close()
     summary = report.compile_summary(manifest, rep, args.out, time.perf_counter() - start)
@@ -91,7 +114,7 @@ def run_inspect(args) -> int:
 def run_generate(args) -> int:
     import graphkiln
 
-    llm = graphkiln.load(args.artifact)
+    llm = graphkiln.load(args.artifact, **_engine_options(args))
     params = graphkiln.SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
     )
@@ -137,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
+    _engine_parser(gen.add_argument_group("engine options (default: what the artifact records)"))
     gen.set_defaults(handler=run_generate)
     args = parser.parse_args(argv)
     return _run(args.handler, args)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+import dataclasses
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,9 +17,11 @@ from graphkiln.models.tokenizer import Tokenizer
 from graphkiln.compiler.compile import CompileReport, compile_module
 from graphkiln.compiler.config import CompileConfig
 from graphkiln.runtime.builder import build_engine
+from graphkiln.runtime.config import EngineConfig, engine_config
 from graphkiln.runtime.engine import Engine
 from graphkiln.runtime.memory import resolve_device
 from graphkiln.runtime.sampling_params import SamplingParams
+from graphkiln.runtime.stats import EngineStats
 
 Prompt = str | Sequence[int]
 
@@ -57,36 +61,69 @@ def resolve_model_dir(model: str | Path) -> Path:
 
 
 class LLM:
-    def __init__(self, engine: Engine, tokenizer: Tokenizer | None) -> None:
-        self.engine = engine
+    """Generate, stream and score with one engine. `close()` (or a `with` block) frees its device memory
+    at once; dropping the last reference frees it too."""
+
+    def __init__(self, engine: Engine, tokenizer: Tokenizer | None, compile_counters: dict[str, int] | None = None) -> None:
+        self._engine: Engine | None = engine
+        self._close = weakref.finalize(self, engine.close)  # runs once: at close(), on collection or at exit
         self.tokenizer = tokenizer
+        self.compile_counters = compile_counters
         self.compile_report: CompileReport | None = None
         self.manifest: dict | None = None
 
     @classmethod
     def eager(
-        cls, model: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32", **engine
+        cls,
+        model: str | Path,
+        device: str | torch.device = "cpu",
+        dtype: str | torch.dtype = "float32",
+        engine: EngineConfig | None = None,
+        **options,
     ) -> LLM:
-        """The eager reference engine: no compile, SDPA attention. What compiled engines are checked against.
-
-        `engine` options: block_size, kv_cache_tokens, gpu_memory_fraction, max_num_batched_tokens, max_num_seqs.
-        """
+        """The eager reference engine: no compile, SDPA attention unless `attention_backend` says otherwise.
+        What compiled engines are checked against. `options` override fields of `engine` (EngineConfig)."""
+        config = engine_config(engine, **options)
         model_dir = resolve_model_dir(model)
         net = load_model(model_dir, resolve_device(device), resolve_dtype(dtype))
-        return cls(build_engine(net, **engine), Tokenizer.from_dir(model_dir))
+        return cls(build_engine(net, None, config), Tokenizer.from_dir(model_dir))
 
     @classmethod
-    def compile(cls, model: str | Path, config: CompileConfig | None = None, **engine) -> LLM:
+    def compile(
+        cls, model: str | Path, config: CompileConfig | None = None, engine: EngineConfig | None = None, **options
+    ) -> LLM:
         """Trace and compile in this process (no artifacts written) and serve the compiled model."""
         config = config or CompileConfig()
+        serving = engine_config(engine, **options)
         model_dir = resolve_model_dir(model)
         net = load_model(model_dir, resolve_device(config.device), resolve_dtype(config.dtype))
         compiled, report = compile_module(net, config)
-        engine.setdefault("block_size", config.block_size)
-        engine.setdefault("max_seq_len", config.max_seq_len)
-        llm = cls(build_engine(net, compiled, **engine), Tokenizer.from_dir(model_dir))
+        llm = cls(build_engine(net, compiled, serving), Tokenizer.from_dir(model_dir), report.counters.as_dict())
         llm.compile_report = report
         return llm
+
+    @property
+    def engine(self) -> Engine:
+        if self._engine is None:
+            raise RequestError("this LLM is closed; load the artifact again to serve it")
+        return self._engine
+
+    def stats(self) -> EngineStats:
+        """The KV cache, the captured graphs (sizes, capture time, pool bytes, replays), steps run without a
+        graph, the engine config, and the compile counters of the compile behind this LLM."""
+        stats = self.engine.stats()
+        return dataclasses.replace(stats, compile_counters=self.compile_counters)
+
+    def close(self) -> None:
+        """Abort what is running and free the KV cache, graphs and weights now; the LLM is unusable after."""
+        self._engine = None
+        self._close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def max_context(self) -> int:
@@ -139,8 +176,8 @@ class LLM:
                     yield StreamDelta(event.token_id, stable[len(shown) :], event.finish_reason)
                     shown = stable
         finally:
-            if seq.finish_reason is None:
-                self.engine.abort(seq)
+            if seq.finish_reason is None and self._engine is not None:
+                self._engine.abort(seq)
 
     def chat(
         self, conversations: Sequence[dict] | Sequence[Sequence[dict]], params: SamplingParams | None = None

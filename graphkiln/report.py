@@ -77,7 +77,7 @@ def format_compile_summary(s: dict) -> str:
 
 
 def format_manifest(m: dict, root: Path) -> str:
-    env, model, cfg, compiled = m["environment"], m["model"], m["config"], m["compiled"]
+    env, model, cfg, engine, compiled = m["environment"], m["model"], m["config"], m["engine"], m["compiled"]
     lines = [
         f"artifact      {root}",
         f"format        {m['format_version']}",
@@ -87,8 +87,9 @@ def format_manifest(m: dict, root: Path) -> str:
         "weights       " + ", ".join(f"{w['file']} ({w['size'] / 2**20:.1f} MiB)" for w in model["weights"]),
         f"tokenizer     {TOKENIZER_KINDS[model.get('tokenizer')]}",
         f"dtype         {cfg['dtype']}",
-        f"decode sizes  {cfg['decode_batch_sizes']}",
-        f"prefill sizes {cfg['prefill_token_buckets']}",
+        f"specialized   {cfg['specialize_sizes'] or 'none (dynamic only)'}",
+        f"decode graphs {engine['decode_batch_sizes']} (default; load can change it)",
+        f"prefill graphs {engine['prefill_token_buckets']} (default; load can change it)",
         "",
         f"{'submodule':<12} {'kind':<10} {'piece key':<18} sizes",
     ]

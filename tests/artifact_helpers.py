@@ -14,12 +14,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import graphkiln
-from graphkiln import CompileConfig, SamplingParams
+from graphkiln import CompileConfig, EngineConfig, SamplingParams
 
 DECODE_SIZES = (1, 2, 4)
 PREFILL_BUCKETS = (16, 32)
-SMALL_CONFIG = CompileConfig(decode_batch_sizes=DECODE_SIZES, prefill_token_buckets=PREFILL_BUCKETS)
-# The same config on the command line.
+SMALL_CONFIG = CompileConfig()
+SMALL_ENGINE = EngineConfig(decode_batch_sizes=DECODE_SIZES, prefill_token_buckets=PREFILL_BUCKETS)
+# The same configs on the command line.
 SMALL_CONFIG_ARGS = ("--device", "cpu", "--dtype", "float32", "--decode-batch-sizes", "1,2,4", "--prefill-token-buckets", "16,32")
 
 # Uneven prompts: a 2-token one, a sentence, and 40 token ids (past the largest prefill bucket).

@@ -25,7 +25,7 @@ from transformers import (
 )
 
 import graphkiln
-from artifact_helpers import ENGINE, SMALL_CONFIG, greedy_tokens, temp_folders
+from artifact_helpers import ENGINE, SMALL_CONFIG, SMALL_ENGINE, greedy_tokens, temp_folders
 from graphkiln.compiler.counters import torch_compile_events
 
 FAMILIES = {
@@ -161,7 +161,7 @@ def prompts() -> list[list[int]]:
 def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model compiled once for the session. Tests must not modify it: copy it first (`art`)."""
     out = tmp_path_factory.mktemp("artifacts") / "tiny"
-    manifest, report = graphkiln.compile_model("tiny", out, SMALL_CONFIG)
+    manifest, report = graphkiln.compile_model("tiny", out, SMALL_CONFIG, engine=SMALL_ENGINE)
     report.counters.expect(graphs_traced=1, inductor_compiles=3, specialized_compiles=0)
     assert torch_compile_events()["dynamo_graphs"] >= 1  # the counters the fresh-process test reads do count
     assert (out / "manifest.json").is_file() and not temp_folders(out)

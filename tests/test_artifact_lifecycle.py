@@ -20,6 +20,7 @@ from artifact_helpers import (
     ENGINE,
     PROMPTS,
     SMALL_CONFIG,
+    SMALL_ENGINE,
     SMALL_CONFIG_ARGS,
     compile_cmd,
     greedy_tokens,
@@ -98,7 +99,7 @@ def test_changed_model_files_are_refused(artifact: Path, model_dir: Path, case: 
 def test_changed_weights_in_recorded_source_are_refused(model_dir: Path, tmp_path: Path) -> None:
     """The default path: with no `model=`, load checks the directory recorded at compile time."""
     out = tmp_path / "art"
-    manifest, _ = graphkiln.compile_model(model_dir, out, SMALL_CONFIG)
+    manifest, _ = graphkiln.compile_model(model_dir, out, SMALL_CONFIG, engine=SMALL_ENGINE)
     assert manifest["model"]["source"] == str(model_dir.resolve())
     check_artifact(out, Path(manifest["model"]["source"]))  # control
     _resave_one_tensor_changed(model_dir)
@@ -116,7 +117,7 @@ def test_stale_artifact_recompiles_on_request(art: Path, eager_tokens: list[list
     llm = graphkiln.load(art, on_mismatch="recompile", **ENGINE)
     assert llm.manifest["environment"]["torch"] != "0.0"
     assert json.loads((art / "manifest.json").read_text())["environment"]["torch"] != "0.0"  # rewritten on disk
-    assert llm.manifest["config"]["decode_batch_sizes"] == list(SMALL_CONFIG.decode_batch_sizes)
+    assert llm.manifest["engine"]["decode_batch_sizes"] == list(SMALL_ENGINE.decode_batch_sizes)
     assert greedy_tokens(llm) == eager_tokens
     assert not temp_folders(art)
     check_artifact(art, tiny_model_dir())  # and it stays valid for a plain load
@@ -156,7 +157,7 @@ def test_interrupted_compile_leaves_no_artifact(tmp_path: Path) -> None:
     with pytest.raises(ArtifactError, match="no such artifact directory"):
         graphkiln.load(out, **ENGINE)
 
-    graphkiln.compile_model("tiny", out, SMALL_CONFIG)
+    graphkiln.compile_model("tiny", out, SMALL_CONFIG, engine=SMALL_ENGINE)
     assert not any(p.exists() for p in stale), "the next compile should remove stale temp folders"
     assert not temp_folders(out)
     check_artifact(out, tiny_model_dir())
@@ -165,7 +166,7 @@ def test_interrupted_compile_leaves_no_artifact(tmp_path: Path) -> None:
 def test_compile_refuses_existing_out_without_force(artifact: Path) -> None:
     before = (artifact / "manifest.json").read_bytes()
     with pytest.raises(ArtifactError, match=re.escape(str(artifact)) + ": already exists"):
-        graphkiln.compile_model("tiny", artifact, SMALL_CONFIG)
+        graphkiln.compile_model("tiny", artifact, SMALL_CONFIG, engine=SMALL_ENGINE)
     assert (artifact / "manifest.json").read_bytes() == before
 
 
@@ -196,7 +197,7 @@ def test_concurrent_compiles_of_one_out(tmp_path: Path, eager_tokens: list[list[
 
 
 def test_specialized_artifact_loads(tmp_path: Path, eager_tokens: list[list[int]]) -> None:
-    config = CompileConfig(decode_batch_sizes=(1, 2), prefill_token_buckets=(16,), specialize=True)
+    config = CompileConfig(specialize_sizes=(1, 2, 16))
     out = tmp_path / "spec"
     manifest, report = graphkiln.compile_model("tiny", out, config)
     unique = manifest["compiled"]["unique_pieces"]

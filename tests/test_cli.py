@@ -17,6 +17,7 @@ import pytest
 import graphkiln
 from artifact_helpers import (
     SMALL_CONFIG,
+    SMALL_ENGINE,
     SMALL_CONFIG_ARGS,
     compile_cmd,
     graphkiln_cmd,
@@ -88,8 +89,8 @@ def test_compile_json_summary(compiled: tuple[Path, dict, str], manifest: dict) 
     assert set(summary["timings_s"]) >= {"trace", "inductor", "save"}
     assert summary["device"] == "cpu" and summary["dtype"] == "float32"
     assert "load weights" not in stderr and "[" not in stderr  # --quiet: no progress bar
-    assert manifest["config"]["decode_batch_sizes"] == [1, 2, 4]
-    assert manifest["config"]["prefill_token_buckets"] == [16, 32]
+    assert manifest["engine"]["decode_batch_sizes"] == [1, 2, 4]
+    assert manifest["engine"]["prefill_token_buckets"] == [16, 32]
     assert not temp_folders(out)
 
 
@@ -155,7 +156,7 @@ def test_sizes_that_are_not_integers_exit_2(tmp_path: Path, capsys: pytest.Captu
 
 def test_piece_keys_are_reproducible(compiled: tuple[Path, dict, str], manifest: dict, tmp_path: Path) -> None:
     """The same model and config compiled in another process names its pieces the same."""
-    again, _ = graphkiln.compile_model("tiny", tmp_path / "again", SMALL_CONFIG)
+    again, _ = graphkiln.compile_model("tiny", tmp_path / "again", SMALL_CONFIG, engine=SMALL_ENGINE)
     assert again["compiled"]["pieces"] == manifest["compiled"]["pieces"]
 
 

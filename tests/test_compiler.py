@@ -2,21 +2,23 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
 import torch
 
-from graphkiln import CompileConfig, LLM, SamplingParams
-from graphkiln.compiler.compile import compile_module, compile_sizes
+from graphkiln import CompileConfig, EngineConfig, LLM, SamplingParams
+from graphkiln.compiler.compile import compile_module
 from graphkiln.compiler.counters import torch_compile_events
-from graphkiln.compiler.plan import GraphPlan
 from graphkiln.errors import ConfigError
 from graphkiln.models.attention import ForwardContext, forward_context
 from graphkiln.models.config import ModelConfig
 from graphkiln.models.rope import default_inv_freq, rope_cache
 from graphkiln.models.transformer import CausalLM
-from graphkiln.runtime.runner import padded_size
+from graphkiln.runtime.batch import Batch
+from graphkiln.runtime.graphs import smallest_bucket
+from graphkiln.runtime.runner import Padding
 
 TOY = ModelConfig(
     architecture="LlamaForCausalLM", family="llama", vocab_size=256, hidden_size=64, intermediate_size=96,
@@ -50,7 +52,7 @@ class CountingAttention:
 @pytest.fixture(scope="module")
 def toy_compiled():
     model = toy_model()
-    config = CompileConfig(decode_batch_sizes=(1, 2, 4), prefill_token_buckets=(16,), specialize=True)
+    config = CompileConfig(specialize_sizes=(1, 2, 4, 16))
     compiled, report = compile_module(model, config)
     return model, compiled, report, config
 
@@ -61,7 +63,7 @@ def test_piece_and_compile_counts_follow_the_documented_rule(toy_compiled):
     # N attention calls split the graph into N + 1 pieces; the first and last differ from the
     # N - 1 identical middle pieces, so 3 unique pieces for N >= 2.
     report.counters.expect(graphs_traced=1, pieces=layers + 1, attention_pieces=layers, unique_pieces=3)
-    sizes = compile_sizes(config)
+    sizes = config.specialize_sizes
     assert sizes == (1, 2, 4, 16)
     report.counters.expect(inductor_compiles=3 * (1 + len(sizes)), specialized_compiles=3 * len(sizes))
     assert [attn for _, attn in compiled.split.submodules] == [False, True] * layers + [False]
@@ -94,7 +96,7 @@ def test_specialized_variant_is_chosen_by_token_count(toy_compiled):
 
 
 def test_identical_layers_compile_once():
-    config = CompileConfig(specialize=False)
+    config = CompileConfig()
     _, two = compile_module(toy_model(2), config)
     _, six = compile_module(toy_model(6), config)
     assert six.counters.pieces == 7 and two.counters.pieces == 3
@@ -105,8 +107,7 @@ def test_identical_layers_compile_once():
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
 def test_compiled_engine_matches_eager_for_every_family(hf_checkpoint, family, prompts):
     ckpt = hf_checkpoint(family)
-    config = CompileConfig(decode_batch_sizes=(1, 2, 4), prefill_token_buckets=(16, 32))
-    compiled = LLM.compile(ckpt.path, config)
+    compiled = LLM.compile(ckpt.path, CompileConfig(), decode_batch_sizes=(1, 2, 4), prefill_token_buckets=(16, 32))
     eager = LLM.eager(ckpt.path)
     ids = prompts[2] + prompts[1]
     got, want = compiled.score(ids), eager.score(ids)
@@ -119,8 +120,7 @@ def test_compiled_engine_matches_eager_for_every_family(hf_checkpoint, family, p
 
 
 def test_tiny_model_compiled_matches_eager():
-    config = CompileConfig(decode_batch_sizes=(1, 2, 4, 8), prefill_token_buckets=(16, 64))
-    compiled = LLM.compile("tiny", config)
+    compiled = LLM.compile("tiny", decode_batch_sizes=(1, 2, 4, 8), prefill_token_buckets=(16, 64))
     eager = LLM.eager("tiny")
     prompts = ["the kiln", "a model of tokens and layers", "x"]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -132,12 +132,32 @@ def test_tiny_model_compiled_matches_eager():
     assert diff <= 1e-4
 
 
-def test_plan_buckets_and_padding():
-    plan = GraphPlan("decode", (1, 2, 4, 8), "full")
-    assert [plan.bucket(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, None]
-    assert padded_size(3, plan) == 4
-    assert padded_size(9, plan) == 9
-    assert padded_size(7, None) == 7
+def test_buckets_and_padding():
+    assert [smallest_bucket((1, 2, 4, 8), n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, None]
+    padding = Padding(decode=(1, 2, 4, 8), prefill=(16, 64))
+
+    def batch(n: int, decode: bool) -> Batch:
+        return Batch([5] * n, list(range(n)), [], decode)
+
+    assert padding.size(batch(3, True)) == 4
+    assert padding.size(batch(9, True)) == 9
+    assert padding.size(batch(3, False)) == 16
+    assert padding.size(batch(70, False)) == 70
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"specialize_sizes": (4, 2)}, "specialize_sizes"),
+        ({"specialize_sizes": (0, 1)}, "specialize_sizes"),
+        ({"device": "tpu"}, "device"),
+        ({"dtype": "int8"}, "dtype"),
+        ({"inductor_options": {"pass": object()}}, "inductor_options"),
+    ],
+)
+def test_compile_config_rejects_invalid_values(kwargs, field):
+    with pytest.raises(ConfigError, match=field):
+        CompileConfig(**kwargs)
 
 
 @pytest.mark.parametrize(
@@ -147,31 +167,38 @@ def test_plan_buckets_and_padding():
         ({"decode_batch_sizes": (0, 1)}, "decode_batch_sizes"),
         ({"prefill_token_buckets": ()}, "prefill_token_buckets"),
         ({"prefill_token_buckets": (16, 16)}, "prefill_token_buckets"),
-        ({"device": "tpu"}, "device"),
-        ({"dtype": "int8"}, "dtype"),
         ({"block_size": 12}, "block_size"),
         ({"max_seq_len": 0}, "max_seq_len"),
-        ({"kv_cache_tokens": 64, "decode_batch_sizes": (1, 8)}, "decode_batch_sizes"),
+        ({"kv_cache_tokens": 8}, "kv_cache_tokens"),
         ({"kv_cache_tokens": 4096, "max_seq_len": 8192}, "max_seq_len"),
+        ({"gpu_memory_fraction": 1.5}, "gpu_memory_fraction"),
+        ({"attention_backend": "magic"}, "attention_backend"),
+        ({"max_num_seqs": True}, "max_num_seqs"),
     ],
 )
-def test_compile_config_rejects_invalid_values(kwargs, field):
+def test_engine_config_rejects_invalid_values(kwargs, field):
     with pytest.raises(ConfigError, match=field):
-        CompileConfig(**kwargs)
+        EngineConfig(**kwargs)
 
 
-def test_compile_config_defaults_and_specialization_default():
-    config = CompileConfig()
-    assert config.decode_batch_sizes[0] == 1 and config.decode_batch_sizes[-1] == 256
-    assert config.prefill_token_buckets == tuple(2**i for i in range(4, 13))
-    assert not config.specialize and not CompileConfig(device="cuda").specialize
+def test_unknown_engine_option_is_named():
+    with pytest.raises(ConfigError, match="kv_cache_token.*known: .*kv_cache_tokens"):
+        EngineConfig().replace(kv_cache_token=64)
+
+
+def test_config_defaults():
+    engine = EngineConfig()
+    assert engine.decode_batch_sizes[0] == 1 and engine.decode_batch_sizes[-1] == 256
+    assert engine.prefill_token_buckets == tuple(2**i for i in range(4, 13))
+    assert CompileConfig().specialize_sizes == CompileConfig(device="cuda").specialize_sizes == ()
+    assert EngineConfig.from_dict(json.loads(json.dumps(engine.to_dict()))) == engine
     with pytest.raises(Exception):
-        config.dtype = "bfloat16"
+        CompileConfig().dtype = "bfloat16"
 
 
 def test_compiler_hash_follows_the_passes_and_options():
     model = toy_model()
-    base = compile_module(model, CompileConfig(specialize=False))[1].compiler_hash
-    assert compile_module(model, CompileConfig(specialize=False))[1].compiler_hash == base
+    base = compile_module(model, CompileConfig())[1].compiler_hash
+    assert compile_module(model, CompileConfig())[1].compiler_hash == base
     disabled = CompileConfig(disabled_passes=("boundary_recompute",))
     assert compile_module(model, disabled)[1].compiler_hash != base

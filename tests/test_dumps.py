@@ -23,7 +23,7 @@ SIZES = ("dynamic", "1", "16")
 @pytest.fixture(scope="module")
 def dumped(tmp_path_factory):
     root = tmp_path_factory.mktemp("dump")
-    config = CompileConfig(decode_batch_sizes=(1,), prefill_token_buckets=(16,), specialize=True,
+    config = CompileConfig(specialize_sizes=(1, 16),
                            dump_dir=str(root / "dump"))
     manifest, report = graphkiln.compile_model("tiny", root / "out", config)
     index = (root / "dump" / "index.md").read_text()

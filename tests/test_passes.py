@@ -141,13 +141,13 @@ def test_attention_split_isolates_each_attention_call_and_off_compiles_one_piece
     whole = toy_graph()
     run_manager(whole, disabled=("attention_split",))
     assert [attn for _, attn in split_pieces(whole).submodules] == [False]
-    compiled, report = compile_module(toy, CompileConfig(specialize=False, disabled_passes=("attention_split",)))
+    compiled, report = compile_module(toy, CompileConfig(disabled_passes=("attention_split",)))
     report.counters.expect(pieces=1, attention_pieces=0, unique_pieces=1, inductor_compiles=1)
     eager_and_compiled_agree(toy, compiled)
 
 
 def test_default_pipeline_matches_eager_and_reports_every_pass(toy):
-    compiled, report = compile_module(toy, CompileConfig(specialize=False))
+    compiled, report = compile_module(toy, CompileConfig())
     eager_and_compiled_agree(toy, compiled)
     assert [(r.name, r.enabled) for r in report.passes] == [(n, True) for n in NAMES]
     recompute, silu_mul, split, _ = report.passes  # linear_op runs inside Inductor, on cache misses only

@@ -10,12 +10,13 @@ from graphkiln.errors import CapacityError
 from greedy_helpers import assert_greedy_agrees
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
-CONFIG = CompileConfig(decode_batch_sizes=(1, 2, 4), prefill_token_buckets=(16, 32))
+CONFIG = CompileConfig()
+SIZES = dict(decode_batch_sizes=(1, 2, 4), prefill_token_buckets=(16, 32))
 
 
 @pytest.fixture(scope="module")
 def compiled_and_eager(llama):
-    compiled = LLM.compile(llama.path, CONFIG, max_num_batched_tokens=32, kv_cache_tokens=2048)
+    compiled = LLM.compile(llama.path, CONFIG, max_num_batched_tokens=32, kv_cache_tokens=2048, **SIZES)
     eager = LLM.eager(llama.path, max_num_batched_tokens=32, kv_cache_tokens=2048)
     return compiled, eager
 
@@ -56,7 +57,7 @@ def test_batch_larger_than_largest_decode_bucket(compiled_and_eager):
 
 def test_kv_exhaustion_waits_and_every_request_finishes_correctly(llama):
     small = dict(max_num_batched_tokens=32, kv_cache_tokens=96, block_size=16)
-    compiled = LLM.compile(llama.path, CONFIG, **small)
+    compiled = LLM.compile(llama.path, CONFIG, **small, **SIZES)
     eager = LLM.eager(llama.path, **small)
     prompts = [ids(20, 30 + i) for i in range(4)]  # each needs 2 blocks of the 6, all together 8
     params = SamplingParams(max_tokens=10, ignore_eos=True)
@@ -88,7 +89,7 @@ def test_streaming_yields_what_generate_returns(compiled_and_eager):
 @pytest.fixture(scope="module")
 def tiny_bf16():
     """The tiny model in bfloat16, compiled and eager: Inductor's fused kernels round differently."""
-    compiled = LLM.compile("tiny", CompileConfig(dtype="bfloat16", decode_batch_sizes=(1, 2, 4, 8)), kv_cache_tokens=4096)
+    compiled = LLM.compile("tiny", CompileConfig(dtype="bfloat16"), decode_batch_sizes=(1, 2, 4, 8), kv_cache_tokens=4096)
     eager = LLM.eager("tiny", dtype="bfloat16", kv_cache_tokens=4096)
     return compiled, eager
 

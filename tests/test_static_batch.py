@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from graphkiln.runtime.attention.metadata import SequenceSlice, build_metadata, pad_decode
+from graphkiln.runtime.batch import Batch
 from graphkiln.runtime.kv_cache import DUMMY_BLOCK
-from graphkiln.runtime.prefill_graph import dummy_slices
+from graphkiln.runtime.prefill_graphs import dummy_slices
 from graphkiln.runtime.static_batch import StaticBatch
 
 CPU = torch.device("cpu")
@@ -16,8 +17,9 @@ BLOCK = 16
 def fill(batch: StaticBatch, slices: list[SequenceSlice], tokens: int, seqs: int, graph: str = "prefill"):
     ids = list(range(100, 100 + sum(s.query_len for s in slices)))
     positions = [p for s in slices for p in range(s.seq_len - s.query_len, s.seq_len)]
+    rows = Batch(ids, positions, slices, decode=graph == "decode").padded(tokens)
     with batch.staging_turn():
-        return batch.fill(graph, ids, positions, slices, tokens, seqs), ids, positions
+        return batch.fill(graph, rows, seqs), ids, positions
 
 
 def test_fill_matches_build_metadata_with_padding_to_the_dummy_slot() -> None:

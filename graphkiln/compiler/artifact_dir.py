@@ -67,12 +67,14 @@ def write_artifact(
     model_source: str,
     out: Path,
     config: CompileConfig,
+    engine_defaults: dict,
     *,
     force: bool = False,
     graph_passes: tuple[Pass, ...] = (),
     progress: Progress = lambda stage, done, total: None,
 ) -> tuple[dict, CompileReport]:
     """Compile `model_dir` for `config` into `out`; return the manifest and the compile report.
+    `engine_defaults` (an EngineConfig as a dict) is recorded for `load` to start from.
 
     The model directory (config.json, weight file headers) and the pass names are checked before
     anything is locked, created or reported as progress.
@@ -86,7 +88,9 @@ def write_artifact(
         _remove_stale(out)
         tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
         try:
-            manifest, report = _compile_into(model_dir, model_source, fingerprint, tmp, config, graph_passes, progress)
+            manifest, report = _compile_into(
+                model_dir, model_source, fingerprint, tmp, config, engine_defaults, graph_passes, progress
+            )
             _replace(tmp, out)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -95,7 +99,7 @@ def write_artifact(
 
 
 def _compile_into(
-    model_dir, model_source, fingerprint, tmp: Path, config, graph_passes, progress
+    model_dir, model_source, fingerprint, tmp: Path, config, engine_defaults: dict, graph_passes, progress
 ) -> tuple[dict, CompileReport]:
     progress("load weights", 0, 1)
     start = time.perf_counter()
@@ -123,7 +127,8 @@ def _compile_into(
             "tokenizer": "snapshot" if snapshot else ("transformers" if tokenizer else None),
             **fingerprint,
         },
-        "config": {k: v for k, v in asdict(config).items() if k != "inductor_options"},
+        "config": asdict(config),
+        "engine": engine_defaults,
         "passes": [{"name": r.name, "stage": r.stage, "uuid": r.uuid} for r in report.passes if r.enabled],
         "compiler_hash": report.compiler_hash,
         "compiled": section,

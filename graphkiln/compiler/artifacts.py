@@ -27,7 +27,6 @@ from .compat import install_cpu_kernels
 from .compiled_model import CompiledModel
 from .inductor import CompiledPiece
 from .manifest import FIX
-from .plan import GraphPlan
 from .split import SplitGraph
 
 GRAPH_FILE = "graph.pkl"
@@ -38,19 +37,8 @@ TOKENIZER_FILE = "tokenizer.json"
 
 def save_compiled(compiled: CompiledModel, out: Path) -> dict:
     """Write graph and pieces under `out`; return the manifest section that describes them."""
-    gm = compiled.split.gm
-    originals = {name: piece for name, piece in compiled.pieces.items()}
-    stubs = {name: compiled.piece_graphs[name] for name in originals}
-    for name, graph in stubs.items():
-        delattr(gm, name)
-        setattr(gm, name, graph)
-    try:
-        (out / GRAPH_FILE).write_bytes(pickle.dumps(gm))
-    finally:
-        for name, piece in originals.items():
-            delattr(gm, name)
-            setattr(gm, name, piece)
-    unique: dict[str, CompiledPiece] = {p.key: p for p in originals.values()}
+    (out / GRAPH_FILE).write_bytes(pickle.dumps(compiled.split.gm))
+    unique: dict[str, CompiledPiece] = {p.key: p for p in compiled.pieces.values()}
     for key, piece in unique.items():
         folder = out / PIECES_DIR / key
         folder.mkdir(parents=True)
@@ -58,7 +46,7 @@ def save_compiled(compiled: CompiledModel, out: Path) -> dict:
             art.save(path=str(folder / f"{variant}.bin"), format="binary")
     return {
         "submodules": [[name, attn] for name, attn in compiled.split.submodules],
-        "pieces": {name: piece.key for name, piece in originals.items()},
+        "pieces": {name: piece.key for name, piece in compiled.pieces.items()},
         "unique_pieces": {
             key: {
                 "sizes": sorted(piece.by_size),
@@ -68,7 +56,6 @@ def save_compiled(compiled: CompiledModel, out: Path) -> dict:
             for key, piece in unique.items()
         },
         "bindings": [asdict(b) for b in compiled.bindings],
-        "plans": {name: asdict(plan) for name, plan in compiled.plans.items()},
     }
 
 
@@ -91,5 +78,4 @@ def load_compiled(section: dict, out: Path, tensors: dict[str, torch.Tensor]) ->
     pieces = {name: unique[key] for name, key in section["pieces"].items()}
     split = SplitGraph(gm, [(name, attn) for name, attn in section["submodules"]])
     bindings = [Binding(**b) for b in section["bindings"]]
-    plans = {name: GraphPlan(p["phase"], tuple(p["sizes"]), p["cuda_graph"]) for name, p in section["plans"].items()}
-    return CompiledModel(split, bindings, pieces, plans, tensors)
+    return CompiledModel(split, bindings, pieces, tensors)

@@ -21,7 +21,6 @@ from .compiled_model import CompiledModel
 from .config import CompileConfig
 from .counters import Counters
 from .inductor import InductorCompiler, structure_key
-from .plan import plans_for
 from .split import split_pieces
 
 log = logging.getLogger("graphkiln.compiler")
@@ -51,13 +50,6 @@ class CompileReport:
             f"{c.pieces} pieces ({c.unique_pieces} unique) + {c.attention_pieces} attention; "
             f"{c.inductor_compiles} Inductor compiles ({c.specialized_compiles} specialized); {stages}"
         )
-
-
-def compile_sizes(config: CompileConfig) -> tuple[int, ...]:
-    """Token counts that get a specialized compile: every decode batch size and prefill bucket."""
-    if not config.specialize:
-        return ()
-    return tuple(sorted(set(config.decode_batch_sizes) | set(config.prefill_token_buckets)))
 
 
 def compile_module(
@@ -101,7 +93,7 @@ def _compile(
 
     t = time.perf_counter()
     device = next(model.parameters()).device
-    sizes = compile_sizes(config)
+    sizes = config.specialize_sizes
     total = len(set(keys.values())) * (1 + len(sizes))
     codes: list[tuple[str, str, str]] = []
     compiler = InductorCompiler(
@@ -123,9 +115,7 @@ def _compile(
 
     tensors = dict(model.named_parameters(remove_duplicate=False))
     tensors.update(model.named_buffers(remove_duplicate=False))
-    compiled = CompiledModel(
-        split, captured.bindings, pieces, plans_for(config.decode_batch_sizes, config.prefill_token_buckets), tensors
-    )
+    compiled = CompiledModel(split, captured.bindings, pieces, tensors)
     log.info("compiled %s: %s", type(model).__name__, report.summary())
     log.info("passes (uuid %s):\n%s", manager.uuid()[:16], format_records(report.passes))
     return compiled, report

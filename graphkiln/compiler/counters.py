@@ -1,6 +1,6 @@
 """Compile and capture counters that tests and logs read, in the style of vLLM's compilation_counter.
 
-`Counters` is owned by one compile or one runner. `torch_compile_events()` reads torch's own
+`Counters` is owned by one compile. `torch_compile_events()` reads torch's own
 process-wide counters, so a test can prove that a process never traced or compiled.
 """
 
@@ -18,7 +18,6 @@ class Counters:
     inductor_compiles: int = 0
     specialized_compiles: int = 0
     cache_hits: int = 0
-    cudagraphs_captured: int = 0
 
     def expect(self, **expected: int) -> None:
         """Assert the named counters; the message lists every mismatch."""

@@ -17,11 +17,13 @@ import torch
 from graphkiln.errors import ArtifactError
 from graphkiln.version import __version__
 
-FORMAT_VERSION = 2  # 2: model.config holds the ModelConfig, so loading needs no transformers
+FORMAT_VERSION = 3  # 3: serving defaults in section "engine", out of "config"
 MANIFEST = "manifest.json"
 FIX = "recompile with `compile-model ... --force`, or load with on_mismatch='recompile'"
 REWRITE = "recompile with `compile-model ... --force`"
-SECTIONS = {"environment": dict, "model": dict, "config": dict, "passes": list, "compiled": dict, "files": dict}
+SECTIONS = {
+    "environment": dict, "model": dict, "config": dict, "engine": dict, "passes": list, "compiled": dict, "files": dict,
+}  # fmt: skip
 
 
 def _triton_version() -> str | None:

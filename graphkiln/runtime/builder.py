@@ -1,75 +1,70 @@
-"""Assemble an engine from a loaded model and, optionally, its compiled form."""
+"""Assemble an engine from a loaded model, optionally its compiled form, and an EngineConfig: the one path
+`load`, `LLM.eager` and `LLM.compile` build engines through."""
 
 from __future__ import annotations
 
 import logging
 
-import torch
-
 from graphkiln.compiler.compiled_model import CompiledModel
-from graphkiln.compiler.counters import Counters
 from graphkiln.models.transformer import CausalLM
 
 from .attention.select import select_backend
-from .cuda_graph import CaptureStats, DecodeGraphs
+from .config import EngineConfig
+from .decode_graphs import DecodeGraphs
 from .engine import Engine
-from .kv_cache import BlockAllocator, KVCache
-from .memory import kv_cache_blocks
-from .piecewise_graph import PiecewiseGraphs
-from .prefill_graph import PrefillGraphs
-from .runner import ModelRunner
+from .graphs import CaptureSetup, GraphPool, GraphSet
+from .kv_cache import BlockAllocator
+from .memory import allocate_kv_cache, kv_cache_blocks
+from .prefill_graphs import PiecewisePrefillGraphs, PrefillGraphs
+from .runner import ModelRunner, Padding
 from .scheduler import Scheduler
 
 log = logging.getLogger("graphkiln.runtime")
 
 
-def _log_capture(kind: str, stats: CaptureStats) -> None:
-    log.info("captured %d %s graphs in %.2f s, pool %.1f MiB", stats.graphs, kind, stats.seconds, stats.pool_bytes / 2**20)
+def _log_capture(graphs: GraphSet) -> None:
+    s = graphs.stats
+    log.info("captured %d %s graphs in %.2f s, pool %.1f MiB", s.graphs, graphs.kind, s.seconds, s.pool_bytes / 2**20)
 
 
-def build_engine(
-    model: CausalLM,
-    compiled: CompiledModel | None = None,
-    *,
-    attention_backend: str = "auto",
-    cuda_graphs: bool = True,
-    max_seq_len: int | None = None,
-    block_size: int = 16,
-    kv_cache_tokens: int | None = None,
-    gpu_memory_fraction: float = 0.9,
-    max_num_batched_tokens: int = 2048,
-    max_num_seqs: int = 256,
-) -> Engine:
+def build_engine(model: CausalLM, compiled: CompiledModel | None = None, config: EngineConfig | None = None) -> Engine:
     """Eager when `compiled` is None; with it, compiled pieces and, on CUDA, CUDA graphs: whole for
     decode, and for prefill where the attention backend can capture it (piecewise otherwise)."""
+    config = config or EngineConfig()
     cfg = model.cfg
-    max_context = min(cfg.max_context, max_seq_len or cfg.max_context)
+    max_context = min(cfg.max_context, config.max_seq_len or cfg.max_context)
     param = next(model.parameters())
     dtype, device = param.dtype, param.device
-    num_blocks = kv_cache_blocks(cfg, dtype, device, block_size, kv_cache_tokens, gpu_memory_fraction)
-    kv = KVCache(cfg, num_blocks, block_size, dtype, device)
-    log.info("KV cache: %d blocks of %d tokens, %.1f MiB", num_blocks, block_size, kv.nbytes / 2**20)
-    backend = select_backend(attention_backend, kv)
-    graphs = prefill_graphs = None
-    counters = Counters()
-    if compiled is not None and cuda_graphs and device.type == "cuda":
-        pool = torch.cuda.graph_pool_handle()
-        max_blocks = -(-max_context // block_size)
-        prefill_sizes = tuple(s for s in compiled.plans["prefill"].sizes if s <= max_num_batched_tokens)
-        split_at_attention = any(attn for _, attn in compiled.split.submodules)
-        if prefill_sizes and backend.capturable_prefill:
-            prefill_graphs = PrefillGraphs(
-                compiled, backend, prefill_sizes, block_size, max_num_seqs, max_blocks, counters, pool, device
-            )
-            _log_capture("prefill full", prefill_graphs.capture())
-        elif prefill_sizes and split_at_attention:
-            prefill_graphs = PiecewiseGraphs(compiled, backend, prefill_sizes, block_size, counters, pool)
-            _log_capture("prefill piecewise", prefill_graphs.capture())
-        decode_sizes = tuple(s for s in compiled.plans["decode"].sizes if s <= max_num_seqs)
-        if backend.capturable_decode and decode_sizes:
-            graphs = DecodeGraphs(compiled, model, backend, decode_sizes, block_size, max_blocks, counters, pool)
-            _log_capture("decode full", graphs.capture())
-    plans = compiled.plans if compiled is not None else None
-    runner = ModelRunner(model, kv, backend, compiled, plans, graphs, prefill_graphs, counters)
-    scheduler = Scheduler(BlockAllocator(num_blocks, block_size), max_context, max_num_batched_tokens, max_num_seqs)
-    return Engine(runner, scheduler, cfg.eos_token_ids, cfg.vocab_size)
+    num_blocks = kv_cache_blocks(cfg, dtype, device, config)
+    kv = allocate_kv_cache(cfg, num_blocks, config.block_size, dtype, device)
+    log.info("KV cache: %d blocks of %d tokens, %.1f MiB", num_blocks, config.block_size, kv.nbytes / 2**20)
+    backend = select_backend(config.attention_backend, kv)
+    allocator = BlockAllocator(num_blocks, config.block_size)
+    runner = ModelRunner(model, kv, backend)
+    if compiled is not None:
+        runner.forward = compiled
+        runner.padding = Padding(config.decode_batch_sizes, config.prefill_token_buckets)
+        if config.cuda_graphs and device.type == "cuda":
+            _capture(runner, compiled, config, max_context, allocator.capacity)
+    scheduler = Scheduler(allocator, max_context, config.max_num_batched_tokens, config.max_num_seqs)
+    return Engine(runner, scheduler, cfg.eos_token_ids, cfg.vocab_size, config)
+
+
+def _capture(runner: ModelRunner, compiled: CompiledModel, config: EngineConfig, max_context: int, blocks: int) -> None:
+    """Capture the prefill graphs, then the decode graphs, into one pool (decode sizes a step can reach only)."""
+    setup = CaptureSetup(GraphPool(), runner.backend, config.block_size, -(-max_context // config.block_size),
+                         runner.device)  # fmt: skip
+    prefill_sizes = tuple(s for s in config.prefill_token_buckets if s <= config.max_num_batched_tokens)
+    split_at_attention = any(attn for _, attn in compiled.split.submodules)
+    if prefill_sizes and runner.backend.capturable_prefill:
+        runner.prefill_graphs = PrefillGraphs(setup, prefill_sizes, compiled, config.max_num_seqs)
+    elif prefill_sizes and split_at_attention:
+        runner.prefill_graphs = PiecewisePrefillGraphs(setup, prefill_sizes, compiled, config.max_num_seqs)
+    if runner.prefill_graphs is not None:
+        runner.prefill_graphs.capture()
+        _log_capture(runner.prefill_graphs.graphs)
+    decode_sizes = tuple(s for s in config.decode_batch_sizes if s <= min(config.max_num_seqs, blocks))
+    if runner.backend.capturable_decode and decode_sizes:
+        runner.decode_graphs = DecodeGraphs(setup, decode_sizes, compiled, runner.model.compute_logits)
+        runner.decode_graphs.capture()
+        _log_capture(runner.decode_graphs.graphs)

@@ -10,6 +10,7 @@ read-back had one more step launched for it: that row is dropped.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -18,11 +19,14 @@ import torch
 
 from graphkiln.errors import CapacityError, RequestError
 
+from .batch import PendingIds
+from .config import EngineConfig
 from .kv_cache import BlockAllocator
-from .runner import PendingIds
+from .runner import ModelRunner
 from .sampler import SamplingBatch
 from .sampling_params import SamplingParams
 from .scheduler import PENDING, ScheduledChunk, Scheduler, Sequence
+from .stats import EngineStats, GraphStats
 
 
 @dataclass(frozen=True)
@@ -76,9 +80,12 @@ class ReadBack:
 
 
 class Engine:
-    def __init__(self, runner, scheduler: Scheduler, eos_token_ids: Seq[int], vocab_size: int) -> None:
+    def __init__(
+        self, runner: ModelRunner, scheduler: Scheduler, eos_token_ids: Seq[int], vocab_size: int, config: EngineConfig
+    ) -> None:
         self.runner = runner
         self.scheduler = scheduler
+        self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
         self.vocab_size = vocab_size
         self.requests: dict[int, Sequence] = {}
@@ -88,6 +95,36 @@ class Engine:
     @property
     def allocator(self) -> BlockAllocator:
         return self.scheduler.allocator
+
+    def stats(self) -> EngineStats:
+        runner = self.runner
+        graphs = [g for g in (runner.prefill_graphs, runner.decode_graphs) if g is not None]
+        return EngineStats(
+            device=str(runner.device),
+            attention_backend=runner.backend.name,
+            config=self.config,
+            max_context=self.scheduler.max_context,
+            kv_cache_blocks=runner.kv_cache.num_blocks,
+            kv_cache_bytes=runner.kv_cache.nbytes,
+            free_blocks=self.allocator.num_free,
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            graphs={g.graphs.kind: GraphStats.of(g.graphs) for g in graphs},
+            steps_without_graph=dict(runner.steps_without_graph),
+        )
+
+    def close(self) -> None:
+        """Abort every request and give the KV cache, graphs and weights back to the device now (the
+        engine is unusable after). Lazy imports inside torch leave reference cycles through the frames
+        that ran them, some of which hold this engine's tensors: one garbage collection frees those."""
+        self.drain()
+        for seq in list(self.requests.values()):
+            self.abort(seq)
+        cuda = self.runner.device.type == "cuda"
+        self.runner.release()
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         self._check_ids(prompt_ids)

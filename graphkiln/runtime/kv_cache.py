@@ -25,6 +25,10 @@ class KVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
 
+    def release(self) -> None:
+        """Let the cache's memory go: every later use fails."""
+        self.keys = self.values = None
+
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[index], self.values[index]
 

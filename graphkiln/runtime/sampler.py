@@ -80,6 +80,13 @@ class SamplingBatch:
         """The five per-row fields in SamplingTensors order."""
         return self.temperature, self.top_k, self.top_p, self.seed, self.step
 
+    def padded(self, rows: int) -> SamplingBatch:
+        """Grown to `rows` with neutral rows (greedy, no filter): what a padded batch's rows carry."""
+        pad = rows - len(self.temperature)
+        if pad == 0:
+            return self
+        return SamplingBatch(*(c + (fill,) * pad for c, fill in zip(self.columns(), NEUTRAL_ROW)), self.logprobs)
+
     def tensors(self, device: torch.device | str) -> SamplingTensors:
         return SamplingTensors(*(upload(c, d, device) for c, d in zip(self.columns(), DTYPES)))
 

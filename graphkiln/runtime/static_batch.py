@@ -18,7 +18,8 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from .attention.metadata import BatchMetadata, SequenceSlice, slot_list
+from .attention.metadata import BatchMetadata, padded_slots
+from .batch import Batch
 from .kv_cache import DUMMY_BLOCK
 
 ALIGN = 8  # int64 words: every packed field starts on a 64-byte boundary, as a buffer of its own would
@@ -100,27 +101,25 @@ class StaticBatch:
             self._staged = torch.cuda.Event()
             self._staged.record()
 
-    def fill(
-        self, graph: str, ids: list[int], positions: list[int], slices: list[SequenceSlice], tokens: int, seqs: int
-    ) -> BatchMetadata:
-        """Copy one batch in (call inside `staging_turn`) and return its metadata for a `graph` graph over
-        `tokens` rows and `seqs` sequence rows. Rows past the batch get what the staging buffers hold
-        there (an earlier batch's); kernels never read them."""
-        n, count = len(ids), len(slices)
+    def fill(self, graph: str, batch: Batch, seqs: int) -> BatchMetadata:
+        """Copy one batch, already padded to the graph's token rows (`Batch.padded`), in (call inside
+        `staging_turn`) and return its metadata for a `graph` graph over those rows and `seqs` sequence
+        rows. Sequence rows past the batch keep what the buffers hold there; kernels never read them."""
+        tokens, count = batch.num_tokens, len(batch.slices)
         host_ids, host_positions, host_slots, host_lens, starts = self._host_fields
-        host_ids[:tokens] = ids + [0] * (tokens - n)
-        host_positions[:tokens] = positions + [0] * (tokens - n)
-        host_slots[:tokens] = slot_list(slices, self.block_size) + [DUMMY_BLOCK * self.block_size] * (tokens - n)
-        query_lens = tuple(s.query_len for s in slices)
-        seq_lens = tuple(s.seq_len for s in slices)
+        host_ids[:tokens] = batch.ids
+        host_positions[:tokens] = batch.positions
+        host_slots[:tokens] = padded_slots(batch.slices, self.block_size, tokens)
+        query_lens = tuple(s.query_len for s in batch.slices)
+        seq_lens = tuple(s.seq_len for s in batch.slices)
         host_lens[:count] = seq_lens
         starts[0] = 0
         starts[1 : count + 1] = query_lens
         starts[: count + 1].cumsum(out=starts[: count + 1])
-        width = max(len(s.blocks) for s in slices)
+        width = max(len(s.blocks) for s in batch.slices)
         tables = self._host_tables
         tables[:count, :width] = DUMMY_BLOCK
-        for row, s in enumerate(slices):
+        for row, s in enumerate(batch.slices):
             tables[row, : len(s.blocks)] = s.blocks
         self.packed.copy_(self.packed_staging, non_blocking=True)
         sent = self._tables_sent

@@ -24,7 +24,8 @@ from graphkiln.runtime.attention.sdpa import SdpaBackend  # noqa: E402
 from graphkiln.runtime.attention.select import select_backend  # noqa: E402
 from graphkiln.runtime.attention.triton_backend import TritonBackend  # noqa: E402
 from graphkiln.runtime.kv_cache import KVCache  # noqa: E402
-from graphkiln.runtime.prefill_graph import dummy_slices  # noqa: E402
+from graphkiln.runtime.batch import Batch as StepBatch  # noqa: E402
+from graphkiln.runtime.prefill_graphs import dummy_slices  # noqa: E402
 from graphkiln.runtime.static_batch import StaticBatch  # noqa: E402
 
 CUDA = torch.device("cuda")
@@ -193,7 +194,7 @@ def check_decode_replay(backend, batch: Batch, lens_a: list[int], lens_b: list[i
     def fill(lens: list[int], seed: int) -> BatchMetadata:
         slices = pad_decode(_slices([(1, s) for s in lens], _shuffled(batch, seed)), size)
         with static.staging_turn():
-            return static.fill("decode", [0] * size, [0] * size, slices, size, size)
+            return static.fill("decode", StepBatch([0] * size, [0] * size, slices, decode=True), size)
 
     backend.plan(fill(lens_a, 3))(LAYER, q, k, v, out, scale)
     graph = torch.cuda.CUDAGraph()
@@ -247,7 +248,8 @@ def test_triton_prefill_replays_in_a_cuda_graph(heads: tuple, record_property) -
     out = torch.empty_like(q)
     scale = q.shape[-1] ** -0.5
     with static.staging_turn():
-        meta = static.fill("prefill", [0] * tokens, [0] * tokens, dummy_slices(tokens, BLOCK, width), tokens, max_seqs)
+        dummy = StepBatch([0] * tokens, [0] * tokens, dummy_slices(tokens, BLOCK, width), decode=False)
+        meta = static.fill("prefill", dummy, max_seqs)
     fn = backend.plan(meta)
     fn(LAYER, q, k, v, out, scale)  # compile the kernels outside the capture
     graph = torch.cuda.CUDAGraph()
@@ -258,7 +260,7 @@ def test_triton_prefill_replays_in_a_cuda_graph(heads: tuple, record_property) -
         slices = _slices(lens, _shuffled(batch, seed))
         real = sum(q_len for q_len, _ in lens)
         with static.staging_turn():
-            meta = static.fill("prefill", [0] * real, [0] * real, slices, tokens, max_seqs)
+            meta = static.fill("prefill", StepBatch([0] * real, [0] * real, slices, decode=False).padded(tokens), max_seqs)
         backend.plan(meta)
         qkv.normal_()
         out.fill_(float("nan"))

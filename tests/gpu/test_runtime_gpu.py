@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import graphkiln
-from graphkiln import CompileConfig, LLM, SamplingParams
+from graphkiln import CompileConfig, EngineConfig, LLM, SamplingParams
 from graphkiln.compiler.compile import compile_module
 from graphkiln.compiler.counters import torch_compile_events
 from graphkiln.llm import resolve_model_dir
@@ -19,8 +19,6 @@ from graphkiln.models import load_model
 from graphkiln.models.tokenizer import Tokenizer
 from graphkiln.runtime.attention.flashinfer_backend import flashinfer_importable
 from graphkiln.runtime.builder import build_engine
-from graphkiln.runtime.piecewise_graph import PiecewiseGraphs
-from graphkiln.runtime.prefill_graph import PrefillGraphs
 from graphkiln.runtime.sampler import MODES
 from greedy_helpers import assert_greedy_agrees
 
@@ -30,7 +28,7 @@ REPORT = os.environ.get("GRAPHKILN_GPU_REPORT")
 
 
 def record(name: str, value) -> None:
-    """Append a measurement to the GPU report file (the closing note quotes it)."""
+    """Append a measurement to the GPU report file."""
     if REPORT:
         with open(REPORT, "a") as f:
             f.write(json.dumps({name: value}) + "\n")
@@ -40,8 +38,7 @@ def compile_tiny(dtype: str):
     """(model, compiled model, tokenizer) of the tiny model on CUDA."""
     model_dir = resolve_model_dir("tiny")
     net = load_model(model_dir, "cuda", dtype)
-    config = CompileConfig(device="cuda", dtype=dtype, decode_batch_sizes=DECODE_SIZES, prefill_token_buckets=PREFILL_SIZES)
-    compiled, report = compile_module(net, config)
+    compiled, report = compile_module(net, CompileConfig(device="cuda", dtype=dtype))
     record(f"compile_timings_{model_dir.name}_{dtype}", report.timings)
     return net, compiled, Tokenizer.from_dir(model_dir)
 
@@ -49,10 +46,11 @@ def compile_tiny(dtype: str):
 def engines(parts, **options):
     """(eager, compiled without graphs, compiled with CUDA graphs) sharing one compile."""
     net, compiled, tok = parts
-    opts = dict(kv_cache_tokens=8192, attention_backend="triton", **options)
-    eager = LLM(build_engine(net, **opts), tok)
-    plain = LLM(build_engine(net, compiled, cuda_graphs=False, **opts), tok)
-    graphed = LLM(build_engine(net, compiled, **opts), tok)
+    config = EngineConfig(decode_batch_sizes=DECODE_SIZES, prefill_token_buckets=PREFILL_SIZES, kv_cache_tokens=8192,
+                          attention_backend="triton").replace(**options)  # fmt: skip
+    eager = LLM(build_engine(net, None, config), tok)
+    plain = LLM(build_engine(net, compiled, config.replace(cuda_graphs=False)), tok)
+    graphed = LLM(build_engine(net, compiled, config), tok)
     return eager, plain, graphed
 
 
@@ -78,29 +76,28 @@ def test_tiny_float32_greedy_identical_in_all_three_modes(tiny_fp32):
     want = [o.token_ids for o in eager.generate(prompts, params)]
     assert [o.token_ids for o in plain.generate(prompts, params)] == want
     before = torch_compile_events()
-    runner = graphed.engine.runner
-    captured = runner.counters.cudagraphs_captured
-    assert isinstance(runner.prefill_graphs, PrefillGraphs)  # Triton captures its prefill whole
+    captured = graphed.stats().graphs_captured
+    assert set(graphed.stats().graphs) == {"decode", "prefill"}  # Triton captures its prefill whole
     assert captured == len(DECODE_SIZES) * len(MODES) + len(PREFILL_SIZES)
     assert [o.token_ids for o in graphed.generate(prompts, params)] == want
     assert torch_compile_events() == before
-    assert runner.counters.cudagraphs_captured == captured
-    assert runner.prefill_graphs.replays and runner.graphs.replays
+    stats = graphed.stats()
+    assert stats.graphs_captured == captured
+    assert stats.graphs["prefill"].replays and stats.graphs["decode"].replays
 
 
 def test_every_decode_bucket_replays_correctly(tiny_fp32):
     _, plain, graphed = tiny_fp32
     params = SamplingParams(max_tokens=6, ignore_eos=True)
-    graphs = graphed.engine.runner.graphs
     for batch in range(1, DECODE_SIZES[-1] + 1):
         prompts = uneven_prompts(4096, batch)
         assert [o.token_ids for o in graphed.generate(prompts, params)] == [
             o.token_ids for o in plain.generate(prompts, params)
         ]
-    assert {size for size, _ in graphs.replays} == set(DECODE_SIZES)
-    prefill = graphed.engine.runner.prefill_graphs
-    for stats, kind in ((graphs.stats, "decode"), (prefill.stats, "prefill")):
-        record(f"tiny_capture_{kind}", {"graphs": stats.graphs, "seconds": stats.seconds, "pool_bytes": stats.pool_bytes})
+    stats = graphed.stats()
+    assert stats.graphs["decode"].replayed_sizes == set(DECODE_SIZES)
+    for kind, graphs in stats.graphs.items():
+        record(f"tiny_capture_{kind}", {"graphs": graphs.graphs, "seconds": graphs.capture_s, "pool_bytes": graphs.pool_bytes})
 
 
 def test_every_prefill_bucket_replays_correctly(tiny_fp32):
@@ -109,7 +106,7 @@ def test_every_prefill_bucket_replays_correctly(tiny_fp32):
     for length in (1, 15, 16, 17, 33, 64, 65):
         prompt = uneven_prompts(4096, 1)[0] * length
         assert graphed.generate([prompt[:length]], params)[0].token_ids == plain.generate([prompt[:length]], params)[0].token_ids
-    assert set(graphed.engine.runner.prefill_graphs.replays) == set(PREFILL_SIZES)
+    assert graphed.stats().graphs["prefill"].replayed_sizes == set(PREFILL_SIZES)
 
 
 def test_chunked_prefill_mixed_with_decode_rows_replays_whole_prefill_graphs(tiny_fp32_parts):
@@ -121,9 +118,9 @@ def test_chunked_prefill_mixed_with_decode_rows_replays_whole_prefill_graphs(tin
     assert [o.token_ids for o in graphed.generate(prompts, params)] == [
         o.token_ids for o in plain.generate(prompts, params)
     ]
-    replays = graphed.engine.runner.prefill_graphs.replays
-    assert set(replays) <= {16, 32}  # buckets past the step budget are not captured
-    assert replays[32] >= 15  # 675 prompt tokens, at most 32 a step
+    prefill = graphed.stats().graphs["prefill"]
+    assert prefill.sizes == (16, 32)  # buckets past the step budget are not captured
+    assert prefill.replays["32"] >= 15  # 675 prompt tokens, at most 32 a step
 
 
 def test_sampling_inside_decode_graphs_matches_the_plain_compiled_engine(tiny_fp32):
@@ -143,7 +140,7 @@ def test_sampling_inside_decode_graphs_matches_the_plain_compiled_engine(tiny_fp
             assert (g.logprobs is None) == (w.logprobs is None)
             if g.logprobs is not None:
                 assert torch.allclose(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-4)
-    modes = {mode for _, mode in graphed.engine.runner.graphs.replays}
+    modes = {key.split("/")[1] for key in graphed.stats().graphs["decode"].replays}
     assert modes == set(MODES)
 
 
@@ -178,8 +175,8 @@ def test_launching_a_step_never_waits_for_the_device(tiny_fp32, monkeypatch):
         params = [sampled] + [greedy] * (len(prompts) - 1)
         got = graphed.generate(prompts, params)
         assert [o.token_ids for o in got] == [o.token_ids for o in plain.generate(prompts, params)]
-    runner = graphed.engine.runner
-    assert runner.prefill_graphs.replays and runner.graphs.replays
+    stats = graphed.stats()
+    assert stats.graphs["prefill"].replays and stats.graphs["decode"].replays
 
 
 def test_tiny_bfloat16_logits_close_and_graph_modes_identical():
@@ -218,8 +215,9 @@ def llama_2layer(tmp_path_factory):
 
 def test_llama_shaped_bf16_artifact_in_fresh_process(llama_2layer, tmp_path):
     out = tmp_path / "art"
-    config = CompileConfig(device="cuda", dtype="bfloat16", decode_batch_sizes=DECODE_SIZES, prefill_token_buckets=PREFILL_SIZES)
-    manifest, report = graphkiln.compile_model(llama_2layer, out, config)
+    config = CompileConfig(device="cuda", dtype="bfloat16")
+    engine = EngineConfig(decode_batch_sizes=DECODE_SIZES, prefill_token_buckets=PREFILL_SIZES)
+    manifest, report = graphkiln.compile_model(llama_2layer, out, config, engine=engine)
     record("llama2layer_compile_timings", report.timings)
     script = f"""
 import json, time, torch, graphkiln
@@ -229,10 +227,12 @@ llm = graphkiln.load({str(out)!r}, kv_cache_tokens=8192)
 load_s = time.perf_counter() - t
 prompts = [[5 + i] * (1 + 3 * i) for i in range(6)]
 outs = llm.generate(prompts, graphkiln.SamplingParams(max_tokens=16, ignore_eos=True))
-g, p = llm.engine.runner.graphs, llm.engine.runner.prefill_graphs
+stats = llm.stats()
+g = stats.graphs["decode"]
+p = [v for k, v in stats.graphs.items() if k.startswith("prefill")][0]
 print(json.dumps({{"tokens": [o.token_ids for o in outs], "events": torch_compile_events(), "load_s": load_s,
-    "capture_s": g.stats.seconds, "pool_bytes": g.stats.pool_bytes, "replayed": sorted(size for size, _ in g.replays),
-    "prefill": type(p).__name__, "prefill_replayed": sorted(p.replays), "backend": llm.engine.runner.backend.name}}))
+    "capture_s": g.capture_s, "pool_bytes": g.pool_bytes, "replayed": sorted(g.replayed_sizes),
+    "prefill": p.kind, "prefill_replayed": sorted(p.replayed_sizes), "backend": stats.attention_backend}}))
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -241,8 +241,8 @@ print(json.dumps({{"tokens": [o.token_ids for o in outs], "events": torch_compil
     assert result["events"]["dynamo_graphs"] == 0 and result["events"]["inductor_compiles"] == 0
     assert result["replayed"]
     assert result["backend"] == ("flashinfer" if flashinfer_importable() else "triton")  # 'auto'
-    kind = {"triton": PrefillGraphs, "flashinfer": PiecewiseGraphs}[result["backend"]]
-    assert result["prefill"] == kind.__name__ and result["prefill_replayed"] == [PREFILL_SIZES[-1]]
+    kind = {"triton": "prefill", "flashinfer": "prefill-piecewise"}[result["backend"]]
+    assert result["prefill"] == kind and result["prefill_replayed"] == [PREFILL_SIZES[-1]]
     plain = graphkiln.load(out, kv_cache_tokens=8192, cuda_graphs=False)
     prompts = [[5 + i] * (1 + 3 * i) for i in range(6)]
     want = plain.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
@@ -251,3 +251,32 @@ print(json.dumps({{"tokens": [o.token_ids for o in outs], "events": torch_compil
     ids = list(range(100, 160))
     ref = eager.score(ids)
     assert (plain.score(ids) - ref).norm() / ref.norm() <= 2e-2
+
+
+def test_load_captures_exactly_the_decode_sizes_it_is_given(tmp_path):
+    out = tmp_path / "art"
+    graphkiln.compile_model("tiny", out, CompileConfig(device="cuda", dtype="bfloat16"))
+    llm = graphkiln.load(out, decode_batch_sizes=(1, 2, 4), prefill_token_buckets=(16,), kv_cache_tokens=4096)
+    stats = llm.stats()
+    assert stats.graphs["decode"].sizes == (1, 2, 4)
+    assert stats.graphs["decode"].graphs == 3 * len(MODES)
+    assert stats.graphs["prefill"].sizes == (16,)
+    assert stats.kv_cache_blocks == 4096 // 16 + 1
+
+
+def test_dropping_an_llm_gives_its_memory_back(tmp_path):
+    """After `del llm` (no gc.collect()) a second engine loads in the memory the first one used."""
+    out = tmp_path / "art"
+    graphkiln.compile_model("tiny", out, CompileConfig(device="cuda", dtype="bfloat16"))
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.mem_get_info()[0]
+    llm = graphkiln.load(out, gpu_memory_fraction=0.5)
+    llm.generate(["hello"], SamplingParams(max_tokens=4))
+    held = before - torch.cuda.mem_get_info()[0]
+    del llm
+    after = torch.cuda.mem_get_info()[0]
+    record("memory_back_after_del", {"held_mib": held / 2**20, "missing_mib": (before - after) / 2**20})
+    assert held > 2**30 and before - after < 100 * 2**20
+    again = graphkiln.load(out, gpu_memory_fraction=0.5)
+    assert again.generate(["hello"], SamplingParams(max_tokens=4))[0].token_ids

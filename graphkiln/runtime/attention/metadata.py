@@ -51,13 +51,16 @@ def pad_decode(slices: list[SequenceSlice], batch_size: int) -> list[SequenceSli
     return slices + [SequenceSlice(1, 1, (DUMMY_BLOCK,))] * (batch_size - len(slices))
 
 
-def slot_list(slices: list[SequenceSlice], block_size: int) -> list[int]:
-    """The KV cache slot of every new token, in batch order."""
+def padded_slots(slices: list[SequenceSlice], block_size: int, rows: int) -> list[int]:
+    """The KV cache slot of every new token, in batch order, then the dummy slot up to `rows` (prefill
+    padding: rows that belong to no sequence)."""
     slots = []
     for s in slices:
         for pos in range(s.seq_len - s.query_len, s.seq_len):
             slots.append(s.blocks[pos // block_size] * block_size + pos % block_size)
-    return slots
+    if rows < len(slots):
+        raise ValueError(f"{rows} rows do not hold the {len(slots)} tokens of the batch")
+    return slots + [DUMMY_BLOCK * block_size] * (rows - len(slots))
 
 
 def build_metadata(
@@ -66,10 +69,7 @@ def build_metadata(
     """Pack sequences in order; token rows past the sequences (prefill padding) map to the dummy slot."""
     query_lens = tuple(s.query_len for s in slices)
     seq_lens = tuple(s.seq_len for s in slices)
-    num_tokens = sum(query_lens)
-    if num_padded_tokens < num_tokens:
-        raise ValueError(f"padded size {num_padded_tokens} is smaller than the {num_tokens} tokens of the batch")
-    slots = slot_list(slices, block_size) + [DUMMY_BLOCK * block_size] * (num_padded_tokens - num_tokens)
+    slots = padded_slots(slices, block_size, num_padded_tokens)
     width = max((len(s.blocks) for s in slices), default=1)
     tables = [list(s.blocks) + [DUMMY_BLOCK] * (width - len(s.blocks)) for s in slices]
     starts = [0]
@@ -79,7 +79,7 @@ def build_metadata(
     return BatchMetadata(
         query_lens=query_lens,
         seq_lens=seq_lens,
-        num_tokens=num_tokens,
+        num_tokens=sum(query_lens),
         block_size=block_size,
         query_start_loc=upload(starts, torch.int32, device),
         seq_lens_t=upload(list(seq_lens), torch.int32, device),

@@ -1,0 +1,74 @@
+"""Decode CUDA graphs: per decode batch bucket, the whole step from input ids to sampled ids.
+
+Each bucket has one graph per sampling mode (greedy, sample, filter; see sampler.py), attention,
+LM head and sampler inside. The batch (static_batch.StaticBatch) and per-row sampling parameters
+live in buffers sized once for the largest bucket; every graph reads views of them. A replay
+copies the padded batch into the buffers, re-plans the backend on the same buffers, and replays
+the mode's graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import torch
+
+from graphkiln.models.attention import ForwardContext, forward_context
+
+from .batch import Batch, PendingIds
+from .graphs import CaptureSetup, GraphSet
+from .sampler import MODES, SamplingBatch, SamplingTensors, sample
+from .static_batch import StaticBatch
+
+Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class DecodeGraphs:
+    def __init__(self, setup: CaptureSetup, sizes: tuple[int, ...], forward: Forward, compute_logits: Forward) -> None:
+        self.graphs = GraphSet("decode", sizes, setup.pool)
+        self.backend = setup.backend
+        self.forward = forward
+        self.compute_logits = compute_logits
+        largest = self.graphs.sizes[-1]
+        self.batch = StaticBatch(largest, largest, setup.max_blocks_per_seq, setup.block_size, setup.device)
+        self.sampling = SamplingTensors.empty(largest, setup.device)
+        self.sampling_staging = SamplingTensors(*(self.batch.pinned_like(t) for t in self.sampling))
+
+    def bucket(self, num_seqs: int) -> int | None:
+        return self.graphs.bucket(num_seqs)
+
+    def _step(self, size: int, mode: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        meta = self.batch.metadata("decode", size, size, (1,) * size, (1,) * size)
+        with forward_context(ForwardContext(self.backend.plan(meta))):
+            hidden = self.forward(self.batch.input_ids[:size], self.batch.positions[:size])
+            return sample(self.compute_logits(hidden), self.sampling.rows(size), mode)
+
+    def capture(self) -> None:
+        """Every bucket and sampling mode, largest bucket first."""
+        with self.graphs.capturing():
+            for size in reversed(self.graphs.sizes):
+                for mode in MODES:
+                    self.graphs.capture((size, mode), partial(self._step, size, mode))
+
+    def run(
+        self, batch: Batch, sampling: SamplingBatch, pending: PendingIds | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Sampled ids [rows] (and logprobs unless greedy) of a decode step that fits a bucket.
+
+        A greedy step copies no sampling parameters. `pending` then overwrites input ids still on the device.
+        """
+        n = len(batch.slices)
+        size = self.bucket(n)
+        mode = sampling.mode
+        with self.batch.staging_turn():
+            meta = self.batch.fill("decode", batch.padded(size), size)
+            if mode != "greedy":
+                for column, host, target in zip(sampling.padded(size).columns(), self.sampling_staging, self.sampling):
+                    host.numpy()[:size] = column
+                    target[:size].copy_(host[:size], non_blocking=True)
+        if pending is not None:
+            pending.fill(self.batch.input_ids)
+        self.backend.plan(meta)
+        sampled, logprobs = self.graphs.replay((size, mode))
+        return sampled[:n], None if logprobs is None else logprobs[:n]

@@ -1,0 +1,110 @@
+"""One capture skeleton for every CUDA graph the runtime replays: decode steps, whole prefills, prefill pieces.
+
+A `GraphSet` is one kind of graph keyed by bucket size (with a sampling mode or a piece name
+beside it): the sizes and the bucket lookup, warm-up and capture into the engine's one memory
+pool on one side stream, replay counts and capture stats. What a graph runs, and how a batch
+reaches its static buffers, is the strategy's (decode_graphs.py, prefill_graphs.py); every
+strategy captures largest bucket first, so smaller graphs reuse the pool's memory.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import time
+from collections import Counter
+from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .attention.base import AttentionBackend
+
+
+def smallest_bucket(sizes: tuple[int, ...], count: int) -> int | None:
+    """The smallest of the increasing `sizes` that holds `count`, or None beyond the largest."""
+    i = bisect.bisect_left(sizes, count)
+    return sizes[i] if i < len(sizes) else None
+
+
+def reserved_after_sync() -> int:
+    """Bytes the caching allocator holds once idle cache is released: graph pools stay, the rest goes."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved()
+
+
+@dataclass(frozen=True)
+class CaptureStats:
+    graphs: int = 0
+    seconds: float = 0.0
+    pool_bytes: int = 0
+
+
+class GraphPool:
+    """The engine's one graph memory pool and the side stream every capture runs on."""
+
+    def __init__(self) -> None:
+        self.handle = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream()
+
+
+@dataclass(frozen=True)
+class CaptureSetup:
+    """What every kind of graph is built with: the engine's pool, its attention backend, the KV block geometry."""
+
+    pool: GraphPool
+    backend: AttentionBackend
+    block_size: int
+    max_blocks_per_seq: int
+    device: torch.device
+
+
+class GraphSet:
+    """Captured graphs of one kind, each with the outputs its replay refreshes."""
+
+    def __init__(self, kind: str, sizes: tuple[int, ...], pool: GraphPool) -> None:
+        self.kind = kind
+        self.sizes = tuple(sorted(sizes))
+        self.pool = pool
+        self.graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, Any]] = {}
+        self.replays: Counter[Hashable] = Counter()
+        self.stats = CaptureStats()
+
+    def bucket(self, count: int) -> int | None:
+        return smallest_bucket(self.sizes, count)
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[None]:
+        """Around capturing the whole set: inference mode, the time it took and the pool memory it added."""
+        start = time.perf_counter()
+        before = reserved_after_sync()
+        with torch.inference_mode():
+            yield
+        torch.cuda.synchronize()
+        self.stats = CaptureStats(len(self.graphs), time.perf_counter() - start, reserved_after_sync() - before)
+
+    def capture(self, key: Hashable, fn: Callable[[], Any]) -> Any:
+        """Run `fn` once on the side stream (warm-up: lazy initialisation, autotuning), then capture it
+        into the shared pool under `key`; return the outputs its replays will refresh."""
+        stream = self.pool.stream
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool.handle, stream=stream):
+            outputs = fn()
+        self.graphs[key] = (graph, outputs)
+        return outputs
+
+    def replay(self, key: Hashable) -> Any:
+        graph, outputs = self.graphs[key]
+        graph.replay()
+        self.replays[key] += 1
+        return outputs
+
+    def release(self) -> None:
+        """Drop every graph and its outputs, so the pool's memory can go back to the device."""
+        self.graphs.clear()

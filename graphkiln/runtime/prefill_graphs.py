@@ -1,0 +1,160 @@
+"""Prefill CUDA graphs per token bucket: whole, or piecewise around attention.
+
+A prefill or mixed step (prefill chunks and decode rows together) that fits a token bucket
+copies its padded batch into static buffers (StaticBatch), plans attention on them and replays.
+
+- `PrefillGraphs`, for backends that can capture their prefill (`capturable_prefill`): one graph
+  per bucket, token ids to final hidden states, attention inside.
+- `PiecewisePrefillGraphs`, for the others (FlashInfer plans each batch on the host): one graph
+  per (bucket, piece); attention runs eagerly between them with the real batch. Its forward is
+  the compiled model with each piece wrapped once, when the engine is built: while a capture or
+  a replay of a bucket runs, a wrapped piece captures or replays its graph for that bucket and
+  returns the same output tensors, so every later piece and attention call sees the addresses
+  it was captured with.
+
+The LM head and sampler run after the graph, on the rows that sample.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from graphkiln.compiler.compiled_model import CompiledModel
+from graphkiln.models.attention import ForwardContext, forward_context
+
+from .attention.metadata import SequenceSlice
+from .batch import Batch, PendingIds
+from .graphs import CaptureSetup, GraphSet
+from .kv_cache import DUMMY_BLOCK
+from .static_batch import StaticBatch
+
+Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def dummy_slices(num_tokens: int, block_size: int, max_blocks: int) -> list[SequenceSlice]:
+    """Sequences in the dummy block, none longer than a block table row, `num_tokens` tokens in all."""
+    longest = max_blocks * block_size
+    slices = []
+    for start in range(0, num_tokens, longest):
+        n = min(longest, num_tokens - start)
+        slices.append(SequenceSlice(n, n, (DUMMY_BLOCK,) * -(-n // block_size)))
+    return slices
+
+
+class _StaticPrefill(ABC):
+    """The buffers and batch loading both prefill strategies share."""
+
+    def __init__(self, setup: CaptureSetup, graphs: GraphSet, max_seqs: int) -> None:
+        self.graphs = graphs
+        self.backend = setup.backend
+        largest = graphs.sizes[-1]
+        self.batch = StaticBatch(largest, min(max_seqs, largest), setup.max_blocks_per_seq, setup.block_size, setup.device)
+
+    def bucket(self, num_tokens: int) -> int | None:
+        return self.graphs.bucket(num_tokens)
+
+    @abstractmethod
+    def _seq_rows(self, batch: Batch, size: int) -> int:
+        """Sequence rows the attention metadata spans for `batch` in bucket `size`."""
+
+    def _load(self, batch: Batch, size: int, pending: PendingIds | None = None) -> ForwardContext:
+        """Copy a batch padded to `size` into the buffers and plan attention on them (outside any capture)."""
+        with self.batch.staging_turn():
+            meta = self.batch.fill("prefill", batch.padded(size), self._seq_rows(batch, size))
+        if pending is not None:
+            pending.fill(self.batch.input_ids)
+        return ForwardContext(self.backend.plan(meta))
+
+    def _dummy(self, size: int) -> Batch:
+        slices = dummy_slices(size, self.batch.block_size, self.batch.block_tables.shape[1])
+        return Batch([0] * size, [0] * size, slices, decode=False)
+
+    def _inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.batch.input_ids[:size], self.batch.positions[:size]
+
+
+class PrefillGraphs(_StaticPrefill):
+    def __init__(self, setup: CaptureSetup, sizes: tuple[int, ...], forward: Forward, max_seqs: int) -> None:
+        super().__init__(setup, GraphSet("prefill", sizes, setup.pool), max_seqs)
+        self.forward = forward
+
+    def _seq_rows(self, batch: Batch, size: int) -> int:
+        """As many as the bucket can hold: a captured grid is fixed by them, whatever batch a replay brings."""
+        return min(self.batch.max_seqs, size)
+
+    def capture(self) -> None:
+        """Plan a dummy batch, warm up and capture every bucket, largest first."""
+        with self.graphs.capturing():
+            for size in reversed(self.graphs.sizes):
+                attention = self._load(self._dummy(size), size)
+
+                def step(size: int = size, attention: ForwardContext = attention) -> torch.Tensor:
+                    with forward_context(attention):
+                        return self.forward(*self._inputs(size))
+
+                self.graphs.capture(size, step)
+
+    def run(self, batch: Batch, pending: PendingIds | None = None) -> torch.Tensor:
+        """Hidden states [batch tokens, hidden] of a prefill (or mixed) step that fits a bucket."""
+        size = self.bucket(batch.num_tokens)
+        self._load(batch, size, pending)
+        return self.graphs.replay(size)[: batch.num_tokens]
+
+
+@dataclass
+class _Action:
+    """What the wrapped pieces do during the current call: "capture" or "replay" the bucket `size`, or
+    call straight through (None)."""
+
+    kind: str | None = None
+    size: int = 0
+
+
+class _GraphedPiece:
+    """A compiled piece that captures or replays its graph for the bucket the shared action names."""
+
+    def __init__(self, name: str, piece: Callable, graphs: GraphSet, action: _Action) -> None:
+        self.name, self.piece, self.graphs, self.action = name, piece, graphs, action
+
+    def __call__(self, *args):
+        key = (self.action.size, self.name)
+        if self.action.kind == "replay":
+            return self.graphs.replay(key)
+        if self.action.kind == "capture":
+            return self.graphs.capture(key, lambda: self.piece(*args))
+        return self.piece(*args)
+
+
+class PiecewisePrefillGraphs(_StaticPrefill):
+    def __init__(self, setup: CaptureSetup, sizes: tuple[int, ...], compiled: CompiledModel, max_seqs: int) -> None:
+        super().__init__(setup, GraphSet("prefill-piecewise", sizes, setup.pool), max_seqs)
+        self.action = _Action()
+        graphs, action = self.graphs, self.action
+        self.forward = compiled.with_pieces(lambda name, piece: _GraphedPiece(name, piece, graphs, action))
+
+    def _seq_rows(self, batch: Batch, size: int) -> int:
+        """The batch's own: attention runs eagerly and plans each batch as it is."""
+        return len(batch.slices)
+
+    def _run(self, kind: str, size: int, attention: ForwardContext) -> torch.Tensor:
+        self.action.kind, self.action.size = kind, size
+        try:
+            with forward_context(attention):
+                return self.forward(*self._inputs(size))
+        finally:
+            self.action.kind = None
+
+    def capture(self) -> None:
+        """Every piece for every bucket, largest first; attention runs between pieces on the side stream."""
+        with self.graphs.capturing(), torch.cuda.stream(self.graphs.pool.stream):
+            for size in reversed(self.graphs.sizes):
+                self._run("capture", size, self._load(self._dummy(size), size))
+
+    def run(self, batch: Batch, pending: PendingIds | None = None) -> torch.Tensor:
+        """Hidden states [batch tokens, hidden] of a prefill (or mixed) step that fits a bucket."""
+        size = self.bucket(batch.num_tokens)
+        return self._run("replay", size, self._load(batch, size, pending))[: batch.num_tokens]

@@ -1,0 +1,59 @@
+"""A public look inside a running engine (`LLM.stats()`): its KV cache, its captured graphs, its steps.
+
+Benchmarks and users read these instead of reaching into the engine's private state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .config import EngineConfig
+from .graphs import GraphSet
+
+
+@dataclass(frozen=True)
+class GraphStats:
+    """One kind of captured graph: "decode", "prefill" (whole) or "prefill-piecewise"."""
+
+    kind: str
+    sizes: tuple[int, ...]
+    graphs: int
+    capture_s: float
+    pool_bytes: int
+    replays: dict[str, int]  # "<size>" or "<size>/<mode or piece>" -> replays
+
+    @classmethod
+    def of(cls, graphs: GraphSet) -> GraphStats:
+        def name(key) -> str:
+            return "/".join(map(str, key)) if isinstance(key, tuple) else str(key)
+
+        return cls(graphs.kind, graphs.sizes, graphs.stats.graphs, graphs.stats.seconds, graphs.stats.pool_bytes,
+                   {name(k): n for k, n in sorted(graphs.replays.items(), key=lambda kv: name(kv[0]))})  # fmt: skip
+
+    @property
+    def replayed_sizes(self) -> set[int]:
+        return {int(key.split("/")[0]) for key in self.replays}
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    device: str
+    attention_backend: str
+    config: EngineConfig
+    max_context: int
+    kv_cache_blocks: int
+    kv_cache_bytes: int
+    free_blocks: int
+    running: int
+    waiting: int
+    graphs: dict[str, GraphStats] = field(default_factory=dict)
+    steps_without_graph: dict[str, int] = field(default_factory=dict)
+    compile_counters: dict[str, int] | None = None
+
+    @property
+    def graphs_captured(self) -> int:
+        return sum(g.graphs for g in self.graphs.values())
+
+    @property
+    def graph_pool_bytes(self) -> int:
+        return sum(g.pool_bytes for g in self.graphs.values())

@@ -1,0 +1,78 @@
+"""EngineConfig is the engine's: load-time choices, recorded defaults, memory sizing, and giving memory back."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from pathlib import Path
+
+import pytest
+
+import graphkiln
+from artifact_helpers import ENGINE, SMALL_ENGINE, run_python_json
+from graphkiln import EngineConfig, SamplingParams
+from graphkiln.errors import CapacityError, ConfigError, RequestError
+
+
+def test_load_takes_the_recorded_engine_defaults_and_overrides_them(artifact: Path) -> None:
+    recorded = graphkiln.load(artifact, **ENGINE).stats().config
+    assert recorded.decode_batch_sizes == SMALL_ENGINE.decode_batch_sizes
+    assert recorded.prefill_token_buckets == SMALL_ENGINE.prefill_token_buckets
+    stats = graphkiln.load(artifact, decode_batch_sizes=(1, 2), kv_cache_tokens=4096, max_num_seqs=8).stats()
+    assert stats.config.decode_batch_sizes == (1, 2) and stats.config.max_num_seqs == 8
+    assert stats.kv_cache_blocks == 4096 // 16 + 1  # the dummy block beside them
+    given = graphkiln.load(artifact, engine=EngineConfig(kv_cache_tokens=1024, block_size=32)).stats()
+    assert given.kv_cache_blocks == 1024 // 32 + 1 and given.config.decode_batch_sizes == EngineConfig().decode_batch_sizes
+
+
+def test_load_pads_to_the_decode_sizes_it_was_given(artifact: Path) -> None:
+    """Without graphs (the CPU) a compiled engine pads to the capture sizes a GPU would replay."""
+    llm = graphkiln.load(artifact, decode_batch_sizes=(8,), **ENGINE)
+    llm.generate(["a", "b", "c"], SamplingParams(max_tokens=3, ignore_eos=True))
+    stats = llm.stats()
+    assert stats.steps_without_graph["decode"] >= 2 and not stats.graphs
+
+
+def test_unknown_engine_option_is_a_config_error(artifact: Path) -> None:
+    with pytest.raises(ConfigError, match="unknown engine option kv_cache_size"):
+        graphkiln.load(artifact, kv_cache_size=10)
+
+
+def test_a_kv_cache_that_cannot_fit_names_its_size() -> None:
+    with pytest.raises(CapacityError, match=r"kv_cache_tokens=1000000000000 needs .* GiB of KV cache .*lower kv_cache_tokens"):
+        graphkiln.LLM.eager("tiny", kv_cache_tokens=10**12)
+
+
+def test_errors_import_neither_the_compiler_nor_dynamo() -> None:
+    result = run_python_json(
+        "import json, sys\n"
+        "import graphkiln.errors, graphkiln.runtime.config\n"
+        "heavy = [m for m in sys.modules if m.startswith(('torch._dynamo', 'graphkiln.compiler', 'transformers'))]\n"
+        "print('RESULT-JSON ' + json.dumps({'heavy': heavy, 'torch': 'torch' in sys.modules}))\n"
+    )
+    assert result == {"heavy": [], "torch": False}
+
+
+def test_dropping_an_llm_frees_its_engine_without_a_collection(artifact: Path) -> None:
+    gc.disable()
+    try:
+        llm = graphkiln.load(artifact, **ENGINE)
+        llm.generate(["hello"], SamplingParams(max_tokens=4))
+        engine = weakref.ref(llm.engine)
+        cache = weakref.ref(llm.engine.runner.kv_cache.keys)
+        weights = weakref.ref(next(llm.engine.runner.model.parameters()))
+        del llm
+        assert engine() is None and cache() is None and weights() is None
+    finally:
+        gc.enable()
+
+
+def test_close_and_with_free_the_engine_at_once(artifact: Path) -> None:
+    with graphkiln.load(artifact, **ENGINE) as llm:
+        stream = llm.generate_stream("hello", SamplingParams(max_tokens=8, ignore_eos=True))
+        next(stream)  # a request still running when the block ends
+        cache = weakref.ref(llm.engine.runner.kv_cache.keys)
+    assert cache() is None
+    with pytest.raises(RequestError, match="closed"):
+        llm.generate(["again"])
+    llm.close()  # a second close does nothing
