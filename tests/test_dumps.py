@@ -12,7 +12,7 @@ from test_passes import NAMES, toy_model
 
 import graphkiln
 from graphkiln import CompileConfig
-from graphkiln.compiler import compat
+from graphkiln import compat
 from graphkiln.compiler.compile import compile_module
 from graphkiln.errors import ConfigError
 from graphkiln.passes.dump import kernel_counts

@@ -19,7 +19,7 @@ from torch._inductor.compile_fx import compile_fx
 
 from graphkiln import CompileConfig
 from graphkiln.compiler.capture import capture
-from graphkiln.compiler.compat import inductor_output_code
+from graphkiln.compat import inductor_output_code
 from graphkiln.compiler.compile import compile_module
 from graphkiln.compiler.inductor import InductorCompiler
 from graphkiln.compiler.split import split_pieces

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from graphkiln.compat import private_inductor_cache
 from graphkiln.errors import ArtifactError
 from graphkiln.models import load_model, resolve_dtype
 from graphkiln.models.config import ModelConfig
@@ -30,7 +31,6 @@ from graphkiln.passes.base import Pass
 from graphkiln.passes.manager import check_disabled, default_passes
 
 from .artifacts import CPU_KERNELS, TOKENIZER_FILE, load_compiled, save_compiled
-from .compat import private_inductor_cache
 from .compile import CompileReport, Progress, compile_module
 from .compiled_model import CompiledModel
 from .config import CompileConfig

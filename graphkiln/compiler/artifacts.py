@@ -23,7 +23,8 @@ import torch
 from graphkiln.errors import ArtifactError
 
 from .capture import Binding
-from .compat import install_cpu_kernels
+from graphkiln.compat import install_cpu_kernels, load_artifact
+
 from .compiled_model import CompiledModel
 from .inductor import CompiledPiece
 from .manifest import FIX
@@ -70,9 +71,8 @@ def load_compiled(section: dict, out: Path, tensors: dict[str, torch.Tensor]) ->
     unique = {}
     for key, info in section["unique_pieces"].items():
         folder = out / PIECES_DIR / key
-        load = torch._inductor.CompiledArtifact.load
-        dynamic = load(path=str(folder / "dynamic.bin"), format="binary")
-        by_size = {size: load(path=str(folder / f"{size}.bin"), format="binary") for size in info["sizes"]}
+        dynamic = load_artifact(folder / "dynamic.bin")
+        by_size = {size: load_artifact(folder / f"{size}.bin") for size in info["sizes"]}
         size_arg = tuple(info["size_arg"]) if info["size_arg"] else None
         unique[key] = CompiledPiece(key, dynamic, by_size, size_arg, info["returns_tuple"])
     pieces = {name: unique[key] for name, key in section["pieces"].items()}

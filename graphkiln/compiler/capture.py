@@ -12,8 +12,8 @@ import time
 from dataclasses import dataclass
 
 import torch
-from torch.fx.experimental import _config as fx_config
 
+from graphkiln.compat import mark_dynamic_dim, size_oblivious
 from graphkiln.models.attention import ForwardContext, forward_context
 from graphkiln.models.transformer import CausalLM
 
@@ -52,8 +52,8 @@ def capture(model: CausalLM, around_trace: contextlib.AbstractContextManager | N
 
     input_ids = torch.zeros(TRACE_TOKENS, dtype=torch.int64, device=device)
     positions = torch.arange(TRACE_TOKENS, dtype=torch.int64, device=device)
-    torch._dynamo.mark_dynamic(input_ids, 0)
-    torch._dynamo.mark_dynamic(positions, 0)
+    mark_dynamic_dim(input_ids, 0)
+    mark_dynamic_dim(positions, 0)
     start = time.perf_counter()
     compiled = torch.compile(
         model,
@@ -62,11 +62,11 @@ def capture(model: CausalLM, around_trace: contextlib.AbstractContextManager | N
         dynamic=False,
         options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe},
     )
-    with fx_config.patch(backed_size_oblivious=True), torch.no_grad():
+    with size_oblivious(), torch.no_grad():
         with forward_context(ForwardContext(_zero_attention)), around_trace or contextlib.nullcontext():
             compiled(input_ids, positions)
     trace_s = time.perf_counter() - start
-    torch._dynamo.reset()
+    torch.compiler.reset()
     (gm, example_inputs), = captured
     return CapturedGraph(gm, _bind(model, gm, example_inputs, {"input_ids": input_ids, "positions": positions}), trace_s)
 

@@ -10,13 +10,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from graphkiln.compat import depyf_debug, require_depyf
 from graphkiln.models.transformer import CausalLM
 from graphkiln.passes.base import Pass, PassRecord, format_records
 from graphkiln.passes.dump import Dump
 from graphkiln.passes.manager import PassManager, default_passes
 
 from .capture import capture
-from .compat import depyf_debug, require_depyf
 from .compiled_model import CompiledModel
 from .config import CompileConfig
 from .counters import Counters

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from graphkiln.compat import dynamo_counters
+
 
 @dataclass
 class Counters:
@@ -36,8 +38,7 @@ class Counters:
 def torch_compile_events() -> dict[str, int]:
     """Process-wide counts from torch itself: Dynamo graphs traced, Inductor graphs compiled (cache
     misses) and Inductor graphs served from a cache (what loading an artifact does)."""
-    from torch._dynamo.utils import counters
-
+    counters = dynamo_counters()
     return {
         "dynamo_graphs": counters["stats"]["unique_graphs"],
         "inductor_compiles": counters["inductor"]["fxgraph_cache_miss"],

@@ -14,12 +14,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from torch._inductor.compile_fx import graph_returns_tuple
-from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from graphkiln.errors import ConfigError
 
-from .compat import inductor_output_code
+from graphkiln.compat import CustomGraphPass, graph_returns_tuple, inductor_output_code, is_op_overload, standalone_compile
+
 from .counters import Counters
 
 POST_GRAD_PASS = "post_grad_custom_post_pass"
@@ -69,7 +68,7 @@ def token_dim(gm: torch.fx.GraphModule) -> tuple[int, int | None] | None:
 
 def _target_name(target) -> str:
     """A process-independent name for a node target (str() of a function holds its address)."""
-    if isinstance(target, (str, torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+    if isinstance(target, str) or is_op_overload(target):
         return str(target)
     return f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', repr(target))}"
 
@@ -156,7 +155,7 @@ class InductorCompiler:
     def _compile(self, gm: torch.fx.GraphModule, inputs: list, dynamic_shapes: str, key: str, variant: str):
         options = {"config_patches": self.options} if self.options else None
         with inductor_output_code() if self.on_code else contextlib.nullcontext([]) as codes:
-            art = torch._inductor.standalone_compile(gm, inputs, dynamic_shapes=dynamic_shapes, options=options)
+            art = standalone_compile(gm, inputs, dynamic_shapes, options)
         for code in codes:
             self.on_code(key, variant, code)
         self.counters.inductor_compiles += 1

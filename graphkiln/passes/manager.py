@@ -17,7 +17,8 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from graphkiln.compat import CustomGraphPass
 
 from graphkiln.errors import ConfigError
 

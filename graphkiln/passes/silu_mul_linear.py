@@ -16,10 +16,12 @@ import torch.nn.functional as F
 
 import graphkiln.models.linear  # noqa: F401  (registers graphkiln::silu_mul_linear)
 
+from graphkiln.compat import TORCH_LINEAR
+
 from .base import GraphPass
 
 SILU_MUL_LINEAR = torch.ops.graphkiln.silu_mul_linear.default
-LINEARS = (torch._C._nn.linear, F.linear)
+LINEARS = (TORCH_LINEAR, F.linear)
 MULS = (operator.mul, torch.mul)
 
 

@@ -1,6 +1,12 @@
 """The one place for torch-version differences (2.11 to 2.13) and for reaching into torch/depyf internals.
 
-- `depyf_debug(dir)`: depyf's `prepare_debug`, imported lazily (the GPU image lacks depyf). On
+Every private torch name graphkiln uses is reached through here (rooms import this bottom module,
+never `torch._...` themselves):
+
+- Dynamo capture: `mark_dynamic_dim`, `size_oblivious()`, `dynamo_counters()`.
+- Inductor: `standalone_compile`, `load_artifact`, `graph_returns_tuple`, `CustomGraphPass`,
+  `is_op_overload`, and the ATen-level `TORCH_LINEAR` a Dynamo graph calls for nn.Linear.
+- `depyf_debug(dir)`: depyf's `prepare_debug`, imported lazily (only dumps need depyf). On
   torch 2.13 `PyCodeCache.load_by_key_path` gained the keyword-only `set_sys_modules`, which
   depyf 0.20's replacement does not accept; for the duration of the context we swap in a copy
   that forwards `**kwargs` (as vLLM's depyf_compat does).
@@ -21,7 +27,51 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
+import torch
+from torch._inductor.compile_fx import graph_returns_tuple
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch.fx.experimental import _config as fx_config
+
 from graphkiln.errors import ConfigError
+
+__all__ = [
+    "CustomGraphPass", "TORCH_LINEAR", "depyf_debug", "dynamo_counters", "graph_returns_tuple", "inductor_output_code",
+    "install_cpu_kernels", "is_op_overload", "load_artifact", "mark_dynamic_dim", "private_inductor_cache",
+    "require_depyf", "size_oblivious", "standalone_compile",
+]  # fmt: skip
+
+TORCH_LINEAR = torch._C._nn.linear  # what F.linear and nn.Linear appear as in a Dynamo graph
+
+
+def mark_dynamic_dim(tensor: torch.Tensor, dim: int) -> None:
+    """Trace `tensor`'s `dim` as a symbol from the first trace on."""
+    torch._dynamo.mark_dynamic(tensor, dim)
+
+
+def size_oblivious() -> contextlib.AbstractContextManager:
+    """Trace without 0/1 specialization of dynamic sizes, so one graph serves every token count."""
+    return fx_config.patch(backed_size_oblivious=True)
+
+
+def dynamo_counters():
+    """Dynamo's and Inductor's process-wide event counters (graphs traced, FX graph cache hits/misses)."""
+    from torch._dynamo.utils import counters
+
+    return counters
+
+
+def is_op_overload(target) -> bool:
+    return isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
+
+
+def standalone_compile(gm: torch.fx.GraphModule, inputs: list, dynamic_shapes: str, options: dict | None):
+    """Inductor-compile one FX graph into a serializable artifact (binary save/load, no Dynamo)."""
+    return torch._inductor.standalone_compile(gm, inputs, dynamic_shapes=dynamic_shapes, options=options)
+
+
+def load_artifact(path: Path):
+    """A callable from an Inductor artifact saved with `art.save(path=..., format="binary")`."""
+    return torch._inductor.CompiledArtifact.load(path=str(path), format="binary")
 
 
 def load_by_key_path(key: str, path: str, linemap=None, attrs=None, **kwargs):
