@@ -55,10 +55,9 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, BL
 
 
 def tiling(n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, warps, stages) for N outputs and K inputs: the fastest that
-    `bench/tiles_in_graph.py` measured inside the decode graphs of the bench models on an H200
-    (results 2026-11-29-nvidia-h200-tiles-in-graph-*). In place, where each GEMV starts cold after
-    a small kernel, long K steps beat the tilings that win back to back (`bench/skinny_gemm.py`)."""
+    """(BLOCK_N, BLOCK_K, warps, stages) for N outputs and K inputs: the fastest of those tried inside
+    the decode graphs of the benchmark models, where each GEMV starts cold after a small kernel (so
+    long K steps win over the tilings that win back to back)."""
     if n <= 8192:  # q/k/v, o, down: a few rows a program
         if k <= 2048:  # 1B-like q/k/v and o: all of K in one step
             tiles = 2, 2048, 4, 2
@@ -78,7 +77,7 @@ def gemv(
     x: torch.Tensor, weight: torch.Tensor, gated: bool = False, tiles: tuple[int, int, int, int] | None = None
 ) -> torch.Tensor:
     """x [1, K] @ weight [N, K]^T, or with `gated` silu(x[:, :K]) * x[:, K:] @ weight^T for x [1, 2K];
-    unit stride along K. `tiles` defaults to `tiling(N, K)` (bench/tiles_in_graph.py tries others)."""
+    unit stride along K. `tiles` defaults to `tiling(N, K)`; a benchmark may pass others."""
     n, k = weight.shape
     block_n, block_k, warps, stages = tiles or tiling(n, k)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)

@@ -6,7 +6,7 @@ prefix and the new tokens, all read from the cache after the write). A work item
 first query row) tile planned on the host; the work table's first row holds how many there are.
 Program (p, head) takes items p, p + P, p + 2P, ... of the P programs per head, so a captured graph
 launches a fixed, small grid whatever batch a replay brings: a grid of one program per item it
-could ever hold made a 128-token prompt's attention 2.2x slower, its idle programs filling the SMs.
+could ever hold would fill the SMs with idle programs.
 Key tiles wholly below the tile's first position skip the causal mask.
 """
 

@@ -6,9 +6,7 @@ At one row (decode at batch 1) the product is a pass over the weight, and cuBLAS
 narrow projections of a decoder (q/k/v, o, down: 2048 to 6144 outputs) at a half to two thirds of
 the memory bandwidth: its few output tiles leave multiprocessors idle, and a split-K variant adds
 a second launch. Here each program owns a slab of a few weight rows and walks all of K, so every
-multiprocessor streams. Measured on an H200 by bench/skinny_gemm.py (bf16): 1B-like q/k/v 6.4 ->
-5.5 us, o 6.1 -> 4.8 us, down 14.0 -> 13.0 us; 8B-like q/k/v 16.6 -> 14.2 us, o 13.2 -> 11.1 us.
-Every other input (more rows, CPU, float32) goes to torch.mm. The ops are opaque to Inductor; the
+multiprocessor streams. Every other input (more rows, CPU, float32) goes to torch.mm. The ops are opaque to Inductor; the
 passes `passes/linear_op.py` and `passes/silu_mul_linear.py` route the decoder's products to them.
 """
 

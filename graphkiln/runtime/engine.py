@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from graphkiln.errors import CapacityError, RequestError
+from graphkiln.errors import CapacityError, ConfigError, RequestError
 
 from .batch import PendingIds
 from .config import EngineConfig
@@ -98,7 +98,7 @@ class Engine:
 
     def stats(self) -> EngineStats:
         runner = self.runner
-        graphs = [g for g in (runner.prefill_graphs, runner.decode_graphs) if g is not None]
+        graphs = runner.graph_sets()
         return EngineStats(
             device=str(runner.device),
             attention_backend=runner.backend.name,
@@ -112,6 +112,20 @@ class Engine:
             graphs={g.graphs.kind: GraphStats.of(g.graphs) for g in graphs},
             steps_without_graph=dict(runner.steps_without_graph),
         )
+
+    def cuda_graph(self, kind: str, key) -> torch.cuda.CUDAGraph:
+        """One captured graph, to replay by hand (benchmarks time replays): `kind` as in `stats().graphs`,
+        `key` a bucket size, or (size, sampling mode) for decode, (size, piece name) for piecewise prefill."""
+        sets = {s.graphs.kind: s.graphs for s in self.runner.graph_sets()}
+        if kind not in sets or key not in sets[kind].graphs:
+            keys = {k: list(g.graphs) for k, g in sets.items()}
+            raise ConfigError(f"no captured {kind!r} graph {key!r}; this engine holds {keys}")
+        return sets[kind].graphs[key][0]
+
+    def recapture(self) -> None:
+        """Capture every graph again (same sizes): for benchmarks that change kernel settings in between."""
+        self.drain()
+        self.runner.recapture()
 
     def close(self) -> None:
         """Abort every request and give the KV cache, graphs and weights back to the device now (the

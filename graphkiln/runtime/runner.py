@@ -67,6 +67,16 @@ class ModelRunner:
         self.device = kv_cache.keys.device
         self.steps_without_graph: Counter[str] = Counter()  # "decode" / "prefill"
 
+    def graph_sets(self) -> list:
+        """The captured graph strategies (prefill first, decode last, as they are captured)."""
+        return [g for g in (self.prefill_graphs, self.decode_graphs) if g is not None]
+
+    def recapture(self) -> None:
+        """Capture every graph again, same sizes, same pool (after kernel settings changed)."""
+        for strategy in self.graph_sets():
+            strategy.graphs.release()
+            strategy.capture()
+
     def release(self) -> None:
         """Drop the graphs, the KV cache and the model, so their device memory can go back at once."""
         for graphs in (self.decode_graphs, self.prefill_graphs):

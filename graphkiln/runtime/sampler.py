@@ -94,8 +94,8 @@ class SamplingBatch:
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """argmax over the last dim of [N, V] in two parallel stages (chunk maxima, then the best chunk).
 
-    One row of a 128k vocabulary is a single-block reduction for torch.argmax (27 us on an H200);
-    splitting it into up to 256 chunks spreads it over the GPU. Ties resolve to the first index,
+    One row of a large vocabulary is a single-block reduction for torch.argmax, one multiprocessor
+    reading the whole row; splitting it into up to 256 chunks spreads it over the GPU. Ties resolve to the first index,
     as torch.argmax does.
     """
     rows, vocab = logits.shape

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The GPU machine's test run, as one device call: install graphkiln, carried wheels if any
+# The CUDA test run in one command: install graphkiln, wheels from .whl/ if any
 # (tests/gpu/carry_wheels.sh), the attention tests in parallel, then the runtime tests.
-# Logs and the measurements the closing note quotes (report.jsonl) go to $OUT.
-#   run(command="bash tests/gpu/run.sh", carry=[".whl"], timeout_s=600)
+# Logs and the measurements the tests record (report.jsonl) go to $OUT (default: ./gpu-test-logs).
+#   bash tests/gpu/run.sh
 set -uo pipefail
+OUT="${OUT:-$PWD/gpu-test-logs}"
+mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 GRAPHKILN_GPU_REPORT="$OUT/report.jsonl"
 python3 -m pip install --no-deps --no-build-isolation -e . -q 2>&1 | grep -v WARN
 if compgen -G ".whl/*.whl" > /dev/null; then

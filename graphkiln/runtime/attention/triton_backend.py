@@ -73,11 +73,8 @@ def decode_tiles(
 
 
 def prefill_tiles(max_query_len: int, head_dim: int, itemsize: int) -> PrefillTiles:
-    """Query tiles of up to 64 rows, no taller than the longest query, 4 warps, 2 stages.
-
-    On an H200 these beat 128-row tiles with 8 warps and 3 stages by 10-25% from 128 to 1024 prompt
-    tokens at head_dim 64 and 128 (bench/results/2026-11-29-nvidia-h200-prefill-tiles.json).
-    """
+    """Query tiles of up to 64 rows, no taller than the longest query, 4 warps, 2 stages: the fastest
+    of the tilings the attention benchmark sweeps (README, Performance)."""
     row_bytes = head_dim * itemsize
     block_m = min(64, max(16, _next_pow2(max_query_len)))
     return PrefillTiles(block_m, 64 if row_bytes <= 256 else 32, 4, 2 if row_bytes <= 512 else 1)
