@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import time
+import weakref
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -130,13 +131,15 @@ class Engine:
     def close(self) -> None:
         """Abort every request and give the KV cache, graphs and weights back to the device now (the
         engine is unusable after). Lazy imports inside torch leave reference cycles through the frames
-        that ran them, some of which hold this engine's tensors: one garbage collection frees those."""
+        that ran them, some of which hold this engine's weights: a garbage collection frees those."""
         self.drain()
         for seq in list(self.requests.values()):
             self.abort(seq)
         cuda = self.runner.device.type == "cuda"
+        weights = weakref.ref(next(self.runner.model.parameters()))
         self.runner.release()
-        gc.collect()
+        if weights() is not None:  # still held: by such cycles, or by the caller
+            gc.collect()
         if cuda:
             torch.cuda.empty_cache()
 
