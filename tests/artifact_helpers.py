@@ -1,7 +1,7 @@
 """Helpers shared by test_artifacts.py and test_cli.py: the small compile config, subprocess runners, edits.
 
-Subprocesses inherit this process's environment, so GRAPHKILN_CACHE (set by conftest.py) and
-TORCHINDUCTOR_CACHE_DIR (when CI sets it) point at the same caches as the test process.
+Subprocesses inherit this process's environment, so TORCHINDUCTOR_CACHE_DIR (when CI sets it)
+points at the same cache as the test process.
 """
 
 from __future__ import annotations

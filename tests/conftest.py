@@ -4,7 +4,6 @@ classes, and the tiny model's artifact compiled once per session."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -96,18 +95,6 @@ def single_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="session", autouse=True)
-def graphkiln_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """graphkiln's cache (the built-in tiny model): a session tmp dir unless GRAPHKILN_CACHE is set (CI sets it)."""
-    if os.environ.get("GRAPHKILN_CACHE"):
-        yield Path(os.environ["GRAPHKILN_CACHE"])
-        return
-    with pytest.MonkeyPatch.context() as mp:
-        root = tmp_path_factory.mktemp("graphkiln-cache")
-        mp.setenv("GRAPHKILN_CACHE", str(root))
-        yield root
 
 
 @pytest.fixture(scope="session")

@@ -42,7 +42,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture
 def model_dir(tmp_path: Path) -> Path:
-    """A private copy of the tiny model directory (never edit the shared one in GRAPHKILN_CACHE)."""
+    """A private copy of the tiny model directory (never edit the packaged one)."""
     return Path(shutil.copytree(tiny_model_dir(), tmp_path / "model"))
 
 
