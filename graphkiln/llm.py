@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 import dataclasses
+import operator
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,7 +136,10 @@ class LLM:
             if self.tokenizer is None:
                 raise RequestError("this model directory has no tokenizer; pass prompts as lists of token ids")
             return self.tokenizer.encode(prompt)
-        return [int(t) for t in prompt]
+        try:
+            return [operator.index(t) for t in prompt]
+        except TypeError:
+            raise RequestError(f"prompt {prompt!r}: give a string or a list of token ids (ints)") from None
 
     def decode(self, token_ids: list[int]) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(token_ids)
@@ -164,7 +168,7 @@ class LLM:
 
     def generate_stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[StreamDelta]:
         """Yield each new token with the text it adds, as soon as a step produces it."""
-        seq = self.engine.add_request(self.encode(prompt), params or SamplingParams())
+        seq = self.engine.add_request(self.encode(prompt), SamplingParams() if params is None else params)
         shown = ""
         try:
             while seq.finish_reason is None:
@@ -212,7 +216,9 @@ def _broadcast(params, n: int) -> list[SamplingParams]:
         return [SamplingParams()] * n
     if isinstance(params, SamplingParams):
         return [params] * n
-    params = list(params)
+    wrong = [p for p in params if not isinstance(p, SamplingParams)] if isinstance(params, (list, tuple)) else [params]
+    if wrong:
+        raise RequestError(f"params: {wrong[0]!r} is a {type(wrong[0]).__name__}; give a SamplingParams, or a list of one per prompt")
     if len(params) != n:
         raise RequestError(f"{len(params)} SamplingParams given for {n} prompts; give one, or one per prompt")
-    return params
+    return list(params)

@@ -144,7 +144,11 @@ class Engine:
             torch.cuda.empty_cache()
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"params={params!r} is a {type(params).__name__}; give a graphkiln.SamplingParams")
         self._check_ids(prompt_ids)
+        if params.stop_token_ids:
+            self._check_ids(params.stop_token_ids, "SamplingParams.stop_token_ids")
         rid = self.scheduler.next_request_id()
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, ()))  # torch.manual_seed decides
         seq = Sequence(rid, list(prompt_ids), params, seed, arrival=time.perf_counter())
@@ -152,10 +156,10 @@ class Engine:
         self.requests[rid] = seq
         return seq
 
-    def _check_ids(self, ids: list[int]) -> None:
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+    def _check_ids(self, ids: Seq[int], what: str = "prompt") -> None:
+        bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
         if bad:
-            raise RequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+            raise RequestError(f"{what}: token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
 
     def abort(self, seq: Sequence) -> None:
         self.scheduler.abort(seq)

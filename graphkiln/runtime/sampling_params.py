@@ -1,11 +1,32 @@
-"""SamplingParams: what one request asks of the sampler and the stop rules (public as graphkiln.SamplingParams)."""
+"""SamplingParams: what one request asks of the sampler and the stop rules (public as graphkiln.SamplingParams).
+
+Every field is checked on construction, type and range, so a bad value is a RequestError naming it
+before the request reaches a step (where it would fail on the device, or in the host-to-device copy).
+Values are normalized: numpy integers become ints, an integer temperature a float.
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from numbers import Integral, Real
 
 from graphkiln.errors import RequestError
+
+INT64_END = 2**63  # seeds and counts go to the device as int64
+
+
+def _int(name: str, value, low: int, high: int, hint: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, Integral) or not low <= value < high:
+        raise RequestError(f"SamplingParams.{name}={value!r}; {hint}")
+    return int(value)
+
+
+def _real(name: str, value, ok: Callable[[float], bool], hint: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, Real) or not ok(float(value)):
+        raise RequestError(f"SamplingParams.{name}={value!r}; {hint}")
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -22,17 +43,34 @@ class SamplingParams:
     logprobs: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise RequestError(f"SamplingParams.max_tokens={self.max_tokens}; it must be at least 1")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise RequestError(f"SamplingParams.temperature={self.temperature}; it must be a finite number >= 0")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise RequestError(f"SamplingParams.top_k={self.top_k}; use 0 to disable, or a positive count")
-        if not 0.0 < self.top_p <= 1.0:
-            raise RequestError(f"SamplingParams.top_p={self.top_p}; it must be in (0, 1]")
-        if self.stop_token_ids is not None:
-            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        checked = {
+            "max_tokens": _int("max_tokens", self.max_tokens, 1, INT64_END, "give an int >= 1"),
+            "temperature": _real("temperature", self.temperature, lambda t: 0 <= t < math.inf,
+                                 "give a finite real number >= 0 (0 is greedy)"),
+            "top_k": _int("top_k", self.top_k, 0, INT64_END, "give 0 to disable the filter, or an int >= 1"),
+            "top_p": _real("top_p", self.top_p, lambda p: 0 < p <= 1, "give a real number in (0, 1]; 1 disables the filter"),
+            "seed": None if self.seed is None else _int("seed", self.seed, 0, INT64_END, "give an int in [0, 2**63), or None"),
+            "stop_token_ids": _token_ids(self.stop_token_ids),
+        }  # fmt: skip
+        for name in ("ignore_eos", "logprobs"):
+            if not isinstance(getattr(self, name), bool):
+                raise RequestError(f"SamplingParams.{name}={getattr(self, name)!r}; give True or False")
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+
+def _token_ids(ids) -> tuple[int, ...] | None:
+    hint = "give a list of token ids (ints), or None"
+    if ids is None:
+        return None
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+        raise RequestError(f"SamplingParams.stop_token_ids={ids!r}; {hint}")
+    ids = tuple(ids)
+    if any(isinstance(t, bool) or not isinstance(t, Integral) for t in ids):
+        raise RequestError(f"SamplingParams.stop_token_ids={ids!r}; {hint}")
+    return tuple(int(t) for t in ids)
+
