@@ -31,3 +31,12 @@ class CapacityError(GraphkilnError):
 
 class ArtifactError(GraphkilnError):
     """A compiled artifact directory is missing, stale, tampered with or from another setup."""
+
+
+class RequestFailedError(GraphkilnError):
+    """A request failed inside an engine step (a device or runtime fault, not its parameters); the engine
+    freed it and serves on. `outputs` holds what the call produced, the failed requests with finish_reason "error"."""
+
+    def __init__(self, message: str, outputs: list | None = None) -> None:
+        super().__init__(message)
+        self.outputs = outputs or []

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from graphkiln.errors import RequestError
+from graphkiln.errors import RequestError, RequestFailedError
 from graphkiln.models import load_model, resolve_dtype
 from graphkiln.models.tiny import TINY_NAME, tiny_model_dir
 from graphkiln.models.tokenizer import Tokenizer
@@ -22,6 +22,7 @@ from graphkiln.runtime.config import EngineConfig, engine_config
 from graphkiln.runtime.engine import Engine
 from graphkiln.runtime.memory import resolve_device
 from graphkiln.runtime.sampling_params import SamplingParams
+from graphkiln.runtime.scheduler import Sequence as Request
 from graphkiln.runtime.stats import EngineStats
 
 Prompt = str | Sequence[int]
@@ -147,7 +148,11 @@ class LLM:
     def generate(
         self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
     ) -> list[RequestOutput]:
-        """Generate for every prompt (strings or token-id lists); results come back in prompt order."""
+        """Generate for every prompt (strings or token-id lists); results come back in prompt order.
+
+        A request that fails inside an engine step (a device or runtime fault) does not stop the others:
+        once they have finished, RequestFailedError names the failed ones, with every output on its
+        `outputs` (the failed ones with finish_reason "error"). An interrupt aborts this call's requests."""
         if isinstance(prompts, str):
             prompts = [prompts]
         if any(isinstance(p, int) for p in prompts):
@@ -158,16 +163,19 @@ class LLM:
         try:
             for ids, p in zip(encoded, params_list):
                 seqs.append(self.engine.add_request(ids, p))
-        except Exception:
-            for seq in seqs:
-                self.engine.abort(seq)
-            raise
-        while any(s.finish_reason is None for s in seqs):
-            self.engine.step()
-        return [self._output(s) for s in seqs]
+            while any(s.finish_reason is None for s in seqs):
+                self.engine.step()
+        finally:
+            self._abort_unfinished(seqs)
+        outputs = [self._output(s) for s in seqs]
+        failed = [(f"request {s.request_id} (prompt {i})", s) for i, s in enumerate(seqs) if s.error is not None]
+        if failed:
+            raise _failure(failed, outputs)
+        return outputs
 
     def generate_stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[StreamDelta]:
-        """Yield each new token with the text it adds, as soon as a step produces it."""
+        """Yield each new token with the text it adds, as soon as a step produces it. Closing the stream early
+        aborts the request; a request failing in a step raises RequestFailedError after its last token."""
         seq = self.engine.add_request(self.encode(prompt), SamplingParams() if params is None else params)
         shown = ""
         try:
@@ -180,6 +188,13 @@ class LLM:
                     yield StreamDelta(event.token_id, stable[len(shown) :], event.finish_reason)
                     shown = stable
         finally:
+            self._abort_unfinished([seq])
+        if seq.error is not None:
+            raise _failure([(f"request {seq.request_id}", seq)])
+
+    def _abort_unfinished(self, seqs: list[Request]) -> None:
+        """Abort what an interrupt (or an error outside any request's step) left running, freeing its blocks."""
+        for seq in seqs:
             if seq.finish_reason is None and self._engine is not None:
                 self._engine.abort(seq)
 
@@ -198,7 +213,8 @@ class LLM:
         """float32 logits [num_tokens, vocab] of one prompt."""
         return self.engine.score(self.encode(token_ids))
 
-    def _output(self, seq) -> RequestOutput:
+    def _output(self, seq: Request) -> RequestOutput:
+        first_token_time = seq.finish_time if seq.first_token_time is None else seq.first_token_time  # none: failed
         return RequestOutput(
             prompt_token_ids=seq.prompt_ids,
             token_ids=list(seq.output_ids),
@@ -206,9 +222,21 @@ class LLM:
             logprobs=list(seq.logprobs) if seq.params.logprobs else None,
             finish_reason=seq.finish_reason,
             queue_s=seq.scheduled_time - seq.arrival,
-            time_to_first_token_s=seq.first_token_time - seq.arrival,
+            time_to_first_token_s=first_token_time - seq.arrival,
             total_s=seq.finish_time - seq.arrival,
         )
+
+
+def _failure(failed: list[tuple[str, Request]], outputs: list[RequestOutput] | None = None) -> RequestFailedError:
+    """The error a caller gets for its requests that failed in a step, the first one's error as its cause."""
+    cause = failed[0][1].error
+    error = RequestFailedError(
+        f"{', '.join(name for name, _ in failed)} failed in an engine step ({type(cause).__name__}: {cause}); the "
+        "engine freed what they held and serves on" + ("; every prompt's output is on .outputs" if outputs else ""),
+        outputs,
+    )
+    error.__cause__ = cause
+    return error
 
 
 def _broadcast(params, n: int) -> list[SamplingParams]:
@@ -218,7 +246,9 @@ def _broadcast(params, n: int) -> list[SamplingParams]:
         return [params] * n
     wrong = [p for p in params if not isinstance(p, SamplingParams)] if isinstance(params, (list, tuple)) else [params]
     if wrong:
-        raise RequestError(f"params: {wrong[0]!r} is a {type(wrong[0]).__name__}; give a SamplingParams, or a list of one per prompt")
+        raise RequestError(
+            f"params: {wrong[0]!r} is a {type(wrong[0]).__name__}; give a SamplingParams, or a list of one per prompt"
+        )
     if len(params) != n:
         raise RequestError(f"{len(params)} SamplingParams given for {n} prompts; give one, or one per prompt")
     return list(params)

@@ -141,7 +141,7 @@ def test_a_step_in_flight_is_read_back_one_step_later(llm: LLM, many_prompts: li
     first = engine.step()  # launches the next step, returns the first token
     assert [e.token_id for e in first] == seq.output_ids and len(seq.output_ids) == 1
     engine.abort(seq)
-    assert not engine.has_work() and engine.step() == [] and engine.launched is None
+    assert not engine.has_work() and engine.step() == [] and not engine.in_flight
 
 
 def test_eos_stops_unless_ignored(

@@ -3,19 +3,57 @@ confined to the requests involved, an interrupted generate cleaned up."""
 
 from __future__ import annotations
 
+import itertools
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
 import numpy as np
 import pytest
 
+import graphkiln
 from graphkiln import LLM, SamplingParams
-from graphkiln.errors import RequestError
+from graphkiln.errors import RequestError, RequestFailedError
+from graphkiln.runtime import runner
+from graphkiln.runtime.engine import LaunchedStep
+from graphkiln.runtime.sampler import SamplingTensors
 
 PROMPT = "the kiln compiles a graph"
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+BAD_SEED = 666  # the request whose steps the fault below hits
 
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
     return LLM.eager("tiny", kv_cache_tokens=1024)
+
+
+@pytest.fixture(scope="module", params=["eager", "compiled"])
+def any_llm(request: pytest.FixtureRequest, artifact: Path) -> LLM:
+    """The eager tiny model, and its compiled artifact (same weights, padded batches, compiled pieces)."""
+    if request.param == "eager":
+        return LLM.eager("tiny", kv_cache_tokens=1024)
+    return graphkiln.load(artifact, kv_cache_tokens=1024)
+
+
+def fault_in_sampler(
+    monkeypatch: pytest.MonkeyPatch, error: BaseException, hit: Callable[[SamplingTensors], bool]
+) -> None:
+    """Make a step raise `error` on the device side (the sampler a step without a graph runs) when `hit`
+    says so for its sampling rows."""
+    sample = runner.sample
+
+    def faulty(logits, rows, mode):
+        if hit(rows):
+            raise error
+        return sample(logits, rows, mode)
+
+    monkeypatch.setattr(runner, "sample", faulty)
+
+
+def nth_call(n: int) -> Callable[..., bool]:
+    calls = itertools.count(1)
+    return lambda *_: next(calls) == n
 
 
 def assert_idle(llm: LLM) -> None:
@@ -91,7 +129,7 @@ def test_params_that_are_not_sampling_params(llm: LLM, params) -> None:
 
 @pytest.mark.parametrize("stop", [[2, 4096], [-1]], ids=["past-the-end", "negative"])
 def test_stop_token_ids_outside_the_vocabulary(llm: LLM, stop: list[int]) -> None:
-    with pytest.raises(RequestError, match=r"stop_token_ids: token ids \[-?\d+\] are outside the vocabulary \[0, 4096\)"):
+    with pytest.raises(RequestError, match=r"stop_token_ids: token ids \[-?\d+\] are outside the vocabulary"):
         llm.generate([PROMPT, PROMPT], [GREEDY, SamplingParams(stop_token_ids=stop)])
     assert_idle(llm)
 
@@ -100,4 +138,113 @@ def test_stop_token_ids_outside_the_vocabulary(llm: LLM, stop: list[int]) -> Non
 def test_prompt_ids_that_are_not_ints(llm: LLM, prompt: list) -> None:
     with pytest.raises(RequestError, match="give a string or a list of token ids"):
         llm.generate([prompt], GREEDY)
+    assert_idle(llm)
+
+
+def bad_request_past_its_third_token(rows: SamplingTensors) -> bool:
+    return any(seed == BAD_SEED and step >= 3 for seed, step in zip(rows.seed.tolist(), rows.step.tolist()))
+
+
+def test_a_step_failing_fails_only_the_request_at_fault(
+    any_llm: LLM, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A request whose fourth draw makes the step raise, batched with a request running on its own
+    (another caller's) and two more of the same call: the failed step's requests each run alone once,
+    only the one at fault fails (with the tokens it had), the others give what they give alone."""
+    llm = any_llm
+    other = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=1)
+    params = [GREEDY, SamplingParams(max_tokens=8, ignore_eos=True, temperature=1.0, seed=BAD_SEED),
+              SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.9, top_k=20, seed=2)]  # fmt: skip
+    prompts = ["the kiln", PROMPT, "graphs flow"]
+    alone = [llm.generate(p, q)[0].token_ids for p, q in zip(prompts, params)]
+    other_alone = llm.generate("a long running request", other)[0].token_ids
+
+    fault_in_sampler(monkeypatch, RuntimeError("device fault"), bad_request_past_its_third_token)
+    engine = llm.engine
+    running = engine.add_request(llm.encode("a long running request"), other)
+    for _ in range(4):
+        engine.step()
+    failed = r"request \d+ \(prompt 1\) failed in an engine step \(RuntimeError: device fault\)"
+    with caplog.at_level(logging.WARNING, logger="graphkiln.runtime"):
+        with pytest.raises(RequestFailedError, match=failed) as caught:
+            llm.generate(prompts, params)
+    assert "running each alone once" in caplog.text
+    outputs = caught.value.outputs
+    assert [o.finish_reason for o in outputs] == ["length", "error", "length"]
+    assert [o.token_ids for o in outputs] == [alone[0], alone[1][:3], alone[2]]
+    assert isinstance(caught.value.__cause__, RuntimeError)
+    while engine.has_work():
+        engine.step()
+    assert running.output_ids == other_alone and running.finish_reason == "length"
+    assert_idle(llm)
+    monkeypatch.undo()
+    assert [o.token_ids for o in llm.generate(prompts, params)] == alone
+
+
+def test_a_step_of_one_request_failing(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    fault_in_sampler(monkeypatch, RuntimeError("device fault"), nth_call(2))
+    with pytest.raises(RequestFailedError, match=r"request \d+ \(prompt 0\) failed") as caught:
+        llm.generate(PROMPT, GREEDY)
+    assert [(o.finish_reason, len(o.token_ids)) for o in caught.value.outputs] == [("error", 1)]
+    assert_idle(llm)
+    fault_in_sampler(monkeypatch, RuntimeError("device fault"), bad_request_past_its_third_token)
+    stream = llm.generate_stream(PROMPT, SamplingParams(max_tokens=8, ignore_eos=True, seed=BAD_SEED, temperature=1.0))
+    assert len([next(stream) for _ in range(3)]) == 3
+    with pytest.raises(RequestFailedError, match=r"request \d+ failed in an engine step \(RuntimeError"):
+        next(stream)
+    monkeypatch.undo()
+    assert_idle(llm)
+    assert len(llm.generate(PROMPT, GREEDY)[0].token_ids) == GREEDY.max_tokens
+
+
+def test_a_fault_found_at_read_back_fails_that_steps_requests(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device fault surfacing when a step's ids are read (as an asynchronous CUDA error does)."""
+    results, fail = LaunchedStep.results, nth_call(3)
+
+    def faulty(step: LaunchedStep):
+        if fail():
+            raise RuntimeError("illegal memory access")
+        return results(step)
+
+    want = [o.token_ids for o in llm.generate([PROMPT, "graphs"], GREEDY)]
+    monkeypatch.setattr(LaunchedStep, "results", faulty)
+    with pytest.raises(RequestFailedError, match=r"prompt 0\), request \d+ \(prompt 1\) failed") as caught:
+        llm.generate([PROMPT, "graphs"], GREEDY)
+    assert [o.token_ids for o in caught.value.outputs] == [w[:2] for w in want]
+    assert_idle(llm)
+    assert [o.token_ids for o in llm.generate([PROMPT, "graphs"], GREEDY)] == want
+
+
+def test_interrupted_launch_aborts_the_calls_requests(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    want = [o.token_ids for o in llm.generate([PROMPT, "graphs"], GREEDY)]
+    fault_in_sampler(monkeypatch, KeyboardInterrupt(), nth_call(3))
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([PROMPT, "graphs"], GREEDY)
+    assert_idle(llm)
+    assert [o.token_ids for o in llm.generate([PROMPT, "graphs"], GREEDY)] == want
+
+
+def test_interrupted_read_back_loses_no_other_callers_token(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C while waiting for a step's ids: the interrupted call's requests are aborted; a request of
+    another caller in that step gets its token when the next step reads the step back."""
+    other = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=1)
+    other_alone = llm.generate("a long running request", other)[0].token_ids
+    engine = llm.engine
+    running = engine.add_request(llm.encode("a long running request"), other)
+    for _ in range(3):
+        engine.step()
+    results, interrupt = LaunchedStep.results, nth_call(2)
+
+    def interrupted(step: LaunchedStep):
+        if interrupt():
+            raise KeyboardInterrupt
+        return results(step)
+
+    monkeypatch.setattr(LaunchedStep, "results", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPT, GREEDY)
+    assert len(engine.in_flight) == 2  # the step cut short, and the one launched before it
+    while engine.has_work():
+        engine.step()
+    assert running.output_ids == other_alone
     assert_idle(llm)

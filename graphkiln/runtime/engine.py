@@ -6,13 +6,22 @@ previous one's token ids, so the host schedules and packs step N+1 while the dev
 step N. A token not read back yet sits in its sequence as PENDING; the step that consumes it
 takes it from the previous step's device output. A sequence that stops on a token found only at
 read-back had one more step launched for it: that row is dropped.
+
+A step that raises fails only the requests involved. Sequences change only once a launch went
+through, so a failed launch leaves them as they were: a step of one request fails it (finish_reason
+"error", the error on `Sequence.error`, its blocks freed); the requests of a step of several run
+alone next, one step each, so only the one at fault fails. An interrupt (KeyboardInterrupt) leaves
+no half-done state either: a read-back it cuts short stays in flight, and the next read skips the
+rows already read.
 """
 
 from __future__ import annotations
 
 import gc
+import logging
 import time
 import weakref
+from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -28,6 +37,8 @@ from .sampler import SamplingBatch
 from .sampling_params import SamplingParams
 from .scheduler import PENDING, ScheduledChunk, Scheduler, Sequence
 from .stats import EngineStats, GraphStats
+
+log = logging.getLogger("graphkiln.runtime")
 
 
 @dataclass(frozen=True)
@@ -52,6 +63,12 @@ class LaunchedStep:
 
     def live(self) -> bool:
         return any(seq.finish_reason is None for seq, _ in self.rows)
+
+    def results(self) -> tuple[list[int], list[float] | None]:
+        """The sampled ids (and logprobs) as host lists, once the device has written them."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host_ids.tolist(), None if self.host_logprobs is None else self.host_logprobs.tolist()
 
 
 class ReadBack:
@@ -91,7 +108,7 @@ class Engine:
         self.vocab_size = vocab_size
         self.requests: dict[int, Sequence] = {}
         self.read_back = ReadBack(scheduler.max_num_seqs, runner.device)
-        self.launched: LaunchedStep | None = None
+        self.in_flight: deque[LaunchedStep] = deque()  # launched, not read back: one (two after an interrupted read)
 
     @property
     def allocator(self) -> BlockAllocator:
@@ -162,49 +179,93 @@ class Engine:
             raise RequestError(f"{what}: token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
 
     def abort(self, seq: Sequence) -> None:
-        self.scheduler.abort(seq)
+        if seq.finish_reason is None:
+            self._finish(seq, "abort", time.perf_counter())
+
+    def _finish(self, seq: Sequence, reason: str, now: float) -> None:
+        """Leave the engine; tokens not read back (an abort's or a failure's) leave with it."""
+        while seq.tokens[-1] == PENDING:
+            seq.tokens.pop()
+        seq.finish_time = now
+        self.scheduler.finish(seq, reason)
         self.requests.pop(seq.request_id, None)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or (self.launched is not None and self.launched.live())
+        return self.scheduler.has_work() or any(step.live() for step in self.in_flight)
 
     def step(self) -> list[TokenEvent]:
-        """Launch the next step (if any is scheduled), then return the tokens of the previous one."""
-        previous, self.launched = self.launched, None
+        """Launch the next step (if any is scheduled), then return the tokens of the one before it."""
+        events = self._read_back(keep=1)  # none, unless an interrupt cut the last read short
         chunks = self.scheduler.schedule()
+        failure = None
         if chunks:
-            self.launched = self._launch(chunks, previous)
-        return self._read(previous) if previous is not None else []
+            try:
+                self.in_flight.append(self._launch(chunks, self.in_flight[-1] if self.in_flight else None))
+            except Exception as error:
+                failure = error
+        events += self._read_back(keep=int(bool(chunks) and failure is None))
+        if failure is not None:  # after the read-back: the tokens sampled before the failure are kept
+            self._step_failed([c.seq for c in chunks], failure)
+        return events
 
     def drain(self) -> list[TokenEvent]:
-        """Read back the step in flight, launching nothing."""
-        previous, self.launched = self.launched, None
-        return self._read(previous) if previous is not None else []
+        """Read back the steps in flight, launching nothing."""
+        return self._read_back(keep=0)
+
+    def _read_back(self, keep: int) -> list[TokenEvent]:
+        """Read the oldest steps in flight until `keep` are left (a step leaves only once fully read)."""
+        events = []
+        while len(self.in_flight) > keep:
+            events += self._read(self.in_flight[0])
+            self.in_flight.popleft()
+        return events
+
+    def _step_failed(self, seqs: list[Sequence], error: Exception) -> None:
+        """A launch raised: with one request, that request is at fault; with several, each runs alone next."""
+        if len(seqs) == 1:
+            self._fail(seqs, error)
+            return
+        log.warning("a step of requests %s raised %r; running each alone once", [s.request_id for s in seqs], error)
+        self.scheduler.isolate(seqs)
+
+    def _fail(self, seqs: list[Sequence], error: Exception) -> None:
+        """Finish the still running `seqs` with finish_reason "error", keeping the error for their caller."""
+        failed = [seq for seq in seqs if seq.finish_reason is None]
+        log.error("requests %s failed: %r", [s.request_id for s in failed], error)
+        now = time.perf_counter()
+        for seq in failed:
+            seq.error = error
+            self._finish(seq, "error", now)
 
     def _launch(self, chunks: list[ScheduledChunk], previous: LaunchedStep | None) -> LaunchedStep:
+        """Start one step on the device. Nothing before the sampler returns changes a sequence, so a launch
+        that raises leaves every sequence as it was."""
         sampling = [c for c in chunks if c.samples]
         rows = SamplingBatch.of(
             [c.seq.params for c in sampling], [c.seq.seed for c in sampling], [c.seq.num_output for c in sampling]
         )
         pending = _pending_ids(chunks, previous)
         ids, logprobs = self.runner.sample(chunks, _sample_rows(chunks), rows, pending)
+        host = self.read_back.start(ids, logprobs)
         launched = []
         for c in chunks:
             c.seq.num_computed += c.num_tokens
         for c in sampling:
             c.seq.tokens.append(PENDING)
             launched.append((c.seq, c.seq.num_tokens - 1))
-        return LaunchedStep(launched, ids, *self.read_back.start(ids, logprobs))
+        return LaunchedStep(launched, ids, *host)
 
     def _read(self, step: LaunchedStep) -> list[TokenEvent]:
-        if step.ready is not None:
-            step.ready.synchronize()
-        tokens = step.host_ids.tolist()
-        logprobs = step.host_logprobs.tolist() if step.host_logprobs is not None else [None] * len(tokens)
+        try:
+            tokens, logprobs = step.results()
+        except Exception as error:  # a device fault surfacing at the sync: none of the step's rows can be trusted
+            self._fail([seq for seq, _ in step.rows], error)
+            return []
+        logprobs = logprobs or [None] * len(tokens)
         now = time.perf_counter()
         events = []
         for (seq, index), token, logprob in zip(step.rows, tokens, logprobs):
-            if seq.finish_reason is not None:  # stopped (or aborted) before this row's token was read
+            if seq.finish_reason is not None or seq.tokens[index] != PENDING:  # stopped or aborted; or read already
                 continue
             seq.tokens[index] = token
             if seq.params.logprobs:
@@ -214,9 +275,7 @@ class Engine:
             reason = self._finish_reason(seq, token, index)
             if reason:
                 del seq.tokens[index + 1 :]  # the step launched after this one computed past the stop
-                seq.finish_time = now
-                self.scheduler.finish(seq, reason)
-                self.requests.pop(seq.request_id)
+                self._finish(seq, reason, now)
             events.append(TokenEvent(seq.request_id, token, logprob, reason))
         return events
 

@@ -4,7 +4,8 @@ Every step has a token budget. Running sequences that wait for one decode token 
 the rest of the budget goes to prompt chunks (a prompt longer than the budget is prefilled over
 several steps, continuing its cached prefix). KV blocks are taken as tokens are scheduled; when
 none are left, the youngest running sequence is preempted: its blocks are freed and it is
-recomputed from its tokens later.
+recomputed from its tokens later. After a step of several sequences failed, each of them runs
+alone for one step before anything else, so the engine can tell which one is at fault.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class Sequence:
     num_computed: int = 0
     blocks: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    error: Exception | None = None  # what failed its step, when finish_reason is "error"
     arrival: float = 0.0
     scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -85,6 +87,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.isolated: deque[Sequence] = deque()  # to run alone, one step each
         self._ids = itertools.count()
 
     def next_request_id(self) -> int:
@@ -109,7 +112,15 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def isolate(self, seqs: list[Sequence]) -> None:
+        """Run each of `seqs` (the sequences of a failed step) alone for one step, before anything else."""
+        self.isolated.extend(s for s in seqs if s.finish_reason is None and s not in self.isolated)
+
     def schedule(self) -> list[ScheduledChunk]:
+        while self.isolated:
+            seq = self.isolated.popleft()
+            if not self._closing(seq):
+                return self._alone(seq)
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         for seq in sorted(self.running, key=lambda s: s.request_id):
@@ -133,6 +144,13 @@ class Scheduler:
             budget -= take
         return chunks
 
+    def _alone(self, seq: Sequence) -> list[ScheduledChunk]:
+        if seq in self.waiting:  # preempted while another ran alone
+            self.waiting.remove(seq)
+            self.running.append(seq)
+        take = min(seq.num_pending, self.max_num_batched_tokens)
+        return [ScheduledChunk(seq, take)] if self._reserve(seq, take, []) else []
+
     def _closing(self, seq: Sequence) -> bool:
         """Its pending token is its last (max_tokens or the context reached): nothing more to schedule."""
         last_pending = seq.tokens[-1] == PENDING
@@ -155,14 +173,13 @@ class Scheduler:
         self.running.remove(seq)
         self.waiting.appendleft(seq)
 
-    def abort(self, seq: Sequence) -> None:
-        self.finish(seq, "abort")
-
     def finish(self, seq: Sequence, reason: str) -> None:
         """Leave the scheduler for good (a sequence preempted while its last step ran may be waiting)."""
         if seq in self.waiting:
             self.waiting.remove(seq)
         if seq in self.running:
             self.running.remove(seq)
+        if seq in self.isolated:
+            self.isolated.remove(seq)
         self.allocator.free(seq.blocks)
         seq.finish_reason = reason
