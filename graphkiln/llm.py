@@ -174,19 +174,24 @@ class LLM:
         return outputs
 
     def generate_stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[StreamDelta]:
-        """Yield each new token with the text it adds, as soon as a step produces it. Closing the stream early
-        aborts the request; a request failing in a step raises RequestFailedError after its last token."""
-        seq = self.engine.add_request(self.encode(prompt), SamplingParams() if params is None else params)
-        shown = ""
+        """Yield each new token with the text it adds, as soon as a step produces it. Streams, generate and
+        score may interleave on one LLM: whichever drives a step, its tokens wait on their request for
+        their stream. Closing the stream early aborts the request; a request failing in a step raises
+        RequestFailedError after its last token."""
+        params = SamplingParams() if params is None else params
+        seq = self.engine.add_request(self.encode(prompt), params, stream=True)
+        shown, count = "", 0
         try:
-            while seq.finish_reason is None:
-                for event in self.engine.step():
-                    if event.request_id != seq.request_id:
-                        continue
-                    text = self.decode(seq.output_ids)
-                    stable = text if event.finish_reason or not text.endswith("\ufffd") else shown
-                    yield StreamDelta(event.token_id, stable[len(shown) :], event.finish_reason)
-                    shown = stable
+            while seq.events or seq.finish_reason is None:
+                if not seq.events:
+                    self.engine.step()
+                    continue
+                event = seq.events.popleft()
+                count += 1
+                text = self.decode(seq.output_ids[:count])
+                stable = text if event.finish_reason or not text.endswith("\ufffd") else shown
+                yield StreamDelta(event.token_id, stable[len(shown) :], event.finish_reason)
+                shown = stable
         finally:
             self._abort_unfinished([seq])
         if seq.error is not None:

@@ -160,7 +160,9 @@ class Engine:
         if cuda:
             torch.cuda.empty_cache()
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, stream: bool = False) -> Sequence:
+        """Queue one request. `stream`: keep its TokenEvents on `seq.events` for its consumer to pop, whichever
+        caller drives the steps that produce them (another's generate, a score that reads a step back)."""
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params={params!r} is a {type(params).__name__}; give a graphkiln.SamplingParams")
         self._check_ids(prompt_ids)
@@ -169,6 +171,8 @@ class Engine:
         rid = self.scheduler.next_request_id()
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, ()))  # torch.manual_seed decides
         seq = Sequence(rid, list(prompt_ids), params, seed, arrival=time.perf_counter())
+        if stream:
+            seq.events = deque()
         self.scheduler.add(seq)
         self.requests[rid] = seq
         return seq
@@ -276,7 +280,10 @@ class Engine:
             if reason:
                 del seq.tokens[index + 1 :]  # the step launched after this one computed past the stop
                 self._finish(seq, reason, now)
-            events.append(TokenEvent(seq.request_id, token, logprob, reason))
+            event = TokenEvent(seq.request_id, token, logprob, reason)
+            events.append(event)
+            if seq.events is not None:
+                seq.events.append(event)
         return events
 
     def _finish_reason(self, seq: Sequence, token: int, index: int) -> str | None:
@@ -291,7 +298,7 @@ class Engine:
 
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """float32 logits [len(token_ids), vocab] of one prompt, computed chunk by chunk (a step in
-        flight is read back first; its events are not returned)."""
+        flight is read back first: its events reach streamed requests through `seq.events`)."""
         self.drain()
         seq = Sequence(-1, list(token_ids), SamplingParams(max_tokens=1), seed=0)
         self._check_ids(seq.prompt_ids)

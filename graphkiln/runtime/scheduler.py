@@ -14,6 +14,7 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from graphkiln.errors import CapacityError, ConfigError, RequestError
 
@@ -37,6 +38,7 @@ class Sequence:
     blocks: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     error: Exception | None = None  # what failed its step, when finish_reason is "error"
+    events: deque[Any] | None = None  # its engine.TokenEvents, kept for a consumer that reads them one by one
     arrival: float = 0.0
     scheduled_time: float | None = None
     first_token_time: float | None = None
