@@ -1,7 +1,7 @@
 """graphkiln: compile Hugging Face decoder LLMs with torch.compile/Inductor and serve them with CUDA graphs.
 
 Public API: `compile_model`, `load`, `LLM`, `SamplingParams`, `CompileConfig`, `EngineConfig`,
-`RequestOutput`, `StreamDelta`, and the typed errors in `graphkiln.errors`. Names are imported on
+`RequestOutput`, `StreamDelta`, `TokenLogprobs`, and the typed errors in `graphkiln.errors`. Names are imported on
 first use, so `import graphkiln.errors` (or any one room) does not pull in the rest.
 """
 
@@ -18,6 +18,7 @@ _NAMES = {
     "LLM": "graphkiln.llm",
     "RequestOutput": "graphkiln.llm",
     "StreamDelta": "graphkiln.llm",
+    "TokenLogprobs": "graphkiln.llm",
     "CompileConfig": "graphkiln.compiler.config",
     "EngineConfig": "graphkiln.runtime.config",
     "SamplingParams": "graphkiln.runtime.sampling_params",
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
     from graphkiln import errors
     from graphkiln.api import compile_model, load
     from graphkiln.compiler.config import CompileConfig
-    from graphkiln.llm import LLM, RequestOutput, StreamDelta
+    from graphkiln.llm import LLM, RequestOutput, StreamDelta, TokenLogprobs
     from graphkiln.runtime.config import EngineConfig
     from graphkiln.runtime.sampling_params import SamplingParams
 

@@ -19,7 +19,7 @@ from graphkiln.compiler.compile import CompileReport, compile_module
 from graphkiln.compiler.config import CompileConfig
 from graphkiln.runtime.builder import build_engine
 from graphkiln.runtime.config import EngineConfig, engine_config
-from graphkiln.runtime.engine import Engine
+from graphkiln.runtime.engine import Engine, TokenLogprobs
 from graphkiln.runtime.memory import resolve_device
 from graphkiln.runtime.sampling_params import SamplingParams
 from graphkiln.runtime.scheduler import Sequence as Request
@@ -30,12 +30,13 @@ Prompt = str | Sequence[int]
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """One finished request: its prompt ids, generated ids and text, logprobs when asked, and timings."""
+    """One finished request: its prompt ids, generated ids and text, logprobs when asked (one TokenLogprobs a
+    token), and timings."""
 
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
-    logprobs: list[float] | None
+    logprobs: list[TokenLogprobs] | None
     finish_reason: str
     queue_s: float
     time_to_first_token_s: float
@@ -53,9 +54,12 @@ class RequestOutput:
 
 @dataclass(frozen=True)
 class StreamDelta:
+    """One new token of a stream: the text it adds, its logprobs when asked, and why the stream ends on it."""
+
     token_id: int
     text: str
     finish_reason: str | None
+    logprobs: TokenLogprobs | None = None
 
 
 def resolve_model_dir(model: str | Path) -> Path:
@@ -190,7 +194,7 @@ class LLM:
                 count += 1
                 text = self.decode(seq.output_ids[:count])
                 stable = text if event.finish_reason or not text.endswith("\ufffd") else shown
-                yield StreamDelta(event.token_id, stable[len(shown) :], event.finish_reason)
+                yield StreamDelta(event.token_id, stable[len(shown) :], event.finish_reason, event.logprobs)
                 shown = stable
         finally:
             self._abort_unfinished([seq])
@@ -224,7 +228,7 @@ class LLM:
             prompt_token_ids=seq.prompt_ids,
             token_ids=list(seq.output_ids),
             text=self.decode(seq.output_ids),
-            logprobs=list(seq.logprobs) if seq.params.logprobs else None,
+            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
             finish_reason=seq.finish_reason,
             queue_s=seq.scheduled_time - seq.arrival,
             time_to_first_token_s=first_token_time - seq.arrival,

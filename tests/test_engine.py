@@ -182,10 +182,12 @@ def test_logprobs(llm: LLM, many_prompts: list[list[int]], solo: list[list[int]]
     out = llm.generate([prompt], SamplingParams(max_tokens=20, ignore_eos=True, logprobs=True))[0]
     assert out.token_ids == solo[3]
     assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
-    assert all(lp <= 0 for lp in out.logprobs)
+    assert [lp.token_id for lp in out.logprobs] == out.token_ids and all(lp.top == () for lp in out.logprobs)
+    logprobs = torch.tensor([lp.logprob for lp in out.logprobs])
+    assert (logprobs <= 0).all()
     logits = llm.score(prompt + out.token_ids[:-1])[len(prompt) - 1 :]
     expected = logits.log_softmax(-1).gather(1, torch.tensor(out.token_ids)[:, None]).squeeze(1)
-    assert torch.allclose(torch.tensor(out.logprobs), expected, atol=1e-4, rtol=0)
+    assert torch.allclose(logprobs, expected, atol=1e-4, rtol=0)
     assert llm.generate([prompt], GREEDY)[0].logprobs is None
 
 

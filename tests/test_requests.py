@@ -87,6 +87,9 @@ def assert_idle(llm: LLM) -> None:
         ("ignore_eos", 1),
         ("ignore_eos", "yes"),
         ("logprobs", "yes"),
+        ("logprobs", 21),
+        ("logprobs", -1),
+        ("logprobs", 2.0),
     ],
 )
 def test_sampling_params_reject_wrong_types_and_ranges(field: str, value) -> None:

@@ -62,7 +62,7 @@ def test_sampled_logprobs_are_the_model_distribution(llm: LLM, prompt: list[int]
     out = llm.generate([prompt], params)[0]
     logits = llm.score(prompt + out.token_ids[:-1])[len(prompt) - 1 :]
     expected = logits.log_softmax(-1).gather(1, torch.tensor(out.token_ids)[:, None]).squeeze(1)
-    assert torch.allclose(torch.tensor(out.logprobs), expected, atol=1e-4, rtol=0)
+    assert torch.allclose(torch.tensor([lp.logprob for lp in out.logprobs]), expected, atol=1e-4, rtol=0)
 
 
 def filter_row(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -123,7 +123,7 @@ def test_sample_frequencies_follow_softmax(temperature: float) -> None:
     draws = 4000
     logits = probs.log().expand(draws, 4)
     rows = rows_of([SamplingParams(temperature=temperature, logprobs=True)] * draws)
-    tokens, logprobs = sample(logits, rows.tensors("cpu"), rows.mode)
+    tokens, logprobs, _, _ = sample(logits, rows.tensors("cpu"), rows.mode)
     expected = (probs.log() / temperature).softmax(-1)
     frequencies = torch.bincount(tokens, minlength=4).float() / draws
     assert (frequencies - expected).abs().max() < 0.03  # about 4 standard deviations
@@ -135,7 +135,7 @@ def test_filtered_sampling_draws_only_kept_tokens_in_proportion() -> None:
     draws = 4000
     rows = rows_of([SamplingParams(temperature=1.0, top_k=3, top_p=0.7)] * draws)
     assert rows.mode == "filter"
-    tokens, _ = sample(probs.log().expand(draws, 4), rows.tensors("cpu"), rows.mode)
+    tokens = sample(probs.log().expand(draws, 4), rows.tensors("cpu"), rows.mode).ids
     frequencies = torch.bincount(tokens, minlength=4).float() / draws  # top-k keeps 1..3, top-p keeps 3, 2
     assert frequencies[:2].sum() == 0
     assert abs(frequencies[3].item() - 0.5 / 0.8) < 0.03
@@ -145,7 +145,7 @@ def test_sample_mixes_greedy_and_sampled_rows() -> None:
     logits = torch.tensor([[0.0, 2.0, 1.0], [0.0, 0.0, 0.0], [5.0, 0.0, 1.0]]).repeat(100, 1)
     rows = rows_of([SamplingParams(), SamplingParams(temperature=1.0), SamplingParams(top_k=1, temperature=1.0)] * 100)
     assert rows.mode == "sample"  # top-k 1 is greedy, so no row filters
-    tokens, _ = sample(logits, rows.tensors("cpu"), rows.mode)
+    tokens = sample(logits, rows.tensors("cpu"), rows.mode).ids
     assert tokens[0::3].eq(1).all() and tokens[2::3].eq(0).all()
     assert set(tokens[1::3].tolist()) == {0, 1, 2}
 
@@ -153,11 +153,14 @@ def test_sample_mixes_greedy_and_sampled_rows() -> None:
 def test_modes_and_logprobs_only_when_asked() -> None:
     logits = torch.tensor([[0.0, 2.0, 1.0]])
     greedy = rows_of([SamplingParams()])
-    assert greedy.mode == "greedy" and sample(logits, greedy.tensors("cpu"), greedy.mode)[1] is None
-    asked = rows_of([SamplingParams(logprobs=True)])
-    assert asked.mode == "sample"
-    tokens, logprobs = sample(logits, asked.tensors("cpu"), asked.mode)
-    assert tokens.tolist() == [1] and torch.allclose(logprobs, logits.log_softmax(-1)[:, 1])
+    assert greedy.mode == "greedy" and greedy.logprobs is None
+    assert sample(logits, greedy.tensors("cpu"), greedy.mode)[1:] == (None, None, None)
+    asked = rows_of([SamplingParams(logprobs=True), SamplingParams(logprobs=2), SamplingParams()])
+    assert asked.mode == "sample" and asked.logprobs == 2  # the most any row lists
+    out = sample(logits.expand(3, 3), asked.tensors("cpu"), asked.mode)
+    assert out.ids.tolist() == [1] * 3 and torch.allclose(out.logprobs, logits.log_softmax(-1)[:, 1])
+    assert out.top_ids.tolist() == [[1, 2, 0]] * 3  # every token of a 3-token vocabulary, most likely first
+    assert torch.allclose(out.top_logprobs, logits.log_softmax(-1).sort(descending=True).values)
     assert rows_of([SamplingParams(temperature=0.0, top_p=0.5)]).mode == "greedy"
 
 

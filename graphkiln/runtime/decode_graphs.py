@@ -18,7 +18,7 @@ from graphkiln.models.attention import ForwardContext, forward_context
 
 from .batch import Batch, PendingIds
 from .graphs import CaptureSetup, GraphSet
-from .sampler import MODES, SamplingBatch, SamplingTensors, sample
+from .sampler import MODES, Sampled, SamplingBatch, SamplingTensors, sample
 from .static_batch import StaticBatch
 
 Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -38,7 +38,7 @@ class DecodeGraphs:
     def bucket(self, num_seqs: int) -> int | None:
         return self.graphs.bucket(num_seqs)
 
-    def _step(self, size: int, mode: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _step(self, size: int, mode: str) -> Sampled:
         meta = self.batch.metadata("decode", size, size, (1,) * size, (1,) * size)
         with forward_context(ForwardContext(self.backend.plan(meta))):
             hidden = self.forward(self.batch.input_ids[:size], self.batch.positions[:size])
@@ -51,10 +51,8 @@ class DecodeGraphs:
                 for mode in MODES:
                     self.graphs.capture((size, mode), partial(self._step, size, mode))
 
-    def run(
-        self, batch: Batch, sampling: SamplingBatch, pending: PendingIds | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Sampled ids [rows] (and logprobs unless greedy) of a decode step that fits a bucket.
+    def run(self, batch: Batch, sampling: SamplingBatch, pending: PendingIds | None = None) -> Sampled:
+        """The sampled rows (ids; log-probabilities unless greedy) of a decode step that fits a bucket.
 
         A greedy step copies no sampling parameters. `pending` then overwrites input ids still on the device.
         """
@@ -70,5 +68,4 @@ class DecodeGraphs:
         if pending is not None:
             pending.fill(self.batch.input_ids)
         self.backend.plan(meta)
-        sampled, logprobs = self.graphs.replay((size, mode))
-        return sampled[:n], None if logprobs is None else logprobs[:n]
+        return self.graphs.replay((size, mode)).rows(n)

@@ -33,12 +33,22 @@ from .batch import PendingIds
 from .config import EngineConfig
 from .kv_cache import BlockAllocator
 from .runner import ModelRunner
-from .sampler import SamplingBatch
-from .sampling_params import SamplingParams
+from .sampler import Sampled, SamplingBatch
+from .sampling_params import MAX_LOGPROBS, SamplingParams
 from .scheduler import PENDING, ScheduledChunk, Scheduler, Sequence
 from .stats import EngineStats, GraphStats
 
 log = logging.getLogger("graphkiln.runtime")
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A generated token's log-probability and the `top` N most likely tokens' (token id, logprob), most
+    likely first, under the model's own distribution (before temperature and filters)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
 
 
 @dataclass(frozen=True)
@@ -47,7 +57,7 @@ class TokenEvent:
 
     request_id: int
     token_id: int
-    logprob: float | None
+    logprobs: TokenLogprobs | None
     finish_reason: str | None
 
 
@@ -57,44 +67,43 @@ class LaunchedStep:
 
     rows: list[tuple[Sequence, int]]
     ids: torch.Tensor  # device [rows]
-    host_ids: torch.Tensor  # its copy on the host once `ready` (pinned on CUDA)
-    host_logprobs: torch.Tensor | None
+    host: Sampled  # the host copy of what the rows need, once `ready` (pinned on CUDA)
     ready: torch.cuda.Event | None
 
     def live(self) -> bool:
         return any(seq.finish_reason is None for seq, _ in self.rows)
 
-    def results(self) -> tuple[list[int], list[float] | None]:
-        """The sampled ids (and logprobs) as host lists, once the device has written them."""
+    def results(self) -> tuple[list | None, ...]:
+        """The host copy as lists (Sampled's fields), once the device has written it."""
         if self.ready is not None:
             self.ready.synchronize()
-        return self.host_ids.tolist(), None if self.host_logprobs is None else self.host_logprobs.tolist()
+        return tuple(None if t is None else t.tolist() for t in self.host)
 
 
 class ReadBack:
-    """Two pinned host buffers, alternating, for the asynchronous copy of each step's ids and logprobs."""
+    """Two sets of pinned host buffers, alternating, for the asynchronous copy of each step's sampled rows."""
 
-    def __init__(self, rows: int, device: torch.device) -> None:
+    def __init__(self, rows: int, top: int, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         pin = {"pin_memory": True} if self.cuda else {}
-        self.ids = [torch.empty(rows, dtype=torch.int64, **pin) for _ in range(2)]
-        self.logprobs = [torch.empty(rows, dtype=torch.float32, **pin) for _ in range(2)]
+        shapes = ((rows,), (rows,), (rows, top), (rows, top))
+        dtypes = (torch.int64, torch.float32, torch.int64, torch.float32)
+        self.buffers = [Sampled(*(torch.empty(s, dtype=d, **pin) for s, d in zip(shapes, dtypes))) for _ in range(2)]
         self.turn = 0
 
-    def start(self, ids: torch.Tensor, logprobs: torch.Tensor | None):
+    def start(self, out: Sampled, logprobs: int | None) -> tuple[Sampled, torch.cuda.Event | None]:
+        """Queue the copy of the ids, of their log-probabilities if a row asks (`logprobs` not None), and of
+        the most likely tokens if a row lists any (`logprobs` > 0)."""
         self.turn ^= 1
-        n = ids.shape[0]
-        host_ids = self.ids[self.turn][:n]
-        host_ids.copy_(ids, non_blocking=self.cuda)
-        host_logprobs = None
-        if logprobs is not None:
-            host_logprobs = self.logprobs[self.turn][:n]
-            host_logprobs.copy_(logprobs, non_blocking=self.cuda)
+        n = out.ids.shape[0]
+        wanted = (True, logprobs is not None, bool(logprobs), bool(logprobs))
+        host = Sampled(*(buffer[:n].copy_(t, non_blocking=self.cuda) if want else None
+                         for buffer, t, want in zip(self.buffers[self.turn], out, wanted)))  # fmt: skip
         ready = None
         if self.cuda:
             ready = torch.cuda.Event()
             ready.record()
-        return host_ids, host_logprobs, ready
+        return host, ready
 
 
 class Engine:
@@ -107,7 +116,7 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.vocab_size = vocab_size
         self.requests: dict[int, Sequence] = {}
-        self.read_back = ReadBack(scheduler.max_num_seqs, runner.device)
+        self.read_back = ReadBack(scheduler.max_num_seqs, min(MAX_LOGPROBS, vocab_size), runner.device)
         self.in_flight: deque[LaunchedStep] = deque()  # launched, not read back: one (two after an interrupted read)
 
     @property
@@ -249,38 +258,39 @@ class Engine:
             [c.seq.params for c in sampling], [c.seq.seed for c in sampling], [c.seq.num_output for c in sampling]
         )
         pending = _pending_ids(chunks, previous)
-        ids, logprobs = self.runner.sample(chunks, _sample_rows(chunks), rows, pending)
-        host = self.read_back.start(ids, logprobs)
+        out = self.runner.sample(chunks, _sample_rows(chunks), rows, pending)
+        host, ready = self.read_back.start(out, rows.logprobs)
         launched = []
         for c in chunks:
             c.seq.num_computed += c.num_tokens
         for c in sampling:
             c.seq.tokens.append(PENDING)
             launched.append((c.seq, c.seq.num_tokens - 1))
-        return LaunchedStep(launched, ids, *host)
+        return LaunchedStep(launched, out.ids, host, ready)
 
     def _read(self, step: LaunchedStep) -> list[TokenEvent]:
         try:
-            tokens, logprobs = step.results()
+            results = step.results()
         except Exception as error:  # a device fault surfacing at the sync: none of the step's rows can be trusted
             self._fail([seq for seq, _ in step.rows], error)
             return []
-        logprobs = logprobs or [None] * len(tokens)
         now = time.perf_counter()
         events = []
-        for (seq, index), token, logprob in zip(step.rows, tokens, logprobs):
+        for row, ((seq, index), token) in enumerate(zip(step.rows, results[0])):
             if seq.finish_reason is not None or seq.tokens[index] != PENDING:  # stopped or aborted; or read already
                 continue
             seq.tokens[index] = token
-            if seq.params.logprobs:
-                seq.logprobs.append(logprob)
+            logprobs = None
+            if seq.params.logprobs is not None:
+                logprobs = _token_logprobs(results, row, seq.params.logprobs)
+                seq.logprobs.append(logprobs)
             if seq.first_token_time is None:
                 seq.first_token_time = now
             reason = self._finish_reason(seq, token, index)
             if reason:
                 del seq.tokens[index + 1 :]  # the step launched after this one computed past the stop
                 self._finish(seq, reason, now)
-            event = TokenEvent(seq.request_id, token, logprob, reason)
+            event = TokenEvent(seq.request_id, token, logprobs, reason)
             events.append(event)
             if seq.events is not None:
                 seq.events.append(event)
@@ -316,6 +326,12 @@ class Engine:
         finally:
             self.allocator.free(seq.blocks)
         return torch.cat(pieces)
+
+
+def _token_logprobs(results: tuple[list, ...], row: int, n: int) -> TokenLogprobs:
+    """Row `row`'s token with its logprob and the `n` most likely tokens, from LaunchedStep.results()."""
+    ids, logprobs, top_ids, top_logprobs = results
+    return TokenLogprobs(ids[row], logprobs[row], tuple(zip(top_ids[row][:n], top_logprobs[row][:n])) if n else ())
 
 
 def _sample_rows(chunks: list[ScheduledChunk]) -> list[int]:

@@ -25,7 +25,7 @@ from .decode_graphs import DecodeGraphs
 from .graphs import smallest_bucket
 from .kv_cache import KVCache
 from .prefill_graphs import PiecewisePrefillGraphs, PrefillGraphs
-from .sampler import SamplingBatch, sample
+from .sampler import Sampled, SamplingBatch, sample
 from .scheduler import ScheduledChunk
 from .transfer import upload
 
@@ -94,8 +94,8 @@ class ModelRunner:
 
     def sample(
         self, chunks: list[ScheduledChunk], rows: list[int], sampling: SamplingBatch, pending: PendingIds | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Launch one step and sample the given rows on the device: token ids [len(rows)] and logprobs
+    ) -> Sampled:
+        """Launch one step and sample the given rows on the device: token ids [len(rows)] and log-probabilities
         (None in greedy mode), not synchronized. A decode step that fits a bucket is one graph
         replay, sampler included. `pending` input tokens are taken from the previous step's output."""
         batch = pack(chunks)

@@ -5,10 +5,12 @@ Sampled rows draw by the exponential race, argmax of p / E with E ~ Exp(1), wher
 counter-based hash of (seed, step, token id): a seeded request gets the same tokens whatever else
 shares its batch and whichever path (graph replay or not) runs it. Temperature applies first, then
 top-k, then top-p, as in transformers and vLLM. Log-probabilities are those of the model's own
-distribution (before temperature and filters).
+distribution (before temperature and filters): the sampled token's, and the MAX_LOGPROBS most likely
+tokens' at a fixed width, so one captured graph serves every N; each request's N is sliced on the host.
 
-A step runs in one of three modes, so a batch pays only for what it uses: "greedy" (argmax only),
-"sample" (temperature, no filter: no sort) and "filter" (top-k/top-p: one sort of the logits).
+A step runs in one of three modes, so a batch pays only for what it uses: "greedy" (argmax only, no
+log-probabilities), "sample" (temperature, no filter: no sort) and "filter" (top-k/top-p: one sort
+of the logits). A batch where a row asks for log-probabilities runs "sample" at least.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from .sampling_params import SamplingParams
+from .sampling_params import MAX_LOGPROBS, SamplingParams
 from .transfer import upload
 
 MODES = ("greedy", "sample", "filter")
@@ -51,6 +53,19 @@ class SamplingTensors(NamedTuple):
         return SamplingTensors(*(t[:n] for t in self))
 
 
+class Sampled(NamedTuple):
+    """One step's sampled rows on the device: token ids and, unless greedy, the model's log-probabilities
+    of them and its most likely tokens with theirs (most likely first)."""
+
+    ids: torch.Tensor  # int64 [N]
+    logprobs: torch.Tensor | None  # float32 [N]
+    top_ids: torch.Tensor | None  # int64 [N, min(MAX_LOGPROBS, vocab)]
+    top_logprobs: torch.Tensor | None  # float32 [N, min(MAX_LOGPROBS, vocab)]
+
+    def rows(self, n: int) -> Sampled:
+        return Sampled(*(None if t is None else t[:n] for t in self))
+
+
 @dataclass(frozen=True)
 class SamplingBatch:
     """One step's sampling rows on the host: what the device tensors are filled from."""
@@ -60,13 +75,14 @@ class SamplingBatch:
     top_p: tuple[float, ...]
     seed: tuple[int, ...]
     step: tuple[int, ...]
-    logprobs: bool
+    logprobs: int | None  # the most likely tokens any row lists (None: no row asks for log-probabilities)
 
     @classmethod
     def of(cls, params: list[SamplingParams], seeds: list[int], steps: list[int]) -> SamplingBatch:
+        logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         return cls(
             tuple(0.0 if p.greedy else p.temperature for p in params), tuple(p.top_k for p in params),
-            tuple(p.top_p for p in params), tuple(seeds), tuple(steps), any(p.logprobs for p in params),
+            tuple(p.top_p for p in params), tuple(seeds), tuple(steps), logprobs,
         )  # fmt: skip
 
     @property
@@ -74,7 +90,7 @@ class SamplingBatch:
         sampled = [i for i, t in enumerate(self.temperature) if t > 0]
         if any(self.top_k[i] > 1 or self.top_p[i] < 1.0 for i in sampled):
             return "filter"
-        return "sample" if sampled or self.logprobs else "greedy"
+        return "sample" if sampled or self.logprobs is not None else "greedy"
 
     def columns(self) -> tuple[tuple, ...]:
         """The five per-row fields in SamplingTensors order."""
@@ -133,16 +149,18 @@ def exponential_noise(seed: torch.Tensor, step: torch.Tensor, vocab: int) -> tor
     return uniform.log_().neg_()
 
 
-def sample(logits: torch.Tensor, rows: SamplingTensors, mode: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Token ids [N] (and, unless greedy, the model's log-probabilities of them) for logits [N, V]."""
+def sample(logits: torch.Tensor, rows: SamplingTensors, mode: str) -> Sampled:
+    """Token ids [N] for logits [N, V] and, unless greedy, the model's log-probabilities of them and its
+    min(MAX_LOGPROBS, V) most likely tokens."""
     logits = logits.float()
     greedy = argmax_rows(logits)
     if mode == "greedy":
-        return greedy, None
+        return Sampled(greedy, None, None, None)
     scaled = logits / rows.temperature.clamp_min(1e-6)[:, None]
     if mode == "filter":
         scaled = filter_rows(scaled, rows.top_k, rows.top_p)
     drawn = argmax_rows(scaled - exponential_noise(rows.seed, rows.step, logits.shape[-1]).log_())
     chosen = torch.where(rows.temperature > 0, drawn, greedy)
-    logprobs = logits.log_softmax(-1).gather(1, chosen[:, None]).squeeze(1)
-    return chosen, logprobs
+    logprobs = logits.log_softmax(-1)
+    top_logprobs, top_ids = logprobs.topk(min(MAX_LOGPROBS, logits.shape[-1]), -1)
+    return Sampled(chosen, logprobs.gather(1, chosen[:, None]).squeeze(1), top_ids, top_logprobs)

@@ -2,7 +2,7 @@
 
 Every field is checked on construction, type and range, so a bad value is a RequestError naming it
 before the request reaches a step (where it would fail on the device, or in the host-to-device copy).
-Values are normalized: numpy integers become ints, an integer temperature a float.
+Values are normalized: numpy integers become ints, an integer temperature a float, logprobs=True 0.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from numbers import Integral, Real
 from graphkiln.errors import RequestError
 
 INT64_END = 2**63  # seeds and counts go to the device as int64
+MAX_LOGPROBS = 20  # the most likely tokens a token's logprobs can list: the decode graphs compute this many
 
 
 def _int(name: str, value, low: int, high: int, hint: str) -> int:
@@ -31,7 +32,11 @@ def _real(name: str, value, ok: Callable[[float], bool], hint: str) -> float:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 is greedy; top_k 0 and top_p 1 switch those filters off; seed makes sampling reproducible."""
+    """temperature 0 is greedy; top_k 0 and top_p 1 switch those filters off; seed makes sampling reproducible.
+
+    logprobs: None (or False) for none; N in [0, 20] for the sampled token's log-probability and the N
+    most likely tokens' (True is 0), of the model's own distribution (before temperature and filters).
+    """
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -40,7 +45,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] | None = None
     ignore_eos: bool = False
-    logprobs: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         checked = {
@@ -53,10 +58,10 @@ class SamplingParams:
             "seed": None if self.seed is None else _int("seed", self.seed, 0, INT64_END,
                                                         "give an int in [0, 2**63), or None"),
             "stop_token_ids": _token_ids(self.stop_token_ids),
+            "logprobs": _logprobs(self.logprobs),
         }  # fmt: skip
-        for name in ("ignore_eos", "logprobs"):
-            if not isinstance(getattr(self, name), bool):
-                raise RequestError(f"SamplingParams.{name}={getattr(self, name)!r}; give True or False")
+        if not isinstance(self.ignore_eos, bool):
+            raise RequestError(f"SamplingParams.ignore_eos={self.ignore_eos!r}; give True or False")
         for name, value in checked.items():
             object.__setattr__(self, name, value)
 
@@ -76,3 +81,12 @@ def _token_ids(ids) -> tuple[int, ...] | None:
         raise RequestError(f"SamplingParams.stop_token_ids={ids!r}; {hint}")
     return tuple(int(t) for t in ids)
 
+
+
+def _logprobs(n) -> int | None:
+    if n is None or n is False:
+        return None
+    if n is True:
+        return 0
+    hint = f"give None, or N in [0, {MAX_LOGPROBS}] most likely tokens to list"
+    return _int("logprobs", n, 0, MAX_LOGPROBS + 1, hint)

@@ -33,7 +33,7 @@ class Sequence:
     params: SamplingParams
     seed: int
     tokens: list[int] = field(init=False, default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)  # engine.TokenLogprobs, one a token, when params ask
     num_computed: int = 0
     blocks: list[int] = field(default_factory=list)
     finish_reason: str | None = None

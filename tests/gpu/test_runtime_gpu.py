@@ -54,6 +54,20 @@ def engines(parts, **options):
     return eager, plain, graphed
 
 
+def assert_logprobs_agree(got, want, atol: float = 1e-4) -> None:
+    """Per token: the same token and logprob, and the same most likely tokens (two may swap at a near-tie)."""
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.token_id == w.token_id and abs(g.logprob - w.logprob) <= atol
+        assert len(g.top) == len(w.top)
+        values = [v for _, v in w.top]
+        for rank, ((gi, gv), (wi, wv)) in enumerate(zip(g.top, w.top)):
+            assert abs(gv - wv) <= atol
+            others = values[:rank] + values[rank + 1 :]
+            near_tie = rank == len(values) - 1 or any(abs(wv - v) <= 2 * atol for v in others)
+            assert gi == wi or near_tie
+
+
 def uneven_prompts(vocab: int, count: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(count)
     return [torch.randint(3, vocab, (1 + 7 * i,), generator=g).tolist() for i in range(count)]
@@ -129,7 +143,7 @@ def test_sampling_inside_decode_graphs_matches_the_plain_compiled_engine(tiny_fp
     prompts = uneven_prompts(4096, 6)
     params = [
         SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=1),
-        SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0, top_k=20, top_p=0.9, seed=2, logprobs=True),
+        SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0, top_k=20, top_p=0.9, seed=2, logprobs=5),
         SamplingParams(max_tokens=12, ignore_eos=True),
     ]
     for batch in (params[:1], params[1:2], params[2:] * 2, params * 2):
@@ -139,9 +153,41 @@ def test_sampling_inside_decode_graphs_matches_the_plain_compiled_engine(tiny_fp
         for g, w in zip(got, want):
             assert (g.logprobs is None) == (w.logprobs is None)
             if g.logprobs is not None:
-                assert torch.allclose(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-4)
+                assert_logprobs_agree(g.logprobs, w.logprobs)
     modes = {key.split("/")[1] for key in graphed.stats().graphs["decode"].replays}
     assert modes == set(MODES)
+
+
+def test_logprobs_n_inside_decode_graphs_match_the_plain_compiled_engine_and_the_reference(tiny_fp32):
+    """Top-N logprobs come out of the decode graphs at a fixed width (sample and filter modes), each
+    request's N sliced on the host: the same as the plain compiled engine, and as log_softmax of score()."""
+    _, plain, graphed = tiny_fp32
+    prompts = uneven_prompts(4096, 4)
+    params = [
+        SamplingParams(max_tokens=10, ignore_eos=True, logprobs=20),
+        SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.9, seed=1, logprobs=3),
+        SamplingParams(max_tokens=10, ignore_eos=True, temperature=1.0, top_k=30, top_p=0.9, seed=2, logprobs=0),
+        SamplingParams(max_tokens=10, ignore_eos=True),
+    ]
+    before = graphed.stats().graphs["decode"].replays
+    for batch in ([params[0]], [params[1]], [params[2]], params):
+        got = graphed.generate(prompts[: len(batch)], batch)
+        want = plain.generate(prompts[: len(batch)], batch)
+        for g, w, p in zip(got, want, batch):
+            assert g.token_ids == w.token_ids
+            if p.logprobs is None:
+                assert g.logprobs is None and w.logprobs is None
+                continue
+            assert_logprobs_agree(g.logprobs, w.logprobs)
+            assert all(len(lp.top) == p.logprobs for lp in g.logprobs)
+            reference = plain.score(g.prompt_token_ids + g.token_ids[:-1])[len(g.prompt_token_ids) - 1 :]
+            reference = reference.log_softmax(-1).cpu()
+            for lp, ref in zip(g.logprobs, reference):
+                assert abs(lp.logprob - ref[lp.token_id].item()) <= 1e-4
+                assert torch.allclose(torch.tensor([v for _, v in lp.top]), ref.topk(p.logprobs).values, atol=1e-4)
+    replays = graphed.stats().graphs["decode"].replays
+    modes = {key.split("/")[1] for key in replays if replays[key] > before.get(key, 0)}
+    assert modes == {"sample", "filter"}  # greedy rows asking for logprobs run the sample mode
 
 
 def test_batch_beyond_largest_bucket_runs_without_graph(tiny_fp32):
@@ -169,7 +215,7 @@ def test_launching_a_step_never_waits_for_the_device(tiny_fp32, monkeypatch):
             torch.cuda.set_sync_debug_mode("default")
 
     monkeypatch.setattr(engine, "_launch", strict_launch)
-    sampled = SamplingParams(max_tokens=5, ignore_eos=True, temperature=0.7, top_k=5, seed=3, logprobs=True)
+    sampled = SamplingParams(max_tokens=5, ignore_eos=True, temperature=0.7, top_k=5, seed=3, logprobs=5)
     greedy = SamplingParams(max_tokens=5, ignore_eos=True)
     for prompts in (uneven_prompts(4096, 3), [uneven_prompts(4096, 1)[0] * 80], uneven_prompts(4096, DECODE_SIZES[-1] + 3)):
         params = [sampled] + [greedy] * (len(prompts) - 1)
