@@ -184,6 +184,21 @@ def test_a_step_failing_fails_only_the_request_at_fault(
     assert [o.token_ids for o in llm.generate(prompts, params)] == alone
 
 
+def test_a_batched_step_failing_once_is_rerun_and_nobody_fails(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A fault of the step, not of a request (it does not come back): its requests run alone once each,
+    then together again, and every one gives what it gives without the fault."""
+    prompts = ["the kiln", PROMPT, "graphs flow"]
+    params = [GREEDY, SamplingParams(max_tokens=8, ignore_eos=True, temperature=1.0, seed=7), GREEDY]
+    want = [o.token_ids for o in llm.generate(prompts, params)]
+    fault_in_sampler(monkeypatch, RuntimeError("transient fault"), nth_call(3))
+    with caplog.at_level(logging.WARNING, logger="graphkiln.runtime"):
+        assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    assert "running each alone once" in caplog.text
+    assert_idle(llm)
+
+
 def test_a_step_of_one_request_failing(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
     fault_in_sampler(monkeypatch, RuntimeError("device fault"), nth_call(2))
     with pytest.raises(RequestFailedError, match=r"request \d+ \(prompt 0\) failed") as caught:

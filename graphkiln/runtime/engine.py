@@ -243,7 +243,9 @@ class Engine:
 
     def _fail(self, seqs: list[Sequence], error: Exception) -> None:
         """Finish the still running `seqs` with finish_reason "error", keeping the error for their caller."""
-        failed = [seq for seq in seqs if seq.finish_reason is None]
+        failed = [seq for seq in seqs if seq.finish_reason is None]  # some may have stopped at read-back
+        if not failed:
+            return
         log.error("requests %s failed: %r", [s.request_id for s in failed], error)
         now = time.perf_counter()
         for seq in failed:
