@@ -1,8 +1,8 @@
 """graphkiln: compile Hugging Face decoder LLMs with torch.compile/Inductor and serve them with CUDA graphs.
 
 Public API: `compile_model`, `load`, `LLM`, `SamplingParams`, `CompileConfig`, `EngineConfig`,
-`RequestOutput`, `StreamDelta`, `TokenLogprobs`, and the typed errors in `graphkiln.errors`. Names are imported on
-first use, so `import graphkiln.errors` (or any one room) does not pull in the rest.
+`RequestOutput`, `StreamDelta`, `TokenLogprobs`, and the typed errors in `graphkiln.errors`. Names
+are imported on first use, so `import graphkiln.errors` (or any one room) does not pull in the rest.
 """
 
 from __future__ import annotations

@@ -14,12 +14,15 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from graphkiln.errors import CapacityError, ConfigError, RequestError
 
 from .kv_cache import BlockAllocator
 from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from .engine import TokenEvent, TokenLogprobs
 
 PENDING = -1  # a sampled token still on the device: its step was launched, not yet read back
 
@@ -33,12 +36,12 @@ class Sequence:
     params: SamplingParams
     seed: int
     tokens: list[int] = field(init=False, default_factory=list)
-    logprobs: list[Any] = field(default_factory=list)  # engine.TokenLogprobs, one a token, when params ask
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one a token, when its params ask
     num_computed: int = 0
     blocks: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     error: Exception | None = None  # what failed its step, when finish_reason is "error"
-    events: deque[Any] | None = None  # its engine.TokenEvents, kept for a consumer that reads them one by one
+    events: deque[TokenEvent] | None = None  # kept for a consumer that reads them one by one (a stream)
     arrival: float = 0.0
     scheduled_time: float | None = None
     first_token_time: float | None = None
