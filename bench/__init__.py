@@ -1,0 +1,11 @@
+"""graphkiln's benchmark harness, run as `python -m bench COMMAND` from the repository (bench/README.md).
+
+    run        the main side-by-side run: graphkiln, transformers, the bandwidth floor (run.py)
+    report     a run's JSON as markdown, short table, plot; HISTORY.md rows (report.py)
+
+Shared: common.py (clock, log, environment, JSON, study settings), measure.py (the one timing
+helper, copy and matmul rates), models.py (shapes, random models, engine helpers), startup.py
+(fresh-process start-up times). Results: bench/results/ (HISTORY.md for earlier runs).
+The benchmark reads engines through their public API only (`LLM.stats()`, `Engine.cuda_graph`,
+`Engine.recapture`).
+"""
