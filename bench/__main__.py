@@ -10,6 +10,12 @@ import sys
 COMMANDS = {  # command -> (module, one line of help)
     "run": ("run", "graphkiln vs transformers vs the bandwidth floor (the main run)"),
     "report": ("report", "markdown, short table, plot or HISTORY.md rows from a run's JSON"),
+    "kernels": ("kernels", "the kernels of one decode graph replay (and of a short prefill) by name"),
+    "products": ("products", "weight products at 1 and 128 rows: cuBLAS, the Triton GEMV, Inductor"),
+    "tiles": ("tiles", "GEMV tilings tried inside the real decode graph"),
+    "attention": ("attention", "Triton attention kernels vs SDPA and the copy rate"),
+    "passes": ("passes", "each optional graph pass on and off"),
+    "bf16-ties": ("bf16_ties", "where bfloat16 greedy tokens differ between eager and compiled (CPU)"),
 }
 
 

@@ -198,7 +198,8 @@ def to_markdown(results: dict) -> str:
     dirty = " (uncommitted changes)" if meta.get("git_dirty") else ""
     lines = [f"# graphkiln benchmark: {meta.get('device_name', '?')}, {meta.get('date', '?')}", "",
              f"commit `{meta.get('git_commit', 'unknown')}`{dirty}; torch {meta.get('torch')}, "
-             f"triton {meta.get('triton')}, transformers {meta.get('transformers')}, graphkiln {meta.get('graphkiln')}, "
+             f"triton {meta.get('triton')}, transformers {meta.get('transformers')}, "
+             f"graphkiln {meta.get('graphkiln')}, "
              f"Python {meta.get('python')}"
              + (f", CUDA {meta['cuda']}" if meta.get("cuda") else "")]
     if hw:
@@ -308,13 +309,16 @@ def short_table(results: dict) -> str:
 
 
 def text_table(rows: list[list], columns: list[str] | None = None) -> str:
-    """Rows of cells (or of dicts, with `columns`) as right-aligned text columns, the first left-aligned."""
+    """Rows of cells (or of dicts, with `columns`) as text columns: numbers right-aligned; text left-aligned
+    in the first column and in columns of dicts that hold text."""
+    left = {0}
     if columns:
+        left = {i for i, c in enumerate(columns) if any(isinstance(r.get(c), str) for r in rows)}
         rows = [columns] + [[r.get(c) for c in columns] for r in rows]
     cells = [[c if isinstance(c, str) else fmt(c, 4) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(cells[0]))]
-    lines = ("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in cells)
-    return "\n".join(lines)
+    lines = ["  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in cells]
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def plot(results: dict, path: Path) -> bool:
