@@ -16,6 +16,7 @@ import math
 import sys
 from pathlib import Path
 
+from .common import device_slug
 from .models import DESCRIPTIONS
 
 ROWS = {  # JSON row name -> label, in table order
@@ -369,6 +370,7 @@ def history_rows(path: Path) -> list[list[str]]:
     results = json.loads(Path(path).read_text())
     meta = results.get("meta") or {}
     add_ratios(results)
+    run = Path(path).stem.removeprefix(f"{meta.get('date')}-{device_slug(meta)}-")  # "run10-1b"
     out = []
     for name, mres in (results.get("models") or {}).items():
         row = (mres.get("rows") or {}).get("graphkiln_compiled")
@@ -378,7 +380,7 @@ def history_rows(path: Path) -> list[list[str]]:
                     *(fmt(value(row, "decode", b)) for b in ("1", "8", "32", "64")),
                     *(fmt(value(row, "prefill", n)) for n in ("128", "1024", "4096")),
                     fmt(value(row, "start", "warm_s")), fmt(value(row, "start", "cold_s")),
-                    "—" if ratio is None else f"{ratio:.2f}×", Path(path).stem])
+                    "—" if ratio is None else f"{ratio:.2f}×", run])
     return out
 
 
