@@ -1,7 +1,7 @@
 """graphkiln's benchmark harness, run as `python -m bench COMMAND` from the repository (bench/README.md).
 
     run        the main side-by-side run: graphkiln, transformers, the bandwidth floor (run.py)
-    report     a run's JSON as markdown, short table, plot; HISTORY.md rows (report.py)
+    report     a run's JSON as markdown and plot; HISTORY.md rows (report.py)
     kernels    the kernels of one decode replay and of a short prefill, by name (kernels.py)
     products   one-row and 128-row weight products: cuBLAS, the GEMV, Inductor (products.py)
     tiles      GEMV tilings tried inside the real decode graph (tiles.py)

@@ -9,7 +9,7 @@ import sys
 
 COMMANDS = {  # command -> (module, one line of help)
     "run": ("run", "graphkiln vs transformers vs the bandwidth floor (the main run)"),
-    "report": ("report", "markdown, short table, plot or HISTORY.md rows from a run's JSON"),
+    "report": ("report", "markdown, plot or HISTORY.md rows from a run's JSON"),
     "kernels": ("kernels", "the kernels of one decode graph replay (and of a short prefill) by name"),
     "products": ("products", "weight products at 1 and 128 rows: cuBLAS, the Triton GEMV, Inductor"),
     "tiles": ("tiles", "GEMV tilings tried inside the real decode graph"),

@@ -1,5 +1,5 @@
-"""The one report writer: a main-run result JSON as markdown, a short text table and a plot; the
-history table's rows (bench/results/HISTORY.md); and the plain text tables the studies print.
+"""The one report writer: a main-run result JSON as markdown and a plot, the history table's rows
+(bench/results/HISTORY.md), and the plain text tables the studies print.
 
     python -m bench report bench/results/2026-11-29-nvidia-h200-run10-1b.json   # markdown on stdout
     python -m bench report --latest bench/results --write --plot               # .md and .png beside it
@@ -26,8 +26,6 @@ ROWS = {  # JSON row name -> label, in table order
     "graphkiln_eager": "graphkiln eager (reference)",
     "graphkiln_compiled": "graphkiln compiled + CUDA graphs",
 }
-SHORT = {"floor": "floor", "transformers_eager": "hf eager", "transformers_static": "hf static+compile",
-         "graphkiln_eager": "gk eager", "graphkiln_compiled": "gk compiled+graphs"}
 TRANSFORMERS = ("transformers_eager", "transformers_static")
 GRAPHKILN = ("graphkiln_eager", "graphkiln_compiled")
 TARGETS = (  # from the performance issue: model, what, (kind, key), goal, unit, note
@@ -54,12 +52,11 @@ DEFINITIONS = (
 # Reading a result.
 
 
-def value(row: dict | None, kind: str, key: str, plain: bool = False) -> float | None:
-    """decode ms/token at batch `key` (`plain`: total / new tokens), prefill ms at length `key`, start
-    seconds (`key` cold_s or warm_s)."""
+def value(row: dict | None, kind: str, key: str) -> float | None:
+    """decode ms/token at batch `key`, prefill ms at length `key`, start seconds (`key` cold_s or warm_s)."""
     part = (row or {}).get(kind) or {}
     if kind == "decode":
-        return (part.get(key) or {}).get("ms_per_token_plain" if plain else "ms_per_token")
+        return (part.get(key) or {}).get("ms_per_token")
     return (part.get(key) or {}).get("ms") if kind == "prefill" else part.get(key)
 
 
@@ -134,10 +131,10 @@ def row_cells(key: str, row: dict, batches: list[str], lens: list[str], mark: st
     return cells + [fmt(pool / 2**20) if isinstance(pool, (int, float)) else "—"]
 
 
-def label(key: str, row: dict, labels: dict = ROWS) -> str:
+def label(key: str, row: dict) -> str:
     if not row.get("error") or key == "floor":
-        return labels.get(key, key)
-    return labels.get(key, key) + (" (skipped)" if _skip_or_err(row["error"]) == "skip" else " (error)")
+        return ROWS.get(key, key)
+    return ROWS.get(key, key) + (" (skipped)" if _skip_or_err(row["error"]) == "skip" else " (error)")
 
 
 def ratio_cells(ratios: dict, batches: list[str], lens: list[str]) -> list[str]:
@@ -237,10 +234,6 @@ def _model_markdown(results: dict, name: str, mres: dict, dtype: str) -> list[st
               for which, word in (("vs_floor", "floor"), ("vs_best_transformers", "best transformers"))]
         lines += markdown_table(["graphkiln ÷", *(f"b={b}" for b in batches), *(f"prefill {n}" for n in lens), "cold",
                                  "warm"], rb) + [""]
-    plain = [[ROWS[k]] + [fmt(value(rows[k], "decode", b, plain=True)) for b in batches]
-             for k in ROWS if k in rows and k != "floor"]
-    lines += ["decode, total time / new tokens (ms):", ""]
-    lines += markdown_table(["row", *(f"b={b}" for b in batches)], plain) + [""]
     if startup := start_rows(rows):
         lines += ["start-up in a fresh process, seconds (to the first token):", ""]
         lines += markdown_table(["row", "import", "CUDA init", "compile", "weights", "pieces etc.", "capture",
@@ -284,29 +277,6 @@ def _notes(rows: dict) -> list[str]:
     if (floor := (rows.get("floor") or {}).get("issue_floor_ms_per_token")) is not None:
         out.append(f"issue's floor (all weight bytes / copy rate): {floor:.3f} ms/token")
     return out
-
-
-def short_table(results: dict) -> str:
-    """A compact plain-text table for the end of stdout."""
-    meta, hw = results.get("meta") or {}, results.get("hardware") or {}
-    out = [f"== graphkiln bench: {meta.get('device_name')} | torch {meta.get('torch')} | transformers "
-           f"{meta.get('transformers')} | copy {hw.get('copy_bandwidth_Bps', 0) / 1e12:.2f} TB/s | "
-           f"{meta.get('elapsed_s', 0):.0f} s"]
-    for name, mres in (results.get("models") or {}).items():
-        rows = mres.get("rows") or {}
-        batches, lens = columns(results, mres)
-        table = [["", *(f"b{b}" for b in batches), *(f"p{n}" for n in lens), "cold s", "warm s", "poolMiB"]]
-        table += [[label(k, rows[k], SHORT)] + row_cells(k, rows[k], batches, lens, "*") for k in ROWS if k in rows]
-        if ratios := (mres.get("ratios") or {}).get("graphkiln_compiled"):
-            table += [[word] + ratio_cells(ratios[which], batches, lens) + [""]
-                      for which, word in (("vs_floor", "gk/floor"), ("vs_best_transformers", "gk/best hf"))]
-        out.append(f"-- {name} (decode ms/token; prefill ms; start to first token s; * = first call, compiles)")
-        out.append(text_table(table))
-    if targets := target_rows(results):
-        out += ["-- targets (graphkiln compiled)"] + [f"{t[0]} {t[1]}: {t[2]} (goal {t[3]}) {t[4]}" for t in targets]
-    if n := sum(1 for _ in errors(results)):
-        out.append(f"-- {n} errors/skips: see the JSON and the markdown")
-    return "\n".join(out)
 
 
 def text_table(rows: list[list], columns: list[str] | None = None) -> str:
@@ -389,7 +359,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--latest", metavar="DIR", type=Path, help="the newest main-run JSON in DIR (e.g. bench/results)")
     p.add_argument("--write", action="store_true", help="write the .md beside the JSON")
     p.add_argument("--plot", action="store_true", help="write the .png beside the JSON (needs matplotlib)")
-    p.add_argument("--short", action="store_true", help="print the short text table instead of the markdown")
     p.add_argument("--history", action="store_true", help="print HISTORY.md rows for the JSONs given")
 
 
@@ -414,5 +383,5 @@ def main(a: argparse.Namespace) -> int:
             path.with_suffix(".md").write_text(md)
         if a.plot and not plot(results, path.with_suffix(".png")):
             print("plot skipped: matplotlib is not installed", file=sys.stderr)
-        print(short_table(results) if a.short else md)
+        print(md)
     return 0

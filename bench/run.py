@@ -12,8 +12,8 @@ start: compile_model in a fresh process with empty Inductor/Triton caches; warm 
 another; then load here for the timings), graphkiln eager (the reference engine); after all
 models, transformers with cache_implementation="static" (it compiles its decode step on the first
 call, for minutes). Rows that would start after --budget-s are skipped, the row still running at
---hard-limit-s is stopped (SIGALRM), and the JSON (rewritten after every row), the markdown, the
-PNG and a short table are written either way. Errors land in the JSON, row by row.
+--hard-limit-s is stopped (SIGALRM), and the JSON (rewritten after every row), the markdown (also
+printed) and the PNG are written either way. Errors land in the JSON, row by row.
 
 The smoke mode runs every line but the CUDA graphs on the CPU (graphkiln engines capture none
 there, as the JSON's graph stats show).
@@ -120,12 +120,8 @@ class Settings:
         return left if cap is None else min(cap, left)
 
     def as_dict(self) -> dict:
-        keys = ("smoke", "device", "dtype_name", "models", "rows", "batches", "prefill_lens", "prompt_len",
-                "new_tokens", "static_models", "static_batches", "decode_reps", "prefill_reps", "budget_s",
-                "hard_limit_s", "max_position", "copy_bytes", "matmul_n", "start", "engine")
-        d = {k: getattr(self, k) for k in keys}
-        d.update(decode_buckets=self.engine["decode_batch_sizes"], prefill_buckets=self.engine["prefill_token_buckets"])
-        return d
+        return {**vars(self), "decode_buckets": self.engine["decode_batch_sizes"],
+                "prefill_buckets": self.engine["prefill_token_buckets"]}
 
 
 # Device memory and the loops every row shares.
@@ -572,8 +568,8 @@ class Run:
                 log(f"plot: {self.stem}.png" if made else "plot skipped: matplotlib is not installed")
             except Exception as e:  # noqa: BLE001
                 log(f"plot failed: {error_text(e)}")
+        print(report.to_markdown(self.results), flush=True)
         log(f"wrote {self.stem}.json and .md")
-        print(report.short_table(self.results), flush=True)
 
 
 def arm_watchdog(seconds: float) -> None:

@@ -123,6 +123,8 @@ def child_main(spec: dict) -> None:
 
         t = time.time()  # as load reads them: with the config the manifest recorded
         load_model(spec["model_dir"], device, spec["dtype"], ModelConfig.from_dict(llm.manifest["model"]["config"]))
+        if device == "cuda":
+            torch.cuda.synchronize()
         res["weights_s"] = time.time() - t
     res["marks"] = marks
     print(CHILD_PREFIX + json.dumps(res), flush=True)

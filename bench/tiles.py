@@ -87,9 +87,16 @@ def main(a: argparse.Namespace) -> int:
         override.register()
     reps, calls = (3, 2) if study.smoke else (5, 200)
 
-    def replay_ms(shape, tiles) -> float:
+    def replay_ms(shape, tiles) -> float | None:
+        """The replay time with `tiles` for `shape`; None where they do not fit the GPU (Triton raises
+        at the warm-up call before the capture)."""
         override.shape, override.tiles = shape, tiles
-        llm.engine.recapture()
+        try:
+            llm.engine.recapture()
+        except Exception as e:  # noqa: BLE001  (triton.runtime.errors.OutOfResources)
+            if type(e).__name__ != "OutOfResources":
+                raise
+            return None
         return time_ms(decode_timer(llm, 1, study.cuda), study.device, reps=reps, calls=calls).median_ms
 
     rows = []
@@ -97,7 +104,7 @@ def main(a: argparse.Namespace) -> int:
         default = tiling(*shape)
         candidates = [t for t in (THIN if shape[0] <= 8192 else WIDE) if t != default][: 2 if study.smoke else None]
         before = replay_ms(shape, None)
-        timed = [(t, replay_ms(shape, t)) for t in candidates]
+        timed = [(t, ms) for t in candidates if (ms := replay_ms(shape, t)) is not None]
         base = (before + replay_ms(shape, None)) / 2
         log(f"{name} {shape} (default {default}): {base:.4f} ms; "
             + ", ".join(f"{t}: {(ms - base) * 1e3:+.1f} us" for t, ms in timed))

@@ -35,4 +35,4 @@ def test_main_run_smoke(tmp_path: Path) -> None:
     assert compiled["stats"]["steps_without_graph"]["decode"] > 0
     markdown = result.with_suffix(".md").read_text()
     assert "| graphkiln compiled + CUDA graphs |" in markdown
-    assert "== graphkiln bench: cpu" in proc.stdout
+    assert "| graphkiln compiled + CUDA graphs |" in proc.stdout
