@@ -365,7 +365,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(a: argparse.Namespace) -> int:
     paths = list(a.json)
     if a.latest:
-        found = sorted((p for p in a.latest.glob("*.json") if '"models"' in p.read_text()[:200_000]),
+        found = sorted((p for p in a.latest.glob("*.json") if "models" in json.loads(p.read_text())),
                        key=lambda p: (p.stat().st_mtime, p.name))
         if not found:
             raise SystemExit(f"no main-run result JSON in {a.latest}")
