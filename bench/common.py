@@ -8,13 +8,16 @@ where they are used, so `python -m bench report` and the start-up children stay 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import json
 import os
 import platform
 import re
 import subprocess
+import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -143,6 +146,12 @@ class Study:
         if not self.cuda:
             log(f"{what}: skipped on the CPU (needs CUDA)")
         return self.cuda
+
+    @contextlib.contextmanager
+    def scratch(self) -> Iterator[Path]:
+        """A scratch folder for the study's model and artifacts, removed after."""
+        with tempfile.TemporaryDirectory(prefix=f"gk-bench-{self.name}-") as folder:
+            yield Path(folder)
 
     def save(self, results: dict, suffix: str = "") -> Path:
         """<out>/<study>[-suffix].json with the environment at its head."""

@@ -19,17 +19,14 @@ from __future__ import annotations
 import argparse
 import re
 import statistics
-import tempfile
-import time
 from collections import defaultdict
-from pathlib import Path
 
 from .common import Study, add_study_arguments, log
 from .measure import now, time_ms
 from .models import compiled_llm, decode_graph, decoding, stop
 from .report import text_table
 
-GEMM = re.compile(r"gemm|gemv|cutlass|nvjet|splitK|sm90_xmma|cublas|addmm|aten::mm", re.IGNORECASE)
+GEMM = re.compile(r"gemm|gemv|cutlass|nvjet|splitK|sm90_xmma|cublas|addmm|aten::mm|graphkiln::.*linear", re.IGNORECASE)
 
 
 def device_events(run, repeats: int, cuda: bool) -> list:
@@ -169,32 +166,33 @@ def main(a: argparse.Namespace) -> int:
     prompt, steps = (16, 8) if study.smoke else (128, 30)
     if not cuda:
         log("CPU smoke: no CUDA graphs on the CPU; profiling engine steps' operators instead of graph replays")
-    work = Path(tempfile.mkdtemp(prefix="gk-bench-kernels-"))
-    llm = compiled_llm(study, work, disabled_passes=tuple(a.disable_pass), decode_batch_sizes=tuple(batches),
-                       prefill_token_buckets=tuple(sorted({16, 128, *lengths})),
-                       max_num_batched_tokens=max(2048, *lengths), kv_cache_tokens=4096 if study.smoke else 65536)
-    results: dict = {"batches": {}, "prefill": {}, "disabled_passes": a.disable_pass}
-    for batch in batches:
-        r = {**step_and_replay(llm, batch, steps, cuda, prompt), **pipelined(llm, batch, steps, cuda, prompt),
-             **decode_kernels(llm, batch, cuda, prompt)}
-        results["batches"][batch] = r
-        replay = f"replay {r['replay_ms']:.3f} ms, " if cuda else ""
-        print(f"\n== batch {batch}: step {r['step_ms_median']:.3f} ms host, {r['pipelined_step_ms']:.3f} ms pipelined; "
-              f"{replay}kernels {r['kernel_us']:.0f} us in {r['launches']:.0f} launches, GEMM {r['gemm_us']:.0f} us")
-        print(text_table(r["table"][:28], ["us", "per_call", "name"]))
-        print("first kernels of a replay (start us, us, name):\n" + "\n".join(r["launch_order"]))
-        if cuda:
-            idle = r["idle_per_step"]
-            print(f"per pipelined step: device idle {idle['inside_graph_us']:.1f} us inside the graph, "
-                  f"{idle['at_graph_edges_us']:.1f} us at its edges; outside the graph:")
-            print(text_table(r["outside_graph"][:10], ["us", "per_call", "name"]))
-        study.save(results)
-    for tokens in lengths:
-        t = results["prefill"][tokens] = prefill_timeline(llm, tokens, cuda)
-        print(f"\n== prefill {tokens}: {t['unprofiled_ms']:.2f} ms; profiled {t['wall_us']:.0f} us, {t['kernels']} "
-              f"kernels from {t['first_kernel_us']:.0f} to {t['last_kernel_end_us']:.0f} us, busy {t['busy_us']:.0f} us; "
-              "longest (start us, us, name):\n" + "\n".join(t["longest"]))
-        print(text_table(t["table"][:24], ["us", "per_call", "name"]))
-    log(f"wrote {study.save(results)}")
-    llm.close()
+    with study.scratch() as work:
+        llm = compiled_llm(study, work, disabled_passes=tuple(a.disable_pass), decode_batch_sizes=tuple(batches),
+                           prefill_token_buckets=tuple(sorted({16, 128, *lengths})),
+                           max_num_batched_tokens=max(2048, *lengths), kv_cache_tokens=4096 if study.smoke else 65536)
+        results: dict = {"batches": {}, "prefill": {}, "disabled_passes": a.disable_pass}
+        for batch in batches:
+            r = {**step_and_replay(llm, batch, steps, cuda, prompt), **pipelined(llm, batch, steps, cuda, prompt),
+                 **decode_kernels(llm, batch, cuda, prompt)}
+            results["batches"][batch] = r
+            replay = f"replay {r['replay_ms']:.3f} ms, " if cuda else ""
+            print(f"\n== batch {batch}: step {r['step_ms_median']:.3f} ms host, {r['pipelined_step_ms']:.3f} ms "
+                  f"pipelined; {replay}kernels {r['kernel_us']:.0f} us in {r['launches']:.0f} launches, "
+                  f"GEMM {r['gemm_us']:.0f} us")
+            print(text_table(r["table"][:28], ["us", "per_call", "name"]))
+            print("first kernels of a replay (start us, us, name):\n" + "\n".join(r["launch_order"]))
+            if cuda:
+                idle = r["idle_per_step"]
+                print(f"per pipelined step: device idle {idle['inside_graph_us']:.1f} us inside the graph, "
+                      f"{idle['at_graph_edges_us']:.1f} us at its edges; outside the graph:")
+                print(text_table(r["outside_graph"][:10], ["us", "per_call", "name"]))
+            study.save(results)
+        for tokens in lengths:
+            t = results["prefill"][tokens] = prefill_timeline(llm, tokens, cuda)
+            print(f"\n== prefill {tokens}: {t['unprofiled_ms']:.2f} ms; profiled {t['wall_us']:.0f} us, "
+                  f"{t['kernels']} kernels from {t['first_kernel_us']:.0f} to {t['last_kernel_end_us']:.0f} us, "
+                  f"busy {t['busy_us']:.0f} us; longest (start us, us, name):\n" + "\n".join(t["longest"]))
+            print(text_table(t["table"][:24], ["us", "per_call", "name"]))
+        log(f"wrote {study.save(results)}")
+        llm.close()
     return 0

@@ -13,8 +13,6 @@ prompt. On the CPU (--smoke) engine steps are timed instead of replays and no ke
 from __future__ import annotations
 
 import argparse
-import tempfile
-from pathlib import Path
 
 from .common import Study, add_study_arguments, log
 from .kernels import by_name, device_events
@@ -79,14 +77,15 @@ def main(a: argparse.Namespace) -> int:
             torch.ones(1, device="cuda").add_(1)
     else:
         log("CPU smoke: engine steps timed instead of graph replays; no kernels counted")
-    model_dir = save_model(study.model, Path(tempfile.mkdtemp(prefix="gk-bench-passes-")) / "model", study.device,
-                           study.dtype, study.layers)
     configs = {"all passes": (), **{f"no {name}": (name,) for name in OPTIONAL}, "all passes (again)": ()}
     results = {}
-    for name, disabled in configs.items():
-        results[name] = {"config": name, **measure(study, model_dir, disabled, batches, prefill)}
-        log(f"{name}: " + ", ".join(f"{k} {v:.4g}" for k, v in results[name].items() if isinstance(v, (int, float))))
-        study.save({"configs": results})
+    with study.scratch() as work:
+        model_dir = save_model(study.model, work / "model", study.device, study.dtype, study.layers)
+        for name, disabled in configs.items():
+            results[name] = {"config": name, **measure(study, model_dir, disabled, batches, prefill)}
+            numbers = {k: v for k, v in results[name].items() if isinstance(v, (int, float))}
+            log(f"{name}: " + ", ".join(f"{k} {v:.4g}" for k, v in numbers.items()))
+            study.save({"configs": results})
     columns = [c.replace("b64", f"b{batches[1]}") for c in COLUMNS]
     print(text_table(list(results.values()), columns))
     log(f"wrote {study.save({'configs': results})}")

@@ -20,8 +20,6 @@ touched. On the CPU (--smoke) the sweep's loop runs with engine steps timed inst
 from __future__ import annotations
 
 import argparse
-import tempfile
-from pathlib import Path
 
 from .common import Study, add_study_arguments, log
 from .measure import time_ms
@@ -78,39 +76,39 @@ def main(a: argparse.Namespace) -> int:
         def tiling(n: int, k: int) -> None:
             return None
 
-    work = Path(tempfile.mkdtemp(prefix="gk-bench-tiles-"))
-    llm = compiled_llm(study, work, decode_batch_sizes=(1,), prefill_token_buckets=(128,),
-                       kv_cache_tokens=4096 if study.smoke else 65536)
-    decoding(llm, 1, 1000, 16 if study.smoke else a.context)  # a context in the cache; the graph's buffers hold it
-    override = TilingForOneShape()
-    if study.cuda:
-        override.register()
-    reps, calls = (3, 2) if study.smoke else (5, 200)
+    with study.scratch() as work:
+        llm = compiled_llm(study, work, decode_batch_sizes=(1,), prefill_token_buckets=(128,),
+                           kv_cache_tokens=4096 if study.smoke else 65536)
+        decoding(llm, 1, 1000, 16 if study.smoke else a.context)  # a context in the cache; the graph's buffers hold it
+        override = TilingForOneShape()
+        if study.cuda:
+            override.register()
+        reps, calls = (3, 2) if study.smoke else (5, 200)
 
-    def replay_ms(shape, tiles) -> float | None:
-        """The replay time with `tiles` for `shape`; None where they do not fit the GPU (Triton raises
-        at the warm-up call before the capture)."""
-        override.shape, override.tiles = shape, tiles
-        try:
-            llm.engine.recapture()
-        except Exception as e:  # noqa: BLE001  (triton.runtime.errors.OutOfResources)
-            if type(e).__name__ != "OutOfResources":
-                raise
-            return None
-        return time_ms(decode_timer(llm, 1, study.cuda), study.device, reps=reps, calls=calls).median_ms
+        def replay_ms(shape, tiles) -> float | None:
+            """The replay time with `tiles` for `shape`; None where they do not fit the GPU (Triton raises
+            at the warm-up call before the capture)."""
+            override.shape, override.tiles = shape, tiles
+            try:
+                llm.engine.recapture()
+            except Exception as e:  # noqa: BLE001  (triton.runtime.errors.OutOfResources)
+                if type(e).__name__ != "OutOfResources":
+                    raise
+                return None
+            return time_ms(decode_timer(llm, 1, study.cuda), study.device, reps=reps, calls=calls).median_ms
 
-    rows = []
-    for name, shape in projections(study.model).items():
-        default = tiling(*shape)
-        candidates = [t for t in (THIN if shape[0] <= 8192 else WIDE) if t != default][: 2 if study.smoke else None]
-        before = replay_ms(shape, None)
-        timed = [(t, ms) for t in candidates if (ms := replay_ms(shape, t)) is not None]
-        base = (before + replay_ms(shape, None)) / 2
-        log(f"{name} {shape} (default {default}): {base:.4f} ms; "
-            + ", ".join(f"{t}: {(ms - base) * 1e3:+.1f} us" for t, ms in timed))
-        rows += [{"what": name, "shape": shape, "default": default, "tiles": t, "replay_ms": ms,
-                  "delta_us": (ms - base) * 1e3} for t, ms in sorted(timed, key=lambda r: r[1])]
-        study.save({"context": a.context, "rows": rows})  # a run cut short keeps what it measured
-    log(f"wrote {study.save({'context': a.context, 'rows': rows})}")
-    llm.close()
+        rows = []
+        for name, shape in projections(study.model).items():
+            default = tiling(*shape)
+            candidates = [t for t in (THIN if shape[0] <= 8192 else WIDE) if t != default][: 2 if study.smoke else None]
+            before = replay_ms(shape, None)
+            timed = [(t, ms) for t in candidates if (ms := replay_ms(shape, t)) is not None]
+            base = (before + replay_ms(shape, None)) / 2
+            log(f"{name} {shape} (default {default}): {base:.4f} ms; "
+                + ", ".join(f"{t}: {(ms - base) * 1e3:+.1f} us" for t, ms in timed))
+            rows += [{"what": name, "shape": shape, "default": default, "tiles": t, "replay_ms": ms,
+                      "delta_us": (ms - base) * 1e3} for t, ms in sorted(timed, key=lambda r: r[1])]
+            study.save({"context": a.context, "rows": rows})  # a run cut short keeps what it measured
+        log(f"wrote {study.save({'context': a.context, 'rows': rows})}")
+        llm.close()
     return 0
