@@ -3,7 +3,7 @@
 bfloat16 logits carry 8 significant bits: on the random-weight tiny model some positions have
 their top two logits exactly equal (6% of a 16-token sequence in places) and more are one or two
 ulps apart, so any change in summation order (a fused kernel, another GEMM algorithm) may pick
-the other token there. `python bench/bf16_ties.py` prints each such divergence and its gap. The rule: the candidate's
+the other token there. `python -m bench bf16-ties` prints each such divergence and its gap. The rule: the candidate's
 tokens equal the reference's until the first position where they differ; there, the reference's
 own logit for the candidate's token must be within `ulps` bfloat16 ulps of its best logit. The
 comparison stops at that position, since both continuations are then legitimate.

@@ -1,0 +1,43 @@
+"""`python -m bench COMMAND ...`: one subcommand per module; heavy imports happen inside each command."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+
+COMMANDS = {  # command -> (module, one line of help)
+    "run": ("run", "graphkiln vs transformers vs the bandwidth floor (the main run)"),
+    "report": ("report", "markdown, plot or HISTORY.md rows from a run's JSON"),
+    "kernels": ("kernels", "the kernels of one decode graph replay (and of a short prefill) by name"),
+    "products": ("products", "weight products at 1 and 128 rows: cuBLAS, the Triton GEMV, Inductor"),
+    "tiles": ("tiles", "GEMV tilings tried inside the real decode graph"),
+    "attention": ("attention", "Triton attention kernels vs SDPA and the copy rate"),
+    "passes": ("passes", "each optional graph pass on and off"),
+    "bf16-ties": ("bf16_ties", "where bfloat16 greedy tokens differ between eager and compiled (CPU)"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["_startup"]:  # a start-up child of `run`: nothing imported before it starts timing
+        from .startup import child_main
+
+        child_main(json.loads(argv[1]))
+        return 0
+    parser = argparse.ArgumentParser(
+        prog="python -m bench", description="graphkiln's benchmark harness (bench/README.md)"
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module, text) in COMMANDS.items():
+        p = sub.add_parser(name, help=text, description=text)
+        p.set_defaults(module=module)
+        if argv[:1] == [name]:  # import only the command asked for
+            importlib.import_module(f"bench.{module}").add_arguments(p)
+    a = parser.parse_args(argv)
+    return importlib.import_module(f"bench.{a.module}").main(a) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""What every command shares: the clock and log, error text, the environment a result was measured in,
+JSON output, random prompts, and the arguments and settings of the studies.
+
+Only the standard library is imported at the top: torch, transformers and graphkiln are imported
+where they are used, so `python -m bench report` and the start-up children stay light.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as _dt
+import json
+import os
+import platform
+import re
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+T0 = time.time()  # the command's start: the log, --budget-s and --hard-limit-s count from here
+
+
+def log(msg: str) -> None:
+    print(f"[{time.time() - T0:7.1f}s] {msg}", flush=True)
+
+
+def error_text(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"[:2000]
+
+
+def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (count, length), generator=g).tolist()
+
+
+def git_commit(given: str | None = None) -> tuple[str, bool | None]:
+    """(commit, uncommitted changes?): `given` (a copy without .git), else git's answer, else 'unknown'."""
+    if given:
+        return given, None
+    try:
+        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=10)
+        if head.returncode == 0:
+            dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+                                   capture_output=True, text=True, timeout=10)
+            return head.stdout.strip(), bool(dirty.stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return "unknown", None
+
+
+def environment(device: str, commit: str | None = None) -> dict:
+    """Date, versions, device and commit: the head of every result file."""
+    import torch
+    import transformers
+
+    import graphkiln
+
+    now = _dt.datetime.now(_dt.timezone.utc)
+    env = {"date": now.strftime("%Y-%m-%d"), "time_utc": now.isoformat(timespec="seconds"),
+           "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+           "cuda": torch.version.cuda, "graphkiln": graphkiln.__version__, "host": platform.node()}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        env.update(device_name=torch.cuda.get_device_name(0), device_memory_bytes=props.total_memory,
+                   multiprocessors=props.multi_processor_count, capability=f"{props.major}.{props.minor}")
+    else:
+        env.update(device_name="cpu", cpu=platform.processor() or platform.machine(), threads=torch.get_num_threads())
+    env["git_commit"], env["git_dirty"] = git_commit(commit)
+    return env
+
+
+def device_slug(env: dict) -> str:
+    """'nvidia-h200', 'cpu': the device part of result file names."""
+    return re.sub(r"[^a-z0-9]+", "-", env["device_name"].lower()).strip("-") or "device"
+
+
+def write_json(path: Path, data: dict) -> Path:
+    """Write atomically (a run stopped mid-write keeps the previous file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str))
+    tmp.replace(path)
+    return path
+
+
+# The studies' shared arguments and settings.
+
+
+def add_study_arguments(p: argparse.ArgumentParser, model: str = "1b", layers: int | None = None) -> None:
+    p.add_argument("--out", type=Path, default=None, help="results folder (default $OUT, else the current folder)")
+    p.add_argument("--model", default=model, help=f"model shape: 1b, 8b (default {model}; smoke: smoke)")
+    p.add_argument("--layers", type=int, default=layers, help="decoder layers (default: the model's)")
+    p.add_argument("--commit", help="git commit to record where the tree has no .git")
+    p.add_argument("--smoke", action="store_true", help="CPU, float32, tiny shapes: every code path the CPU can run")
+
+
+@dataclass(frozen=True)
+class Study:
+    """Where and what a study runs: device, dtype, model shape, output folder."""
+
+    name: str
+    device: str
+    dtype_name: str
+    model: str
+    layers: int | None
+    out: Path
+    smoke: bool
+    commit: str | None
+
+    @classmethod
+    def of(cls, name: str, a: argparse.Namespace) -> Study:
+        import torch
+
+        if not a.smoke and not torch.cuda.is_available():
+            raise SystemExit(f"bench {name}: no CUDA device here; --smoke runs it on the CPU with tiny shapes")
+        out = Path(a.out or os.environ.get("OUT") or ".").resolve()
+        return cls(name, "cpu" if a.smoke else "cuda", "float32" if a.smoke else "bfloat16",
+                   "smoke" if a.smoke else a.model, a.layers, out, a.smoke, a.commit)
+
+    @property
+    def dtype(self):
+        import torch
+
+        return getattr(torch, self.dtype_name)
+
+    @property
+    def cuda(self) -> bool:
+        return self.device == "cuda"
+
+    def gpu_only(self, what: str) -> bool:
+        """False, after saying so, where `what` needs the GPU (CUDA graphs, Triton kernels)."""
+        if not self.cuda:
+            log(f"{what}: skipped on the CPU (needs CUDA)")
+        return self.cuda
+
+    @contextlib.contextmanager
+    def scratch(self) -> Iterator[Path]:
+        """A scratch folder for the study's model and artifacts, removed after."""
+        with tempfile.TemporaryDirectory(prefix=f"gk-bench-{self.name}-") as folder:
+            yield Path(folder)
+
+    def save(self, results: dict, suffix: str = "") -> Path:
+        """<out>/<study>[-suffix].json with the environment at its head."""
+        env = environment(self.device, self.commit)
+        name = f"{self.name}{'-' + suffix if suffix else ''}.json"
+        return write_json(self.out / name, {"meta": {**env, "study": self.name, "model": self.model,
+                                                     "layers": self.layers, "smoke": self.smoke}, **results})

@@ -1,0 +1,38 @@
+"""The benchmark's main run, end to end on the CPU with tiny shapes (`python -m bench run --smoke`), so the
+harness keeps pace with the API it measures. Start-up children and transformers' compiled row are left
+out to stay near 30 s (bench/README.md runs them)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_main_run_smoke(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "bench", "run", "--smoke", "--no-start", "--static-models", "", "--no-plot",
+           "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    [result] = tmp_path.glob("*-cpu-smoke.json")
+    results = json.loads(result.read_text())
+    assert results["errors"] == []
+    rows = results["models"]["smoke"]["rows"]
+    assert set(rows) == {"floor", "transformers_eager", "graphkiln_compiled", "graphkiln_eager"}
+    for name, row in rows.items():
+        assert row["error"] is None, (name, row["error"])
+        assert all("ms_per_token" in row["decode"][b] for b in ("1", "2")), (name, row["decode"])
+        assert all("ms" in row["prefill"][n] for n in ("16", "48")), (name, row["prefill"])
+    compiled = rows["graphkiln_compiled"]
+    assert compiled["check"]["argmax_agreement"] == 1.0
+    assert compiled["stats"]["graphs"] == {}  # no CUDA graphs on the CPU: every step ran the compiled pieces
+    assert compiled["stats"]["steps_without_graph"]["decode"] > 0
+    markdown = result.with_suffix(".md").read_text()
+    assert "| graphkiln compiled + CUDA graphs |" in markdown
+    assert "| graphkiln compiled + CUDA graphs |" in proc.stdout
