@@ -89,12 +89,12 @@ def run_compile(args) -> int:
 
     config = _config(args)
     engine = engine_config(**_engine_options(args))
-    bar = report.ProgressBar(enabled=not args.quiet and not args.json)
+    progress = report.ProgressDisplay(enabled=not args.quiet and not args.json)
     start = time.perf_counter()
     try:
-        manifest, rep = compile_model(args.model, args.out, config, engine=engine, force=args.force, progress=bar)
+        manifest, rep = compile_model(args.model, args.out, config, engine=engine, force=args.force, progress=progress)
     finally:
-        bar.close()
+        progress.close()
     summary = report.compile_summary(manifest, rep, args.out, time.perf_counter() - start)
     if args.json:
         print(json.dumps(summary, indent=1))

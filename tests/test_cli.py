@@ -7,8 +7,10 @@ checks call the entry points in-process.
 
 from __future__ import annotations
 
+import io
 import json
 import re
+import subprocess
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -25,7 +27,7 @@ from artifact_helpers import (
     single_error_line,
     temp_folders,
 )
-from graphkiln import cli
+from graphkiln import cli, report
 
 pytestmark = pytest.mark.slow
 
@@ -94,6 +96,57 @@ def test_compile_json_summary(compiled: tuple[Path, dict, str], manifest: dict) 
     assert not temp_folders(out)
 
 
+SECONDS = r"done in \d+\.\d\d s"
+# (start line, end line) of every compile stage, in order, as printed off a terminal
+STAGES = [
+    *((f"{stage} ...", rf"{stage}: {SECONDS}") for stage in ("load weights", "trace", "passes", "split")),
+    ("inductor 0/3 ...", rf"inductor: 3/3 {SECONDS}"),
+    ("save ...", rf"save: {SECONDS}"),
+]
+
+
+@pytest.fixture(scope="module")
+def plain_compile(tmp_path_factory: pytest.TempPathFactory) -> subprocess.CompletedProcess:
+    """`compile-model tiny -o OUT` with stderr a pipe, as in a log or CI: progress as plain lines."""
+    out = tmp_path_factory.mktemp("plain") / "tiny"
+    proc = run(compile_cmd("tiny", "-o", out, *SMALL_CONFIG_ARGS))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def test_progress_off_a_terminal_is_one_line_per_stage_start_and_end(plain_compile) -> None:
+    assert "\r" not in plain_compile.stderr
+    lines = plain_compile.stderr.splitlines()
+    assert len(lines) == 2 * len(STAGES), plain_compile.stderr
+    for (start, end), (start_line, end_line) in zip(STAGES, zip(lines[::2], lines[1::2])):
+        assert start_line == start and re.fullmatch(end, end_line), lines
+
+
+def test_summary_times_follow_the_stages_and_end_with_wall_time(plain_compile) -> None:
+    rows = [line.split("  ")[0] for line in plain_compile.stdout.splitlines() if line.startswith(("time ", "wall "))]
+    assert rows == ["time load", "time trace", "time passes", "time split", "time inductor", "time save", "wall time"]
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_on_a_terminal_draws_tqdm_bars() -> None:
+    stream = _Terminal()
+    progress = report.ProgressDisplay(stream=stream)
+    for stage, total in (("load weights", 1), ("inductor", 3)):
+        for done in range(total + 1):
+            progress(stage, done, total)
+    progress("save", 0, 1)
+    progress.close()
+    text = stream.getvalue()
+    assert re.search(r"\rload weights +100%\|[█#]+\| 1/1 \[00:00\]", text), text
+    assert "| 0/3 [" in text and re.search(r"\rinductor +100%\|[█#]+\| 3/3", text), text  # tqdm skips updates within 0.1 s
+    assert re.search(r"\rsave +0%\|", text) and "100%" not in text.split("save")[-1], text
+    assert text.count("\n") == 3  # each stage's bar keeps its line
+
+
 @pytest.fixture(scope="module")
 def nonexistent_model(tmp_path_factory: pytest.TempPathFactory):
     out = tmp_path_factory.mktemp("nonexistent") / "X"
@@ -112,7 +165,7 @@ def test_nonexistent_model_exits_2_naming_it(nonexistent_model) -> None:
 
 def test_nonexistent_model_prints_exactly_one_line(nonexistent_model) -> None:
     _, proc = nonexistent_model
-    line = single_error_line(proc.stderr)  # subprocess text mode turns the bar's "\r" into "\n"
+    line = single_error_line(proc.stderr)  # the model is checked before any progress is printed
     assert line.startswith("error: /nonexistent"), line
 
 

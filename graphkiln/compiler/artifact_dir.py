@@ -107,6 +107,7 @@ def _compile_into(
     load_s = time.perf_counter() - start
     tokenizer = Tokenizer.from_dir(model_dir)
     snapshot = tokenizer is not None and tokenizer.save_snapshot(tmp / TOKENIZER_FILE)
+    progress("load weights", 1, 1)
     private_cache = tmp / ".inductor-cache"
     with private_inductor_cache(private_cache) if config.device == "cpu" else contextlib.nullcontext():
         compiled, report = compile_module(model, config, graph_passes, progress)
@@ -117,6 +118,7 @@ def _compile_into(
     if private_cache.exists():
         _ship_cpu_kernels(private_cache, tmp / CPU_KERNELS)
     report.timings["save"] = time.perf_counter() - t
+    progress("save", 1, 1)
     manifest = {
         "format_version": FORMAT_VERSION,
         "environment": environment(config.device),
