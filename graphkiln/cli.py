@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from graphkiln.errors import GraphkilnError
+from graphkiln.version import __version__
 
 from . import report
 
@@ -146,6 +147,7 @@ def compile_model_main(argv: list[str] | None = None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="graphkiln", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"graphkiln {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _compile_parser(sub.add_parser("compile", help="compile a model (same as compile-model)")).set_defaults(handler=run_compile)
     inspect = sub.add_parser("inspect", help="print an artifact's manifest and piece table")

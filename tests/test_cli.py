@@ -18,12 +18,14 @@ import pytest
 
 import graphkiln
 from artifact_helpers import (
+    RESULT_PREFIX,
     SMALL_CONFIG,
     SMALL_ENGINE,
     SMALL_CONFIG_ARGS,
     compile_cmd,
     graphkiln_cmd,
     run,
+    run_python_json,
     single_error_line,
     temp_folders,
 )
@@ -69,6 +71,37 @@ def test_help_exits_0(entry, argv: list[str], capsys: pytest.CaptureFixture[str]
     if entry is cli.compile_model_main or argv[0] == "compile":
         for option in ("--out", "--decode-batch-sizes", "--prefill-token-buckets", "--force", "--json", "--quiet"):
             assert option in out
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out == f"graphkiln {graphkiln.__version__}\n"
+
+
+def test_inspect_version_and_help_import_neither_torch_nor_transformers(compiled: tuple[Path, dict, str]) -> None:
+    """Reading JSON needs neither: a fresh interpreter runs each command and reports what it imported."""
+    commands = [["inspect", str(compiled[0])], ["--version"], ["--help"], ["inspect", "--help"], ["generate", "--help"]]
+    result = run_python_json(f"""
+import contextlib, io, json, sys
+from graphkiln.cli import main
+outputs = []
+for argv in {commands!r}:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            code = main(argv)
+        except SystemExit as e:
+            code = e.code
+    outputs.append([code, out.getvalue()])
+print("{RESULT_PREFIX}" + json.dumps({{"outputs": outputs, "imported": [m for m in ("torch", "transformers") if m in sys.modules]}}))
+""")
+    assert result["imported"] == []
+    (inspect, version, *helps) = result["outputs"]
+    assert inspect[0] == 0 and "submodule    kind" in inspect[1] and "tokenizer     snapshot" in inspect[1]
+    assert version == [0, f"graphkiln {graphkiln.__version__}\n"]
+    assert all(code == 0 and text.startswith("usage: ") for code, text in helps)
 
 
 def test_console_scripts_point_at_the_cli() -> None:
