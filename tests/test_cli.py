@@ -10,9 +10,11 @@ from __future__ import annotations
 import io
 import json
 import re
+import shutil
 import subprocess
 from importlib.metadata import entry_points
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -30,6 +32,7 @@ from artifact_helpers import (
     temp_folders,
 )
 from graphkiln import cli, report
+from graphkiln.models.tiny import tiny_model_dir
 
 pytestmark = pytest.mark.slow
 
@@ -299,3 +302,59 @@ def test_generate(compiled: tuple[Path, dict, str]) -> None:
 def test_generate_missing_artifact_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["generate", str(tmp_path / "missing"), "--prompt", "hi"]) == 2
     assert "no such artifact directory" in single_error_line(capsys.readouterr().err)
+
+
+def _generate(capsys: pytest.CaptureFixture[str], artifact: Path, *flags: str) -> str:
+    argv = ["generate", str(artifact), "--prompt", "hi", "--kv-cache-tokens", "2048", *flags]
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    return capsys.readouterr().out
+
+
+def test_generate_logprobs_stop_token_and_ignore_eos(compiled: tuple[Path, dict, str], capsys: pytest.CaptureFixture[str]) -> None:
+    text = _generate(capsys, compiled[0], "--max-tokens", "4", "--ignore-eos", "--logprobs", "1")
+    assert "  4 tokens, " in text and "finish length" in text
+    pairs = [pair.split(":") for pair in re.search(r"^  logprobs (.*)$", text, re.MULTILINE).group(1).split()]
+    ids, logprobs = [int(t) for t, _ in pairs], [float(lp) for _, lp in pairs]
+    assert len(ids) == 4 and all(lp <= 0 for lp in logprobs)
+    stopped = _generate(capsys, compiled[0], "--max-tokens", "4", "--ignore-eos", "--stop-token-id", str(ids[1]))
+    assert f"  {ids.index(ids[1]) + 1} tokens, " in stopped and "finish stop" in stopped
+    assert "logprobs" not in stopped
+
+
+def test_generate_prints_the_sampled_logprob_of_either_logprobs_form() -> None:
+    """RequestOutput.logprobs entries as floats, or structured: per token, an object or a {token id: ...} map."""
+    alternative = SimpleNamespace(logprob=-0.25)
+    for entry in (-0.25, alternative, {7: -0.25, 9: -3.0}, {7: alternative, 9: SimpleNamespace(logprob=-3.0)}):
+        assert cli._sampled_logprob(entry, 7) == -0.25
+
+
+def test_generate_model_flag_names_where_the_weights_are(
+    compiled: tuple[Path, dict, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    moved = Path(shutil.copytree(tiny_model_dir(), tmp_path / "moved"))
+    assert "finish" in _generate(capsys, compiled[0], "--max-tokens", "2", "--model", str(moved))
+    assert cli.main(["generate", str(compiled[0]), "--prompt", "hi", "--model", str(tmp_path / "gone")]) == 2
+    assert str(tmp_path / "gone") in single_error_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--seed", "2**63"], "argument --seed: invalid int value: '2**63'"),
+        (["--seed", "abc"], "argument --seed: invalid int value: 'abc'"),
+        (["--logprobs", "all"], "argument --logprobs: invalid int value: 'all'"),
+        (["--stop-token-id", "eos"], "argument --stop-token-id: invalid int value: 'eos'"),
+        (["--top-p", "0"], "SamplingParams.top_p=0.0"),
+        (["--max-tokens", "0"], "SamplingParams.max_tokens=0"),
+    ],
+    ids=["seed-expression", "seed-word", "logprobs", "stop-token-id", "top-p", "max-tokens"],
+)
+def test_generate_bad_values_are_one_line_exit_2(flags: list[str], message: str, tmp_path: Path, capsys) -> None:
+    """Usage errors and SamplingParams errors alike: one line, exit 2, before any artifact is read."""
+    try:
+        code = cli.main(["generate", str(tmp_path / "missing"), "--prompt", "hi", *flags])
+    except SystemExit as e:  # argparse
+        code = e.code
+    assert code == 2
+    line = single_error_line(capsys.readouterr().err)
+    assert line.startswith("error: ") and message in line, line
