@@ -12,6 +12,8 @@ import json
 import re
 import shutil
 import subprocess
+import time
+from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
 from types import SimpleNamespace
@@ -24,8 +26,10 @@ from artifact_helpers import (
     SMALL_CONFIG,
     SMALL_ENGINE,
     SMALL_CONFIG_ARGS,
+    SUBPROCESS_TIMEOUT_S,
     compile_cmd,
     graphkiln_cmd,
+    popen,
     run,
     run_python_json,
     single_error_line,
@@ -141,25 +145,59 @@ STAGES = [
 ]
 
 
+@dataclass
+class Finished:
+    pid: int
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def _finish(proc: subprocess.Popen) -> Finished:
+    try:
+        out, err = proc.communicate(timeout=SUBPROCESS_TIMEOUT_S)
+    finally:
+        proc.kill()
+    return Finished(proc.pid, proc.returncode, out, err)
+
+
 @pytest.fixture(scope="module")
-def plain_compile(tmp_path_factory: pytest.TempPathFactory) -> subprocess.CompletedProcess:
-    """`compile-model tiny -o OUT` with stderr a pipe, as in a log or CI: progress as plain lines."""
-    out = tmp_path_factory.mktemp("plain") / "tiny"
-    proc = run(compile_cmd("tiny", "-o", out, *SMALL_CONFIG_ARGS))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc
+def two_compiles(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Finished, Finished]:
+    """(OUT, first, second): two `compile-model tiny -o OUT` with stderr a pipe, as in a log or CI; the
+    second starts once the first holds OUT's lock (its temp folder exists), so it waits, then finds OUT."""
+    out = (tmp_path_factory.mktemp("two") / "tiny").resolve()
+    first = popen(compile_cmd("tiny", "-o", out, *SMALL_CONFIG_ARGS))
+    try:
+        deadline = time.monotonic() + SUBPROCESS_TIMEOUT_S
+        while not temp_folders(out):
+            assert first.poll() is None and time.monotonic() < deadline, "the first compile took no lock"
+            time.sleep(0.02)
+        second = popen(compile_cmd("tiny", "-o", out, *SMALL_CONFIG_ARGS))
+    finally:
+        done = _finish(first)
+    return out, done, _finish(second)
 
 
-def test_progress_off_a_terminal_is_one_line_per_stage_start_and_end(plain_compile) -> None:
-    assert "\r" not in plain_compile.stderr
-    lines = plain_compile.stderr.splitlines()
-    assert len(lines) == 2 * len(STAGES), plain_compile.stderr
+def test_progress_off_a_terminal_is_one_line_per_stage_start_and_end(two_compiles) -> None:
+    _, first, _ = two_compiles
+    assert first.returncode == 0, first.stderr[-4000:]
+    assert "\r" not in first.stderr
+    lines = first.stderr.splitlines()
+    assert len(lines) == 2 * len(STAGES), first.stderr
     for (start, end), (start_line, end_line) in zip(STAGES, zip(lines[::2], lines[1::2])):
         assert start_line == start and re.fullmatch(end, end_line), lines
 
 
-def test_summary_times_follow_the_stages_and_end_with_wall_time(plain_compile) -> None:
-    rows = [line.split("  ")[0] for line in plain_compile.stdout.splitlines() if line.startswith(("time ", "wall "))]
+def test_a_compile_waiting_for_the_lock_says_for_whom(two_compiles) -> None:
+    out, first, second = two_compiles
+    waiting = f"waiting for another compile of {out} (pid {first.pid}) to finish"
+    start, end, error = second.stderr.splitlines()
+    assert start == f"{waiting} ..." and re.fullmatch(rf"{re.escape(waiting)}: {SECONDS}", end), second.stderr
+    assert second.returncode == 2 and error == f"error: {out}: already exists; pass --force (force=True) to replace it"
+
+
+def test_summary_times_follow_the_stages_and_end_with_wall_time(two_compiles) -> None:
+    rows = [line.split("  ")[0] for line in two_compiles[1].stdout.splitlines() if line.startswith(("time ", "wall "))]
     assert rows == ["time load", "time trace", "time passes", "time split", "time inductor", "time save", "wall time"]
 
 

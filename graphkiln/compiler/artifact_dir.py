@@ -38,8 +38,12 @@ from .manifest import FIX, FORMAT_VERSION, MANIFEST, REWRITE, check_environment,
 
 
 @contextlib.contextmanager
-def _locked(out: Path, shared: bool = False) -> Iterator[None]:
-    """Writers hold the sibling lock file exclusively, readers shared (skipped where it can't be opened)."""
+def _locked(out: Path, shared: bool = False, progress: Progress = lambda stage, done, total: None) -> Iterator[None]:
+    """Writers hold the sibling lock file exclusively, readers shared (skipped where it can't be opened).
+
+    A writer appends its pid to the lock file when it takes the lock and "-" when it lets go, so
+    one that finds the lock taken says through `progress` whom it waits for.
+    """
     if not shared:
         out.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -50,11 +54,28 @@ def _locked(out: Path, shared: bool = False) -> Iterator[None]:
         yield
         return
     with lock:
-        fcntl.flock(lock, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+        mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
+        try:
+            fcntl.flock(lock, mode | fcntl.LOCK_NB)
+        except BlockingIOError:
+            waiting = f"waiting for {_lock_holder(Path(lock.name), out)} to finish"
+            progress(waiting, 0, 1)
+            fcntl.flock(lock, mode)
+            progress(waiting, 1, 1)
+        if not shared:
+            print(os.getpid(), file=lock, flush=True)
         try:
             yield
         finally:
+            if not shared:
+                print("-", file=lock, flush=True)
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _lock_holder(path: Path, out: Path) -> str:
+    """Who holds the lock: the writer whose pid is the lock file's last line, else a reader (or a writer starting)."""
+    last = (path.read_bytes().split() or [b""])[-1]
+    return f"another compile of {out} (pid {last.decode()})" if last.isdigit() else f"another process using {out}"
 
 
 def _remove_stale(out: Path) -> None:
@@ -82,7 +103,7 @@ def write_artifact(
     out = out.resolve()
     fingerprint = model_fingerprint(model_dir)
     check_disabled(default_passes(graph_passes), config.disabled_passes)
-    with _locked(out):
+    with _locked(out, progress=progress):
         if out.exists() and not force:
             raise ArtifactError(f"{out}: already exists; pass --force (force=True) to replace it")
         _remove_stale(out)
