@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import sys
 from pathlib import Path
+from urllib.parse import unquote
 
 import pytest
 from test_passes import NAMES, toy_model
@@ -27,8 +28,17 @@ def dumped(tmp_path_factory):
                            dump_dir=str(root / "dump"))
     manifest, report = graphkiln.compile_model("tiny", root / "out", config)
     index = (root / "dump" / "index.md").read_text()
-    files = re.findall(r"^- `([^`]+)`: (.*)$", index, re.MULTILINE)
-    return root / "dump", dict(files), manifest, report
+    files = re.findall(r"^- \[`([^`]+)`\]\(([^)]+)\): (.*)$", index, re.MULTILINE)
+    assert all(unquote(link) == name for name, link, _ in files)
+    return root / "dump", {name: what for name, _, what in files}, manifest, report
+
+
+def test_every_link_in_the_index_opens_a_file(dumped):
+    dump = dumped[0]
+    index = (dump / "index.md").read_text()
+    links = re.findall(r"\]\(([^)]+)\)", index)
+    assert links and len(links) == index.count("\n- ") == len(dumped[1])
+    assert all((dump / unquote(link)).is_file() for link in links)
 
 
 def test_index_lists_files_that_exist_in_pipeline_order(dumped):

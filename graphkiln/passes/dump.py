@@ -4,7 +4,7 @@ Files are numbered in pipeline order: `00-dynamo/` (depyf's decompiled Dynamo by
 captured graph), then `NN-<pass>.before.py` / `.after.py` for every enabled pass (NN is the
 pass's place in the pipeline), the split's summary and each submodule's code, Inductor's output
 code for every compiled piece and size, and `passes.md`, the pass table. `index.md` lists every
-file in the order it was written, one line each.
+file in the order it was written, one line each, as a relative link a Markdown viewer follows.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import re
 import shutil
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from urllib.parse import quote
 
 import torch
 
@@ -71,7 +72,7 @@ class Dump:
 
     def __exit__(self, *exc) -> None:
         lines = ["# graphkiln compile dump", "", "Every file, in the order the compiler wrote it.", ""]
-        lines += [f"- `{name}`: {what}" for name, what in self.entries]
+        lines += [f"- [`{name}`]({quote(name)}): {what}" for name, what in self.entries]
         (self.root / INDEX).write_text("\n".join(lines) + "\n")
 
     def write(self, name: str, text: str, what: str) -> None:
