@@ -56,11 +56,13 @@ def test_decompiled_bytecode_and_every_pass_before_and_after(dumped):
     transformed = next(dump.glob("00-dynamo/__transformed_code_*.py")).read_text()
     assert "def __transformed_code_0_for_forward(self, input_ids, positions)" in transformed
     for number, name in enumerate(NAMES, 1):
+        piece = ".submod_0.dynamic" if name == "linear_op" else ""  # the post-grad pass: per piece and size
         for when in ("before", "after"):
-            assert "def forward(self" in (dump / f"{number:02d}-{name}.{when}.py").read_text()
+            assert "def forward(self" in (dump / f"{number:02d}-{name}.{when}{piece}.py").read_text()
     number = {name: i for i, name in enumerate(NAMES, 1)}
     assert "submod_1" in (dump / f"{number['attention_split']:02d}-attention_split.after.py").read_text()
-    before, after = ((dump / f"{number['linear_op']:02d}-linear_op.{when}.py").read_text() for when in ("before", "after"))
+    before, after = ((dump / f"{number['linear_op']:02d}-linear_op.{when}.submod_0.dynamic.py").read_text()
+                     for when in ("before", "after"))
     assert "aten.mm.default" in before and "aten.mm.default" not in after and "graphkiln.linear.default" in after
     before, after = ((dump / f"{number['silu_mul_linear']:02d}-silu_mul_linear.{when}.py").read_text()
                      for when in ("before", "after"))
@@ -69,6 +71,20 @@ def test_decompiled_bytecode_and_every_pass_before_and_after(dumped):
     assert "5 pieces, 4 attention submodules; 28 tensors cross 8 cuts" in summary
     assert "`x: float32[s" in summary
     assert "boundary_recompute" in (dump / "passes.md").read_text()
+
+
+def test_post_grad_graphs_are_named_by_piece_and_size(dumped):
+    """The post-grad pass runs once per compiled (piece, size); each dump names which, as the output code does."""
+    dump, files, manifest, _ = dumped
+    number = NAMES.index("linear_op") + 1
+    first = {}
+    for piece, key in manifest["compiled"]["pieces"].items():
+        first.setdefault(key, piece)
+    expected = {f"{number:02d}-linear_op.{when}.{piece}.{size}.py"
+                for piece in first.values() for size in SIZES for when in ("before", "after")}
+    post_grad = {name for name in files if name.startswith(f"{number:02d}-linear_op.")}
+    assert post_grad == expected
+    assert files[f"{number:02d}-linear_op.after.submod_8.16.py"] == "Inductor post-grad graph of submod_8 (16) after pass linear_op"
 
 
 def test_inductor_code_for_every_piece_and_size(dumped):

@@ -102,9 +102,11 @@ def _compile(
     total = len(set(keys.values())) * (1 + len(sizes))
     progress("inductor", 0, total)
     codes: list[tuple[str, str, str]] = []
+    first_piece = {key: name for name, key in reversed(keys.items())}  # what the dumps name a key's files by
     compiler = InductorCompiler(
         device, config.inductor_options, counters, lambda done: progress("inductor", done, total),
         post_grad_pass=manager, on_code=(lambda *code: codes.append(code)) if dump else None,
+        around_compile=(lambda key, variant: dump.compiling(first_piece[key], variant)) if dump else None,
     )
     report.compiler_hash = compiler.hash()
     pieces = {}
