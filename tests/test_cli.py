@@ -163,10 +163,11 @@ def _finish(proc: subprocess.Popen) -> Finished:
 
 @pytest.fixture(scope="module")
 def two_compiles(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Finished, Finished]:
-    """(OUT, first, second): two `compile-model tiny -o OUT` with stderr a pipe, as in a log or CI; the
-    second starts once the first holds OUT's lock (its temp folder exists), so it waits, then finds OUT."""
+    """(OUT, first, second): two `compile-model tiny -o OUT` with stderr a pipe, as in a log or CI (the
+    first also dumps, into OUT's sibling `dump`); the second starts once the first holds OUT's lock
+    (its temp folder exists), so it waits, then finds OUT."""
     out = (tmp_path_factory.mktemp("two") / "tiny").resolve()
-    first = popen(compile_cmd("tiny", "-o", out, *SMALL_CONFIG_ARGS))
+    first = popen(compile_cmd("tiny", "-o", out, "--dump-dir", out.parent / "dump", *SMALL_CONFIG_ARGS))
     try:
         deadline = time.monotonic() + SUBPROCESS_TIMEOUT_S
         while not temp_folders(out):
@@ -186,6 +187,12 @@ def test_progress_off_a_terminal_is_one_line_per_stage_start_and_end(two_compile
     assert len(lines) == 2 * len(STAGES), first.stderr
     for (start, end), (start_line, end_line) in zip(STAGES, zip(lines[::2], lines[1::2])):
         assert start_line == start and re.fullmatch(end, end_line), lines
+
+
+def test_a_dump_keeps_depyf_off_the_terminal(two_compiles) -> None:
+    out, first, _ = two_compiles
+    assert "depyf" not in first.stderr and "You are trying to debug" not in first.stderr
+    assert "You are trying to debug" in (out.parent / "dump" / "00-dynamo" / "depyf.log").read_text()
 
 
 def test_a_compile_waiting_for_the_lock_says_for_whom(two_compiles) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import sys
+import warnings
 from pathlib import Path
 from urllib.parse import unquote
 
@@ -101,6 +102,21 @@ def test_inductor_code_for_every_piece_and_size(dumped):
     assert [r.name for r in report.passes] == NAMES
 
 
+def test_depyf_output_is_kept_in_the_dump(dumped):
+    dump, files, _, _ = dumped
+    assert "depyf" in files["00-dynamo/depyf.log"]
+    assert "You are trying to debug `torch.compile`" in (dump / "00-dynamo/depyf.log").read_text()
+
+
+def test_depyf_debug_passes_other_warnings_on(tmp_path):
+    with pytest.warns(UserWarning, match="not from depyf"):
+        with compat.depyf_debug(tmp_path / "dynamo", tmp_path / "depyf.log"):
+            warnings.warn("not from depyf", UserWarning)
+            print("printed inside")
+    log = (tmp_path / "depyf.log").read_text()
+    assert "printed inside" in log and "You are trying to debug" in log and "not from depyf" not in log
+
+
 def test_a_foreign_non_empty_folder_is_refused(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(ConfigError, match="not empty"):
@@ -129,6 +145,6 @@ def test_depyf_compat_forwards_keyword_arguments(monkeypatch, tmp_path):
     (args, kwargs), = calls
     assert kwargs == {"set_sys_modules": False} and args[0] == "key" and Path(args[1]).read_text() == "x = 1\n"
     original = enable_debugging.patched_load_by_key_path
-    with compat.depyf_debug(tmp_path / "dynamo"):
+    with compat.depyf_debug(tmp_path / "dynamo", tmp_path / "depyf.log"):
         assert enable_debugging.patched_load_by_key_path is compat.load_by_key_path
     assert enable_debugging.patched_load_by_key_path is original

@@ -72,7 +72,7 @@ def _compile(
     counters = report.counters
     start = time.perf_counter()
     progress("trace", 0, 1)
-    captured = capture(model, depyf_debug(dump.dynamo_dir) if dump else None)
+    captured = capture(model, depyf_debug(dump.dynamo_dir, dump.depyf_log) if dump else None)
     counters.graphs_traced += 1
     report.timings["trace"] = captured.trace_s
     progress("trace", 1, 1)

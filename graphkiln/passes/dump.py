@@ -1,12 +1,13 @@
 """Pass-debugging dumps: a folder a person reads to see what the compiler did, listed in index.md.
 
 Files are numbered in pipeline order: `00-dynamo/` (depyf's decompiled Dynamo bytecode and the
-captured graph), then `NN-<pass>.before.py` / `.after.py` for every enabled pass (NN is the
-pass's place in the pipeline; a post-grad pass runs inside Inductor once per compiled piece and
-size, so its files are `NN-<pass>.before.<piece>.<size>.py`), the split's summary and each
-submodule's code, Inductor's output code for every compiled piece and size, and `passes.md`,
-the pass table. `index.md` lists every file in the order it was written, one line each, as a
-relative link a Markdown viewer follows.
+captured graph, and `depyf.log`: what depyf printed and warned, kept off the terminal), then
+`NN-<pass>.before.py` / `.after.py` for every enabled pass (NN is the pass's place in the
+pipeline; a post-grad pass runs inside Inductor once per compiled piece and size, so its files
+are `NN-<pass>.before.<piece>.<size>.py`), the split's summary and each submodule's code,
+Inductor's output code for every compiled piece and size, and `passes.md`, the pass table.
+`index.md` lists every file in the order it was written, one line each, as a relative link a
+Markdown viewer follows.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from graphkiln.errors import ConfigError
 from .attention_split import summary
 
 DYNAMO_DIR = "00-dynamo"
+DEPYF_LOG = "depyf.log"
 INDEX = "index.md"
 _KERNEL_DEF = re.compile(r"^(\w+) = async_compile\.\w+\(", re.MULTILINE)
 _EXTERN_CALL = re.compile(r"\bextern_kernels\.\w+\(")
@@ -94,8 +96,12 @@ class Dump:
     def dynamo_dir(self) -> Path:
         return self.root / DYNAMO_DIR
 
+    @property
+    def depyf_log(self) -> Path:
+        return self.dynamo_dir / DEPYF_LOG
+
     def add_dynamo(self) -> None:
-        """List what depyf wrote into `00-dynamo/`."""
+        """List what depyf wrote into `00-dynamo/`, its log last."""
 
         def kind(path: Path) -> int:
             return next((i for i, (key, _) in enumerate(_DEPYF) if key in path.name), len(_DEPYF))
@@ -103,6 +109,7 @@ class Dump:
         for path in sorted(self.dynamo_dir.glob("*.py"), key=lambda p: (kind(p), p.name)):
             what = _DEPYF[kind(path)][1] if kind(path) < len(_DEPYF) else "depyf: a file Dynamo wrote"
             self.entries.append((f"{DYNAMO_DIR}/{path.name}", what))
+        self.entries.append((f"{DYNAMO_DIR}/{DEPYF_LOG}", "depyf's warnings and messages while Dynamo traced"))
 
     @contextlib.contextmanager
     def compiling(self, piece: str, variant: str) -> Iterator[None]:
