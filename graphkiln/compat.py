@@ -92,7 +92,10 @@ def require_depyf() -> ModuleType:
     try:
         from depyf.explain import enable_debugging
     except ImportError as e:
-        raise ConfigError("CompileConfig.dump_dir needs depyf to decompile Dynamo's bytecode: pip install depyf") from e
+        raise ConfigError(
+            "CompileConfig.dump_dir (--dump-dir) needs depyf, which decompiles Dynamo's bytecode; install the "
+            "dump extra: pip install 'graphkiln[dump]'"
+        ) from e
     return enable_debugging
 
 

@@ -12,6 +12,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from importlib.metadata import entry_points
@@ -286,6 +287,18 @@ def test_sizes_that_are_not_integers_exit_2(tmp_path: Path, capsys: pytest.Captu
         cli.compile_model_main(["tiny", "-o", str(tmp_path / "out"), "--decode-batch-sizes", "1,two"])
     assert info.value.code == 2
     assert "'1,two' is not a comma-separated list of integers" in capsys.readouterr().err
+
+
+def test_dump_dir_without_depyf_is_one_line_naming_the_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "depyf", None)
+    monkeypatch.setitem(sys.modules, "depyf.explain", None)
+    out, dump = tmp_path / "out", tmp_path / "dump"
+    assert cli.compile_model_main(["tiny", "-o", str(out), "--dump-dir", str(dump), *SMALL_CONFIG_ARGS]) == 2
+    line = single_error_line(capsys.readouterr().err)
+    assert line.startswith("error: CompileConfig.dump_dir (--dump-dir) needs depyf") and "graphkiln[dump]" in line
+    assert not out.exists() and not dump.exists() and not temp_folders(out)
 
 
 def test_piece_keys_are_reproducible(compiled: tuple[Path, dict, str], manifest: dict, tmp_path: Path) -> None:

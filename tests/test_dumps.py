@@ -127,7 +127,7 @@ def test_a_foreign_non_empty_folder_is_refused(tmp_path):
 def test_missing_depyf_is_a_config_error(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "depyf", None)
     monkeypatch.setitem(sys.modules, "depyf.explain", None)
-    with pytest.raises(ConfigError, match="pip install depyf"):
+    with pytest.raises(ConfigError, match=re.escape("pip install 'graphkiln[dump]'")):
         compile_module(toy_model(), CompileConfig(dump_dir=str(tmp_path / "dump")))
     assert not (tmp_path / "dump").exists()
 

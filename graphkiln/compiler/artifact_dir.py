@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from graphkiln.compat import private_inductor_cache
+from graphkiln.compat import private_inductor_cache, require_depyf
 from graphkiln.errors import ArtifactError
 from graphkiln.models import load_model, resolve_dtype
 from graphkiln.models.config import ModelConfig
@@ -97,12 +97,14 @@ def write_artifact(
     """Compile `model_dir` for `config` into `out`; return the manifest and the compile report.
     `engine_defaults` (an EngineConfig as a dict) is recorded for `load` to start from.
 
-    The model directory (config.json, weight file headers) and the pass names are checked before
-    anything is locked, created or reported as progress.
+    The model directory (config.json, weight file headers), the pass names and, for dumps, depyf
+    are checked before anything is locked, created or reported as progress.
     """
     out = out.resolve()
     fingerprint = model_fingerprint(model_dir)
     check_disabled(default_passes(graph_passes), config.disabled_passes)
+    if config.dump_dir:
+        require_depyf()
     with _locked(out, progress=progress):
         if out.exists() and not force:
             raise ArtifactError(f"{out}: already exists; pass --force (force=True) to replace it")
