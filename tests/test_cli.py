@@ -30,10 +30,10 @@ from artifact_helpers import (
     SUBPROCESS_TIMEOUT_S,
     compile_cmd,
     graphkiln_cmd,
-    popen,
     run,
     run_python_json,
     single_error_line,
+    subprocess_env,
     temp_folders,
 )
 from graphkiln import cli, report
@@ -154,12 +154,17 @@ class Finished:
     stderr: str
 
 
+def _start(args: list[str]) -> subprocess.Popen:
+    """A subprocess whose output is read as bytes: text mode would turn a "\r" into a line break."""
+    return subprocess.Popen(args, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
 def _finish(proc: subprocess.Popen) -> Finished:
     try:
         out, err = proc.communicate(timeout=SUBPROCESS_TIMEOUT_S)
     finally:
         proc.kill()
-    return Finished(proc.pid, proc.returncode, out, err)
+    return Finished(proc.pid, proc.returncode, out.decode(), err.decode())
 
 
 @pytest.fixture(scope="module")
@@ -168,13 +173,13 @@ def two_compiles(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Finish
     first also dumps, into OUT's sibling `dump`); the second starts once the first holds OUT's lock
     (its temp folder exists), so it waits, then finds OUT."""
     out = (tmp_path_factory.mktemp("two") / "tiny").resolve()
-    first = popen(compile_cmd("tiny", "-o", out, "--dump-dir", out.parent / "dump", *SMALL_CONFIG_ARGS))
+    first = _start(compile_cmd("tiny", "-o", out, "--dump-dir", out.parent / "dump", *SMALL_CONFIG_ARGS))
     try:
         deadline = time.monotonic() + SUBPROCESS_TIMEOUT_S
         while not temp_folders(out):
             assert first.poll() is None and time.monotonic() < deadline, "the first compile took no lock"
             time.sleep(0.02)
-        second = popen(compile_cmd("tiny", "-o", out, *SMALL_CONFIG_ARGS))
+        second = _start(compile_cmd("tiny", "-o", out, *SMALL_CONFIG_ARGS))
     finally:
         done = _finish(first)
     return out, done, _finish(second)
