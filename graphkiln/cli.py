@@ -10,11 +10,21 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import NoReturn
 
 from graphkiln.errors import GraphkilnError
+from graphkiln.version import __version__
 
 from . import report
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line and exit 2, like every other bad input."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
 
 
 def _sizes(text: str) -> tuple[int, ...]:
@@ -89,12 +99,12 @@ def run_compile(args) -> int:
 
     config = _config(args)
     engine = engine_config(**_engine_options(args))
-    bar = report.ProgressBar(enabled=not args.quiet and not args.json)
+    progress = report.ProgressDisplay(enabled=not args.quiet and not args.json)
     start = time.perf_counter()
     try:
-        manifest, rep = compile_model(args.model, args.out, config, engine=engine, force=args.force, progress=bar)
+        manifest, rep = compile_model(args.model, args.out, config, engine=engine, force=args.force, progress=progress)
     finally:
-        bar.close()
+        progress.close()
     summary = report.compile_summary(manifest, rep, args.out, time.perf_counter() - start)
     if args.json:
         print(json.dumps(summary, indent=1))
@@ -114,10 +124,11 @@ def run_inspect(args) -> int:
 def run_generate(args) -> int:
     import graphkiln
 
-    llm = graphkiln.load(args.artifact, **_engine_options(args))
-    params = graphkiln.SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
-    )
+    params = graphkiln.SamplingParams(  # checked before the artifact loads
+        max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+        stop_token_ids=args.stop_token_id, ignore_eos=args.ignore_eos, logprobs=args.logprobs,
+    )  # fmt: skip
+    llm = graphkiln.load(args.artifact, model=args.model, **_engine_options(args))
     outputs = llm.generate(args.prompt, params)
     for prompt, out in zip(args.prompt, outputs):
         print(f"{prompt!r} -> {out.text!r}")
@@ -125,7 +136,18 @@ def run_generate(args) -> int:
             f"  {len(out.token_ids)} tokens, first token {out.time_to_first_token_s * 1e3:.1f} ms, "
             f"{out.tokens_per_s:.1f} tokens/s, finish {out.finish_reason}"
         )
+        if args.logprobs is not None and out.logprobs:
+            pairs = (f"{token}:{_sampled_logprob(entry, token):.4f}" for token, entry in zip(out.token_ids, out.logprobs))
+            print("  logprobs " + " ".join(pairs))
     return 0
+
+
+def _sampled_logprob(entry, token: int) -> float:
+    """The sampled token's logprob in one entry of RequestOutput.logprobs: a float, or a structure holding it
+    (an object with `.logprob`, or a mapping from token id to a float or such an object)."""
+    if isinstance(entry, Mapping):
+        entry = entry[token]
+    return float(getattr(entry, "logprob", entry))
 
 
 def _run(handler, args) -> int:
@@ -140,12 +162,13 @@ def _run(handler, args) -> int:
 
 
 def compile_model_main(argv: list[str] | None = None) -> int:
-    parser = _compile_parser(argparse.ArgumentParser(prog="compile-model", description="Compile a model into an artifact directory."))
+    parser = _compile_parser(_Parser(prog="compile-model", description="Compile a model into an artifact directory."))
     return _run(run_compile, parser.parse_args(argv))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="graphkiln", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="graphkiln", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"graphkiln {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _compile_parser(sub.add_parser("compile", help="compile a model (same as compile-model)")).set_defaults(handler=run_compile)
     inspect = sub.add_parser("inspect", help="print an artifact's manifest and piece table")
@@ -154,12 +177,19 @@ def main(argv: list[str] | None = None) -> int:
     inspect.set_defaults(handler=run_inspect)
     gen = sub.add_parser("generate", help="generate text with a compiled artifact")
     gen.add_argument("artifact", type=Path)
+    gen.add_argument("--model", type=Path, default=None, metavar="DIR",
+                     help="the model directory (default: where it was when compiled)")
     gen.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop-token-id", type=int, action="append", default=None, metavar="ID",
+                     help="stop when this token is generated; repeat for several")
+    gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    gen.add_argument("--logprobs", type=int, default=None, metavar="N",
+                     help="return logprobs (N alternatives per token); prints each sampled token's logprob")
     _engine_parser(gen.add_argument_group("engine options (default: what the artifact records)"))
     gen.set_defaults(handler=run_generate)
     args = parser.parse_args(argv)

@@ -6,10 +6,11 @@ never `torch._...` themselves):
 - Dynamo capture: `mark_dynamic_dim`, `size_oblivious()`, `dynamo_counters()`.
 - Inductor: `standalone_compile`, `load_artifact`, `graph_returns_tuple`, `CustomGraphPass`,
   `is_op_overload`, and the ATen-level `TORCH_LINEAR` a Dynamo graph calls for nn.Linear.
-- `depyf_debug(dir)`: depyf's `prepare_debug`, imported lazily (only dumps need depyf). On
-  torch 2.13 `PyCodeCache.load_by_key_path` gained the keyword-only `set_sys_modules`, which
-  depyf 0.20's replacement does not accept; for the duration of the context we swap in a copy
-  that forwards `**kwargs` (as vLLM's depyf_compat does).
+- `depyf_debug(dir, log)`: depyf's `prepare_debug`, imported lazily (only dumps need depyf), with
+  what depyf prints and warns kept in `log` instead of on the terminal. On torch 2.13
+  `PyCodeCache.load_by_key_path` gained the keyword-only `set_sys_modules`, which depyf 0.20's
+  replacement does not accept; for the duration of the context we swap in a copy that forwards
+  `**kwargs` (as vLLM's depyf_compat does).
 - `private_inductor_cache(dir)` / `install_cpu_kernels(dir)`: compile-model on the CPU compiles
   into a private Inductor cache and ships the compiled C++ kernels; loading copies them into the
   active cache so the first load on a fresh machine does not run gcc.
@@ -21,8 +22,10 @@ never `torch._...` themselves):
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import shutil
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -89,21 +92,40 @@ def require_depyf() -> ModuleType:
     try:
         from depyf.explain import enable_debugging
     except ImportError as e:
-        raise ConfigError("CompileConfig.dump_dir needs depyf to decompile Dynamo's bytecode: pip install depyf") from e
+        raise ConfigError(
+            "CompileConfig.dump_dir (--dump-dir) needs depyf, which decompiles Dynamo's bytecode; install the "
+            "dump extra: pip install 'graphkiln[dump]'"
+        ) from e
     return enable_debugging
 
 
 @contextlib.contextmanager
-def depyf_debug(dump_dir: Path) -> Iterator[None]:
-    """depyf.prepare_debug(dump_dir) around the call that makes Dynamo trace."""
+def depyf_debug(dump_dir: Path, log: Path) -> Iterator[None]:
+    """depyf.prepare_debug(dump_dir) around the call that makes Dynamo trace.
+
+    depyf warns at every use ("You are trying to debug `torch.compile`...") and prints its own
+    troubles: its warnings and whatever is printed inside the context go to `log`; anyone else's
+    warnings are shown as usual.
+    """
     enable_debugging = require_depyf()
     original = enable_debugging.patched_load_by_key_path
     enable_debugging.patched_load_by_key_path = load_by_key_path
+    printed = io.StringIO()
     try:
-        with enable_debugging.prepare_debug(str(dump_dir)):
-            yield
+        with warnings.catch_warnings(record=True) as caught:
+            with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+                with enable_debugging.prepare_debug(str(dump_dir)):
+                    yield
     finally:
         enable_debugging.patched_load_by_key_path = original
+        depyf_dir = str(Path(enable_debugging.__file__).parents[1])  # depyf names its files, or itself, first
+        for w in caught:
+            if w.filename.startswith(depyf_dir) or str(w.message).startswith(depyf_dir):
+                printed.write(warnings.formatwarning(w.message, w.category, w.filename, w.lineno))
+            else:
+                warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(printed.getvalue())
 
 
 @contextlib.contextmanager

@@ -1,41 +1,84 @@
-"""Human-readable output of the CLI: a stderr progress bar, the compile summary, the manifest table."""
+"""Human-readable output of the CLI: compile progress on stderr, the compile summary, the manifest table."""
 
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
+from typing import TextIO
+
+from tqdm import tqdm
 
 TOKENIZER_KINDS = {
     "snapshot": "snapshot in the artifact (loads without transformers)",
     "transformers": "transformers, from the model directory",
     None: "none (token-id prompts only)",
 }
+BAR_FORMAT = "{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}]"
 
 
-class ProgressBar:
-    """Called as progress(stage, done, total); redraws one stderr line per stage."""
+class ProgressDisplay:
+    """Called as progress(stage, done, total): tqdm bars on a terminal, plain lines elsewhere.
 
-    def __init__(self, enabled: bool = True, width: int = 30) -> None:
+    A stage starts at its first call and ends when `done` reaches `total` (or the next stage
+    starts). Off a terminal (a log file, a pipe) a stage prints one line when it starts and one
+    with its seconds when it ends, and never a carriage return, so logs read line by line.
+    """
+
+    def __init__(self, enabled: bool = True, stream: TextIO | None = None) -> None:
         self.enabled = enabled
-        self.width = width
+        self.stream = stream or sys.stderr
+        self.terminal = self.stream.isatty()
         self.stage: str | None = None
+        self.done = self.total = 0
+        self.started: float | None = None  # None once the stage has ended
+        self.bar: tqdm | None = None
 
     def __call__(self, stage: str, done: int, total: int) -> None:
         if not self.enabled:
             return
-        if stage != self.stage and self.stage is not None:
-            sys.stderr.write("\n")
-        self.stage = stage
-        filled = self.width * done // max(total, 1)
-        bar = "#" * filled + "." * (self.width - filled)
-        sys.stderr.write(f"\r{stage:<14} [{bar}] {done}/{total}")
-        sys.stderr.flush()
+        if stage != self.stage:
+            self._end()
+            self._begin(stage, total)
+        elif self.started is None:
+            return  # a late update of a stage that already ended
+        self.done, self.total = done, total
+        if self.bar is not None:
+            self.bar.total = total
+            self.bar.update(done - self.bar.n)
+        if done >= total:
+            self._end()
+
+    def _begin(self, stage: str, total: int) -> None:
+        self.stage, self.started = stage, time.perf_counter()
+        if self.terminal:
+            self.bar = tqdm(total=total, desc=f"{stage:<12}", file=self.stream, bar_format=BAR_FORMAT)
+        else:
+            self._line(f"{stage} {_count(0, total)}...")
+
+    def _end(self) -> None:
+        if self.started is None:
+            return
+        if self.bar is not None:
+            self.bar.close()
+        else:
+            seconds = time.perf_counter() - self.started
+            self._line(f"{self.stage}: {_count(self.done, self.total)}done in {seconds:.2f} s")
+        self.started, self.bar = None, None
+
+    def _line(self, text: str) -> None:
+        self.stream.write(text + "\n")
+        self.stream.flush()
 
     def close(self) -> None:
-        """End the bar's line so whatever follows on stderr starts a line of its own."""
-        if self.enabled and self.stage is not None:
-            sys.stderr.write("\n")
-            self.stage = None
+        """Stop drawing; a stage left unfinished (an error follows on stderr) gets no end line."""
+        if self.bar is not None:
+            self.bar.close()
+        self.started, self.bar = None, None
+
+
+def _count(done: int, total: int) -> str:
+    return f"{done}/{total} " if total > 1 else ""
 
 
 def _dir_bytes(root: Path) -> int:
@@ -62,13 +105,16 @@ def compile_summary(manifest: dict, report, out: Path, wall_s: float) -> dict:
 
 
 def format_compile_summary(s: dict) -> str:
+    """The summary table: stage times in the order the stages ran (the trace-to-Inductor "total" is left to
+    --json), then the wall time of the whole command."""
     rows = [
         ("artifact", s["artifact"]),
         ("model", f"{s['model']} ({s['architecture']}, {s['dtype']}, {s['device']})"),
         ("pieces", f"{s['pieces']} ({s['unique_pieces']} unique) + {s['counters']['attention_pieces']} attention"),
         ("sizes compiled", ", ".join(map(str, s["sizes_compiled"])) or "dynamic only"),
         ("Inductor compiles", str(s["counters"]["inductor_compiles"])),
-        *((f"time {k}", f"{v:.2f} s") for k, v in s["timings_s"].items()),
+        *((f"time {k}", f"{v:.2f} s") for k, v in s["timings_s"].items() if k != "total"),
+        ("wall time", f"{s['wall_s']:.2f} s"),
         ("artifact size", f"{s['artifact_bytes'] / 2**20:.1f} MiB"),
         ("dumps", s["dump_dir"] or "none (use --dump-dir)"),
     ]

@@ -7,25 +7,37 @@ checks call the entry points in-process.
 
 from __future__ import annotations
 
+import io
 import json
 import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 import graphkiln
 from artifact_helpers import (
+    RESULT_PREFIX,
     SMALL_CONFIG,
     SMALL_ENGINE,
     SMALL_CONFIG_ARGS,
+    SUBPROCESS_TIMEOUT_S,
     compile_cmd,
     graphkiln_cmd,
     run,
+    run_python_json,
     single_error_line,
+    subprocess_env,
     temp_folders,
 )
-from graphkiln import cli
+from graphkiln import cli, report
+from graphkiln.models.tiny import tiny_model_dir
 
 pytestmark = pytest.mark.slow
 
@@ -69,6 +81,37 @@ def test_help_exits_0(entry, argv: list[str], capsys: pytest.CaptureFixture[str]
             assert option in out
 
 
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out == f"graphkiln {graphkiln.__version__}\n"
+
+
+def test_inspect_version_and_help_import_neither_torch_nor_transformers(compiled: tuple[Path, dict, str]) -> None:
+    """Reading JSON needs neither: a fresh interpreter runs each command and reports what it imported."""
+    commands = [["inspect", str(compiled[0])], ["--version"], ["--help"], ["inspect", "--help"], ["generate", "--help"]]
+    result = run_python_json(f"""
+import contextlib, io, json, sys
+from graphkiln.cli import main
+outputs = []
+for argv in {commands!r}:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            code = main(argv)
+        except SystemExit as e:
+            code = e.code
+    outputs.append([code, out.getvalue()])
+print("{RESULT_PREFIX}" + json.dumps({{"outputs": outputs, "imported": [m for m in ("torch", "transformers") if m in sys.modules]}}))
+""")
+    assert result["imported"] == []
+    (inspect, version, *helps) = result["outputs"]
+    assert inspect[0] == 0 and "submodule    kind" in inspect[1] and "tokenizer     snapshot" in inspect[1]
+    assert version == [0, f"graphkiln {graphkiln.__version__}\n"]
+    assert all(code == 0 and text.startswith("usage: ") for code, text in helps)
+
+
 def test_console_scripts_point_at_the_cli() -> None:
     scripts = {ep.name: ep.value for ep in entry_points(group="console_scripts")}
     assert scripts.get("compile-model") == "graphkiln.cli:compile_model_main"
@@ -94,6 +137,103 @@ def test_compile_json_summary(compiled: tuple[Path, dict, str], manifest: dict) 
     assert not temp_folders(out)
 
 
+SECONDS = r"done in \d+\.\d\d s"
+# (start line, end line) of every compile stage, in order, as printed off a terminal
+STAGES = [
+    *((f"{stage} ...", rf"{stage}: {SECONDS}") for stage in ("load weights", "trace", "passes", "split")),
+    ("inductor 0/3 ...", rf"inductor: 3/3 {SECONDS}"),
+    ("save ...", rf"save: {SECONDS}"),
+]
+
+
+@dataclass
+class Finished:
+    pid: int
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def _start(args: list[str]) -> subprocess.Popen:
+    """A subprocess whose output is read as bytes: text mode would turn a "\r" into a line break."""
+    return subprocess.Popen(args, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _finish(proc: subprocess.Popen) -> Finished:
+    try:
+        out, err = proc.communicate(timeout=SUBPROCESS_TIMEOUT_S)
+    finally:
+        proc.kill()
+    return Finished(proc.pid, proc.returncode, out.decode(), err.decode())
+
+
+@pytest.fixture(scope="module")
+def two_compiles(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Finished, Finished]:
+    """(OUT, first, second): two `compile-model tiny -o OUT` with stderr a pipe, as in a log or CI (the
+    first also dumps, into OUT's sibling `dump`); the second starts once the first holds OUT's lock
+    (its temp folder exists), so it waits, then finds OUT."""
+    out = (tmp_path_factory.mktemp("two") / "tiny").resolve()
+    first = _start(compile_cmd("tiny", "-o", out, "--dump-dir", out.parent / "dump", *SMALL_CONFIG_ARGS))
+    try:
+        deadline = time.monotonic() + SUBPROCESS_TIMEOUT_S
+        while not temp_folders(out):
+            assert first.poll() is None and time.monotonic() < deadline, "the first compile took no lock"
+            time.sleep(0.02)
+        second = _start(compile_cmd("tiny", "-o", out, *SMALL_CONFIG_ARGS))
+    finally:
+        done = _finish(first)
+    return out, done, _finish(second)
+
+
+def test_progress_off_a_terminal_is_one_line_per_stage_start_and_end(two_compiles) -> None:
+    _, first, _ = two_compiles
+    assert first.returncode == 0, first.stderr[-4000:]
+    assert "\r" not in first.stderr
+    lines = first.stderr.splitlines()
+    assert len(lines) == 2 * len(STAGES), first.stderr
+    for (start, end), (start_line, end_line) in zip(STAGES, zip(lines[::2], lines[1::2])):
+        assert start_line == start and re.fullmatch(end, end_line), lines
+
+
+def test_a_dump_keeps_depyf_off_the_terminal(two_compiles) -> None:
+    out, first, _ = two_compiles
+    assert "depyf" not in first.stderr and "You are trying to debug" not in first.stderr
+    assert "You are trying to debug" in (out.parent / "dump" / "00-dynamo" / "depyf.log").read_text()
+
+
+def test_a_compile_waiting_for_the_lock_says_for_whom(two_compiles) -> None:
+    out, first, second = two_compiles
+    waiting = f"waiting for another compile of {out} (pid {first.pid}) to finish"
+    start, end, error = second.stderr.splitlines()
+    assert start == f"{waiting} ..." and re.fullmatch(rf"{re.escape(waiting)}: {SECONDS}", end), second.stderr
+    assert second.returncode == 2 and error == f"error: {out}: already exists; pass --force (force=True) to replace it"
+
+
+def test_summary_times_follow_the_stages_and_end_with_wall_time(two_compiles) -> None:
+    rows = [line.split("  ")[0] for line in two_compiles[1].stdout.splitlines() if line.startswith(("time ", "wall "))]
+    assert rows == ["time load", "time trace", "time passes", "time split", "time inductor", "time save", "wall time"]
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_on_a_terminal_draws_tqdm_bars() -> None:
+    stream = _Terminal()
+    progress = report.ProgressDisplay(stream=stream)
+    for stage, total in (("load weights", 1), ("inductor", 3)):
+        for done in range(total + 1):
+            progress(stage, done, total)
+    progress("save", 0, 1)
+    progress.close()
+    text = stream.getvalue()
+    assert re.search(r"\rload weights +100%\|[█#]+\| 1/1 \[00:00\]", text), text
+    assert "| 0/3 [" in text and re.search(r"\rinductor +100%\|[█#]+\| 3/3", text), text  # tqdm skips updates within 0.1 s
+    assert re.search(r"\rsave +0%\|", text) and "100%" not in text.split("save")[-1], text
+    assert text.count("\n") == 3  # each stage's bar keeps its line
+
+
 @pytest.fixture(scope="module")
 def nonexistent_model(tmp_path_factory: pytest.TempPathFactory):
     out = tmp_path_factory.mktemp("nonexistent") / "X"
@@ -112,7 +252,7 @@ def test_nonexistent_model_exits_2_naming_it(nonexistent_model) -> None:
 
 def test_nonexistent_model_prints_exactly_one_line(nonexistent_model) -> None:
     _, proc = nonexistent_model
-    line = single_error_line(proc.stderr)  # subprocess text mode turns the bar's "\r" into "\n"
+    line = single_error_line(proc.stderr)  # the model is checked before any progress is printed
     assert line.startswith("error: /nonexistent"), line
 
 
@@ -152,6 +292,18 @@ def test_sizes_that_are_not_integers_exit_2(tmp_path: Path, capsys: pytest.Captu
         cli.compile_model_main(["tiny", "-o", str(tmp_path / "out"), "--decode-batch-sizes", "1,two"])
     assert info.value.code == 2
     assert "'1,two' is not a comma-separated list of integers" in capsys.readouterr().err
+
+
+def test_dump_dir_without_depyf_is_one_line_naming_the_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "depyf", None)
+    monkeypatch.setitem(sys.modules, "depyf.explain", None)
+    out, dump = tmp_path / "out", tmp_path / "dump"
+    assert cli.compile_model_main(["tiny", "-o", str(out), "--dump-dir", str(dump), *SMALL_CONFIG_ARGS]) == 2
+    line = single_error_line(capsys.readouterr().err)
+    assert line.startswith("error: CompileConfig.dump_dir (--dump-dir) needs depyf") and "graphkiln[dump]" in line
+    assert not out.exists() and not dump.exists() and not temp_folders(out)
 
 
 def test_piece_keys_are_reproducible(compiled: tuple[Path, dict, str], manifest: dict, tmp_path: Path) -> None:
@@ -213,3 +365,59 @@ def test_generate(compiled: tuple[Path, dict, str]) -> None:
 def test_generate_missing_artifact_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["generate", str(tmp_path / "missing"), "--prompt", "hi"]) == 2
     assert "no such artifact directory" in single_error_line(capsys.readouterr().err)
+
+
+def _generate(capsys: pytest.CaptureFixture[str], artifact: Path, *flags: str) -> str:
+    argv = ["generate", str(artifact), "--prompt", "hi", "--kv-cache-tokens", "2048", *flags]
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    return capsys.readouterr().out
+
+
+def test_generate_logprobs_stop_token_and_ignore_eos(compiled: tuple[Path, dict, str], capsys: pytest.CaptureFixture[str]) -> None:
+    text = _generate(capsys, compiled[0], "--max-tokens", "4", "--ignore-eos", "--logprobs", "1")
+    assert "  4 tokens, " in text and "finish length" in text
+    pairs = [pair.split(":") for pair in re.search(r"^  logprobs (.*)$", text, re.MULTILINE).group(1).split()]
+    ids, logprobs = [int(t) for t, _ in pairs], [float(lp) for _, lp in pairs]
+    assert len(ids) == 4 and all(lp <= 0 for lp in logprobs)
+    stopped = _generate(capsys, compiled[0], "--max-tokens", "4", "--ignore-eos", "--stop-token-id", str(ids[1]))
+    assert f"  {ids.index(ids[1]) + 1} tokens, " in stopped and "finish stop" in stopped
+    assert "logprobs" not in stopped
+
+
+def test_generate_prints_the_sampled_logprob_of_either_logprobs_form() -> None:
+    """RequestOutput.logprobs entries as floats, or structured: per token, an object or a {token id: ...} map."""
+    alternative = SimpleNamespace(logprob=-0.25)
+    for entry in (-0.25, alternative, {7: -0.25, 9: -3.0}, {7: alternative, 9: SimpleNamespace(logprob=-3.0)}):
+        assert cli._sampled_logprob(entry, 7) == -0.25
+
+
+def test_generate_model_flag_names_where_the_weights_are(
+    compiled: tuple[Path, dict, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    moved = Path(shutil.copytree(tiny_model_dir(), tmp_path / "moved"))
+    assert "finish" in _generate(capsys, compiled[0], "--max-tokens", "2", "--model", str(moved))
+    assert cli.main(["generate", str(compiled[0]), "--prompt", "hi", "--model", str(tmp_path / "gone")]) == 2
+    assert str(tmp_path / "gone") in single_error_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--seed", "2**63"], "argument --seed: invalid int value: '2**63'"),
+        (["--seed", "abc"], "argument --seed: invalid int value: 'abc'"),
+        (["--logprobs", "all"], "argument --logprobs: invalid int value: 'all'"),
+        (["--stop-token-id", "eos"], "argument --stop-token-id: invalid int value: 'eos'"),
+        (["--top-p", "0"], "SamplingParams.top_p=0.0"),
+        (["--max-tokens", "0"], "SamplingParams.max_tokens=0"),
+    ],
+    ids=["seed-expression", "seed-word", "logprobs", "stop-token-id", "top-p", "max-tokens"],
+)
+def test_generate_bad_values_are_one_line_exit_2(flags: list[str], message: str, tmp_path: Path, capsys) -> None:
+    """Usage errors and SamplingParams errors alike: one line, exit 2, before any artifact is read."""
+    try:
+        code = cli.main(["generate", str(tmp_path / "missing"), "--prompt", "hi", *flags])
+    except SystemExit as e:  # argparse
+        code = e.code
+    assert code == 2
+    line = single_error_line(capsys.readouterr().err)
+    assert line.startswith("error: ") and message in line, line

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import re
 import sys
+import warnings
 from pathlib import Path
+from urllib.parse import unquote
 
 import pytest
 from test_passes import NAMES, toy_model
@@ -27,8 +29,17 @@ def dumped(tmp_path_factory):
                            dump_dir=str(root / "dump"))
     manifest, report = graphkiln.compile_model("tiny", root / "out", config)
     index = (root / "dump" / "index.md").read_text()
-    files = re.findall(r"^- `([^`]+)`: (.*)$", index, re.MULTILINE)
-    return root / "dump", dict(files), manifest, report
+    files = re.findall(r"^- \[`([^`]+)`\]\(([^)]+)\): (.*)$", index, re.MULTILINE)
+    assert all(unquote(link) == name for name, link, _ in files)
+    return root / "dump", {name: what for name, _, what in files}, manifest, report
+
+
+def test_every_link_in_the_index_opens_a_file(dumped):
+    dump = dumped[0]
+    index = (dump / "index.md").read_text()
+    links = re.findall(r"\]\(([^)]+)\)", index)
+    assert links and len(links) == index.count("\n- ") == len(dumped[1])
+    assert all((dump / unquote(link)).is_file() for link in links)
 
 
 def test_index_lists_files_that_exist_in_pipeline_order(dumped):
@@ -46,11 +57,13 @@ def test_decompiled_bytecode_and_every_pass_before_and_after(dumped):
     transformed = next(dump.glob("00-dynamo/__transformed_code_*.py")).read_text()
     assert "def __transformed_code_0_for_forward(self, input_ids, positions)" in transformed
     for number, name in enumerate(NAMES, 1):
+        piece = ".submod_0.dynamic" if name == "linear_op" else ""  # the post-grad pass: per piece and size
         for when in ("before", "after"):
-            assert "def forward(self" in (dump / f"{number:02d}-{name}.{when}.py").read_text()
+            assert "def forward(self" in (dump / f"{number:02d}-{name}.{when}{piece}.py").read_text()
     number = {name: i for i, name in enumerate(NAMES, 1)}
     assert "submod_1" in (dump / f"{number['attention_split']:02d}-attention_split.after.py").read_text()
-    before, after = ((dump / f"{number['linear_op']:02d}-linear_op.{when}.py").read_text() for when in ("before", "after"))
+    before, after = ((dump / f"{number['linear_op']:02d}-linear_op.{when}.submod_0.dynamic.py").read_text()
+                     for when in ("before", "after"))
     assert "aten.mm.default" in before and "aten.mm.default" not in after and "graphkiln.linear.default" in after
     before, after = ((dump / f"{number['silu_mul_linear']:02d}-silu_mul_linear.{when}.py").read_text()
                      for when in ("before", "after"))
@@ -59,6 +72,20 @@ def test_decompiled_bytecode_and_every_pass_before_and_after(dumped):
     assert "5 pieces, 4 attention submodules; 28 tensors cross 8 cuts" in summary
     assert "`x: float32[s" in summary
     assert "boundary_recompute" in (dump / "passes.md").read_text()
+
+
+def test_post_grad_graphs_are_named_by_piece_and_size(dumped):
+    """The post-grad pass runs once per compiled (piece, size); each dump names which, as the output code does."""
+    dump, files, manifest, _ = dumped
+    number = NAMES.index("linear_op") + 1
+    first = {}
+    for piece, key in manifest["compiled"]["pieces"].items():
+        first.setdefault(key, piece)
+    expected = {f"{number:02d}-linear_op.{when}.{piece}.{size}.py"
+                for piece in first.values() for size in SIZES for when in ("before", "after")}
+    post_grad = {name for name in files if name.startswith(f"{number:02d}-linear_op.")}
+    assert post_grad == expected
+    assert files[f"{number:02d}-linear_op.after.submod_8.16.py"] == "Inductor post-grad graph of submod_8 (16) after pass linear_op"
 
 
 def test_inductor_code_for_every_piece_and_size(dumped):
@@ -75,6 +102,21 @@ def test_inductor_code_for_every_piece_and_size(dumped):
     assert [r.name for r in report.passes] == NAMES
 
 
+def test_depyf_output_is_kept_in_the_dump(dumped):
+    dump, files, _, _ = dumped
+    assert "depyf" in files["00-dynamo/depyf.log"]
+    assert "You are trying to debug `torch.compile`" in (dump / "00-dynamo/depyf.log").read_text()
+
+
+def test_depyf_debug_passes_other_warnings_on(tmp_path):
+    with pytest.warns(UserWarning, match="not from depyf"):
+        with compat.depyf_debug(tmp_path / "dynamo", tmp_path / "depyf.log"):
+            warnings.warn("not from depyf", UserWarning)
+            print("printed inside")
+    log = (tmp_path / "depyf.log").read_text()
+    assert "printed inside" in log and "You are trying to debug" in log and "not from depyf" not in log
+
+
 def test_a_foreign_non_empty_folder_is_refused(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(ConfigError, match="not empty"):
@@ -85,7 +127,7 @@ def test_a_foreign_non_empty_folder_is_refused(tmp_path):
 def test_missing_depyf_is_a_config_error(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "depyf", None)
     monkeypatch.setitem(sys.modules, "depyf.explain", None)
-    with pytest.raises(ConfigError, match="pip install depyf"):
+    with pytest.raises(ConfigError, match=re.escape("pip install 'graphkiln[dump]'")):
         compile_module(toy_model(), CompileConfig(dump_dir=str(tmp_path / "dump")))
     assert not (tmp_path / "dump").exists()
 
@@ -103,6 +145,6 @@ def test_depyf_compat_forwards_keyword_arguments(monkeypatch, tmp_path):
     (args, kwargs), = calls
     assert kwargs == {"set_sys_modules": False} and args[0] == "key" and Path(args[1]).read_text() == "x = 1\n"
     original = enable_debugging.patched_load_by_key_path
-    with compat.depyf_debug(tmp_path / "dynamo"):
+    with compat.depyf_debug(tmp_path / "dynamo", tmp_path / "depyf.log"):
         assert enable_debugging.patched_load_by_key_path is compat.load_by_key_path
     assert enable_debugging.patched_load_by_key_path is original

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from graphkiln.compat import private_inductor_cache
+from graphkiln.compat import private_inductor_cache, require_depyf
 from graphkiln.errors import ArtifactError
 from graphkiln.models import load_model, resolve_dtype
 from graphkiln.models.config import ModelConfig
@@ -38,8 +38,12 @@ from .manifest import FIX, FORMAT_VERSION, MANIFEST, REWRITE, check_environment,
 
 
 @contextlib.contextmanager
-def _locked(out: Path, shared: bool = False) -> Iterator[None]:
-    """Writers hold the sibling lock file exclusively, readers shared (skipped where it can't be opened)."""
+def _locked(out: Path, shared: bool = False, progress: Progress = lambda stage, done, total: None) -> Iterator[None]:
+    """Writers hold the sibling lock file exclusively, readers shared (skipped where it can't be opened).
+
+    A writer appends its pid to the lock file when it takes the lock and "-" when it lets go, so
+    one that finds the lock taken says through `progress` whom it waits for.
+    """
     if not shared:
         out.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -50,11 +54,28 @@ def _locked(out: Path, shared: bool = False) -> Iterator[None]:
         yield
         return
     with lock:
-        fcntl.flock(lock, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+        mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
+        try:
+            fcntl.flock(lock, mode | fcntl.LOCK_NB)
+        except BlockingIOError:
+            waiting = f"waiting for {_lock_holder(Path(lock.name), out)} to finish"
+            progress(waiting, 0, 1)
+            fcntl.flock(lock, mode)
+            progress(waiting, 1, 1)
+        if not shared:
+            print(os.getpid(), file=lock, flush=True)
         try:
             yield
         finally:
+            if not shared:
+                print("-", file=lock, flush=True)
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _lock_holder(path: Path, out: Path) -> str:
+    """Who holds the lock: the writer whose pid is the lock file's last line, else a reader (or a writer starting)."""
+    last = (path.read_bytes().split() or [b""])[-1]
+    return f"another compile of {out} (pid {last.decode()})" if last.isdigit() else f"another process using {out}"
 
 
 def _remove_stale(out: Path) -> None:
@@ -76,13 +97,15 @@ def write_artifact(
     """Compile `model_dir` for `config` into `out`; return the manifest and the compile report.
     `engine_defaults` (an EngineConfig as a dict) is recorded for `load` to start from.
 
-    The model directory (config.json, weight file headers) and the pass names are checked before
-    anything is locked, created or reported as progress.
+    The model directory (config.json, weight file headers), the pass names and, for dumps, depyf
+    are checked before anything is locked, created or reported as progress.
     """
     out = out.resolve()
     fingerprint = model_fingerprint(model_dir)
     check_disabled(default_passes(graph_passes), config.disabled_passes)
-    with _locked(out):
+    if config.dump_dir:
+        require_depyf()
+    with _locked(out, progress=progress):
         if out.exists() and not force:
             raise ArtifactError(f"{out}: already exists; pass --force (force=True) to replace it")
         _remove_stale(out)
@@ -107,6 +130,7 @@ def _compile_into(
     load_s = time.perf_counter() - start
     tokenizer = Tokenizer.from_dir(model_dir)
     snapshot = tokenizer is not None and tokenizer.save_snapshot(tmp / TOKENIZER_FILE)
+    progress("load weights", 1, 1)
     private_cache = tmp / ".inductor-cache"
     with private_inductor_cache(private_cache) if config.device == "cpu" else contextlib.nullcontext():
         compiled, report = compile_module(model, config, graph_passes, progress)
@@ -117,6 +141,7 @@ def _compile_into(
     if private_cache.exists():
         _ship_cpu_kernels(private_cache, tmp / CPU_KERNELS)
     report.timings["save"] = time.perf_counter() - t
+    progress("save", 1, 1)
     manifest = {
         "format_version": FORMAT_VERSION,
         "environment": environment(config.device),

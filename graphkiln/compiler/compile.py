@@ -25,7 +25,7 @@ from .split import split_pieces
 
 log = logging.getLogger("graphkiln.compiler")
 
-Progress = Callable[[str, int, int], None]  # (stage, done, total)
+Progress = Callable[[str, int, int], None]  # (stage, done, total): each stage reports done=0, then done=total
 
 
 def _silent(stage: str, done: int, total: int) -> None:
@@ -72,16 +72,20 @@ def _compile(
     counters = report.counters
     start = time.perf_counter()
     progress("trace", 0, 1)
-    captured = capture(model, depyf_debug(dump.dynamo_dir) if dump else None)
+    captured = capture(model, depyf_debug(dump.dynamo_dir, dump.depyf_log) if dump else None)
     counters.graphs_traced += 1
     report.timings["trace"] = captured.trace_s
+    progress("trace", 1, 1)
     if dump:
         dump.add_dynamo()
 
+    progress("passes", 0, 1)
     t = time.perf_counter()
     manager.run_dynamo(captured.gm)
     report.timings["passes"] = time.perf_counter() - t
+    progress("passes", 1, 1)
 
+    progress("split", 0, 1)
     t = time.perf_counter()
     split = split_pieces(captured.gm)
     counters.pieces = len(split.pieces)
@@ -90,15 +94,19 @@ def _compile(
     report.timings["split"] = time.perf_counter() - t
     if dump:
         dump.split(manager.number("attention_split"), split.gm, dict(split.submodules), keys)
+    progress("split", 1, 1)
 
     t = time.perf_counter()
     device = next(model.parameters()).device
     sizes = config.specialize_sizes
     total = len(set(keys.values())) * (1 + len(sizes))
+    progress("inductor", 0, total)
     codes: list[tuple[str, str, str]] = []
+    first_piece = {key: name for name, key in reversed(keys.items())}  # what the dumps name a key's files by
     compiler = InductorCompiler(
         device, config.inductor_options, counters, lambda done: progress("inductor", done, total),
         post_grad_pass=manager, on_code=(lambda *code: codes.append(code)) if dump else None,
+        around_compile=(lambda key, variant: dump.compiling(first_piece[key], variant)) if dump else None,
     )
     report.compiler_hash = compiler.hash()
     pieces = {}

@@ -23,6 +23,7 @@ from .counters import Counters
 
 POST_GRAD_PASS = "post_grad_custom_post_pass"
 OnCode = Callable[[str, str, str], None]  # (piece key, variant, Inductor output code)
+AroundCompile = Callable[[str, str], contextlib.AbstractContextManager]  # (piece key, variant) -> context
 
 
 def _concrete(value, size: int):
@@ -123,7 +124,8 @@ class InductorCompiler:
     """Compiles FX pieces with Inductor; identical pieces are compiled once.
 
     `post_grad_pass` (the pass manager) goes into every compile's config_patches, so its uuid is
-    part of Inductor's cache key; `on_code` receives the output code of every compile.
+    part of Inductor's cache key; `on_code` receives the output code of every compile, and
+    `around_compile` gives a context entered around each one (the dumps name post-grad graphs by it).
     """
 
     def __init__(
@@ -134,6 +136,7 @@ class InductorCompiler:
         on_compile: Callable[[int], None] = lambda done: None,
         post_grad_pass: CustomGraphPass | None = None,
         on_code: OnCode | None = None,
+        around_compile: AroundCompile | None = None,
     ) -> None:
         self.device = device
         self.options = dict(options or {})
@@ -144,6 +147,7 @@ class InductorCompiler:
         self.counters = counters or Counters()
         self.on_compile = on_compile
         self.on_code = on_code
+        self.around_compile = around_compile
         self._by_key: dict[str, CompiledPiece] = {}
 
     def hash(self) -> str:
@@ -154,7 +158,8 @@ class InductorCompiler:
 
     def _compile(self, gm: torch.fx.GraphModule, inputs: list, dynamic_shapes: str, key: str, variant: str):
         options = {"config_patches": self.options} if self.options else None
-        with inductor_output_code() if self.on_code else contextlib.nullcontext([]) as codes:
+        around = self.around_compile(key, variant) if self.around_compile else contextlib.nullcontext()
+        with around, inductor_output_code() if self.on_code else contextlib.nullcontext([]) as codes:
             art = standalone_compile(gm, inputs, dynamic_shapes, options)
         for code in codes:
             self.on_code(key, variant, code)

@@ -2,7 +2,9 @@
 
 `environment()` describes this process (versions, device); `check_environment` and
 `check_files` compare a manifest against it and against the files on disk. Each mismatch raises
-an ArtifactError that says what differs and how to fix it.
+an ArtifactError that says what differs and how to fix it. torch is imported only inside the
+functions that describe this process, so reading a manifest (`graphkiln inspect`) imports
+neither torch nor transformers.
 """
 
 from __future__ import annotations
@@ -11,8 +13,6 @@ import hashlib
 import json
 import platform
 from pathlib import Path
-
-import torch
 
 from graphkiln.errors import ArtifactError
 from graphkiln.version import __version__
@@ -35,6 +35,8 @@ def _triton_version() -> str | None:
 
 
 def device_identity(device: str) -> dict:
+    import torch
+
     if device == "cuda":
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         return {"type": "cuda", "name": props.name, "capability": f"{props.major}.{props.minor}"}
@@ -42,6 +44,8 @@ def device_identity(device: str) -> dict:
 
 
 def environment(device: str) -> dict:
+    import torch
+
     return {
         "graphkiln": __version__,
         "torch": torch.__version__,
@@ -84,6 +88,8 @@ def read_manifest(root: Path) -> dict:
 
 def check_environment(manifest: dict, device: str) -> None:
     """The artifact must come from this graphkiln/torch/triton/python and this device kind."""
+    import torch
+
     recorded = manifest["environment"]
     if device == "cuda" and not torch.cuda.is_available():
         raise ArtifactError(f"artifact was compiled for cuda but this machine has no CUDA device; {FIX}")

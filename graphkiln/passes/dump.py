@@ -1,18 +1,23 @@
 """Pass-debugging dumps: a folder a person reads to see what the compiler did, listed in index.md.
 
 Files are numbered in pipeline order: `00-dynamo/` (depyf's decompiled Dynamo bytecode and the
-captured graph), then `NN-<pass>.before.py` / `.after.py` for every enabled pass (NN is the
-pass's place in the pipeline), the split's summary and each submodule's code, Inductor's output
-code for every compiled piece and size, and `passes.md`, the pass table. `index.md` lists every
-file in the order it was written, one line each.
+captured graph, and `depyf.log`: what depyf printed and warned, kept off the terminal), then
+`NN-<pass>.before.py` / `.after.py` for every enabled pass (NN is the pass's place in the
+pipeline; a post-grad pass runs inside Inductor once per compiled piece and size, so its files
+are `NN-<pass>.before.<piece>.<size>.py`), the split's summary and each submodule's code,
+Inductor's output code for every compiled piece and size, and `passes.md`, the pass table.
+`index.md` lists every file in the order it was written, one line each, as a relative link a
+Markdown viewer follows.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
+from urllib.parse import quote
 
 import torch
 
@@ -21,6 +26,7 @@ from graphkiln.errors import ConfigError
 from .attention_split import summary
 
 DYNAMO_DIR = "00-dynamo"
+DEPYF_LOG = "depyf.log"
 INDEX = "index.md"
 _KERNEL_DEF = re.compile(r"^(\w+) = async_compile\.\w+\(", re.MULTILINE)
 _EXTERN_CALL = re.compile(r"\bextern_kernels\.\w+\(")
@@ -55,6 +61,7 @@ class Dump:
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
         self.entries: list[tuple[str, str]] = []
+        self.compiling_piece: tuple[str, str] | None = None  # (piece, variant) while Inductor compiles it
 
     def __enter__(self) -> Dump:
         """Empty the folder (only if an earlier dump wrote it) and start listing files."""
@@ -71,7 +78,7 @@ class Dump:
 
     def __exit__(self, *exc) -> None:
         lines = ["# graphkiln compile dump", "", "Every file, in the order the compiler wrote it.", ""]
-        lines += [f"- `{name}`: {what}" for name, what in self.entries]
+        lines += [f"- [`{name}`]({quote(name)}): {what}" for name, what in self.entries]
         (self.root / INDEX).write_text("\n".join(lines) + "\n")
 
     def write(self, name: str, text: str, what: str) -> None:
@@ -89,8 +96,12 @@ class Dump:
     def dynamo_dir(self) -> Path:
         return self.root / DYNAMO_DIR
 
+    @property
+    def depyf_log(self) -> Path:
+        return self.dynamo_dir / DEPYF_LOG
+
     def add_dynamo(self) -> None:
-        """List what depyf wrote into `00-dynamo/`."""
+        """List what depyf wrote into `00-dynamo/`, its log last."""
 
         def kind(path: Path) -> int:
             return next((i for i, (key, _) in enumerate(_DEPYF) if key in path.name), len(_DEPYF))
@@ -98,11 +109,25 @@ class Dump:
         for path in sorted(self.dynamo_dir.glob("*.py"), key=lambda p: (kind(p), p.name)):
             what = _DEPYF[kind(path)][1] if kind(path) < len(_DEPYF) else "depyf: a file Dynamo wrote"
             self.entries.append((f"{DYNAMO_DIR}/{path.name}", what))
+        self.entries.append((f"{DYNAMO_DIR}/{DEPYF_LOG}", "depyf's warnings and messages while Dynamo traced"))
+
+    @contextlib.contextmanager
+    def compiling(self, piece: str, variant: str) -> Iterator[None]:
+        """Inside, post-grad graphs are dumped as those of `piece` ('dynamic' or a token count `variant`)."""
+        self.compiling_piece = (piece, variant)
+        try:
+            yield
+        finally:
+            self.compiling_piece = None
 
     def graph(self, number: int, name: str, when: str, graph: torch.fx.GraphModule | torch.fx.Graph) -> None:
-        """The pass manager's dump hook: the graph before or after pass `name`, as readable Python."""
-        stage = "Dynamo FX graph" if isinstance(graph, torch.fx.GraphModule) else "Inductor post-grad graph"
-        self.write(f"{number:02d}-{name}.{when}.py", _readable(graph), f"{stage} {when} pass {name}")
+        """The pass manager's dump hook: the graph before or after pass `name`, as readable Python.
+        Post-grad graphs (an fx.Graph) come only inside `compiling`, which names their piece and size."""
+        stage, suffix = "Dynamo FX graph", ""
+        if not isinstance(graph, torch.fx.GraphModule):
+            piece, variant = self.compiling_piece
+            stage, suffix = f"Inductor post-grad graph of {piece} ({variant})", f".{piece}.{variant}"
+        self.write(f"{number:02d}-{name}.{when}{suffix}.py", _readable(graph), f"{stage} {when} pass {name}")
 
     def split(self, number: int, split: torch.fx.GraphModule, attention: dict[str, bool], keys: dict[str, str]) -> None:
         """The split's summary (ops per submodule, tensors crossing each cut) and every submodule's code."""
