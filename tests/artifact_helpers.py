@@ -6,10 +6,13 @@ TORCHINDUCTOR_CACHE_DIR (when CI sets it) point at the same caches as the test p
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import sysconfig
 from collections.abc import Callable
 from pathlib import Path
 
@@ -91,3 +94,35 @@ def single_error_line(stderr: str) -> str:
     assert len(lines) == 1 and lines[0], f"expected exactly one line on stderr, got {stderr!r}"
     assert "Traceback" not in stderr, stderr
     return lines[0]
+
+
+def rehash(out: Path, *files: Path) -> None:
+    """Fix up the manifest's sha256 of edited files, as someone tampering with an artifact would."""
+    digests = {str(f.relative_to(out)): hashlib.sha256(f.read_bytes()).hexdigest() for f in files}
+    edit_manifest(out, lambda m: m["files"].update(digests))
+
+
+_MARKER_KERNEL = r"""
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdio.h>
+static void mark(const char* what) { FILE* f = fopen(MARKER, "a"); if (f) { fputs(what, f); fclose(f); } }
+static PyObject* kernel(PyObject* self, PyObject* args) { mark("called\n"); Py_RETURN_NONE; }
+static PyMethodDef methods[] = {{"kernel", kernel, METH_VARARGS, ""}, {NULL, NULL, 0, NULL}};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kernel", NULL, -1, methods};
+PyMODINIT_FUNC PyInit_kernel(void) { mark("loaded\n"); return PyModule_Create(&module); }
+"""
+
+
+def plant_marker_kernel(out: Path, marker: Path) -> Path:
+    """Replace one compiled C++ kernel of a CPU artifact with a library Inductor loads the same way that
+    computes nothing and appends to `marker` when loaded or called; fix up its sha256. Returns its path."""
+    library = sorted((out / "cpu-kernels").rglob("*.main.so"))[0]  # a kernel library the pieces load
+    source = out.parent / "marker_kernel.c"
+    source.write_text(_MARKER_KERNEL)
+    compiler = shutil.which("gcc") or shutil.which("cc")
+    command = [compiler, "-shared", "-fPIC", "-O1", f"-I{sysconfig.get_paths()['include']}",
+               f'-DMARKER="{marker}"', str(source), "-o", str(library)]  # fmt: skip
+    subprocess.run(command, check=True, capture_output=True)
+    rehash(out, library)
+    return library

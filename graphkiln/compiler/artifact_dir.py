@@ -207,7 +207,7 @@ def read_artifact(
         model = load_model(model_dir, torch.device(config["device"]), config["dtype"], recorded_config(manifest, out))
         tensors = dict(model.named_parameters(remove_duplicate=False))
         tensors.update(model.named_buffers(remove_duplicate=False))
-        compiled = load_compiled(manifest["compiled"], out, tensors)
+        compiled = load_compiled(manifest["compiled"], manifest["files"], out, tensors)
         if manifest["model"].get("tokenizer") == "snapshot":
             tokenizer = Tokenizer.from_snapshot(model_dir, out / TOKENIZER_FILE)
         else:
