@@ -18,6 +18,7 @@ from pathlib import Path
 
 import graphkiln
 from graphkiln import CompileConfig, SamplingParams
+from graphkiln.compiler.manifest import seal
 
 DECODE_SIZES = (1, 2, 4)
 PREFILL_BUCKETS = (16, 32)
@@ -76,10 +77,14 @@ def temp_folders(out: Path) -> list[Path]:
     return sorted(out.parent.glob(f".{out.name}.tmp-*"))
 
 
-def edit_manifest(out: Path, edit: Callable[[dict], None]) -> None:
+def edit_manifest(out: Path, edit: Callable[[dict], None], reseal: bool = True) -> None:
+    """Edit manifest.json. `reseal` updates its fields_sha256 too: the manifest then reads as if graphkiln
+    had written it that way (another torch, another pass); without it the edit is a hand edit."""
     path = out / "manifest.json"
     manifest = json.loads(path.read_text())
     edit(manifest)
+    if reseal and "fields_sha256" in manifest:
+        manifest["fields_sha256"] = seal(manifest)
     path.write_text(json.dumps(manifest, indent=1))
 
 

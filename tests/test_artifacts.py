@@ -145,7 +145,7 @@ CORRUPTIONS = {
     "manifest-python-version": (_set_python_version, r"python is '2\.7\.18' but this process has"),
     "manifest-device": (_set_device_name, r"device is .*'NEON'.* but this process has"),
     "manifest-not-json": (_flip_manifest_byte, r"{art}/manifest\.json: not valid JSON"),
-    "format-version-99": (_format_99, r"{art}/manifest\.json: format_version 99, this graphkiln reads 2"),
+    "format-version-99": (_format_99, rf"{{art}}/manifest\.json: format_version 99, this graphkiln reads {FORMAT_VERSION}"),
     "manifest-missing": (_delete_manifest, r"{art}/manifest\.json: missing"),
     "graph-missing": (_delete_graph, r"{art}/graph\.pkl: listed in manifest\.json but missing"),
 }

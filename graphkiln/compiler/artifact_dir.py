@@ -34,7 +34,18 @@ from .compat import private_inductor_cache
 from .compile import CompileReport, Progress, compile_module
 from .compiled_model import CompiledModel
 from .config import CompileConfig
-from .manifest import FIX, FORMAT_VERSION, MANIFEST, REWRITE, check_environment, check_files, environment, file_hashes, read_manifest
+from .manifest import (
+    FIX,
+    FORMAT_VERSION,
+    MANIFEST,
+    REWRITE,
+    check_environment,
+    check_files,
+    environment,
+    file_hashes,
+    read_manifest,
+    seal,
+)
 
 
 @contextlib.contextmanager
@@ -131,6 +142,7 @@ def _compile_into(
         "counters": report.counters.as_dict(),
         "files": file_hashes(tmp),
     }
+    manifest["fields_sha256"] = seal(manifest)
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     tmp.chmod(0o755)
     return manifest, report

@@ -3,6 +3,12 @@
 `environment()` describes this process (versions, device); `check_environment` and
 `check_files` compare a manifest against it and against the files on disk. Each mismatch raises
 an ArtifactError that says what differs and how to fix it.
+
+The manifest lists every other file's sha256, and `fields_sha256` holds a short sha256 of each
+of its own fields, so a hand edit (a dtype, a layer count) is refused naming the field instead of
+failing later inside a kernel. `model.source` (where the weights are, checked by their
+fingerprint), the informational timings and counters, and the file list (checked against the
+files themselves) are left out. This guards against mistakes, not attackers.
 """
 
 from __future__ import annotations
@@ -17,11 +23,21 @@ import torch
 from graphkiln.errors import ArtifactError
 from graphkiln.version import __version__
 
-FORMAT_VERSION = 2  # 2: model.config holds the ModelConfig, so loading needs no transformers
+FORMAT_VERSION = 3  # 2: model.config holds the ModelConfig, so loading needs no transformers; 3: fields_sha256
 MANIFEST = "manifest.json"
 FIX = "recompile with `compile-model ... --force`, or load with on_mismatch='recompile'"
 REWRITE = "recompile with `compile-model ... --force`"
-SECTIONS = {"environment": dict, "model": dict, "config": dict, "passes": list, "compiled": dict, "files": dict}
+SECTIONS = {
+    "environment": dict,
+    "model": dict,
+    "config": dict,
+    "passes": list,
+    "compiled": dict,
+    "files": dict,
+    "fields_sha256": dict,
+}
+UNSEALED = ("fields_sha256", "files", "timings", "counters", "model.source")
+SEALED_DEPTH = 3  # model.config.num_layers is a field of its own; deeper values are hashed whole
 
 
 def _triton_version() -> str | None:
@@ -61,6 +77,47 @@ def file_hashes(root: Path) -> dict[str, str]:
     return {str(p.relative_to(root)): sha256_file(p) for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+def _fields(value, name: str = ""):
+    """(dotted name, value) of every sealed field, down to SEALED_DEPTH names."""
+    if isinstance(value, dict) and value and name.count(".") < SEALED_DEPTH - 1:
+        for key, item in value.items():
+            child = f"{name}.{key}" if name else key
+            if child not in UNSEALED:
+                yield from _fields(item, child)
+    else:
+        yield name, value
+
+
+def _digest(value) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def seal(manifest: dict) -> dict:
+    """The fields_sha256 section for `manifest`: a short sha256 of each field, as JSON writes it."""
+    return {name: _digest(value) for name, value in _fields(json.loads(json.dumps(manifest)))}
+
+
+def check_seal(manifest: dict, path: Path) -> None:
+    """Every field must be as compile-model wrote it: an edited manifest describes code that was never compiled."""
+    recorded, now = manifest["fields_sha256"], seal(manifest)
+    values = dict(_fields(manifest))
+    for name in sorted(recorded.keys() | now.keys()):
+        if name not in now:
+            change = "was removed"
+        elif name not in recorded:
+            change = f"was added ({_short(values[name])})"
+        elif recorded[name] != now[name]:
+            change = f"was changed (now {_short(values[name])})"
+        else:
+            continue
+        raise ArtifactError(f"{path}: field {name} {change} after compile-model wrote it; {REWRITE}")
+
+
+def _short(value) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def read_manifest(root: Path) -> dict:
     path = root / MANIFEST
     if not root.is_dir():
@@ -77,6 +134,7 @@ def read_manifest(root: Path) -> dict:
     for section, kind in SECTIONS.items():
         if not isinstance(manifest.get(section), kind):
             raise ArtifactError(f"{path}: section {section!r} is missing or not a {kind.__name__}; {REWRITE}")
+    check_seal(manifest, path)
     return manifest
 
 
