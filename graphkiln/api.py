@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from graphkiln.compiler.artifact_dir import read_artifact, write_artifact
-from graphkiln.compiler.manifest import read_manifest
+from graphkiln.compiler.manifest import MANIFEST, read_manifest
 from graphkiln.compiler.compile import CompileReport, Progress
 from graphkiln.compiler.config import CompileConfig
-from graphkiln.errors import ArtifactError, ConfigError
+from graphkiln.errors import ArtifactError, ConfigError, ModelFileError
 from graphkiln.llm import LLM, resolve_model_dir
 from graphkiln.runtime.builder import build_engine
 
@@ -50,6 +50,11 @@ def load(
     manifest = read_manifest(out)
     source = model if model is not None else manifest["model"]["source"]
     model_dir = resolve_model_dir(source)
+    if model is None and not model_dir.is_dir():
+        raise ModelFileError(
+            f"{model_dir}: the model directory {out / MANIFEST} names (model.source) is gone; if the weights "
+            "moved, load with graphkiln.load(OUT, model=NEW_DIR) or `graphkiln generate OUT --model NEW_DIR`"
+        )
     try:
         net, compiled, tokenizer, manifest = read_artifact(out, model_dir, device, dtype)
     except ArtifactError:

@@ -91,7 +91,7 @@ def run_inspect(args) -> int:
 def run_generate(args) -> int:
     import graphkiln
 
-    llm = graphkiln.load(args.artifact)
+    llm = graphkiln.load(args.artifact, model=args.model)
     params = graphkiln.SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
     )
@@ -131,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     inspect.set_defaults(handler=run_inspect)
     gen = sub.add_parser("generate", help="generate text with a compiled artifact")
     gen.add_argument("artifact", type=Path)
+    gen.add_argument("--model", type=Path, default=None, metavar="DIR",
+                     help="the model directory (default: where it was when compiled)")
     gen.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)

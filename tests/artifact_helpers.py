@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import graphkiln
-from graphkiln import CompileConfig, SamplingParams
+from graphkiln import CompileConfig, SamplingParams, cli
 from graphkiln.compiler.manifest import seal
 
 DECODE_SIZES = (1, 2, 4)
@@ -91,6 +91,15 @@ def edit_manifest(out: Path, edit: Callable[[dict], None], reseal: bool = True) 
 def set_torch_version(out: Path, version: str = "0.0") -> None:
     """Make the artifact look built by another torch: stale, though every file is intact."""
     edit_manifest(out, lambda m: m["environment"].__setitem__("torch", version))
+
+
+def compile_error(capsys, *args: str | Path) -> str:
+    """Run compile-model in-process with the small config: it must exit 2, print nothing on stdout and
+    one line on stderr; return that line."""
+    assert cli.compile_model_main([*map(str, args), *SMALL_CONFIG_ARGS, "--quiet"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    return single_error_line(captured.err)
 
 
 def single_error_line(stderr: str) -> str:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from graphkiln.errors import ArtifactError
+from graphkiln.errors import ArtifactError, ConfigError
 from graphkiln.models import load_model, resolve_dtype
 from graphkiln.models.config import ModelConfig
 from graphkiln.models.tokenizer import Tokenizer
@@ -50,14 +50,18 @@ from .manifest import (
 
 @contextlib.contextmanager
 def _locked(out: Path, shared: bool = False) -> Iterator[None]:
-    """Writers hold the sibling lock file exclusively, readers shared (skipped where it can't be opened)."""
-    if not shared:
-        out.parent.mkdir(parents=True, exist_ok=True)
+    """Writers hold the sibling lock file exclusively, readers shared (skipped where it can't be opened).
+
+    The lock file is opened for appending, never truncated or removed: a file of that name that
+    graphkiln did not write keeps its bytes.
+    """
     try:
-        lock = open(out.parent / f".{out.name}.lock", "a")
-    except OSError:
         if not shared:
-            raise
+            out.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(out.parent / f".{out.name}.lock", "a")
+    except OSError as e:
+        if not shared:
+            raise _unwritable(out, e) from e
         yield
         return
     with lock:
@@ -68,9 +72,20 @@ def _locked(out: Path, shared: bool = False) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+def _unwritable(out: Path, e: OSError) -> ArtifactError:
+    where = e.filename or out.parent
+    return ArtifactError(f"{out}: cannot write the artifact ({where}: {e.strerror}); pick a writable folder for -o")
+
+
 def _remove_stale(out: Path) -> None:
     for stale in out.parent.glob(f".{out.name}.tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
+
+
+def check_device(device: str) -> None:
+    if device == "cuda" and not torch.cuda.is_available():
+        build = "sees no CUDA device" if torch.version.cuda else "is built without CUDA"
+        raise ConfigError(f"CompileConfig.device='cuda' but this torch {torch.__version__} {build}; use --device cpu")
 
 
 def write_artifact(
@@ -85,17 +100,21 @@ def write_artifact(
 ) -> tuple[dict, CompileReport]:
     """Compile `model_dir` for `config` into `out`; return the manifest and the compile report.
 
-    The model directory (config.json, weight file headers) and the pass names are checked before
-    anything is locked, created or reported as progress.
+    The model directory (config.json, weight file headers), the device and the pass names are
+    checked before anything is locked, created or reported as progress.
     """
     out = out.resolve()
     fingerprint = model_fingerprint(model_dir)
+    check_device(config.device)
     check_disabled(default_passes(graph_passes), config.disabled_passes)
     with _locked(out):
         if out.exists() and not force:
             raise ArtifactError(f"{out}: already exists; pass --force (force=True) to replace it")
         _remove_stale(out)
-        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+        try:
+            tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+        except OSError as e:
+            raise _unwritable(out, e) from e
         try:
             manifest, report = _compile_into(model_dir, model_source, fingerprint, tmp, config, graph_passes, progress)
             _replace(tmp, out)

@@ -81,6 +81,14 @@ def code_digest(files: dict[str, str]) -> str:
     return hashlib.sha256(json.dumps(code).encode()).hexdigest()[:32]
 
 
+def _load_piece(path: Path):
+    """One Inductor standalone artifact; its sha256 matched, so a failure means torch cannot read what it wrote."""
+    try:
+        return torch._inductor.CompiledArtifact.load(path=str(path), format="binary")
+    except Exception as e:
+        raise ArtifactError(f"{path}: Inductor cannot load this piece ({type(e).__name__}: {e}); {FIX}") from e
+
+
 def load_compiled(section: dict, files: dict[str, str], out: Path, tensors: dict[str, torch.Tensor]) -> CompiledModel:
     """Rebuild a CompiledModel from checked files (`files`: their sha256s), with no Dynamo trace and no
     Inductor compile."""
@@ -95,9 +103,8 @@ def load_compiled(section: dict, files: dict[str, str], out: Path, tensors: dict
             install_cpu_kernels(out / CPU_KERNELS, cache)
         for key, info in section["unique_pieces"].items():
             folder = out / PIECES_DIR / key
-            load = torch._inductor.CompiledArtifact.load
-            dynamic = load(path=str(folder / "dynamic.bin"), format="binary")
-            by_size = {size: load(path=str(folder / f"{size}.bin"), format="binary") for size in info["sizes"]}
+            dynamic = _load_piece(folder / "dynamic.bin")
+            by_size = {size: _load_piece(folder / f"{size}.bin") for size in info["sizes"]}
             size_arg = tuple(info["size_arg"]) if info["size_arg"] else None
             unique[key] = CompiledPiece(key, dynamic, by_size, size_arg, info["returns_tuple"])
     pieces = {name: unique[key] for name, key in section["pieces"].items()}
