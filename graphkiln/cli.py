@@ -37,7 +37,8 @@ def _compile_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="one more Inductor compile per bucket size (default: off)")
     parser.add_argument("--disable-pass", action="append", default=[], metavar="NAME")
     parser.add_argument("--dump-dir", type=Path, default=None, help="write pass-debugging dumps here")
-    parser.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    parser.add_argument("--force", action="store_true",
+                        help="replace OUT if it is a graphkiln artifact (or empty); anything else is never replaced")
     parser.add_argument("--quiet", action="store_true", help="no progress, no summary table")
     parser.add_argument("--json", action="store_true", help="print a machine-readable summary on stdout")
     return parser

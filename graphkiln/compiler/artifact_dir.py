@@ -2,7 +2,9 @@
 
 Writing compiles into a hidden temporary folder beside OUT and renames it into place at the
 end, under an exclusive lock on a sibling lock file: an interrupted compile leaves no OUT, and
-of two concurrent writers the second waits and then finds OUT present.
+of two concurrent writers the second waits and then finds OUT present. Only what graphkiln wrote
+is ever replaced: an artifact holding just its manifest's files (or an empty folder), and the
+hidden `.OUT.tmp-*` folders of earlier compiles.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from graphkiln.models.tokenizer import Tokenizer
 from graphkiln.models.fingerprint import model_fingerprint
 from graphkiln.models.transformer import CausalLM
 from graphkiln.passes.base import Pass
+from graphkiln.passes.dump import check_dump_dir
 from graphkiln.passes.manager import check_disabled, default_passes
 
 from .artifacts import CPU_KERNELS, TOKENIZER_FILE, load_compiled, save_compiled
@@ -43,6 +46,7 @@ from .manifest import (
     check_files,
     environment,
     file_hashes,
+    foreign_content,
     read_manifest,
     seal,
 )
@@ -82,10 +86,44 @@ def _remove_stale(out: Path) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
+def _relation(a: Path, b: Path) -> str | None:
+    """How folder a stands to folder b: "is", "is inside", "holds", or None when apart."""
+    if a == b:
+        return "is"
+    if b in a.parents:
+        return "is inside"
+    return "holds" if a in b.parents else None
+
+
 def check_device(device: str) -> None:
     if device == "cuda" and not torch.cuda.is_available():
         build = "sees no CUDA device" if torch.version.cuda else "is built without CUDA"
         raise ConfigError(f"CompileConfig.device='cuda' but this torch {torch.__version__} {build}; use --device cpu")
+
+
+def check_paths(out: Path, model_dir: Path, config: CompileConfig) -> None:
+    """OUT stays apart from the model directory and the dump folder (replacing one must never touch the
+    other), and the dump folder is new, empty or an earlier dump."""
+    model_dir = model_dir.resolve()
+    if relation := _relation(out, model_dir):
+        raise ConfigError(f"-o {out} {relation} the model directory {model_dir}; write the artifact to its own folder")
+    if config.dump_dir:
+        dump = Path(config.dump_dir).resolve()
+        if relation := _relation(dump, out):
+            raise ConfigError(f"--dump-dir {dump} {relation} -o {out}; keep the dumps and the artifact apart")
+        check_dump_dir(dump)
+
+
+def _claim(out: Path, force: bool) -> None:
+    """OUT may be written when absent, or replaced (force) when it is an artifact or empty; nothing else."""
+    if not out.exists():
+        return
+    foreign = foreign_content(out)
+    if foreign is not None:
+        raise ArtifactError(f"{out}: already exists and {foreign}; graphkiln replaces only its own artifacts, "
+                            "so pick a new folder for -o")
+    if not force:
+        raise ArtifactError(f"{out}: already exists; pass --force (force=True) to replace it")
 
 
 def write_artifact(
@@ -100,16 +138,17 @@ def write_artifact(
 ) -> tuple[dict, CompileReport]:
     """Compile `model_dir` for `config` into `out`; return the manifest and the compile report.
 
-    The model directory (config.json, weight file headers), the device and the pass names are
-    checked before anything is locked, created or reported as progress.
+    The model directory (config.json, weight file headers), the device, the paths and the pass
+    names are checked before anything is locked, created or reported as progress. `force`
+    replaces an existing artifact (or an empty folder), nothing else.
     """
     out = out.resolve()
     fingerprint = model_fingerprint(model_dir)
     check_device(config.device)
+    check_paths(out, model_dir, config)
     check_disabled(default_passes(graph_passes), config.disabled_passes)
     with _locked(out):
-        if out.exists() and not force:
-            raise ArtifactError(f"{out}: already exists; pass --force (force=True) to replace it")
+        _claim(out, force)
         _remove_stale(out)
         try:
             tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
@@ -117,6 +156,7 @@ def write_artifact(
             raise _unwritable(out, e) from e
         try:
             manifest, report = _compile_into(model_dir, model_source, fingerprint, tmp, config, graph_passes, progress)
+            _claim(out, force)  # again: the compile took a while, and OUT is replaced only if it is still ours
             _replace(tmp, out)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

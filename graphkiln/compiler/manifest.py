@@ -138,6 +138,28 @@ def read_manifest(root: Path) -> dict:
     return manifest
 
 
+def foreign_content(root: Path) -> str | None:
+    """None when `root` is a graphkiln artifact (of any format version) holding only the files its manifest
+    lists, or an empty folder; else why not. Only such a folder may be replaced (`--force`)."""
+    if not root.is_dir():
+        return "it is a file, not a folder"
+    if not any(root.iterdir()):
+        return None
+    try:
+        manifest = json.loads((root / MANIFEST).read_bytes())
+    except (OSError, ValueError):
+        return f"it holds no readable {MANIFEST}, so it is not a graphkiln artifact"
+    if not (isinstance(manifest, dict) and isinstance(manifest.get("format_version"), int)
+            and isinstance(manifest.get("environment"), dict) and "graphkiln" in manifest["environment"]
+            and isinstance(manifest.get("files"), dict)):
+        return f"its {MANIFEST} is not a graphkiln manifest"
+    ours = set(manifest["files"]) | {MANIFEST}
+    for p in sorted(root.rglob("*")):
+        if (p.is_symlink() or not p.is_dir()) and str(p.relative_to(root)) not in ours:
+            return f"it holds {p.relative_to(root)}, which is not part of the artifact"
+    return None
+
+
 def check_environment(manifest: dict, device: str) -> None:
     """The artifact must come from this graphkiln/torch/triton/python and this device kind."""
     recorded = manifest["environment"]
