@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from graphkiln.compiler.artifact_dir import read_artifact, write_artifact
 from graphkiln.compiler.manifest import MANIFEST, read_manifest
+from graphkiln.compiler.signing import KeySource, load_private_key, load_public_keys
 from graphkiln.compiler.compile import CompileReport, Progress
 from graphkiln.compiler.config import CompileConfig
 from graphkiln.errors import ArtifactError, ConfigError, ModelFileError
@@ -19,13 +21,19 @@ def compile_model(
     config: CompileConfig | None = None,
     *,
     force: bool = False,
+    sign_key: KeySource | None = None,
     progress: Progress = lambda stage, done, total: None,
 ) -> tuple[dict, CompileReport]:
-    """Compile a model directory (or "tiny") into the artifact directory `out`; returns (manifest, report)."""
+    """Compile a model directory (or "tiny") into the artifact directory `out`; returns (manifest, report).
+
+    `force` replaces an existing artifact at `out`, never anything else. `sign_key` (an Ed25519
+    private key PEM: path or bytes) signs the manifest, for `load(..., trusted_keys=...)`.
+    """
     config = config or CompileConfig()
+    key = load_private_key(sign_key) if sign_key is not None else None
     model_dir = resolve_model_dir(model)
     source = str(model) if str(model) == "tiny" else str(model_dir.resolve())
-    return write_artifact(model_dir, source, Path(out), config, force=force, progress=progress)
+    return write_artifact(model_dir, source, Path(out), config, force=force, sign_key=key, progress=progress)
 
 
 def load(
@@ -35,6 +43,7 @@ def load(
     device: str | None = None,
     dtype: str | None = None,
     on_mismatch: str = "error",
+    trusted_keys: Sequence[KeySource] | None = None,
     **engine,
 ) -> LLM:
     """Load an artifact directory into an LLM without tracing or compiling.
@@ -42,12 +51,17 @@ def load(
     `model` overrides where the weights are (default: the directory recorded at compile time).
     `device`/`dtype`, when given, must match the artifact. `on_mismatch="recompile"` recompiles
     a stale artifact in place instead of raising. `engine` options go to the engine (KV cache size...).
-    Artifacts contain executable code: load only those you would run the compiling code for.
+    Artifacts contain executable code: load only those you would run the compiling code for, or
+    pass `trusted_keys` (Ed25519 public key PEMs: paths or bytes) to refuse any artifact not signed
+    by one of them, before anything in it is unpickled or loaded.
     """
     if on_mismatch not in ("error", "recompile"):
         raise ConfigError(f"on_mismatch={on_mismatch!r}; use 'error' or 'recompile'")
+    if trusted_keys is not None and on_mismatch == "recompile":
+        raise ConfigError("trusted_keys with on_mismatch='recompile': a recompiled artifact is unsigned; use one of them")
+    keys = load_public_keys(trusted_keys) if trusted_keys is not None else ()
     out = Path(out)
-    manifest = read_manifest(out)
+    manifest = read_manifest(out, keys)
     source = model if model is not None else manifest["model"]["source"]
     model_dir = resolve_model_dir(source)
     if model is None and not model_dir.is_dir():
@@ -56,7 +70,7 @@ def load(
             "moved, load with graphkiln.load(OUT, model=NEW_DIR) or `graphkiln generate OUT --model NEW_DIR`"
         )
     try:
-        net, compiled, tokenizer, manifest = read_artifact(out, model_dir, device, dtype)
+        net, compiled, tokenizer, manifest = read_artifact(out, model_dir, device, dtype, keys)
     except ArtifactError:
         if on_mismatch == "error":
             raise

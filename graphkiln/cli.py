@@ -1,4 +1,4 @@
-"""Command line: `compile-model`, and `graphkiln compile | inspect | generate`.
+"""Command line: `compile-model`, and `graphkiln compile | inspect | generate | keygen`.
 
 Exit codes: 0 success, 2 bad input (one line on stderr naming the problem), 1 internal error.
 Progress goes to stderr; results (tables, JSON, generated text) to stdout.
@@ -39,6 +39,8 @@ def _compile_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--dump-dir", type=Path, default=None, help="write pass-debugging dumps here")
     parser.add_argument("--force", action="store_true",
                         help="replace OUT if it is a graphkiln artifact (or empty); anything else is never replaced")
+    parser.add_argument("--sign-key", type=Path, default=None, metavar="KEY",
+                        help="sign the manifest with this Ed25519 private key (PEM; see `graphkiln keygen`)")
     parser.add_argument("--quiet", action="store_true", help="no progress, no summary table")
     parser.add_argument("--json", action="store_true", help="print a machine-readable summary on stdout")
     return parser
@@ -70,7 +72,9 @@ def run_compile(args) -> int:
     bar = report.ProgressBar(enabled=not args.quiet and not args.json)
     start = time.perf_counter()
     try:
-        manifest, rep = compile_model(args.model, args.out, config, force=args.force, progress=bar)
+        manifest, rep = compile_model(
+            args.model, args.out, config, force=args.force, sign_key=args.sign_key, progress=bar
+        )
     finally:
         bar.close()
     summary = report.compile_summary(manifest, rep, args.out, time.perf_counter() - start)
@@ -92,7 +96,7 @@ def run_inspect(args) -> int:
 def run_generate(args) -> int:
     import graphkiln
 
-    llm = graphkiln.load(args.artifact, model=args.model)
+    llm = graphkiln.load(args.artifact, model=args.model, trusted_keys=args.trusted_key)
     params = graphkiln.SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
     )
@@ -103,6 +107,15 @@ def run_generate(args) -> int:
             f"  {len(out.token_ids)} tokens, first token {out.time_to_first_token_s * 1e3:.1f} ms, "
             f"{out.tokens_per_s:.1f} tokens/s, finish {out.finish_reason}"
         )
+    return 0
+
+
+def run_keygen(args) -> int:
+    from graphkiln.compiler.signing import generate_key_pair
+
+    private, public = generate_key_pair(args.folder)
+    print(f"private key {private} (sign with: compile-model ... --sign-key {private}; keep it secret)")
+    print(f"public key  {public} (give it to users: graphkiln generate OUT --trusted-key {public})")
     return 0
 
 
@@ -134,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("artifact", type=Path)
     gen.add_argument("--model", type=Path, default=None, metavar="DIR",
                      help="the model directory (default: where it was when compiled)")
+    gen.add_argument("--trusted-key", type=Path, action="append", default=None, metavar="PATH",
+                     help="refuse the artifact unless signed by this public key (PEM); repeat for several")
     gen.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -141,5 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.set_defaults(handler=run_generate)
+    keygen = sub.add_parser("keygen", help="write a new Ed25519 key pair for signing artifacts")
+    keygen.add_argument("folder", type=Path, help="where to write graphkiln-sign.pem and graphkiln-sign.pub.pem")
+    keygen.set_defaults(handler=run_keygen)
     args = parser.parse_args(argv)
     return _run(args.handler, args)

@@ -75,7 +75,7 @@ def test_an_artifact_holding_someone_elses_file_is_not_replaced(
     assert snapshot(out) == before
 
 
-@pytest.mark.parametrize("content", ["artifact", "empty"])
+@pytest.mark.parametrize("content", ["artifact", "signed-artifact", "empty"])
 def test_without_force_an_artifact_or_empty_folder_suggests_force(
     artifact: Path, tmp_path: Path, content: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -84,6 +84,8 @@ def test_without_force_an_artifact_or_empty_folder_suggests_force(
         out.mkdir()
     else:
         shutil.copytree(artifact, out)
+    if content == "signed-artifact":
+        (out / "manifest.sig").write_bytes(bytes(64))
     line = compile_error(capsys, "tiny", "-o", out)
     assert line == f"error: {out}: already exists; pass --force (force=True) to replace it"
 

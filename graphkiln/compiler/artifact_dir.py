@@ -16,9 +16,10 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -50,6 +51,10 @@ from .manifest import (
     read_manifest,
     seal,
 )
+from .signing import sign
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 
 @contextlib.contextmanager
@@ -133,6 +138,7 @@ def write_artifact(
     config: CompileConfig,
     *,
     force: bool = False,
+    sign_key: Ed25519PrivateKey | None = None,
     graph_passes: tuple[Pass, ...] = (),
     progress: Progress = lambda stage, done, total: None,
 ) -> tuple[dict, CompileReport]:
@@ -140,7 +146,7 @@ def write_artifact(
 
     The model directory (config.json, weight file headers), the device, the paths and the pass
     names are checked before anything is locked, created or reported as progress. `force`
-    replaces an existing artifact (or an empty folder), nothing else.
+    replaces an existing artifact (or an empty folder), nothing else. `sign_key` signs the manifest.
     """
     out = out.resolve()
     fingerprint = model_fingerprint(model_dir)
@@ -156,6 +162,8 @@ def write_artifact(
             raise _unwritable(out, e) from e
         try:
             manifest, report = _compile_into(model_dir, model_source, fingerprint, tmp, config, graph_passes, progress)
+            if sign_key is not None:
+                sign(tmp, sign_key)
             _claim(out, force)  # again: the compile took a while, and OUT is replaced only if it is still ours
             _replace(tmp, out)
         except BaseException:
@@ -226,9 +234,12 @@ def _replace(tmp: Path, out: Path) -> None:
         os.rename(tmp, out)
 
 
-def check_artifact(out: Path, model_dir: Path, device: str | None = None, dtype: str | None = None) -> dict:
-    """Every check a load needs, without loading anything; returns the manifest."""
-    manifest = read_manifest(out)
+def check_artifact(
+    out: Path, model_dir: Path, device: str | None = None, dtype: str | None = None, trusted_keys: Sequence = ()
+) -> dict:
+    """Every check a load needs, without loading anything; returns the manifest. With `trusted_keys`
+    (signing.load_public_keys) the manifest's signature is checked first."""
+    manifest = read_manifest(out, trusted_keys)
     config = manifest["config"]
     if device is not None and torch.device(device).type != config["device"]:
         raise ArtifactError(f"{out}: compiled for device {config['device']!r}, asked for {device!r}; {FIX}")
@@ -267,13 +278,13 @@ def recorded_config(manifest: dict, out: Path) -> ModelConfig:
 
 
 def read_artifact(
-    out: Path, model_dir: Path, device=None, dtype=None
+    out: Path, model_dir: Path, device=None, dtype=None, trusted_keys: Sequence = ()
 ) -> tuple[CausalLM, CompiledModel, Tokenizer | None, dict]:
     """Check, then load weights, compiled pieces and the tokenizer: no Dynamo trace, no Inductor compile,
     and no transformers import where the artifact keeps a tokenizer snapshot."""
     out = out.resolve()
     with _locked(out, shared=True):
-        manifest = check_artifact(out, model_dir, device, dtype)
+        manifest = check_artifact(out, model_dir, device, dtype, trusted_keys)
         config = manifest["config"]
         model = load_model(model_dir, torch.device(config["device"]), config["dtype"], recorded_config(manifest, out))
         tensors = dict(model.named_parameters(remove_duplicate=False))

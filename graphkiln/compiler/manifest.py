@@ -8,7 +8,8 @@ The manifest lists every other file's sha256, and `fields_sha256` holds a short 
 of its own fields, so a hand edit (a dtype, a layer count) is refused naming the field instead of
 failing later inside a kernel. `model.source` (where the weights are, checked by their
 fingerprint), the informational timings and counters, and the file list (checked against the
-files themselves) are left out. This guards against mistakes, not attackers.
+files themselves) are left out. This guards against mistakes, not attackers: signing
+(`signing.py`) does that.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import platform
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -25,6 +27,8 @@ from graphkiln.version import __version__
 
 FORMAT_VERSION = 3  # 2: model.config holds the ModelConfig, so loading needs no transformers; 3: fields_sha256
 MANIFEST = "manifest.json"
+SIGNATURE = "manifest.sig"  # an Ed25519 signature over manifest.json's bytes (signing.py)
+SIGNATURE_BYTES = 64
 FIX = "recompile with `compile-model ... --force`, or load with on_mismatch='recompile'"
 REWRITE = "recompile with `compile-model ... --force`"
 SECTIONS = {
@@ -118,14 +122,20 @@ def _short(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def read_manifest(root: Path) -> dict:
+def read_manifest(root: Path, trusted_keys: Sequence = ()) -> dict:
+    """Parse and check manifest.json; with `trusted_keys` (signing.load_public_keys) its signature first."""
     path = root / MANIFEST
     if not root.is_dir():
         raise ArtifactError(f"{root}: no such artifact directory; create it with `compile-model MODEL -o {root}`")
     if not path.is_file():
         raise ArtifactError(f"{path}: missing, so {root} is not a complete artifact; {REWRITE}")
+    data = path.read_bytes()
+    if trusted_keys:
+        from .signing import verify
+
+        verify(root, data, trusted_keys)
     try:
-        manifest = json.loads(path.read_text())
+        manifest = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ArtifactError(f"{path}: not valid JSON ({e}); {REWRITE}") from e
     version = manifest.get("format_version") if isinstance(manifest, dict) else None
@@ -153,7 +163,7 @@ def foreign_content(root: Path) -> str | None:
             and isinstance(manifest.get("environment"), dict) and "graphkiln" in manifest["environment"]
             and isinstance(manifest.get("files"), dict)):
         return f"its {MANIFEST} is not a graphkiln manifest"
-    ours = set(manifest["files"]) | {MANIFEST}
+    ours = set(manifest["files"]) | {MANIFEST, SIGNATURE}
     for p in sorted(root.rglob("*")):
         if (p.is_symlink() or not p.is_dir()) and str(p.relative_to(root)) not in ours:
             return f"it holds {p.relative_to(root)}, which is not part of the artifact"
@@ -171,9 +181,22 @@ def check_environment(manifest: dict, device: str) -> None:
             raise ArtifactError(f"artifact {field} is {recorded.get(field)!r} but this process has {here[field]!r}; {FIX}")
 
 
+def check_signature_file(root: Path) -> None:
+    """manifest.sig, when present, is a plain file of one signature's 64 bytes: it can carry nothing else."""
+    path = root / SIGNATURE
+    if not (path.exists() or path.is_symlink()):
+        return
+    if path.is_symlink() or not path.is_file() or path.stat().st_size != SIGNATURE_BYTES:
+        raise ArtifactError(
+            f"{path}: not an Ed25519 signature (a plain file of {SIGNATURE_BYTES} bytes); delete it, or get "
+            "the artifact again from its publisher"
+        )
+
+
 def check_files(manifest: dict, root: Path) -> None:
     """Exactly the listed files exist, each with its recorded sha256; checked before anything is unpickled."""
-    present = {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()} - {MANIFEST}
+    check_signature_file(root)
+    present = {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()} - {MANIFEST, SIGNATURE}
     unlisted = sorted(present - set(manifest["files"]))
     if unlisted:
         raise ArtifactError(f"{root / unlisted[0]}: present but not listed in {MANIFEST} (tampered?); {FIX}")
