@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file, save_file
 
 import graphkiln
 from artifact_helpers import SMALL_CONFIG, compile_error, temp_folders
@@ -50,7 +51,8 @@ def test_a_folder_that_is_not_an_artifact_is_never_replaced(
     line = compile_error(capsys, "tiny", "-o", project, *(["--force"] if force else []))
     assert line.startswith(f"error: {project}: already exists and ") and "not a graphkiln manifest" in line, line
     assert "--force" not in line  # it would not help: the hint is only for artifacts
-    assert snapshot(project) == before and not temp_folders(project)
+    assert snapshot(project) == before
+    assert sorted(p.name for p in project.parent.iterdir()) == ["project"]  # no lock file, no temp folder
 
 
 def test_the_working_directory_is_never_replaced(
@@ -112,13 +114,18 @@ def test_out_apart_from_the_model_directory(
     assert snapshot(model) == before and not (model / "compiled").exists()
 
 
-def test_a_lock_file_graphkiln_did_not_write_keeps_its_bytes(
-    project: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    lock = project.parent / f".{project.name}.lock"
+def test_a_lock_file_graphkiln_did_not_write_keeps_its_bytes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The lock is taken for the compile (this one stops at its NaN weight, under the lock) and keeps
+    what a file of that name held."""
+    model = Path(shutil.copytree(tiny_model_dir(), tmp_path / "model"))
+    tensors = load_file(model / "model.safetensors")
+    tensors["model.norm.weight"][0] = float("nan")
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    lock = tmp_path / ".out.lock"
     lock.write_text("someone's file\n")
-    compile_error(capsys, "tiny", "-o", project, "--force")
-    assert lock.read_text() == "someone's file\n"
+    line = compile_error(capsys, model, "-o", tmp_path / "out")
+    assert "holds NaN or Inf" in line, line
+    assert lock.read_text() == "someone's file\n" and not (tmp_path / "out").exists()
 
 
 # ---------------------------------------------------------------- dumps

@@ -153,6 +153,7 @@ def write_artifact(
     check_device(config.device)
     check_paths(out, model_dir, config)
     check_disabled(default_passes(graph_passes), config.disabled_passes)
+    _claim(out, force)  # before the lock file and OUT's parents are created; again under the lock
     with _locked(out):
         _claim(out, force)
         _remove_stale(out)
