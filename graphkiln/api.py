@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from graphkiln.compiler.artifact_dir import read_artifact, write_artifact
 from graphkiln.compiler.compile import CompileReport, Progress
 from graphkiln.compiler.config import CompileConfig
 from graphkiln.compiler.manifest import MANIFEST, REWRITE, read_manifest
-from graphkiln.errors import ArtifactError, ConfigError
+from graphkiln.compiler.signing import KeySource, load_private_key, load_public_keys
+from graphkiln.errors import ArtifactError, ConfigError, ModelFileError
 from graphkiln.llm import LLM, resolve_model_dir
 from graphkiln.runtime.builder import build_engine
 from graphkiln.runtime.config import EngineConfig
@@ -21,18 +23,22 @@ def compile_model(
     *,
     engine: EngineConfig | None = None,
     force: bool = False,
+    sign_key: KeySource | None = None,
     progress: Progress = lambda stage, done, total: None,
 ) -> tuple[dict, CompileReport]:
     """Compile a model directory (or "tiny") into the artifact directory `out`; returns (manifest, report).
 
     `engine` is recorded as the artifact's default EngineConfig (capture sizes, KV cache, ...), which
-    `load` starts from.
+    `load` starts from. `force` replaces an existing artifact at `out`, never anything else.
+    `sign_key` (an Ed25519 private key PEM: path or bytes) signs the manifest, for
+    `load(..., trusted_keys=...)`.
     """
     config = config or CompileConfig()
+    key = load_private_key(sign_key) if sign_key is not None else None
     model_dir = resolve_model_dir(model)
     source = str(model) if str(model) == "tiny" else str(model_dir.resolve())
     defaults = (engine or EngineConfig()).to_dict()
-    return write_artifact(model_dir, source, Path(out), config, defaults, force=force, progress=progress)
+    return write_artifact(model_dir, source, Path(out), config, defaults, force=force, sign_key=key, progress=progress)
 
 
 def load(
@@ -43,6 +49,7 @@ def load(
     dtype: str | None = None,
     on_mismatch: str = "error",
     engine: EngineConfig | None = None,
+    trusted_keys: Sequence[KeySource] | None = None,
     **options,
 ) -> LLM:
     """Load an artifact directory into an LLM without tracing or compiling.
@@ -52,17 +59,27 @@ def load(
     a stale artifact in place instead of raising. The engine starts from `engine`, else from the
     EngineConfig the artifact records; `options` override single fields (decode_batch_sizes,
     kv_cache_tokens, attention_backend, ...).
-    Artifacts contain executable code: load only those you would run the compiling code for.
+    Artifacts contain executable code: load only those you would run the compiling code for, or
+    pass `trusted_keys` (Ed25519 public key PEMs: paths or bytes) to refuse any artifact not signed
+    by one of them, before anything in it is unpickled or loaded.
     """
     if on_mismatch not in ("error", "recompile"):
         raise ConfigError(f"on_mismatch={on_mismatch!r}; use 'error' or 'recompile'")
+    if trusted_keys is not None and on_mismatch == "recompile":
+        raise ConfigError("trusted_keys with on_mismatch='recompile': a recompiled artifact is unsigned; use one of them")
+    keys = load_public_keys(trusted_keys) if trusted_keys is not None else ()
     out = Path(out)
-    manifest = read_manifest(out)
+    manifest = read_manifest(out, keys)
     serving = (engine or recorded_engine(manifest, out)).replace(**options)
     source = model if model is not None else manifest["model"]["source"]
     model_dir = resolve_model_dir(source)
+    if model is None and not model_dir.is_dir():
+        raise ModelFileError(
+            f"{model_dir}: the model directory {out / MANIFEST} names (model.source) is gone; if the weights "
+            "moved, load with graphkiln.load(OUT, model=NEW_DIR) or `graphkiln generate OUT --model NEW_DIR`"
+        )
     try:
-        net, compiled, tokenizer, manifest = read_artifact(out, model_dir, device, dtype)
+        net, compiled, tokenizer, manifest = read_artifact(out, model_dir, device, dtype, keys)
     except ArtifactError:
         if on_mismatch == "error":
             raise

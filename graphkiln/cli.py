@@ -1,4 +1,4 @@
-"""Command line: `compile-model`, and `graphkiln compile | inspect | generate`.
+"""Command line: `compile-model`, and `graphkiln compile | inspect | generate | keygen`.
 
 Exit codes: 0 success, 2 bad input (one line on stderr naming the problem), 1 internal error.
 Progress goes to stderr; results (tables, JSON, generated text) to stdout.
@@ -44,7 +44,10 @@ def _compile_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="token counts that get one more Inductor compile each, with the token dim fixed")
     parser.add_argument("--disable-pass", action="append", default=[], metavar="NAME")
     parser.add_argument("--dump-dir", type=Path, default=None, help="write pass-debugging dumps here")
-    parser.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    parser.add_argument("--force", action="store_true",
+                        help="replace OUT if it is a graphkiln artifact (or empty); anything else is never replaced")
+    parser.add_argument("--sign-key", type=Path, default=None, metavar="KEY",
+                        help="sign the manifest with this Ed25519 private key (PEM; see `graphkiln keygen`)")
     parser.add_argument("--quiet", action="store_true", help="no progress, no summary table")
     parser.add_argument("--json", action="store_true", help="print a machine-readable summary on stdout")
     _engine_parser(parser.add_argument_group("serving defaults recorded in the artifact (load can override them)"))
@@ -102,7 +105,9 @@ def run_compile(args) -> int:
     progress = report.ProgressDisplay(enabled=not args.quiet and not args.json)
     start = time.perf_counter()
     try:
-        manifest, rep = compile_model(args.model, args.out, config, engine=engine, force=args.force, progress=progress)
+        manifest, rep = compile_model(
+            args.model, args.out, config, engine=engine, force=args.force, sign_key=args.sign_key, progress=progress
+        )
     finally:
         progress.close()
     summary = report.compile_summary(manifest, rep, args.out, time.perf_counter() - start)
@@ -128,7 +133,7 @@ def run_generate(args) -> int:
         max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
         stop_token_ids=args.stop_token_id, ignore_eos=args.ignore_eos, logprobs=args.logprobs,
     )  # fmt: skip
-    llm = graphkiln.load(args.artifact, model=args.model, **_engine_options(args))
+    llm = graphkiln.load(args.artifact, model=args.model, trusted_keys=args.trusted_key, **_engine_options(args))
     outputs = llm.generate(args.prompt, params)
     for prompt, out in zip(args.prompt, outputs):
         print(f"{prompt!r} -> {out.text!r}")
@@ -148,6 +153,15 @@ def _sampled_logprob(entry, token: int) -> float:
     if isinstance(entry, Mapping):
         entry = entry[token]
     return float(getattr(entry, "logprob", entry))
+
+
+def run_keygen(args) -> int:
+    from graphkiln.compiler.signing import generate_key_pair
+
+    private, public = generate_key_pair(args.folder)
+    print(f"private key {private} (sign with: compile-model ... --sign-key {private}; keep it secret)")
+    print(f"public key  {public} (give it to users: graphkiln generate OUT --trusted-key {public})")
+    return 0
 
 
 def _run(handler, args) -> int:
@@ -179,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("artifact", type=Path)
     gen.add_argument("--model", type=Path, default=None, metavar="DIR",
                      help="the model directory (default: where it was when compiled)")
+    gen.add_argument("--trusted-key", type=Path, action="append", default=None, metavar="PATH",
+                     help="refuse the artifact unless signed by this public key (PEM); repeat for several")
     gen.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -192,5 +208,8 @@ def main(argv: list[str] | None = None) -> int:
                      help="return logprobs (N alternatives per token); prints each sampled token's logprob")
     _engine_parser(gen.add_argument_group("engine options (default: what the artifact records)"))
     gen.set_defaults(handler=run_generate)
+    keygen = sub.add_parser("keygen", help="write a new Ed25519 key pair for signing artifacts")
+    keygen.add_argument("folder", type=Path, help="where to write graphkiln-sign.pem and graphkiln-sign.pub.pem")
+    keygen.set_defaults(handler=run_keygen)
     args = parser.parse_args(argv)
     return _run(args.handler, args)

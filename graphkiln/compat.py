@@ -11,9 +11,13 @@ never `torch._...` themselves):
   `PyCodeCache.load_by_key_path` gained the keyword-only `set_sys_modules`, which depyf 0.20's
   replacement does not accept; for the duration of the context we swap in a copy that forwards
   `**kwargs` (as vLLM's depyf_compat does).
-- `private_inductor_cache(dir)` / `install_cpu_kernels(dir)`: compile-model on the CPU compiles
-  into a private Inductor cache and ships the compiled C++ kernels; loading copies them into the
-  active cache so the first load on a fresh machine does not run gcc.
+- `private_inductor_cache(dir)`: compile-model on the CPU compiles into a private Inductor cache
+  and ships the compiled C++ kernels. Loading points Inductor at `artifact_cache(digest)`, a folder
+  of the active cache keyed by the digest of the artifact's checked code files, and copies the
+  kernels there (`install_cpu_kernels`), so the first load on a fresh machine does not run gcc.
+  A shared folder would let one artifact's code run for another: Inductor finds a C++ kernel by
+  the hash of its source (not of the library), and an FX graph entry by the hash of the graph,
+  taking the first entry of that folder whose guards pass.
 - `inductor_output_code()`: collects the wrapper code (with every C++/Triton kernel inline) of
   each graph Inductor compiles or loads from its cache, through `GraphLowering.save_output_code`,
   the hook torch's own `run_and_get_code` uses; present and called on cache hits in 2.11-2.13.
@@ -38,7 +42,7 @@ from torch.fx.experimental import _config as fx_config
 from graphkiln.errors import ConfigError
 
 __all__ = [
-    "CustomGraphPass", "TORCH_LINEAR", "depyf_debug", "dynamo_counters", "graph_returns_tuple", "inductor_output_code",
+    "CustomGraphPass", "TORCH_LINEAR", "artifact_cache", "depyf_debug", "dynamo_counters", "graph_returns_tuple", "inductor_output_code",
     "install_cpu_kernels", "is_op_overload", "load_artifact", "mark_dynamic_dim", "private_inductor_cache",
     "require_depyf", "size_oblivious", "standalone_compile",
 ]  # fmt: skip
@@ -144,26 +148,39 @@ def inductor_output_code() -> Iterator[list[str]]:
 
 @contextlib.contextmanager
 def private_inductor_cache(directory: Path) -> Iterator[None]:
-    """Point Inductor's on-disk cache at `directory` for the duration (its in-memory caches are cleared)."""
+    """Point Inductor's on-disk cache, and Triton's inside it, at `directory` for the duration (Inductor's
+    in-memory caches are cleared). Triton's is set even where the user chose one: Inductor writes an
+    artifact's Triton kernels there, keeping any kernel of the same name already present."""
     from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
-    with temporary_cache_dir(str(directory)):
-        yield
+    triton = os.environ.get("TRITON_CACHE_DIR")
+    os.environ["TRITON_CACHE_DIR"] = str(directory / "triton")
+    try:
+        with temporary_cache_dir(str(directory)):
+            yield
+    finally:
+        if triton is None:
+            del os.environ["TRITON_CACHE_DIR"]
+        else:
+            os.environ["TRITON_CACHE_DIR"] = triton
 
 
-def install_cpu_kernels(shipped: Path) -> None:
-    """Copy compiled C++ kernels (`*.so`, laid out as in an Inductor cache) into the active cache.
-
-    Inductor looks a CPU kernel up by the hash of its source and compile command before running
-    the compiler, so kernels compiled on a machine of the same kind load without gcc.
-    """
+def artifact_cache(digest: str) -> Path:
+    """The Inductor cache folder for the compiled code whose checked content has `digest`."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-    target = Path(cache_dir())
+    return Path(cache_dir()) / "graphkiln-artifacts" / digest
+
+
+def install_cpu_kernels(shipped: Path, target: Path) -> None:
+    """Copy compiled C++ kernels (`*.so`, laid out as in an Inductor cache) into the cache folder `target`.
+
+    Inductor looks a CPU kernel up by the hash of its source and compile command before running
+    the compiler, so kernels compiled on a machine of the same kind load without gcc. Each copy
+    replaces what is there (atomically), so only the artifact's own checked files are loaded.
+    """
     for library in shipped.rglob("*.so"):
         dest = target / library.relative_to(shipped)
-        if dest.exists():
-            continue
         dest.parent.mkdir(parents=True, exist_ok=True)
         partial = dest.with_name(f".{dest.name}.{os.getpid()}")
         shutil.copyfile(library, partial)

@@ -6,15 +6,19 @@ points at the same cache as the test process.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import sysconfig
 from collections.abc import Callable
 from pathlib import Path
 
 import graphkiln
-from graphkiln import CompileConfig, EngineConfig, SamplingParams
+from graphkiln import CompileConfig, EngineConfig, SamplingParams, cli
+from graphkiln.compiler.manifest import seal
 
 DECODE_SIZES = (1, 2, 4)
 PREFILL_BUCKETS = (16, 32)
@@ -74,10 +78,14 @@ def temp_folders(out: Path) -> list[Path]:
     return sorted(out.parent.glob(f".{out.name}.tmp-*"))
 
 
-def edit_manifest(out: Path, edit: Callable[[dict], None]) -> None:
+def edit_manifest(out: Path, edit: Callable[[dict], None], reseal: bool = True) -> None:
+    """Edit manifest.json. `reseal` updates its fields_sha256 too: the manifest then reads as if graphkiln
+    had written it that way (another torch, another pass); without it the edit is a hand edit."""
     path = out / "manifest.json"
     manifest = json.loads(path.read_text())
     edit(manifest)
+    if reseal and "fields_sha256" in manifest:
+        manifest["fields_sha256"] = seal(manifest)
     path.write_text(json.dumps(manifest, indent=1))
 
 
@@ -86,9 +94,50 @@ def set_torch_version(out: Path, version: str = "0.0") -> None:
     edit_manifest(out, lambda m: m["environment"].__setitem__("torch", version))
 
 
+def compile_error(capsys, *args: str | Path) -> str:
+    """Run compile-model in-process with the small config: it must exit 2, print nothing on stdout and
+    one line on stderr; return that line."""
+    assert cli.compile_model_main([*map(str, args), *SMALL_CONFIG_ARGS, "--quiet"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    return single_error_line(captured.err)
+
+
 def single_error_line(stderr: str) -> str:
     """stderr must be exactly one newline-terminated line; return it without the newline."""
     lines = stderr.rstrip("\n").split("\n")
     assert len(lines) == 1 and lines[0], f"expected exactly one line on stderr, got {stderr!r}"
     assert "Traceback" not in stderr, stderr
     return lines[0]
+
+
+def rehash(out: Path, *files: Path) -> None:
+    """Fix up the manifest's sha256 of edited files, as someone tampering with an artifact would."""
+    digests = {str(f.relative_to(out)): hashlib.sha256(f.read_bytes()).hexdigest() for f in files}
+    edit_manifest(out, lambda m: m["files"].update(digests))
+
+
+_MARKER_KERNEL = r"""
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdio.h>
+static void mark(const char* what) { FILE* f = fopen(MARKER, "a"); if (f) { fputs(what, f); fclose(f); } }
+static PyObject* kernel(PyObject* self, PyObject* args) { mark("called\n"); Py_RETURN_NONE; }
+static PyMethodDef methods[] = {{"kernel", kernel, METH_VARARGS, ""}, {NULL, NULL, 0, NULL}};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kernel", NULL, -1, methods};
+PyMODINIT_FUNC PyInit_kernel(void) { mark("loaded\n"); return PyModule_Create(&module); }
+"""
+
+
+def plant_marker_kernel(out: Path, marker: Path) -> Path:
+    """Replace one compiled C++ kernel of a CPU artifact with a library Inductor loads the same way that
+    computes nothing and appends to `marker` when loaded or called; fix up its sha256. Returns its path."""
+    library = sorted((out / "cpu-kernels").rglob("*.main.so"))[0]  # a kernel library the pieces load
+    source = out.parent / "marker_kernel.c"
+    source.write_text(_MARKER_KERNEL)
+    compiler = shutil.which("gcc") or shutil.which("cc")
+    command = [compiler, "-shared", "-fPIC", "-O1", f"-I{sysconfig.get_paths()['include']}",
+               f'-DMARKER="{marker}"', str(source), "-o", str(library)]  # fmt: skip
+    subprocess.run(command, check=True, capture_output=True)
+    rehash(out, library)
+    return library

@@ -14,7 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from graphkiln import LLM, SamplingParams
+from artifact_helpers import single_error_line
+from graphkiln import LLM, SamplingParams, cli
 from graphkiln.errors import (
     ConfigError,
     ModelFileError,
@@ -22,6 +23,7 @@ from graphkiln.errors import (
     UnsupportedModelError,
     WeightMismatchError,
 )
+from graphkiln.models import load_model
 
 if TYPE_CHECKING:
     from conftest import Checkpoint, CheckpointFactory
@@ -106,6 +108,35 @@ def test_unexpected_weight(model_dir: Path) -> None:
     edit_weights(model_dir, lambda t: t.update({"model.layers.0.mlp.extra_proj.weight": torch.zeros(4, 4)}))
     with pytest.raises(WeightMismatchError, match=r"model\.layers\.0\.mlp\.extra_proj\.weight"):
         LLM.eager(model_dir)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
+def test_non_finite_weight_is_refused_by_name(model_dir: Path, bad: float) -> None:
+    def poison(tensors: dict[str, torch.Tensor]) -> None:
+        tensors["model.layers.1.mlp.up_proj.weight"][3, 5] = bad
+
+    edit_weights(model_dir, poison)
+    message = re.escape(f"{model_dir / 'model.safetensors'}: tensor 'model.layers.1.mlp.up_proj.weight' holds NaN or Inf")
+    with pytest.raises(ModelFileError, match=message):
+        LLM.eager(model_dir)
+
+
+def test_non_finite_weight_stops_compile_model(
+    model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    edit_weights(model_dir, lambda t: t["lm_head.weight"].__setitem__((0, 0), float("nan")))
+    out = tmp_path / "out"
+    assert cli.compile_model_main([str(model_dir), "-o", str(out), "--device", "cpu", "--quiet"]) == 2
+    line = single_error_line(capsys.readouterr().err)
+    assert line.startswith(f"error: {model_dir / 'model.safetensors'}: tensor 'lm_head.weight' holds NaN or Inf"), line
+    assert not out.exists()
+
+
+def test_weight_beyond_float16_range_is_refused_by_name(model_dir: Path) -> None:
+    edit_weights(model_dir, lambda t: t["model.norm.weight"].__setitem__(0, 1e6))  # finite in float32
+    load_model(model_dir, dtype="float32")  # control
+    with pytest.raises(ModelFileError, match=r"tensor 'model\.norm\.weight' holds values beyond float16's range"):
+        load_model(model_dir, dtype="float16")
 
 
 def test_unsupported_architecture(model_dir: Path) -> None:

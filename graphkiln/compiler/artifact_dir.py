@@ -2,7 +2,9 @@
 
 Writing compiles into a hidden temporary folder beside OUT and renames it into place at the
 end, under an exclusive lock on a sibling lock file: an interrupted compile leaves no OUT, and
-of two concurrent writers the second waits and then finds OUT present.
+of two concurrent writers the second waits and then finds OUT present. Only what graphkiln wrote
+is ever replaced: an artifact holding just its manifest's files (or an empty folder), and the
+hidden `.OUT.tmp-*` folders of earlier compiles.
 """
 
 from __future__ import annotations
@@ -14,43 +16,62 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from graphkiln.compat import private_inductor_cache, require_depyf
-from graphkiln.errors import ArtifactError
+from graphkiln.errors import ArtifactError, ConfigError
 from graphkiln.models import load_model, resolve_dtype
 from graphkiln.models.config import ModelConfig
 from graphkiln.models.tokenizer import Tokenizer
 from graphkiln.models.fingerprint import model_fingerprint
 from graphkiln.models.transformer import CausalLM
 from graphkiln.passes.base import Pass
+from graphkiln.passes.dump import check_dump_dir
 from graphkiln.passes.manager import check_disabled, default_passes
 
 from .artifacts import CPU_KERNELS, TOKENIZER_FILE, load_compiled, save_compiled
 from .compile import CompileReport, Progress, compile_module
 from .compiled_model import CompiledModel
 from .config import CompileConfig
-from .manifest import FIX, FORMAT_VERSION, MANIFEST, REWRITE, check_environment, check_files, environment, file_hashes, read_manifest
+from .manifest import (
+    FIX,
+    FORMAT_VERSION,
+    MANIFEST,
+    REWRITE,
+    check_environment,
+    check_files,
+    environment,
+    file_hashes,
+    foreign_content,
+    read_manifest,
+    seal,
+)
+from .signing import sign
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 
 @contextlib.contextmanager
 def _locked(out: Path, shared: bool = False, progress: Progress = lambda stage, done, total: None) -> Iterator[None]:
     """Writers hold the sibling lock file exclusively, readers shared (skipped where it can't be opened).
 
-    A writer appends its pid to the lock file when it takes the lock and "-" when it lets go, so
-    one that finds the lock taken says through `progress` whom it waits for.
+    The lock file is opened for appending and never written, truncated or removed: a file of that
+    name that graphkiln did not write keeps its bytes. A writer that finds the lock taken says
+    through `progress` whom it waits for: the holder's temporary folder carries its pid.
     """
-    if not shared:
-        out.parent.mkdir(parents=True, exist_ok=True)
     try:
-        lock = open(out.parent / f".{out.name}.lock", "a")
-    except OSError:
         if not shared:
-            raise
+            out.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(out.parent / f".{out.name}.lock", "a")
+    except OSError as e:
+        if not shared:
+            raise _unwritable(out, e) from e
         yield
         return
     with lock:
@@ -58,29 +79,73 @@ def _locked(out: Path, shared: bool = False, progress: Progress = lambda stage, 
         try:
             fcntl.flock(lock, mode | fcntl.LOCK_NB)
         except BlockingIOError:
-            waiting = f"waiting for {_lock_holder(Path(lock.name), out)} to finish"
+            waiting = f"waiting for {_lock_holder(out)} to finish"
             progress(waiting, 0, 1)
             fcntl.flock(lock, mode)
             progress(waiting, 1, 1)
-        if not shared:
-            print(os.getpid(), file=lock, flush=True)
         try:
             yield
         finally:
-            if not shared:
-                print("-", file=lock, flush=True)
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _lock_holder(path: Path, out: Path) -> str:
-    """Who holds the lock: the writer whose pid is the lock file's last line, else a reader (or a writer starting)."""
-    last = (path.read_bytes().split() or [b""])[-1]
-    return f"another compile of {out} (pid {last.decode()})" if last.isdigit() else f"another process using {out}"
+def _lock_holder(out: Path) -> str:
+    """Who holds the lock: the compile whose temporary folder (`.OUT.tmp-<pid>-...`) is there, else a reader
+    (or a compile that has not made its folder yet)."""
+    prefix = f".{out.name}.tmp-"
+    pids = {p.name[len(prefix) :].split("-")[0] for p in out.parent.glob(f"{prefix}*")}
+    pids = sorted(p for p in pids if p.isdigit())
+    return f"another compile of {out} (pid {pids[0]})" if len(pids) == 1 else f"another process using {out}"
+
+
+def _unwritable(out: Path, e: OSError) -> ArtifactError:
+    where = e.filename or out.parent
+    return ArtifactError(f"{out}: cannot write the artifact ({where}: {e.strerror}); pick a writable folder for -o")
 
 
 def _remove_stale(out: Path) -> None:
     for stale in out.parent.glob(f".{out.name}.tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
+
+
+def _relation(a: Path, b: Path) -> str | None:
+    """How folder a stands to folder b: "is", "is inside", "holds", or None when apart."""
+    if a == b:
+        return "is"
+    if b in a.parents:
+        return "is inside"
+    return "holds" if a in b.parents else None
+
+
+def check_device(device: str) -> None:
+    if device == "cuda" and not torch.cuda.is_available():
+        build = "sees no CUDA device" if torch.version.cuda else "is built without CUDA"
+        raise ConfigError(f"CompileConfig.device='cuda' but this torch {torch.__version__} {build}; use --device cpu")
+
+
+def check_paths(out: Path, model_dir: Path, config: CompileConfig) -> None:
+    """OUT stays apart from the model directory and the dump folder (replacing one must never touch the
+    other), and the dump folder is new, empty or an earlier dump."""
+    model_dir = model_dir.resolve()
+    if relation := _relation(out, model_dir):
+        raise ConfigError(f"-o {out} {relation} the model directory {model_dir}; write the artifact to its own folder")
+    if config.dump_dir:
+        dump = Path(config.dump_dir).resolve()
+        if relation := _relation(dump, out):
+            raise ConfigError(f"--dump-dir {dump} {relation} -o {out}; keep the dumps and the artifact apart")
+        check_dump_dir(dump)
+
+
+def _claim(out: Path, force: bool) -> None:
+    """OUT may be written when absent, or replaced (force) when it is an artifact or empty; nothing else."""
+    if not out.exists():
+        return
+    foreign = foreign_content(out)
+    if foreign is not None:
+        raise ArtifactError(f"{out}: already exists and {foreign}; graphkiln replaces only its own artifacts, "
+                            "so pick a new folder for -o")
+    if not force:
+        raise ArtifactError(f"{out}: already exists; pass --force (force=True) to replace it")
 
 
 def write_artifact(
@@ -91,29 +156,40 @@ def write_artifact(
     engine_defaults: dict,
     *,
     force: bool = False,
+    sign_key: Ed25519PrivateKey | None = None,
     graph_passes: tuple[Pass, ...] = (),
     progress: Progress = lambda stage, done, total: None,
 ) -> tuple[dict, CompileReport]:
     """Compile `model_dir` for `config` into `out`; return the manifest and the compile report.
     `engine_defaults` (an EngineConfig as a dict) is recorded for `load` to start from.
 
-    The model directory (config.json, weight file headers), the pass names and, for dumps, depyf
-    are checked before anything is locked, created or reported as progress.
+    The model directory (config.json, weight file headers), the device, the paths, the pass names
+    and, for dumps, depyf are checked before anything is locked, created or reported as progress.
+    `force` replaces an existing artifact (or an empty folder), nothing else. `sign_key` signs the
+    manifest.
     """
     out = out.resolve()
     fingerprint = model_fingerprint(model_dir)
+    check_device(config.device)
+    check_paths(out, model_dir, config)
     check_disabled(default_passes(graph_passes), config.disabled_passes)
     if config.dump_dir:
         require_depyf()
+    _claim(out, force)  # before the lock file and OUT's parents are created; again under the lock
     with _locked(out, progress=progress):
-        if out.exists() and not force:
-            raise ArtifactError(f"{out}: already exists; pass --force (force=True) to replace it")
+        _claim(out, force)
         _remove_stale(out)
-        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+        try:
+            tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-{os.getpid()}-"))
+        except OSError as e:
+            raise _unwritable(out, e) from e
         try:
             manifest, report = _compile_into(
                 model_dir, model_source, fingerprint, tmp, config, engine_defaults, graph_passes, progress
             )
+            if sign_key is not None:
+                sign(tmp, sign_key)
+            _claim(out, force)  # again: the compile took a while, and OUT is replaced only if it is still ours
             _replace(tmp, out)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -161,6 +237,7 @@ def _compile_into(
         "counters": report.counters.as_dict(),
         "files": file_hashes(tmp),
     }
+    manifest["fields_sha256"] = seal(manifest)
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     tmp.chmod(0o755)
     return manifest, report
@@ -185,9 +262,12 @@ def _replace(tmp: Path, out: Path) -> None:
         os.rename(tmp, out)
 
 
-def check_artifact(out: Path, model_dir: Path, device: str | None = None, dtype: str | None = None) -> dict:
-    """Every check a load needs, without loading anything; returns the manifest."""
-    manifest = read_manifest(out)
+def check_artifact(
+    out: Path, model_dir: Path, device: str | None = None, dtype: str | None = None, trusted_keys: Sequence = ()
+) -> dict:
+    """Every check a load needs, without loading anything; returns the manifest. With `trusted_keys`
+    (signing.load_public_keys) the manifest's signature is checked first."""
+    manifest = read_manifest(out, trusted_keys)
     config = manifest["config"]
     if device is not None and torch.device(device).type != config["device"]:
         raise ArtifactError(f"{out}: compiled for device {config['device']!r}, asked for {device!r}; {FIX}")
@@ -226,18 +306,18 @@ def recorded_config(manifest: dict, out: Path) -> ModelConfig:
 
 
 def read_artifact(
-    out: Path, model_dir: Path, device=None, dtype=None
+    out: Path, model_dir: Path, device=None, dtype=None, trusted_keys: Sequence = ()
 ) -> tuple[CausalLM, CompiledModel, Tokenizer | None, dict]:
     """Check, then load weights, compiled pieces and the tokenizer: no Dynamo trace, no Inductor compile,
     and no transformers import where the artifact keeps a tokenizer snapshot."""
     out = out.resolve()
     with _locked(out, shared=True):
-        manifest = check_artifact(out, model_dir, device, dtype)
+        manifest = check_artifact(out, model_dir, device, dtype, trusted_keys)
         config = manifest["config"]
         model = load_model(model_dir, torch.device(config["device"]), config["dtype"], recorded_config(manifest, out))
         tensors = dict(model.named_parameters(remove_duplicate=False))
         tensors.update(model.named_buffers(remove_duplicate=False))
-        compiled = load_compiled(manifest["compiled"], out, tensors)
+        compiled = load_compiled(manifest["compiled"], manifest["files"], out, tensors)
         if manifest["model"].get("tokenizer") == "snapshot":
             tokenizer = Tokenizer.from_snapshot(model_dir, out / TOKENIZER_FILE)
         else:

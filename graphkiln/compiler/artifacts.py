@@ -9,22 +9,24 @@ Layout under the directory:
 
 Reading assumes the caller already checked every file's sha256 against the manifest: the graph
 is unpickled and the pieces hold compiled code, so artifacts are exactly as trusted as the
-process that wrote them.
+process that wrote them. The pieces load through an Inductor cache folder of their own, keyed
+by the digest of those checked files (`code_digest`), so no artifact's code runs for another's.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import pickle
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
+from graphkiln.compat import artifact_cache, install_cpu_kernels, load_artifact, private_inductor_cache
 from graphkiln.errors import ArtifactError
 
 from .capture import Binding
-from graphkiln.compat import install_cpu_kernels, load_artifact
-
 from .compiled_model import CompiledModel
 from .inductor import CompiledPiece
 from .manifest import FIX
@@ -60,21 +62,38 @@ def save_compiled(compiled: CompiledModel, out: Path) -> dict:
     }
 
 
-def load_compiled(section: dict, out: Path, tensors: dict[str, torch.Tensor]) -> CompiledModel:
-    """Rebuild a CompiledModel from checked files, with no Dynamo trace and no Inductor compile."""
-    if (out / CPU_KERNELS).is_dir():
-        install_cpu_kernels(out / CPU_KERNELS)
+def code_digest(files: dict[str, str]) -> str:
+    """A digest of the compiled code's files (pieces, CPU kernels) from the manifest's checked sha256s."""
+    code = sorted((rel, sha) for rel, sha in files.items() if rel.startswith((f"{PIECES_DIR}/", f"{CPU_KERNELS}/")))
+    return hashlib.sha256(json.dumps(code).encode()).hexdigest()[:32]
+
+
+def _load_piece(path: Path):
+    """One Inductor standalone artifact; its sha256 matched, so a failure means torch cannot read what it wrote."""
+    try:
+        return load_artifact(path)
+    except Exception as e:
+        raise ArtifactError(f"{path}: Inductor cannot load this piece ({type(e).__name__}: {e}); {FIX}") from e
+
+
+def load_compiled(section: dict, files: dict[str, str], out: Path, tensors: dict[str, torch.Tensor]) -> CompiledModel:
+    """Rebuild a CompiledModel from checked files (`files`: their sha256s), with no Dynamo trace and no
+    Inductor compile."""
     try:  # the file's sha256 matched: what fails here was written by other graphkiln code
         gm = pickle.loads((out / GRAPH_FILE).read_bytes())
     except Exception as e:
         raise ArtifactError(f"{out / GRAPH_FILE}: this graphkiln cannot rebuild it ({type(e).__name__}: {e}); {FIX}") from e
     unique = {}
-    for key, info in section["unique_pieces"].items():
-        folder = out / PIECES_DIR / key
-        dynamic = load_artifact(folder / "dynamic.bin")
-        by_size = {size: load_artifact(folder / f"{size}.bin") for size in info["sizes"]}
-        size_arg = tuple(info["size_arg"]) if info["size_arg"] else None
-        unique[key] = CompiledPiece(key, dynamic, by_size, size_arg, info["returns_tuple"])
+    cache = artifact_cache(code_digest(files))
+    with private_inductor_cache(cache):
+        if (out / CPU_KERNELS).is_dir():
+            install_cpu_kernels(out / CPU_KERNELS, cache)
+        for key, info in section["unique_pieces"].items():
+            folder = out / PIECES_DIR / key
+            dynamic = _load_piece(folder / "dynamic.bin")
+            by_size = {size: _load_piece(folder / f"{size}.bin") for size in info["sizes"]}
+            size_arg = tuple(info["size_arg"]) if info["size_arg"] else None
+            unique[key] = CompiledPiece(key, dynamic, by_size, size_arg, info["returns_tuple"])
     pieces = {name: unique[key] for name, key in section["pieces"].items()}
     split = SplitGraph(gm, [(name, attn) for name, attn in section["submodules"]])
     bindings = [Binding(**b) for b in section["bindings"]]

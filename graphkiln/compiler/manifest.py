@@ -5,6 +5,13 @@
 an ArtifactError that says what differs and how to fix it. torch is imported only inside the
 functions that describe this process, so reading a manifest (`graphkiln inspect`) imports
 neither torch nor transformers.
+
+The manifest lists every other file's sha256, and `fields_sha256` holds a short sha256 of each
+of its own fields, so a hand edit (a dtype, a layer count) is refused naming the field instead of
+failing later inside a kernel. `model.source` (where the weights are, checked by their
+fingerprint), the informational timings and counters, and the file list (checked against the
+files themselves) are left out. This guards against mistakes, not attackers: signing
+(`signing.py`) does that.
 """
 
 from __future__ import annotations
@@ -12,18 +19,30 @@ from __future__ import annotations
 import hashlib
 import json
 import platform
+from collections.abc import Sequence
 from pathlib import Path
 
 from graphkiln.errors import ArtifactError
 from graphkiln.version import __version__
 
-FORMAT_VERSION = 3  # 3: serving defaults in section "engine", out of "config"
+FORMAT_VERSION = 3  # 3: serving defaults in section "engine"; fields_sha256 seals every other field
 MANIFEST = "manifest.json"
+SIGNATURE = "manifest.sig"  # an Ed25519 signature over manifest.json's bytes (signing.py)
+SIGNATURE_BYTES = 64
 FIX = "recompile with `compile-model ... --force`, or load with on_mismatch='recompile'"
 REWRITE = "recompile with `compile-model ... --force`"
 SECTIONS = {
-    "environment": dict, "model": dict, "config": dict, "engine": dict, "passes": list, "compiled": dict, "files": dict,
-}  # fmt: skip
+    "environment": dict,
+    "model": dict,
+    "config": dict,
+    "engine": dict,
+    "passes": list,
+    "compiled": dict,
+    "files": dict,
+    "fields_sha256": dict,
+}
+UNSEALED = ("fields_sha256", "files", "timings", "counters", "model.source")
+SEALED_DEPTH = 3  # model.config.num_layers is a field of its own; deeper values are hashed whole
 
 
 def _triton_version() -> str | None:
@@ -67,14 +86,61 @@ def file_hashes(root: Path) -> dict[str, str]:
     return {str(p.relative_to(root)): sha256_file(p) for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-def read_manifest(root: Path) -> dict:
+def _fields(value, name: str = ""):
+    """(dotted name, value) of every sealed field, down to SEALED_DEPTH names."""
+    if isinstance(value, dict) and value and name.count(".") < SEALED_DEPTH - 1:
+        for key, item in value.items():
+            child = f"{name}.{key}" if name else key
+            if child not in UNSEALED:
+                yield from _fields(item, child)
+    else:
+        yield name, value
+
+
+def _digest(value) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def seal(manifest: dict) -> dict:
+    """The fields_sha256 section for `manifest`: a short sha256 of each field, as JSON writes it."""
+    return {name: _digest(value) for name, value in _fields(json.loads(json.dumps(manifest)))}
+
+
+def check_seal(manifest: dict, path: Path) -> None:
+    """Every field must be as compile-model wrote it: an edited manifest describes code that was never compiled."""
+    recorded, now = manifest["fields_sha256"], seal(manifest)
+    values = dict(_fields(manifest))
+    for name in sorted(recorded.keys() | now.keys()):
+        if name not in now:
+            change = "was removed"
+        elif name not in recorded:
+            change = f"was added ({_short(values[name])})"
+        elif recorded[name] != now[name]:
+            change = f"was changed (now {_short(values[name])})"
+        else:
+            continue
+        raise ArtifactError(f"{path}: field {name} {change} after compile-model wrote it; {REWRITE}")
+
+
+def _short(value) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def read_manifest(root: Path, trusted_keys: Sequence = ()) -> dict:
+    """Parse and check manifest.json; with `trusted_keys` (signing.load_public_keys) its signature first."""
     path = root / MANIFEST
     if not root.is_dir():
         raise ArtifactError(f"{root}: no such artifact directory; create it with `compile-model MODEL -o {root}`")
     if not path.is_file():
         raise ArtifactError(f"{path}: missing, so {root} is not a complete artifact; {REWRITE}")
+    data = path.read_bytes()
+    if trusted_keys:
+        from .signing import verify
+
+        verify(root, data, trusted_keys)
     try:
-        manifest = json.loads(path.read_text())
+        manifest = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ArtifactError(f"{path}: not valid JSON ({e}); {REWRITE}") from e
     version = manifest.get("format_version") if isinstance(manifest, dict) else None
@@ -83,7 +149,30 @@ def read_manifest(root: Path) -> dict:
     for section, kind in SECTIONS.items():
         if not isinstance(manifest.get(section), kind):
             raise ArtifactError(f"{path}: section {section!r} is missing or not a {kind.__name__}; {REWRITE}")
+    check_seal(manifest, path)
     return manifest
+
+
+def foreign_content(root: Path) -> str | None:
+    """None when `root` is a graphkiln artifact (of any format version) holding only the files its manifest
+    lists, or an empty folder; else why not. Only such a folder may be replaced (`--force`)."""
+    if not root.is_dir():
+        return "it is a file, not a folder"
+    if not any(root.iterdir()):
+        return None
+    try:
+        manifest = json.loads((root / MANIFEST).read_bytes())
+    except (OSError, ValueError):
+        return f"it holds no readable {MANIFEST}, so it is not a graphkiln artifact"
+    if not (isinstance(manifest, dict) and isinstance(manifest.get("format_version"), int)
+            and isinstance(manifest.get("environment"), dict) and "graphkiln" in manifest["environment"]
+            and isinstance(manifest.get("files"), dict)):
+        return f"its {MANIFEST} is not a graphkiln manifest"
+    ours = set(manifest["files"]) | {MANIFEST, SIGNATURE}
+    for p in sorted(root.rglob("*")):
+        if (p.is_symlink() or not p.is_dir()) and str(p.relative_to(root)) not in ours:
+            return f"it holds {p.relative_to(root)}, which is not part of the artifact"
+    return None
 
 
 def check_environment(manifest: dict, device: str) -> None:
@@ -99,9 +188,22 @@ def check_environment(manifest: dict, device: str) -> None:
             raise ArtifactError(f"artifact {field} is {recorded.get(field)!r} but this process has {here[field]!r}; {FIX}")
 
 
+def check_signature_file(root: Path) -> None:
+    """manifest.sig, when present, is a plain file of one signature's 64 bytes: it can carry nothing else."""
+    path = root / SIGNATURE
+    if not (path.exists() or path.is_symlink()):
+        return
+    if path.is_symlink() or not path.is_file() or path.stat().st_size != SIGNATURE_BYTES:
+        raise ArtifactError(
+            f"{path}: not an Ed25519 signature (a plain file of {SIGNATURE_BYTES} bytes); delete it, or get "
+            "the artifact again from its publisher"
+        )
+
+
 def check_files(manifest: dict, root: Path) -> None:
     """Exactly the listed files exist, each with its recorded sha256; checked before anything is unpickled."""
-    present = {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()} - {MANIFEST}
+    check_signature_file(root)
+    present = {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()} - {MANIFEST, SIGNATURE}
     unlisted = sorted(present - set(manifest["files"]))
     if unlisted:
         raise ArtifactError(f"{root / unlisted[0]}: present but not listed in {MANIFEST} (tampered?); {FIX}")

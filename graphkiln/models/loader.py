@@ -2,6 +2,8 @@
 
 The model is built on the meta device, materialized empty on the target device in the target
 dtype, and filled one checkpoint tensor at a time, so at most one tensor exists twice in memory.
+Each filled tensor is summed once as it lands (one pass over memory the copy just touched, one
+device sync for all of them): a NaN or Inf weight is refused by name instead of decoding token 0.
 """
 
 from __future__ import annotations
@@ -147,6 +149,7 @@ def _fill_weights(model: CausalLM, cfg: ModelConfig, files: dict[str, Path], dev
     for name, path in files.items():
         by_file.setdefault(path, []).append(name)
     filled: set[str] = set()
+    sums: list[tuple[Path, str, torch.Tensor, torch.Tensor]] = []  # (file, name, filled slice, its sum)
     with torch.no_grad():
         for path, names in by_file.items():
             try:
@@ -154,13 +157,38 @@ def _fill_weights(model: CausalLM, cfg: ModelConfig, files: dict[str, Path], dev
                     for name in names:
                         if IGNORED_TENSORS.match(name) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
                             continue
-                        _copy_tensor(model, cfg, name, f.get_tensor(name), path, filled, dtype)
+                        dest = _copy_tensor(model, cfg, name, f.get_tensor(name), path, filled, dtype)
+                        sums.append((path, name, dest, _sum(dest)))
             except (SafetensorError, OSError) as e:
                 raise ModelFileError(f"{path}: not a readable safetensors file ({e}); download it again") from e
+        _check_finite(sums, dtype)
     return filled
 
 
-def _copy_tensor(model, cfg, name, tensor, path, filled, dtype) -> None:
+def _sum(tensor: torch.Tensor) -> torch.Tensor:
+    """The sum, accumulated and returned in float32 for float16 (whose sums of finite weights overflow)."""
+    return tensor.sum(dtype=torch.float32 if tensor.dtype == torch.float16 else None)
+
+
+def _check_finite(sums: list[tuple[Path, str, torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> None:
+    """A sum is finite unless its tensor holds NaN or Inf, or the sum overflows: the tensor is then checked whole."""
+    if not sums or bool(torch.isfinite(torch.stack([s for *_, s in sums])).all()):
+        return
+    for path, name, dest, total in sums:
+        if not bool(torch.isfinite(total)) and not bool(torch.isfinite(dest).all()):
+            with safe_open(str(path), framework="pt") as f:
+                finite_source = bool(torch.isfinite(f.get_tensor(name)).all())
+            if finite_source:
+                raise ModelFileError(
+                    f"{path}: tensor {name!r} holds values beyond {str(dtype).removeprefix('torch.')}'s range "
+                    "(they become Inf); load the model in bfloat16 or float32"
+                )
+            raise ModelFileError(
+                f"{path}: tensor {name!r} holds NaN or Inf values; the checkpoint is corrupt, download or save it again"
+            )
+
+
+def _copy_tensor(model, cfg, name, tensor, path, filled, dtype) -> torch.Tensor:
     try:
         ours, param, index = _target(model, name)
     except AttributeError:
@@ -175,3 +203,4 @@ def _copy_tensor(model, cfg, name, tensor, path, filled, dtype) -> None:
         )
     dest.copy_(tensor.to(dtype))
     filled.add(name)
+    return dest

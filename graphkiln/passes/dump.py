@@ -8,11 +8,15 @@ are `NN-<pass>.before.<piece>.<size>.py`), the split's summary and each submodul
 Inductor's output code for every compiled piece and size, and `passes.md`, the pass table.
 `index.md` lists every file in the order it was written, one line each, as a relative link a
 Markdown viewer follows.
+
+A dump folder is emptied for the next dump only if graphkiln wrote it: `.graphkiln-dump`, written
+last, records every file of the dump, and a folder holding anything else is left alone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import shutil
 from collections.abc import Iterable, Iterator, Mapping
@@ -28,6 +32,8 @@ from .attention_split import summary
 DYNAMO_DIR = "00-dynamo"
 DEPYF_LOG = "depyf.log"
 INDEX = "index.md"
+MARKER = ".graphkiln-dump"
+MARKER_FORMAT = "graphkiln-dump/1"
 _KERNEL_DEF = re.compile(r"^(\w+) = async_compile\.\w+\(", re.MULTILINE)
 _EXTERN_CALL = re.compile(r"\bextern_kernels\.\w+\(")
 _DEPYF = (
@@ -48,6 +54,33 @@ def kernel_counts(code: str) -> dict[str, int]:
     return {"kernels": len(names), "launches": launches + externs, "extern_calls": externs}
 
 
+def check_dump_dir(root: Path) -> None:
+    """A dump folder must be new, empty, or written by an earlier dump and nothing else."""
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"CompileConfig.dump_dir={str(root)!r} is a file; pick a new or empty folder")
+    foreign = _foreign_content(root) if root.exists() and any(root.iterdir()) else None
+    if foreign:
+        raise ConfigError(
+            f"CompileConfig.dump_dir={str(root)!r} is not empty and {foreign}; graphkiln empties only its "
+            "own dumps, so pick a new or empty folder"
+        )
+
+
+def _foreign_content(root: Path) -> str | None:
+    """None when every file in `root` was written by an earlier dump (its marker lists it); else why not."""
+    try:
+        marker = json.loads((root / MARKER).read_text())
+    except (OSError, ValueError):
+        marker = None
+    if not isinstance(marker, dict) or marker.get("format") != MARKER_FORMAT or not isinstance(marker.get("files"), list):
+        return f"holds no {MARKER} marker of an earlier dump"
+    ours = {str(name) for name in marker["files"]} | {MARKER}
+    for path in sorted(root.rglob("*")):
+        if (path.is_symlink() or not path.is_dir()) and str(path.relative_to(root)) not in ours:
+            return f"holds {path.relative_to(root)}, which no earlier dump wrote"
+    return None
+
+
 def _readable(graph: torch.fx.GraphModule | torch.fx.Graph) -> str:
     if isinstance(graph, torch.fx.Graph):
         owner = graph.owning_module
@@ -64,13 +97,9 @@ class Dump:
         self.compiling_piece: tuple[str, str] | None = None  # (piece, variant) while Inductor compiles it
 
     def __enter__(self) -> Dump:
-        """Empty the folder (only if an earlier dump wrote it) and start listing files."""
+        """Empty the folder (only if an earlier dump wrote all of it) and start listing files."""
+        check_dump_dir(self.root)
         if self.root.exists() and any(self.root.iterdir()):
-            if not (self.root / INDEX).exists():
-                raise ConfigError(
-                    f"CompileConfig.dump_dir={str(self.root)!r} is not empty and holds no {INDEX} of an "
-                    "earlier dump; pick a new or empty folder"
-                )
             shutil.rmtree(self.root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.entries.clear()
@@ -80,6 +109,8 @@ class Dump:
         lines = ["# graphkiln compile dump", "", "Every file, in the order the compiler wrote it.", ""]
         lines += [f"- [`{name}`]({quote(name)}): {what}" for name, what in self.entries]
         (self.root / INDEX).write_text("\n".join(lines) + "\n")
+        files = sorted(str(p.relative_to(self.root)) for p in self.root.rglob("*") if not p.is_dir())
+        (self.root / MARKER).write_text(json.dumps({"format": MARKER_FORMAT, "files": files}, indent=1) + "\n")
 
     def write(self, name: str, text: str, what: str) -> None:
         """Write `name` (a repeated name gets a run number) and list it with its one-line `what`."""
