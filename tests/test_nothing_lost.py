@@ -137,7 +137,7 @@ def test_a_docs_folder_with_an_index_is_not_a_dump(tmp_path: Path) -> None:
     (docs / INDEX).write_text("# Welcome\n")
     (docs / "guide" / "install.md").write_text("pip install graphkiln\n")
     before = snapshot(docs)
-    config = CompileConfig(decode_batch_sizes=(1,), prefill_token_buckets=(16,), dump_dir=str(docs))
+    config = CompileConfig(dump_dir=str(docs))
     with pytest.raises(ConfigError, match=re.escape(f"dump_dir={str(docs)!r} is not empty and holds no {MARKER}")):
         graphkiln.compile_model("tiny", tmp_path / "out", config)
     assert snapshot(docs) == before

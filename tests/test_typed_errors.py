@@ -77,7 +77,7 @@ def test_corrupt_piece_with_its_sha256_fixed_up_is_named(art: Path, capsys: pyte
     [
         ("config.dtype", lambda m: m["config"].__setitem__("dtype", "bfloat16")),
         ("model.config.num_layers", lambda m: m["model"]["config"].__setitem__("num_layers", 3)),
-        ("config.block_size", lambda m: m["config"].__setitem__("block_size", 32)),
+        ("engine.block_size", lambda m: m["engine"].__setitem__("block_size", 32)),
         ("environment.torch", lambda m: m["environment"].__setitem__("torch", torch.__version__ + "-edited")),
     ],
     ids=["dtype", "num_layers", "block_size", "torch-version"],
