@@ -137,6 +137,22 @@ def test_chunked_prefill_mixed_with_decode_rows_replays_whole_prefill_graphs(tin
     assert prefill.replays["32"] >= 15  # 675 prompt tokens, at most 32 a step
 
 
+def test_piecewise_prefill_graphs_replay_correctly(tiny_fp32_parts):
+    """A backend that cannot capture its prefill (the SDPA reference here, FlashInfer in practice) gets one
+    graph per (bucket, piece) with attention run eagerly between them, mixed steps included."""
+    eager, plain, graphed = engines(tiny_fp32_parts, attention_backend="sdpa", max_num_batched_tokens=32)
+    prompts = [p * 5 for p in uneven_prompts(4096, 4)]  # 5 to 110 tokens: chunked beside decode rows
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    assert [o.token_ids for o in graphed.generate(prompts, params)] == want
+    stats = graphed.stats()
+    pieces = stats.graphs["prefill-piecewise"]
+    assert "decode" not in stats.graphs and pieces.sizes == (16, 32)
+    assert pieces.graphs == 2 * len(tiny_fp32_parts[1].pieces)
+    assert pieces.replayed_sizes == {16, 32}
+    assert [o.token_ids for o in eager.generate(prompts, params)] == want
+
+
 def test_sampling_inside_decode_graphs_matches_the_plain_compiled_engine(tiny_fp32):
     """Seeded temperature, top-k/top-p and logprob requests: the graphs run the same sampler."""
     _, plain, graphed = tiny_fp32
