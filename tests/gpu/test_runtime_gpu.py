@@ -149,8 +149,11 @@ def test_piecewise_prefill_graphs_replay_correctly(tiny_fp32_parts):
     pieces = stats.graphs["prefill-piecewise"]
     assert "decode" not in stats.graphs and pieces.sizes == (16, 32)
     assert pieces.graphs == 2 * len(tiny_fp32_parts[1].pieces)
-    assert pieces.replayed_sizes == {16, 32}
+    assert pieces.replayed_sizes == {32}  # every prefill chunk shares its step with other rows
     assert [o.token_ids for o in eager.generate(prompts, params)] == want
+    alone = [prompts[0]]  # 5 tokens: the 16-token bucket
+    assert graphed.generate(alone, params)[0].token_ids == plain.generate(alone, params)[0].token_ids
+    assert graphed.stats().graphs["prefill-piecewise"].replayed_sizes == {16, 32}
 
 
 def test_sampling_inside_decode_graphs_matches_the_plain_compiled_engine(tiny_fp32):
