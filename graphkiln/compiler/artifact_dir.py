@@ -231,7 +231,6 @@ def _compile_into(
         "config": asdict(config),
         "engine": engine_defaults,
         "passes": [{"name": r.name, "stage": r.stage, "uuid": r.uuid} for r in report.passes if r.enabled],
-        "compiler_hash": report.compiler_hash,
         "compiled": section,
         "timings": report.timings,
         "counters": report.counters.as_dict(),

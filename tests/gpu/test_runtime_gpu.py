@@ -14,6 +14,7 @@ import graphkiln
 from graphkiln import CompileConfig, EngineConfig, LLM, SamplingParams
 from graphkiln.compiler.compile import compile_module
 from graphkiln.compiler.counters import torch_compile_events
+from graphkiln.errors import CapacityError
 from graphkiln.llm import resolve_model_dir
 from graphkiln.models import load_model
 from graphkiln.models.tokenizer import Tokenizer
@@ -345,3 +346,18 @@ def test_dropping_an_llm_gives_its_memory_back(tmp_path):
     assert held > 2**30 and before - after < 100 * 2**20
     again = graphkiln.load(out, gpu_memory_fraction=0.5)
     assert again.generate(["hello"], SamplingParams(max_tokens=4))[0].token_ids
+
+
+def test_an_engine_without_room_says_who_holds_the_memory(tmp_path):
+    """With another engine holding the memory, loading is a CapacityError naming free and held memory and
+    what to change, never a negative cache size; once that engine closes, the load succeeds."""
+    out = tmp_path / "art"
+    graphkiln.compile_model("tiny", out, CompileConfig(device="cuda", dtype="bfloat16"))
+    small = dict(decode_batch_sizes=(1,), prefill_token_buckets=(16,))
+    first = graphkiln.load(out, **small)
+    pattern = (r"no room for a KV cache on cuda.*: [\d.]+ GiB of [\d.]+ GiB free; this process holds [\d.]+ GiB, "
+               r"others [\d.]+ GiB, and gpu_memory_fraction=0\.9 leaves .*raise gpu_memory_fraction, or set kv_cache_tokens")
+    with pytest.raises(CapacityError, match=pattern):
+        graphkiln.load(out, **small)
+    first.close()
+    assert graphkiln.load(out, **small).generate(["hello"], SamplingParams(max_tokens=2))[0].token_ids
