@@ -13,6 +13,7 @@ prompt. On the CPU (--smoke) engine steps are timed instead of replays and no ke
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from .common import Study, add_study_arguments, log
 from .kernels import by_name, device_events
