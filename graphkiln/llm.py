@@ -2,21 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
 import dataclasses
 import operator
 import weakref
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from graphkiln.compiler.compile import CompileReport, compile_module
+from graphkiln.compiler.config import CompileConfig
 from graphkiln.errors import RequestError, RequestFailedError
 from graphkiln.models import load_model, resolve_dtype
 from graphkiln.models.tiny import TINY_NAME, tiny_model_dir
 from graphkiln.models.tokenizer import Tokenizer
-from graphkiln.compiler.compile import CompileReport, compile_module
-from graphkiln.compiler.config import CompileConfig
 from graphkiln.runtime.builder import build_engine
 from graphkiln.runtime.config import EngineConfig, engine_config
 from graphkiln.runtime.engine import Engine, TokenLogprobs
