@@ -14,7 +14,7 @@ import torch
 from graphkiln.errors import RequestError, RequestFailedError
 from graphkiln.models import load_model, resolve_dtype
 from graphkiln.models.tiny import TINY_NAME, tiny_model_dir
-from graphkiln.models.tokenizer import Tokenizer
+from graphkiln.models.tokenizer import IncrementalDecoder, Tokenizer
 from graphkiln.compiler.compile import CompileReport, compile_module
 from graphkiln.compiler.config import CompileConfig
 from graphkiln.runtime.builder import build_engine
@@ -184,18 +184,15 @@ class LLM:
         RequestFailedError after its last token."""
         params = SamplingParams() if params is None else params
         seq = self.engine.add_request(self.encode(prompt), params, stream=True)
-        shown, count = "", 0
+        text = IncrementalDecoder(self.decode)
         try:
             while seq.events or seq.finish_reason is None:
                 if not seq.events:
                     self.engine.step()
                     continue
                 event = seq.events.popleft()
-                count += 1
-                text = self.decode(seq.output_ids[:count])
-                stable = text if event.finish_reason or not text.endswith("\ufffd") else shown
-                yield StreamDelta(event.token_id, stable[len(shown) :], event.finish_reason, event.logprobs)
-                shown = stable
+                piece = text.push([event.token_id]) + (text.flush() if event.finish_reason else "")
+                yield StreamDelta(event.token_id, piece, event.finish_reason, event.logprobs)
         finally:
             self._abort_unfinished([seq])
         if seq.error is not None:
