@@ -5,13 +5,14 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 import dataclasses
 import operator
+import re
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from graphkiln.errors import RequestError, RequestFailedError
+from graphkiln.errors import ModelFileError, RequestError, RequestFailedError
 from graphkiln.models import load_model, resolve_dtype
 from graphkiln.models.tiny import TINY_NAME, tiny_model_dir
 from graphkiln.models.tokenizer import IncrementalDecoder, Tokenizer
@@ -26,6 +27,7 @@ from graphkiln.runtime.scheduler import Sequence as Request
 from graphkiln.runtime.stats import EngineStats
 
 Prompt = str | Sequence[int]
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # org/name
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,31 @@ class StreamDelta:
 
 
 def resolve_model_dir(model: str | Path) -> Path:
-    return tiny_model_dir() if str(model) == TINY_NAME else Path(model)
+    """'tiny', a model directory, or a Hugging Face hub id (a string `org/name` naming no directory here),
+    found in the hub's local cache: graphkiln never downloads."""
+    if str(model) == TINY_NAME:
+        return tiny_model_dir()
+    return hub_snapshot(model) if is_hub_id(model) else Path(model)
+
+
+def is_hub_id(model: str | Path) -> bool:
+    return isinstance(model, str) and HUB_ID.fullmatch(model) is not None and not Path(model).exists()
+
+
+def hub_snapshot(repo_id: str) -> Path:
+    """The snapshot folder of `repo_id`'s main revision in the hub's cache (HF_HUB_CACHE, else HF_HOME/hub)."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except (OSError, ValueError) as e:  # not cached, cached in part, or not a valid repository id
+        why = "" if type(e) is LocalEntryNotFoundError else f" ({e})"  # the plain case needs no more words
+        raise ModelFileError(
+            f"{repo_id}: no such directory, and not in the Hugging Face cache {constants.HF_HUB_CACHE}{why}; "
+            f"download it with `hf download {repo_id}` (or set HF_HUB_CACHE to the cache holding it), or pass a "
+            "model directory"
+        ) from e
 
 
 class LLM:
