@@ -169,6 +169,19 @@ def art(artifact: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(artifact, tmp_path / "art"))
 
 
+API_KEY = "test-key-0123"
+
+
+@pytest.fixture(scope="session")
+def server(artifact: Path) -> Iterator:
+    """`graphkiln serve` on the session's artifact (an API key, a 64 KiB body limit): every HTTP test's server."""
+    from serve_helpers import serve_process
+
+    args = ("--kv-cache-tokens", "8192", "--max-body-bytes", "65536", "--api-key", API_KEY)
+    with serve_process(str(artifact), *args, api_key=API_KEY) as running:
+        yield running
+
+
 HUB_REPO = "graphkiln-test/tiny"
 
 

@@ -1,0 +1,49 @@
+"""Serve an LLM over HTTP: bind the socket, say where, run uvicorn until a signal, close the LLM.
+
+The socket is bound here rather than by uvicorn so that `--port 0` works: the line on stderr names the
+port the system picked (tests and scripts read it). Ctrl-C (or SIGTERM) stops accepting, gives open
+requests a few seconds, aborts what is left and frees the engine.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+
+import uvicorn
+
+from graphkiln.llm import LLM
+
+from .app import ServerConfig, create_app
+
+GRACEFUL_SHUTDOWN_S = 5
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(
+    llm: LLM, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning"
+) -> None:
+    """Run the server in this thread until it is stopped; the LLM is closed after."""
+    sock = bind(host, port)
+    bound = sock.getsockname()[1]
+    shown = f"[{host}]" if ":" in host else host
+    print(f"graphkiln serve: {config.model_name!r} on http://{shown}:{bound}/v1 (max context {llm.max_context} tokens)",
+          file=sys.stderr, flush=True)  # fmt: skip
+    if config.api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"graphkiln serve: warning: listening on {host} without an API key; anyone who can reach it may use it",
+              file=sys.stderr, flush=True)  # fmt: skip
+    app = create_app(llm, config)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+        llm.close()
