@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import socket
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -287,3 +288,26 @@ def test_models_routes_and_metrics(server: Server, offline: LLM) -> None:
     for family in ("requests_running", "requests_waiting", "graph_replays", "generation_tokens"):
         assert f"# TYPE graphkiln_{family}" in text
     assert json.loads(httpx.get(server.url + "/health", timeout=10).text)["status"] == "ok"
+
+
+def test_connections_to_the_listening_socket_send_small_chunks_at_once() -> None:
+    """asyncio turns Nagle's algorithm off (TCP_NODELAY) only on connections of an IPPROTO_TCP socket; with it
+    on, each streamed chunk waited for the client's delayed ACK (40 ms to a first token)."""
+    from graphkiln.serve.server import bind
+
+    async def accepted_nodelay() -> int:
+        seen: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        class Probe(asyncio.Protocol):
+            def connection_made(self, transport) -> None:
+                seen.set_result(transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+
+        with bind("127.0.0.1", 0) as sock:
+            server = await asyncio.get_running_loop().create_server(Probe, sock=sock)
+            _, writer = await asyncio.open_connection(*sock.getsockname())
+            result = await asyncio.wait_for(seen, 10)
+            writer.close()
+            server.close()
+            return result
+
+    assert asyncio.run(accepted_nodelay()) != 0
