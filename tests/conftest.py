@@ -3,7 +3,6 @@ classes, and the tiny model's artifact compiled once per session."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
 from collections.abc import Callable, Iterator, Sequence
@@ -26,6 +25,7 @@ from transformers import (
 
 import graphkiln
 from artifact_helpers import ENGINE, SMALL_CONFIG, SMALL_ENGINE, greedy_tokens, temp_folders
+from hub_helpers import HUB_REPO, use_hub_env
 from graphkiln.compiler.counters import torch_compile_events
 from graphkiln.models.tiny import tiny_model_dir
 
@@ -182,9 +182,6 @@ def server(artifact: Path) -> Iterator:
         yield running
 
 
-HUB_REPO = "graphkiln-test/tiny"
-
-
 @pytest.fixture(scope="session")
 def hub_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A Hugging Face hub cache holding the tiny model as HUB_REPO, in the hub's layout (refs/main names the
@@ -204,18 +201,6 @@ def hub_env(hub_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
     of the session's (for subprocesses; `use_hub_env` sets it in this process)."""
     return {"HF_HUB_CACHE": str(hub_cache), "HF_HUB_OFFLINE": "1",
             "GRAPHKILN_CACHE_DIR": str(tmp_path_factory.mktemp("graphkiln-cache"))}  # fmt: skip
-
-
-@contextlib.contextmanager
-def use_hub_env(env: dict[str, str]) -> Iterator[pytest.MonkeyPatch]:
-    """`env` in this process; huggingface_hub read HF_HUB_CACHE when imported, so its constant is set too."""
-    from huggingface_hub import constants
-
-    with pytest.MonkeyPatch.context() as patch:
-        for name, value in env.items():
-            patch.setenv(name, value)
-        patch.setattr(constants, "HF_HUB_CACHE", env["HF_HUB_CACHE"])
-        yield patch
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ import pytest
 
 import graphkiln
 from artifact_helpers import compile_error, greedy_tokens
-from conftest import HUB_REPO, use_hub_env
+from hub_helpers import HUB_REPO, use_hub_env
 from graphkiln.errors import ModelFileError
 from graphkiln.llm import is_hub_id, resolve_model_dir
 

@@ -10,7 +10,7 @@ import pytest
 
 import graphkiln
 from artifact_helpers import single_error_line
-from conftest import HUB_REPO
+from hub_helpers import HUB_REPO
 from graphkiln import SamplingParams, cli
 from serve_helpers import serve_process
 
