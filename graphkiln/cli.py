@@ -181,30 +181,34 @@ def run_serve(args) -> int:
         raise ConfigError(f"graphkiln serve needs {', '.join(missing)}; pip install 'graphkiln[serve]'")
     if args.compile and args.trusted_key:
         raise ConfigError("--trusted-key checks a signed artifact; --compile makes an unsigned one: use one of them")
+    from graphkiln.compiler.manifest import MANIFEST
     from graphkiln.serve.app import ServerConfig
-    from graphkiln.serve.server import serve
+    from graphkiln.serve.server import bind, serve
 
-    llm = _serving_llm(args)
-    source = args.model if args.compile else llm.manifest["model"]["source"]
-    config = ServerConfig(
-        model_name=args.served_model_name or _model_name(source), api_key=args.api_key or os.environ.get(API_KEY_ENV),
-        max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes,
-    )  # fmt: skip
-    serve(llm, config, args.host, args.port, args.log_level)
+    if not args.compile and not (Path(args.model) / MANIFEST).is_file():
+        raise ConfigError(f"{args.model}: not a graphkiln artifact (no {MANIFEST}); compile it first "
+                          f"(compile-model {args.model} -o OUT), or pass --compile to compile it into graphkiln's "
+                          "cache on first start")  # fmt: skip
+    sock = bind(args.host, args.port)  # before the model loads: a port in use is said at once
+    try:
+        llm = _serving_llm(args)
+        source = args.model if args.compile else llm.manifest["model"]["source"]
+        config = ServerConfig(
+            model_name=args.served_model_name or _model_name(source),
+            api_key=args.api_key or os.environ.get(API_KEY_ENV),
+            max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes,
+        )  # fmt: skip
+        serve(llm, config, sock, args.log_level)
+    finally:
+        sock.close()
     return 0
 
 
 def _serving_llm(args):
     """The artifact OUT loaded; with --compile, MODEL compiled into graphkiln's cache first (once)."""
     import graphkiln
-    from graphkiln.compiler.manifest import MANIFEST
-    from graphkiln.errors import ConfigError
 
     if not args.compile:
-        if not (Path(args.model) / MANIFEST).is_file():
-            raise ConfigError(f"{args.model}: not a graphkiln artifact (no {MANIFEST}); compile it first "
-                              f"(compile-model {args.model} -o OUT), or pass --compile to compile it into graphkiln's "
-                              "cache on first start")  # fmt: skip
         return graphkiln.load(args.model, model=args.weights, trusted_keys=args.trusted_key, **_engine_options(args))
     progress = report.ProgressDisplay()
     try:

@@ -3,6 +3,7 @@ from the environment), and the one-line errors (exit 2) before anything loads.""
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import httpx
@@ -37,6 +38,15 @@ def test_serve_refuses_bad_arguments_in_one_line(argv: list[str], words: list[st
     assert cli.main([a.format(tmp=tmp_path) for a in argv]) == 2
     line = single_error_line(capsys.readouterr().err)
     assert all(word in line for word in words), line
+
+
+def test_a_port_in_use_is_said_before_the_model_loads(artifact: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setattr(graphkiln, "load", lambda *a, **k: pytest.fail("loaded before binding"))
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        assert cli.main(["serve", str(artifact), "--port", str(port)]) == 2
+    line = single_error_line(capsys.readouterr().err)
+    assert f"cannot listen on 127.0.0.1:{port}" in line and "--port" in line
 
 
 def test_serve_refuses_a_negative_port_in_one_line(tmp_path: Path, capsys) -> None:
