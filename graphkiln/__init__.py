@@ -1,6 +1,6 @@
 """graphkiln: compile Hugging Face decoder LLMs with torch.compile/Inductor and serve them with CUDA graphs.
 
-Public API: `compile_model`, `load`, `LLM`, `SamplingParams`, `CompileConfig`, `EngineConfig`,
+Public API: `compile_model`, `load`, `cached_artifact`, `LLM`, `SamplingParams`, `CompileConfig`, `EngineConfig`,
 `RequestOutput`, `StreamDelta`, `TokenLogprobs`, and the typed errors in `graphkiln.errors`. Names
 are imported on first use, so `import graphkiln.errors` (or any one room) does not pull in the rest.
 """
@@ -15,6 +15,7 @@ from graphkiln.version import __version__
 _NAMES = {
     "compile_model": "graphkiln.api",
     "load": "graphkiln.api",
+    "cached_artifact": "graphkiln.api",
     "LLM": "graphkiln.llm",
     "RequestOutput": "graphkiln.llm",
     "StreamDelta": "graphkiln.llm",
@@ -27,7 +28,7 @@ __all__ = [*_NAMES, "errors", "__version__"]
 
 if TYPE_CHECKING:
     from graphkiln import errors
-    from graphkiln.api import compile_model, load
+    from graphkiln.api import cached_artifact, compile_model, load
     from graphkiln.compiler.config import CompileConfig
     from graphkiln.llm import LLM, RequestOutput, StreamDelta, TokenLogprobs
     from graphkiln.runtime.config import EngineConfig

@@ -1,9 +1,16 @@
-"""graphkiln.compile_model and graphkiln.load: compile once into an artifact directory, start fast later."""
+"""graphkiln.compile_model and graphkiln.load: compile once into an artifact directory, start fast later;
+graphkiln.cached_artifact: the same through a cache folder keyed by model and config (`serve --compile`)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
+
+import torch
 
 from graphkiln.compiler.artifact_dir import read_artifact, write_artifact
 from graphkiln.compiler.compile import CompileReport, Progress
@@ -11,9 +18,11 @@ from graphkiln.compiler.config import CompileConfig
 from graphkiln.compiler.manifest import MANIFEST, REWRITE, read_manifest
 from graphkiln.compiler.signing import KeySource, load_private_key, load_public_keys
 from graphkiln.errors import ArtifactError, ConfigError, ModelFileError
-from graphkiln.llm import LLM, resolve_model_dir
+from graphkiln.llm import LLM, is_hub_id, resolve_model_dir
+from graphkiln.models.fingerprint import model_fingerprint
 from graphkiln.runtime.builder import build_engine
 from graphkiln.runtime.config import EngineConfig
+from graphkiln.version import __version__
 
 
 def compile_model(
@@ -26,7 +35,8 @@ def compile_model(
     sign_key: KeySource | None = None,
     progress: Progress = lambda stage, done, total: None,
 ) -> tuple[dict, CompileReport]:
-    """Compile a model directory (or "tiny") into the artifact directory `out`; returns (manifest, report).
+    """Compile a model directory, a hub id in the local cache, or "tiny" into the artifact directory `out`;
+    returns (manifest, report).
 
     `engine` is recorded as the artifact's default EngineConfig (capture sizes, KV cache, ...), which
     `load` starts from. `force` replaces an existing artifact at `out`, never anything else.
@@ -36,9 +46,37 @@ def compile_model(
     config = config or CompileConfig()
     key = load_private_key(sign_key) if sign_key is not None else None
     model_dir = resolve_model_dir(model)
-    source = str(model) if str(model) == "tiny" else str(model_dir.resolve())
+    source = str(model) if str(model) == "tiny" or is_hub_id(model) else str(model_dir.resolve())
     defaults = (engine or EngineConfig()).to_dict()
     return write_artifact(model_dir, source, Path(out), config, defaults, force=force, sign_key=key, progress=progress)
+
+
+def cache_root() -> Path:
+    """graphkiln's cache folder: GRAPHKILN_CACHE_DIR, else $XDG_CACHE_HOME/graphkiln, else ~/.cache/graphkiln."""
+    if root := os.environ.get("GRAPHKILN_CACHE_DIR"):
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "graphkiln"
+
+
+def cached_artifact(
+    model: str | Path, config: CompileConfig | None = None, *, progress: Progress = lambda stage, done, total: None
+) -> Path:
+    """The artifact of `model` compiled with `config` in graphkiln's cache, compiled on first use:
+    `cache_root()/artifacts/<key>`, the key a hash of the model's identity (its files, not their folder),
+    the CompileConfig and the graphkiln and torch versions. A moved model keeps its artifact; load it with
+    `load(path, model=MODEL_DIR, on_mismatch="recompile")`, which rebuilds one gone stale in place."""
+    config = config or CompileConfig()
+    identity = {"model": model_fingerprint(resolve_model_dir(model)), "config": asdict(config),
+                "graphkiln": __version__, "torch": torch.__version__}  # fmt: skip
+    key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
+    out = cache_root() / "artifacts" / key
+    if not (out / MANIFEST).is_file():
+        try:
+            compile_model(model, out, config, progress=progress)
+        except ArtifactError:
+            if not (out / MANIFEST).is_file():  # not another process's compile of the same key, finished first
+                raise
+    return out
 
 
 def load(

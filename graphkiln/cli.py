@@ -1,4 +1,4 @@
-"""Command line: `compile-model`, and `graphkiln compile | inspect | generate | keygen`.
+"""Command line: `compile-model`, and `graphkiln compile | inspect | generate | serve | keygen`.
 
 Exit codes: 0 success, 2 bad input (one line on stderr naming the problem), 1 internal error.
 Progress goes to stderr; results (tables, JSON, generated text) to stdout.
@@ -7,7 +7,9 @@ Progress goes to stderr; results (tables, JSON, generated text) to stdout.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 import sys
 import time
 from collections.abc import Mapping
@@ -19,6 +21,8 @@ from graphkiln.version import __version__
 
 from . import report
 
+SERVE_EXTRA = ("fastapi", "uvicorn", "prometheus_client")  # pip install 'graphkiln[serve]'
+API_KEY_ENV = "GRAPHKILN_API_KEY"  # serve's --api-key when not given
 
 class _Parser(argparse.ArgumentParser):
     """argparse whose usage errors are one line and exit 2, like every other bad input."""
@@ -34,8 +38,22 @@ def _sizes(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
 
 
+def _count(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= {low}")
+        return value
+
+    return parse
+
+
 def _compile_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("model", help="Hugging Face model directory, or 'tiny' for the built-in model")
+    parser.add_argument("model", help="Hugging Face model directory, hub id (org/name) in the local Hugging Face "
+                                      "cache, or 'tiny' for the built-in model")  # fmt: skip
     parser.add_argument("-o", "--out", required=True, type=Path, help="artifact directory to write")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available")
     parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
@@ -155,6 +173,58 @@ def _sampled_logprob(entry, token: int) -> float:
     return float(getattr(entry, "logprob", entry))
 
 
+def run_serve(args) -> int:
+    from graphkiln.errors import ConfigError
+
+    missing = [name for name in SERVE_EXTRA if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ConfigError(f"graphkiln serve needs {', '.join(missing)}; pip install 'graphkiln[serve]'")
+    if args.compile and args.trusted_key:
+        raise ConfigError("--trusted-key checks a signed artifact; --compile makes an unsigned one: use one of them")
+    from graphkiln.compiler.manifest import MANIFEST
+    from graphkiln.serve.app import ServerConfig
+    from graphkiln.serve.server import bind, serve
+
+    if not args.compile and not (Path(args.model) / MANIFEST).is_file():
+        raise ConfigError(f"{args.model}: not a graphkiln artifact (no {MANIFEST}); compile it first "
+                          f"(compile-model {args.model} -o OUT), or pass --compile to compile it into graphkiln's "
+                          "cache on first start")  # fmt: skip
+    sock = bind(args.host, args.port)  # before the model loads: a port in use is said at once
+    try:
+        llm = _serving_llm(args)
+        source = args.model if args.compile else llm.manifest["model"]["source"]
+        config = ServerConfig(
+            model_name=args.served_model_name or _model_name(source),
+            api_key=args.api_key or os.environ.get(API_KEY_ENV),
+            max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes,
+        )  # fmt: skip
+        serve(llm, config, sock, args.log_level)
+    finally:
+        sock.close()
+    return 0
+
+
+def _serving_llm(args):
+    """The artifact OUT loaded; with --compile, MODEL compiled into graphkiln's cache first (once)."""
+    import graphkiln
+
+    if not args.compile:
+        return graphkiln.load(args.model, model=args.weights, trusted_keys=args.trusted_key, **_engine_options(args))
+    progress = report.ProgressDisplay()
+    try:
+        out = graphkiln.cached_artifact(args.model, _config(args), progress=progress)
+    finally:
+        progress.close()
+    return graphkiln.load(out, model=args.model, on_mismatch="recompile", **_engine_options(args))
+
+
+def _model_name(source: str) -> str:
+    """The name clients ask for: 'tiny' or a hub id as it is, a model directory by its folder's name."""
+    from graphkiln.llm import is_hub_id
+
+    return source if source == "tiny" or is_hub_id(source) else Path(source).name
+
+
 def run_keygen(args) -> int:
     from graphkiln.compiler.signing import generate_key_pair
 
@@ -178,6 +248,37 @@ def _run(handler, args) -> int:
 def compile_model_main(argv: list[str] | None = None) -> int:
     parser = _compile_parser(_Parser(prog="compile-model", description="Compile a model into an artifact directory."))
     return _run(run_compile, parser.parse_args(argv))
+
+
+def _serve_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", metavar="OUT", help="an artifact directory; with --compile, a model directory, a hub "
+                                                     "id (org/name) in the local Hugging Face cache, or 'tiny'")
+    parser.add_argument("--compile", action="store_true",
+                        help="OUT is a model: compile it into graphkiln's cache on first start "
+                             "(GRAPHKILN_CACHE_DIR, default ~/.cache/graphkiln), and load it from there after")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help="with --compile; default: cuda if available")
+    parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
+                        help="with --compile; default: bfloat16 on cuda, float32 on cpu")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=_count(0), default=8000, help="port (default 8000; 0: any free one, printed)")
+    parser.add_argument("--api-key", default=None, metavar="KEY",
+                        help=f"require Authorization: Bearer KEY on every route but /health (default: ${API_KEY_ENV})")
+    parser.add_argument("--served-model-name", default=None, metavar="NAME",
+                        help="the model name clients send (default: 'tiny', the hub id, or the model folder's name)")
+    parser.add_argument("--max-queued-requests", type=_count(0), default=256, metavar="N",
+                        help="requests admitted beyond --max-num-seqs before new ones get 503 (default 256)")
+    parser.add_argument("--max-body-bytes", type=_count(1), default=4 << 20, metavar="N",
+                        help="larger request bodies get 413 (default 4 MiB)")
+    parser.add_argument("--model", dest="weights", type=Path, default=None, metavar="DIR",
+                        help="the model directory, if it moved since the artifact was compiled")
+    parser.add_argument("--trusted-key", type=Path, action="append", default=None, metavar="PATH",
+                        help="refuse the artifact unless signed by this public key (PEM); repeat for several")
+    parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="warning",
+                        help="uvicorn's log level (info: one line per request)")
+    _engine_parser(parser.add_argument_group("engine options (default: what the artifact records)"))
+    parser.set_defaults(handler=run_serve, specialize_sizes=(), disable_pass=[], dump_dir=None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -208,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
                      help="return logprobs (N alternatives per token); prints each sampled token's logprob")
     _engine_parser(gen.add_argument_group("engine options (default: what the artifact records)"))
     gen.set_defaults(handler=run_generate)
+    _serve_parser(sub.add_parser("serve", help="an OpenAI-compatible HTTP server (pip install 'graphkiln[serve]')"))
     keygen = sub.add_parser("keygen", help="write a new Ed25519 key pair for signing artifacts")
     keygen.add_argument("folder", type=Path, help="where to write graphkiln-sign.pem and graphkiln-sign.pub.pem")
     keygen.set_defaults(handler=run_keygen)

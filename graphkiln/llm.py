@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import re
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -13,10 +14,10 @@ import torch
 
 from graphkiln.compiler.compile import CompileReport, compile_module
 from graphkiln.compiler.config import CompileConfig
-from graphkiln.errors import RequestError, RequestFailedError
+from graphkiln.errors import ModelFileError, RequestError, RequestFailedError
 from graphkiln.models import load_model, resolve_dtype
 from graphkiln.models.tiny import TINY_NAME, tiny_model_dir
-from graphkiln.models.tokenizer import Tokenizer
+from graphkiln.models.tokenizer import IncrementalDecoder, Tokenizer
 from graphkiln.runtime.builder import build_engine
 from graphkiln.runtime.config import EngineConfig, engine_config
 from graphkiln.runtime.engine import Engine, TokenLogprobs
@@ -26,6 +27,7 @@ from graphkiln.runtime.scheduler import Sequence as Request
 from graphkiln.runtime.stats import EngineStats
 
 Prompt = str | Sequence[int]
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # org/name
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,31 @@ class StreamDelta:
 
 
 def resolve_model_dir(model: str | Path) -> Path:
-    return tiny_model_dir() if str(model) == TINY_NAME else Path(model)
+    """'tiny', a model directory, or a Hugging Face hub id (a string `org/name` naming no directory here),
+    found in the hub's local cache: graphkiln never downloads."""
+    if str(model) == TINY_NAME:
+        return tiny_model_dir()
+    return hub_snapshot(model) if is_hub_id(model) else Path(model)
+
+
+def is_hub_id(model: str | Path) -> bool:
+    return isinstance(model, str) and HUB_ID.fullmatch(model) is not None and not Path(model).exists()
+
+
+def hub_snapshot(repo_id: str) -> Path:
+    """The snapshot folder of `repo_id`'s main revision in the hub's cache (HF_HUB_CACHE, else HF_HOME/hub)."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except (OSError, ValueError) as e:  # not cached, cached in part, or not a valid repository id
+        why = "" if type(e) is LocalEntryNotFoundError else f" ({e})"  # the plain case needs no more words
+        raise ModelFileError(
+            f"{repo_id}: no such directory, and not in the Hugging Face cache {constants.HF_HUB_CACHE}{why}; "
+            f"download it with `hf download {repo_id}` (or set HF_HUB_CACHE to the cache holding it), or pass a "
+            "model directory"
+        ) from e
 
 
 class LLM:
@@ -184,18 +210,15 @@ class LLM:
         RequestFailedError after its last token."""
         params = SamplingParams() if params is None else params
         seq = self.engine.add_request(self.encode(prompt), params, stream=True)
-        shown, count = "", 0
+        text = IncrementalDecoder(self.decode)
         try:
             while seq.events or seq.finish_reason is None:
                 if not seq.events:
                     self.engine.step()
                     continue
                 event = seq.events.popleft()
-                count += 1
-                text = self.decode(seq.output_ids[:count])
-                stable = text if event.finish_reason or not text.endswith("\ufffd") else shown
-                yield StreamDelta(event.token_id, stable[len(shown) :], event.finish_reason, event.logprobs)
-                shown = stable
+                piece = text.push([event.token_id]) + (text.flush() if event.finish_reason else "")
+                yield StreamDelta(event.token_id, piece, event.finish_reason, event.logprobs)
         finally:
             self._abort_unfinished([seq])
         if seq.error is not None:

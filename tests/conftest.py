@@ -25,7 +25,9 @@ from transformers import (
 
 import graphkiln
 from artifact_helpers import ENGINE, SMALL_CONFIG, SMALL_ENGINE, greedy_tokens, temp_folders
+from hub_helpers import HUB_REPO, use_hub_env
 from graphkiln.compiler.counters import torch_compile_events
+from graphkiln.models.tiny import tiny_model_dir
 
 FAMILIES = {
     "llama": (LlamaConfig, LlamaForCausalLM),
@@ -165,3 +167,44 @@ def eager_tokens() -> list[list[int]]:
 def art(artifact: Path, tmp_path: Path) -> Path:
     """A private copy of the session's artifact, free to corrupt."""
     return Path(shutil.copytree(artifact, tmp_path / "art"))
+
+
+API_KEY = "test-key-0123"
+
+
+@pytest.fixture(scope="session")
+def server(artifact: Path) -> Iterator:
+    """`graphkiln serve` on the session's artifact (an API key, a 64 KiB body limit): every HTTP test's server."""
+    from serve_helpers import serve_process
+
+    args = ("--kv-cache-tokens", "8192", "--max-body-bytes", "65536", "--api-key", API_KEY)
+    with serve_process(str(artifact), *args, api_key=API_KEY) as running:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def hub_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Hugging Face hub cache holding the tiny model as HUB_REPO, in the hub's layout (refs/main names the
+    snapshot folder): this machine is offline, graphkiln only ever looks in the cache."""
+    root = tmp_path_factory.mktemp("hf-hub")
+    repo = root / f"models--{HUB_REPO.replace('/', '--')}"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    shutil.copytree(tiny_model_dir(), repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    return root
+
+
+@pytest.fixture(scope="session")
+def hub_env(hub_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The environment that points huggingface_hub at `hub_cache` and graphkiln's compile cache at a folder
+    of the session's (for subprocesses; `use_hub_env` sets it in this process)."""
+    return {"HF_HUB_CACHE": str(hub_cache), "HF_HUB_OFFLINE": "1",
+            "GRAPHKILN_CACHE_DIR": str(tmp_path_factory.mktemp("graphkiln-cache"))}  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def hub_artifact(hub_env: dict[str, str]) -> Path:
+    """HUB_REPO compiled once into the session's compile cache (what `serve HUB_REPO --compile` finds there)."""
+    with use_hub_env(hub_env):
+        return graphkiln.cached_artifact(HUB_REPO)

@@ -1,6 +1,6 @@
-"""The benchmark's main run, end to end on the CPU with tiny shapes (`python -m bench run --smoke`), so the
-harness keeps pace with the API it measures. Start-up children and transformers' compiled row are left
-out to stay near 30 s (bench/README.md runs them)."""
+"""The benchmark's main run and its serving study, end to end on the CPU with tiny shapes (`python -m bench
+run --smoke`, `python -m bench serve --smoke`), so the harness keeps pace with the API it measures. Start-up
+children and transformers' compiled row are left out to stay near 30 s each (bench/README.md runs them)."""
 
 from __future__ import annotations
 
@@ -36,3 +36,21 @@ def test_main_run_smoke(tmp_path: Path) -> None:
     markdown = result.with_suffix(".md").read_text()
     assert "| graphkiln compiled + CUDA graphs |" in markdown
     assert "| graphkiln compiled + CUDA graphs |" in proc.stdout
+
+
+def test_serve_study_smoke(tmp_path: Path) -> None:
+    """`graphkiln serve` driven over HTTP beside the offline engine: every cell measured both ways."""
+    cmd = [sys.executable, "-m", "bench", "serve", "--smoke", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((tmp_path / "serve.json").read_text())
+    assert results["errors"] == [] and results["meta"]["smoke"]
+    cells = [cell for by_level in results["cells"].values() for cell in by_level.values()]
+    assert len(cells) == 6
+    for cell in cells:
+        for side in ("server", "offline"):
+            assert cell[side]["requests"] >= 16 and cell[side]["output_tokens_per_s"] > 0
+            assert cell[side]["ttft_ms"]["p50"] <= cell[side]["ttft_ms"]["p99"]
+        assert cell["overhead"] > 0
+    assert results["server_metrics"]['graphkiln_steps_without_graph_total{kind="decode"}'] > 0
+    assert "overhead" in proc.stdout

@@ -89,8 +89,10 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_inspect_version_and_help_import_neither_torch_nor_transformers(compiled: tuple[Path, dict, str]) -> None:
-    """Reading JSON needs neither: a fresh interpreter runs each command and reports what it imported."""
-    commands = [["inspect", str(compiled[0])], ["--version"], ["--help"], ["inspect", "--help"], ["generate", "--help"]]
+    """Reading JSON needs neither (nor the server's packages): a fresh interpreter runs each command and
+    reports what it imported."""
+    commands = [["inspect", str(compiled[0])], ["--version"], ["--help"], ["inspect", "--help"], ["generate", "--help"],
+                ["serve", "--help"]]
     result = run_python_json(f"""
 import contextlib, io, json, sys
 from graphkiln.cli import main
@@ -103,7 +105,8 @@ for argv in {commands!r}:
         except SystemExit as e:
             code = e.code
     outputs.append([code, out.getvalue()])
-print("{RESULT_PREFIX}" + json.dumps({{"outputs": outputs, "imported": [m for m in ("torch", "transformers") if m in sys.modules]}}))
+heavy = ("torch", "transformers", "fastapi", "uvicorn")
+print("{RESULT_PREFIX}" + json.dumps({{"outputs": outputs, "imported": [m for m in heavy if m in sys.modules]}}))
 """)
     assert result["imported"] == []
     (inspect, version, *helps) = result["outputs"]

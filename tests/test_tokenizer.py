@@ -8,10 +8,11 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from graphkiln.errors import ModelFileError
 from graphkiln.models.tiny import tiny_model_dir
-from graphkiln.models.tokenizer import Tokenizer
+from graphkiln.models.tokenizer import IncrementalDecoder, Tokenizer
 
 TEXTS = [
     "Hi!",
@@ -66,3 +67,15 @@ def test_unreadable_tokenizer_files_name_the_directory(tmp_path: Path) -> None:
     (model_dir / "tokenizer.json").write_text("{not json")
     with pytest.raises(ModelFileError, match=re.escape(f"{model_dir}: its tokenizer files cannot be read")):
         Tokenizer.from_dir(model_dir)
+
+
+def test_incremental_decoding_adds_up_to_the_whole_decode() -> None:
+    """Token by token, in the windows a stream decodes: never half a character before the end, and the
+    pieces make the decode of all the ids (multi-byte characters split over tokens, special tokens, noise)."""
+    tokenizer = Tokenizer.from_dir(tiny_model_dir())
+    noise = torch.randint(0, 4096, (20, 30), generator=torch.Generator().manual_seed(0)).tolist()
+    for ids in [tokenizer.encode(text) for text in TEXTS] + noise:
+        text = IncrementalDecoder(tokenizer.decode)
+        pieces = [text.push([token]) for token in ids]
+        assert all(not p.endswith("\ufffd") for p in pieces)
+        assert "".join(pieces) + text.flush() == tokenizer.decode(ids)

@@ -9,6 +9,7 @@ transformers on first use.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from graphkiln.errors import ModelFileError
@@ -63,10 +64,10 @@ class Tokenizer:
             return self._snapshot.encode(text).ids
         return list(self.hf(text)["input_ids"])
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         if self._snapshot is not None:
-            return self._snapshot.decode(ids, skip_special_tokens=True)
-        return self.hf.decode(ids, skip_special_tokens=True)
+            return self._snapshot.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def chat_template_ids(self, conversation: list[dict]) -> list[int] | None:
         """The prompt ids of a conversation through the chat template, or None when there is none."""
@@ -93,6 +94,38 @@ class Tokenizer:
                 return False
         path.write_text(backend.to_str())
         return True
+
+
+class IncrementalDecoder:
+    """The text of a growing list of token ids, one piece per `push`, never ending on half a character.
+
+    Each push decodes a window (the tokens of the previous piece, then the new ones) and returns what the
+    new ones add, so a stream of n tokens costs O(n) decoding, not O(n^2); the pieces add up to the decode
+    of all the ids. Text ending in U+FFFD (a character whose bytes are still coming) is held back until it
+    completes, or until `flush` at the end of the stream.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self._decode = decode
+        self.ids: list[int] = []
+        self._start = 0  # the window's first token
+        self._shown = 0  # tokens whose text was returned
+
+    def push(self, token_ids: list[int]) -> str:
+        self.ids.extend(token_ids)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """What was held back, as the last tokens decode (a broken character included)."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        shown = self._decode(self.ids[self._start : self._shown])
+        text = self._decode(self.ids[self._start :])
+        if len(text) <= len(shown) or (text.endswith("\ufffd") and not final):
+            return ""
+        self._start, self._shown = self._shown, len(self.ids)
+        return text[len(shown) :]
 
 
 def _auto_tokenizer(model_dir: Path):

@@ -172,11 +172,7 @@ class Engine:
     def add_request(self, prompt_ids: list[int], params: SamplingParams, stream: bool = False) -> Sequence:
         """Queue one request. `stream`: keep its TokenEvents on `seq.events` for its consumer to pop, whichever
         caller drives the steps that produce them (another's generate, a score that reads a step back)."""
-        if not isinstance(params, SamplingParams):
-            raise RequestError(f"params={params!r} is a {type(params).__name__}; give a graphkiln.SamplingParams")
-        self._check_ids(prompt_ids)
-        if params.stop_token_ids:
-            self._check_ids(params.stop_token_ids, "SamplingParams.stop_token_ids")
+        self.check_request(prompt_ids, params)
         rid = self.scheduler.next_request_id()
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, ()))  # torch.manual_seed decides
         seq = Sequence(rid, list(prompt_ids), params, seed, arrival=time.perf_counter())
@@ -185,6 +181,17 @@ class Engine:
         self.scheduler.add(seq)
         self.requests[rid] = seq
         return seq
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise the RequestError or CapacityError `add_request` would, changing nothing. It reads only what
+        is fixed when the engine is built, so another thread may call it while this one steps (a server
+        checks requests before they queue for the engine's thread)."""
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"params={params!r} is a {type(params).__name__}; give a graphkiln.SamplingParams")
+        self._check_ids(prompt_ids)
+        if params.stop_token_ids:
+            self._check_ids(params.stop_token_ids, "SamplingParams.stop_token_ids")
+        self.scheduler.check(len(prompt_ids), params)
 
     def _check_ids(self, ids: Seq[int], what: str = "prompt") -> None:
         bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]

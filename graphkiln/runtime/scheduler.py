@@ -98,20 +98,24 @@ class Scheduler:
     def next_request_id(self) -> int:
         return next(self._ids)
 
-    def add(self, seq: Sequence) -> None:
-        n = len(seq.prompt_ids)
+    def check(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """Raise what `add` would for a request of this size; reads only what is fixed at construction."""
+        n = num_prompt_tokens
         if n == 0:
             raise RequestError("empty prompt: give at least one token")
         if n > self.max_context:
             raise RequestError(
                 f"prompt of {n} tokens is longer than the model's context of {self.max_context} tokens; shorten it"
             )
-        needed = self.allocator.blocks_for(min(n + seq.params.max_tokens - 1, self.max_context))
+        needed = self.allocator.blocks_for(min(n + params.max_tokens - 1, self.max_context))
         if needed > self.allocator.capacity:
             raise CapacityError(
-                f"request {seq.request_id} needs {needed} KV blocks but the cache holds {self.allocator.capacity}; "
-                "lower max_tokens or give the KV cache more memory"
+                f"a prompt of {n} tokens with max_tokens={params.max_tokens} needs {needed} KV blocks but the "
+                f"cache holds {self.allocator.capacity}; lower max_tokens or give the KV cache more memory"
             )
+
+    def add(self, seq: Sequence) -> None:
+        self.check(len(seq.prompt_ids), seq.params)
         self.waiting.append(seq)
 
     def has_work(self) -> bool:

@@ -1,0 +1,64 @@
+"""`graphkiln serve` as a command: a hub id with --compile (found in graphkiln's compile cache, the API key
+from the environment), and the one-line errors (exit 2) before anything loads."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import httpx
+import pytest
+
+import graphkiln
+from artifact_helpers import single_error_line
+from hub_helpers import HUB_REPO
+from graphkiln import SamplingParams, cli
+from serve_helpers import serve_process
+
+pytestmark = pytest.mark.slow
+
+
+def test_serve_a_hub_id_with_compile(hub_artifact: Path, hub_env: dict, artifact: Path) -> None:
+    """`serve org/name --compile` serves the cached artifact under the hub id's name; GRAPHKILN_API_KEY guards it."""
+    env = {**hub_env, "GRAPHKILN_API_KEY": "from-env"}
+    with serve_process(HUB_REPO, "--compile", "--kv-cache-tokens", "2048", env=env, api_key="from-env") as server:
+        assert [m.id for m in server.client().models.list().data] == [HUB_REPO]
+        got = server.client().completions.create(model=HUB_REPO, prompt="If the file", max_tokens=8, temperature=0)
+        assert httpx.get(server.url + "/v1/models", timeout=10).status_code == 401
+    with graphkiln.load(artifact) as llm:
+        assert got.choices[0].text == llm.generate("If the file", SamplingParams(max_tokens=8))[0].text
+    assert not [line for line in server.log if "inductor" in line]  # found in the cache: nothing compiled
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["serve", "{tmp}"], ["not a graphkiln artifact", "--compile"]),
+    (["serve", "tiny", "--compile", "--trusted-key", "{tmp}/key.pem"], ["--trusted-key", "unsigned"]),
+], ids=["not-an-artifact", "trusted-key-with-compile"])  # fmt: skip
+def test_serve_refuses_bad_arguments_in_one_line(argv: list[str], words: list[str], tmp_path: Path, capsys) -> None:
+    assert cli.main([a.format(tmp=tmp_path) for a in argv]) == 2
+    line = single_error_line(capsys.readouterr().err)
+    assert all(word in line for word in words), line
+
+
+def test_a_port_in_use_is_said_before_the_model_loads(artifact: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setattr(graphkiln, "load", lambda *a, **k: pytest.fail("loaded before binding"))
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        assert cli.main(["serve", str(artifact), "--port", str(port)]) == 2
+    line = single_error_line(capsys.readouterr().err)
+    assert f"cannot listen on 127.0.0.1:{port}" in line and "--port" in line
+
+
+def test_serve_refuses_a_negative_port_in_one_line(tmp_path: Path, capsys) -> None:
+    with pytest.raises(SystemExit) as info:  # argparse's usage errors exit by themselves
+        cli.main(["serve", str(tmp_path), "--port", "-1"])
+    assert info.value.code == 2
+    assert "--port: '-1' is not an integer >= 0" in single_error_line(capsys.readouterr().err)
+
+
+def test_serve_without_its_extra_names_the_install_command(tmp_path: Path, capsys, monkeypatch) -> None:
+    find_spec = cli.importlib.util.find_spec
+    monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: None if name == "uvicorn" else find_spec(name))
+    assert cli.main(["serve", str(tmp_path)]) == 2
+    line = single_error_line(capsys.readouterr().err)
+    assert "uvicorn" in line and "pip install 'graphkiln[serve]'" in line
