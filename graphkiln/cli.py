@@ -12,7 +12,6 @@ import json
 import os
 import sys
 import time
-from collections.abc import Mapping
 from pathlib import Path
 from typing import NoReturn
 
@@ -160,17 +159,9 @@ def run_generate(args) -> int:
             f"{out.tokens_per_s:.1f} tokens/s, finish {out.finish_reason}"
         )
         if args.logprobs is not None and out.logprobs:
-            pairs = (f"{token}:{_sampled_logprob(entry, token):.4f}" for token, entry in zip(out.token_ids, out.logprobs))
+            pairs = (f"{entry.token_id}:{entry.logprob:.4f}" for entry in out.logprobs)
             print("  logprobs " + " ".join(pairs))
     return 0
-
-
-def _sampled_logprob(entry, token: int) -> float:
-    """The sampled token's logprob in one entry of RequestOutput.logprobs: a float, or a structure holding it
-    (an object with `.logprob`, or a mapping from token id to a float or such an object)."""
-    if isinstance(entry, Mapping):
-        entry = entry[token]
-    return float(getattr(entry, "logprob", entry))
 
 
 def run_serve(args) -> int:

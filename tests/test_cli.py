@@ -17,7 +17,6 @@ import time
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -387,13 +386,6 @@ def test_generate_logprobs_stop_token_and_ignore_eos(compiled: tuple[Path, dict,
     assert "logprobs" not in stopped
 
 
-def test_generate_prints_the_sampled_logprob_of_either_logprobs_form() -> None:
-    """RequestOutput.logprobs entries as floats, or structured: per token, an object or a {token id: ...} map."""
-    alternative = SimpleNamespace(logprob=-0.25)
-    for entry in (-0.25, alternative, {7: -0.25, 9: -3.0}, {7: alternative, 9: SimpleNamespace(logprob=-3.0)}):
-        assert cli._sampled_logprob(entry, 7) == -0.25
-
-
 def test_generate_model_flag_names_where_the_weights_are(
     compiled: tuple[Path, dict, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -408,12 +400,14 @@ def test_generate_model_flag_names_where_the_weights_are(
     [
         (["--seed", "2**63"], "argument --seed: invalid int value: '2**63'"),
         (["--seed", "abc"], "argument --seed: invalid int value: 'abc'"),
+        (["--seed", "-1"], "SamplingParams.seed=-1"),
+        (["--seed", str(2**63)], f"SamplingParams.seed={2**63}"),
         (["--logprobs", "all"], "argument --logprobs: invalid int value: 'all'"),
         (["--stop-token-id", "eos"], "argument --stop-token-id: invalid int value: 'eos'"),
         (["--top-p", "0"], "SamplingParams.top_p=0.0"),
         (["--max-tokens", "0"], "SamplingParams.max_tokens=0"),
     ],
-    ids=["seed-expression", "seed-word", "logprobs", "stop-token-id", "top-p", "max-tokens"],
+    ids=["seed-expression", "seed-word", "seed-negative", "seed-2**63", "logprobs", "stop-token-id", "top-p", "max-tokens"],
 )
 def test_generate_bad_values_are_one_line_exit_2(flags: list[str], message: str, tmp_path: Path, capsys) -> None:
     """Usage errors and SamplingParams errors alike: one line, exit 2, before any artifact is read."""
