@@ -33,19 +33,21 @@ from test_artifacts import _Marker
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def keys(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+def keygen(tmp_path_factory: pytest.TempPathFactory, owner: str) -> tuple[Path, Path]:
     """(private, public) PEM files written by `graphkiln keygen`."""
-    folder = tmp_path_factory.mktemp("keys") / "publisher"
+    folder = tmp_path_factory.mktemp("keys") / owner
     assert cli.main(["keygen", str(folder)]) == 0
     return folder / PRIVATE_KEY_FILE, folder / PUBLIC_KEY_FILE
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return keygen(tmp_path_factory, "publisher")
 
 
 @pytest.fixture(scope="module")
 def other_keys(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    folder = tmp_path_factory.mktemp("keys") / "someone-else"
-    assert cli.main(["keygen", str(folder)]) == 0
-    return folder / PRIVATE_KEY_FILE, folder / PUBLIC_KEY_FILE
+    return keygen(tmp_path_factory, "someone-else")
 
 
 @pytest.fixture(scope="module")
