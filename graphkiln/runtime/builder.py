@@ -40,12 +40,10 @@ def build_engine(model: CausalLM, compiled: CompiledModel | None = None, config:
     log.info("KV cache: %d blocks of %d tokens, %.1f MiB", num_blocks, config.block_size, kv.nbytes / 2**20)
     backend = select_backend(config.attention_backend, kv)
     allocator = BlockAllocator(num_blocks, config.block_size)
-    runner = ModelRunner(model, kv, backend)
-    if compiled is not None:
-        runner.forward = compiled
-        runner.padding = Padding(config.decode_batch_sizes, config.prefill_token_buckets)
-        if config.cuda_graphs and device.type == "cuda":
-            _capture(runner, compiled, config, max_context, allocator.capacity)
+    padding = Padding(config.decode_batch_sizes, config.prefill_token_buckets) if compiled is not None else None
+    runner = ModelRunner(model, kv, backend, forward=compiled, padding=padding)
+    if compiled is not None and config.cuda_graphs and device.type == "cuda":
+        _capture(runner, compiled, config, max_context, allocator.capacity)
     scheduler = Scheduler(allocator, max_context, config.max_num_batched_tokens, config.max_num_seqs)
     return Engine(runner, scheduler, cfg.eos_token_ids, cfg.vocab_size, config)
 
