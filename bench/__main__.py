@@ -14,6 +14,7 @@ COMMANDS = {  # command -> (module, one line of help)
     "products": ("products", "weight products at 1 and 128 rows: cuBLAS, the Triton GEMV, Inductor"),
     "tiles": ("tiles", "GEMV tilings tried inside the real decode graph"),
     "attention": ("attention", "Triton attention kernels vs SDPA and the copy rate"),
+    "serving": ("serving", "decode and long prefill at serving shapes, per attention backend, vs the floor"),
     "passes": ("passes", "each optional graph pass on and off"),
     "bf16-ties": ("bf16_ties", "where bfloat16 greedy tokens differ between eager and compiled (CPU)"),
     "serve": ("serve", "graphkiln serve over HTTP at concurrency 1/16/64 against the offline engine"),

@@ -133,6 +133,30 @@ def fitting(run, configs: list) -> list[dict]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_study_arguments(p, model="8b")
     p.add_argument("--no-sweep", action="store_true", help="skip the tile sweeps")
+    p.add_argument("--serving-sweep", default="",
+                   help="BATCHxCONTEXT list: sweep decode splits and tiles at each of these shapes only")
+
+
+SERVING_TILES = [(32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 3), (128, 4, 2), (128, 8, 2),
+                 (128, 8, 3), (16, 2, 4), (32, 2, 4)]  # (block_n, num_warps, num_stages)
+
+
+def serving_sweep(h: Heads, shapes: str, copy_bw: float, num_sms: int) -> list[dict]:
+    """Every split count and tiling of SERVING_TILES at each BATCHxCONTEXT shape, the planned one first."""
+    from graphkiln.runtime.attention.triton_backend import DecodeTiles
+
+    rows = []
+    for item in filter(None, shapes.split(",")):
+        batch, context = (int(x) for x in item.lower().split("x"))
+        planned = bench_decode(h, batch, context, copy_bw, num_sms)
+        rows.append(dict(planned, planned=True))
+        variants = [DecodeTiles(s, n, w, st) for s in (1, 2, 4, 8, 16) for n, w, st in SERVING_TILES
+                    if s * 256 <= max(context, 256)]
+        best = fitting(lambda t, b=batch, c=context: bench_decode(h, b, c, copy_bw, num_sms, t), variants)
+        best.sort(key=lambda r: r["us"])
+        rows += best[:8]
+        log(f"{item}: planned {planned['us']:.1f} us ({planned['pct_copy']:.0f}% copy), best {best[0]}")
+    return rows
 
 
 def main(a: argparse.Namespace) -> int:
@@ -144,6 +168,12 @@ def main(a: argparse.Namespace) -> int:
     result: dict = {"heads": [h.hq, h.hkv, h.d], "copy_gbs": copy_bw / 1e9}
     log(f"device-to-device copy {copy_bw / 1e9:.0f} GB/s; heads {h.hq} query, {h.hkv} KV, head_dim {h.d}")
     prefill_lengths = (16, 48) if study.smoke else (128, 1024, 4096)
+    if a.serving_sweep and study.gpu_only("the serving sweep"):
+        num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+        result["serving_sweep"] = serving_sweep(h, a.serving_sweep, copy_bw, num_sms)
+        print(text_table(result["serving_sweep"], DECODE_COLUMNS + ["rel_err"]))
+        log(f"wrote {study.save(result, 'serving-' + study.model)}")
+        return 0
     if study.gpu_only("the Triton decode kernel"):
         num_sms = torch.cuda.get_device_properties(0).multi_processor_count
         result["decode"] = [bench_decode(h, b, c, copy_bw, num_sms) for b in (1, 32, 128) for c in (1024, 4096, 16384)]

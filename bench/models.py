@@ -110,11 +110,12 @@ def build_hf_model(shape: dict, device: str, dtype, seed: int = 0):
     return model
 
 
-def save_model(name: str, folder: Path, device: str, dtype, layers: int | None = None) -> Path:
+def save_model(name: str, folder: Path, device: str, dtype, layers: int | None = None,
+               max_position: int = 8192) -> Path:
     """Build model `name` (with `layers` layers) and save it to `folder`, for the studies."""
     import torch
 
-    build_hf_model(shape_of(name, layers=layers), device, dtype).save_pretrained(folder)
+    build_hf_model(shape_of(name, max_position, layers), device, dtype).save_pretrained(folder)
     if device == "cuda":
         torch.cuda.empty_cache()
     return folder

@@ -1,0 +1,150 @@
+"""Decode and prefill at the shapes a server sees, per attention backend, against the floor.
+
+    python -m bench serving --model 1b --backends triton,flashinfer --out $OUT
+    python -m bench serving --model 8b --shapes 1x16,1x2000,32x4000 --long '' --out $OUT
+    python -m bench serving --smoke --out /tmp/bench-smoke     # CPU, tiny shapes, SDPA
+
+One compiled artifact, loaded once per backend with `max_seq_len` raised so every prompt and its
+new tokens fit. Decode, per `BATCHxPROMPT` shape: the prompts are prefilled, a few warm-up steps
+run, then the time of --steps engine steps (the host's part included, as a server pays it) gives
+ms per step; the floor is (weight bytes read + KV bytes read at the steps' mean context) / the
+measured copy rate. Long prompts: one request of each --long length with max_tokens=1 (chunked
+over --prefill-chunk-token steps); its rate counts the weight products and the causal attention's
+FLOPs against the measured bf16 matmul rate. The load time of each backend is recorded too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from .common import Study, add_study_arguments, log, random_prompts
+from .measure import copy_rate, matmul_rate, sync
+from .models import model_bytes, save_model, shape_of
+from .report import text_table
+
+DECODE_COLUMNS = ["backend", "batch", "prompt", "ms_per_step", "floor_ms", "x_floor", "kv_gb", "weights_gb"]
+LONG_COLUMNS = ["backend", "tokens", "chunk", "ms", "tflops", "pct_matmul"]
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    shapes = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        batch, prompt = item.lower().split("x")
+        shapes.append((int(batch), int(prompt)))
+    return shapes
+
+
+def decode_row(llm, batch: int, prompt: int, steps: int, device: str, mb: dict, copy_bw: float, vocab: int) -> dict:
+    """ms per decode step of `batch` sequences after `prompt` tokens each, and its floor."""
+    import graphkiln
+
+    engine = llm.engine
+    warmup = 4
+    params = graphkiln.SamplingParams(max_tokens=warmup + steps + 2, ignore_eos=True)
+    seqs = [engine.add_request(ids, params) for ids in random_prompts(batch, prompt, vocab, seed=batch + prompt)]
+    while not all(seq.output_ids for seq in seqs):
+        engine.step()
+    for _ in range(warmup):
+        engine.step()
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    engine.drain()
+    sync(device)
+    ms = (time.perf_counter() - t0) * 1e3 / steps
+    for seq in seqs:
+        engine.abort(seq)
+    mean_context = prompt + warmup + 1 + steps / 2
+    kv = batch * mean_context * mb["kv_bytes_per_token"]
+    floor_ms = (mb["weight_bytes_read"] + kv) / copy_bw * 1e3
+    return dict(batch=batch, prompt=prompt, ms_per_step=ms, floor_ms=floor_ms, x_floor=ms / floor_ms, kv_gb=kv / 1e9,
+                weights_gb=mb["weight_bytes_read"] / 1e9)
+
+
+def long_row(llm, tokens: int, device: str, mb: dict, matmul_bw: float, reps: int, vocab: int) -> dict:
+    """Time to the first token of one `tokens`-token prompt, and its FLOP rate."""
+    import graphkiln
+
+    prompt = random_prompts(1, tokens, vocab, seed=tokens)
+    params = graphkiln.SamplingParams(max_tokens=1, ignore_eos=True)
+    llm.generate(prompt, params)
+    times = []
+    for _ in range(reps):
+        sync(device)
+        t0 = time.perf_counter()
+        llm.generate(prompt, params)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    seconds = min(times)
+    flops = 2 * mb["matmul_params_per_token"] * tokens + 2 * mb["lm_head_params"]
+    flops += mb["attn_flops_per_token_per_ctx"] * tokens * (tokens + 1) / 2
+    return dict(tokens=tokens, ms=seconds * 1e3, tflops=flops / seconds / 1e12, pct_matmul=100 * flops / seconds / matmul_bw)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_study_arguments(p, model="1b")
+    p.add_argument("--backends", default="triton,flashinfer", help="attention backends, comma-separated")
+    p.add_argument("--shapes", default="1x16,1x2000,16x4000,64x2000,128x1000", help="decode BATCHxPROMPT list")
+    p.add_argument("--long", default="16384,32768", help="long prompt lengths (prefill), comma-separated")
+    p.add_argument("--steps", type=int, default=64, help="decode steps timed per shape")
+    p.add_argument("--prefill-chunk-tokens", type=int, default=None,
+                   help="max_num_batched_tokens for the long prompts (default: the engine's)")
+    p.add_argument("--kv-cache-dtype", default=None, help="kv_cache_dtype engine option (default: the engine's)")
+
+
+def main(a: argparse.Namespace) -> int:
+    import graphkiln
+
+    study = Study.of("serving", a)
+    shapes = [(1, 16), (2, 64)] if study.smoke else parse_shapes(a.shapes)
+    longs = [256] if study.smoke else [int(x) for x in a.long.split(",") if x.strip()]
+    backends = ["sdpa"] if study.smoke else [b for b in a.backends.split(",") if b.strip()]
+    steps = 4 if study.smoke else a.steps
+    max_seq_len = max([p + steps + 16 for _, p in shapes] + [n + 16 for n in longs])
+    max_position = 1 << (max_seq_len - 1).bit_length()
+    shape = shape_of(study.model, max_position=max_position, layers=study.layers)
+    mb = model_bytes(shape, 4 if study.smoke else 2)
+    copy_bw = copy_rate(study.device, (64 << 20) if study.smoke else (1 << 30))
+    matmul_bw = matmul_rate(study.device, study.dtype, 512 if study.smoke else 8192)
+    log(f"copy {copy_bw / 1e9:.0f} GB/s, matmul {matmul_bw / 1e12:.0f} TFLOP/s, max_seq_len {max_seq_len}")
+    result: dict = {"copy_gbs": copy_bw / 1e9, "matmul_tflops": matmul_bw / 1e12, "max_seq_len": max_seq_len,
+                    "shape": shape, "decode": [], "long": [], "load_s": {}, "errors": {}}
+    engine_options: dict = {"max_seq_len": max_seq_len}
+    if a.kv_cache_dtype:
+        engine_options["kv_cache_dtype"] = a.kv_cache_dtype
+        result["kv_cache_dtype"] = a.kv_cache_dtype
+    with study.scratch() as work:
+        save_model(study.model, work / "model", study.device, study.dtype, study.layers, max_position=max_position)
+        config = graphkiln.CompileConfig(device=study.device, dtype=study.dtype_name)
+        graphkiln.compile_model(work / "model", work / "art", config)
+        for backend in backends:
+            try:
+                t0 = time.perf_counter()
+                llm = graphkiln.load(work / "art", attention_backend=backend, **engine_options)
+                result["load_s"][backend] = time.perf_counter() - t0
+            except graphkiln.errors.GraphkilnError as e:
+                result["errors"][backend] = str(e)
+                log(f"{backend}: {e}")
+                continue
+            with llm:
+                for batch, prompt in shapes:
+                    row = dict(backend=backend, **decode_row(llm, batch, prompt, steps, study.device, mb, copy_bw,
+                                                                      shape["vocab_size"]))
+                    result["decode"].append(row)
+                    log(f"{backend} decode {batch}x{prompt}: {row['ms_per_step']:.3f} ms ({row['x_floor']:.2f}x floor)")
+            chunk = a.prefill_chunk_tokens
+            long_options = {**engine_options, **({"max_num_batched_tokens": chunk} if chunk else {})}
+            with graphkiln.load(work / "art", attention_backend=backend, **long_options) as llm:
+                for tokens in longs:
+                    row = dict(backend=backend, chunk=llm.engine.config.max_num_batched_tokens,
+                               **long_row(llm, tokens, study.device, mb, matmul_bw, 1 if study.smoke else 2,
+                                                 shape["vocab_size"]))
+                    result["long"].append(row)
+                    log(f"{backend} prefill {tokens}: {row['ms']:.1f} ms, {row['pct_matmul']:.0f}% of matmul")
+    print(text_table(result["decode"], DECODE_COLUMNS))
+    if result["long"]:
+        print(text_table(result["long"], LONG_COLUMNS))
+    log(f"load s: {result['load_s']}; wrote {study.save(result, study.model)}")
+    return 0
