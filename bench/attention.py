@@ -36,14 +36,20 @@ class Heads:
         shape = shape_of(study.model)
         self.hq, self.hkv, self.d = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
         self.device, self.dtype = study.device, study.dtype
+        self.block, self.head_major = BLOCK, False
 
     def paged_cache(self, num_seqs: int, context: int):
         """K/V caches holding num_seqs sequences of `context` tokens in shuffled blocks; lengths; block tables."""
         import torch
 
-        per_seq = -(-context // BLOCK)
-        shape = (num_seqs * per_seq + 1, BLOCK, self.hkv, self.d)
-        k_cache, v_cache = (torch.randn(shape, dtype=self.dtype, device=self.device) for _ in range(2))
+        per_seq = -(-context // self.block)
+        if self.head_major:  # [blocks, heads, block, dim] in memory, seen as [blocks, block, heads, dim]
+            shape = (num_seqs * per_seq + 1, self.hkv, self.block, self.d)
+            k_cache, v_cache = (torch.randn(shape, dtype=self.dtype, device=self.device).transpose(1, 2)
+                                for _ in range(2))
+        else:
+            shape = (num_seqs * per_seq + 1, self.block, self.hkv, self.d)
+            k_cache, v_cache = (torch.randn(shape, dtype=self.dtype, device=self.device) for _ in range(2))
         tables = (torch.randperm(num_seqs * per_seq, device=self.device) + 1).view(num_seqs, per_seq).int()
         seq_lens = torch.full((num_seqs,), context, dtype=torch.int32, device=self.device)
         return k_cache, v_cache, seq_lens, tables
@@ -61,12 +67,12 @@ def bench_decode(h: Heads, num_seqs: int, context: int, copy_bw: float, num_sms:
     from graphkiln.runtime.attention.triton_backend import decode_tiles
 
     k_cache, v_cache, seq_lens, tables = h.paged_cache(num_seqs, context)
-    planned = decode_tiles(num_seqs, h.hkv, tables.shape[1] * BLOCK, h.d, k_cache.element_size(), num_sms)
+    planned = decode_tiles(num_seqs, h.hkv, tables.shape[1] * h.block, h.d, k_cache.element_size(), num_sms)
     q = torch.randn(num_seqs, h.hq, h.d, dtype=h.dtype, device=h.device)
     out = torch.empty_like(q)
     last = context - 1  # the step's new key and value: rewritten in place with what the slot holds already
-    slots = (tables[:, last // BLOCK].long() * BLOCK + last % BLOCK).contiguous()
-    k, v = k_cache.view(-1, h.hkv, h.d)[slots], v_cache.view(-1, h.hkv, h.d)[slots]
+    slots = (tables[:, last // h.block].long() * h.block + last % h.block).contiguous()
+    k, v = k_cache[slots // h.block, slots % h.block], v_cache[slots // h.block, slots % h.block]
     counters = torch.zeros(num_seqs * h.hkv, dtype=torch.int32, device=h.device)
     chosen = asdict(tiles or planned)
     timing = time_ms(lambda: paged_decode(q, k, v, k_cache, v_cache, seq_lens, tables, slots, out, h.d**-0.5, counters,
@@ -135,6 +141,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-sweep", action="store_true", help="skip the tile sweeps")
     p.add_argument("--serving-sweep", default="",
                    help="BATCHxCONTEXT list: sweep decode splits and tiles at each of these shapes only")
+    p.add_argument("--block-size", type=int, default=BLOCK, help=f"KV cache block size (default {BLOCK})")
+    p.add_argument("--head-major", action="store_true",
+                   help="cache blocks laid out [heads, block, dim] (each head's rows contiguous)")
 
 
 SERVING_TILES = [(32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 3), (128, 4, 2), (128, 8, 2),
@@ -164,6 +173,7 @@ def main(a: argparse.Namespace) -> int:
 
     study = Study.of("attention", a)
     h = Heads(study)
+    h.block, h.head_major = a.block_size, a.head_major
     copy_bw = copy_rate(study.device, (64 << 20) if study.smoke else (1 << 30))
     result: dict = {"heads": [h.hq, h.hkv, h.d], "copy_gbs": copy_bw / 1e9}
     log(f"device-to-device copy {copy_bw / 1e9:.0f} GB/s; heads {h.hq} query, {h.hkv} KV, head_dim {h.d}")
@@ -172,7 +182,8 @@ def main(a: argparse.Namespace) -> int:
         num_sms = torch.cuda.get_device_properties(0).multi_processor_count
         result["serving_sweep"] = serving_sweep(h, a.serving_sweep, copy_bw, num_sms)
         print(text_table(result["serving_sweep"], DECODE_COLUMNS + ["rel_err"]))
-        log(f"wrote {study.save(result, 'serving-' + study.model)}")
+        layout = f"{'hnd' if h.head_major else 'nhd'}{h.block}"
+        log(f"wrote {study.save(result, f'serving-{study.model}-{layout}')}")
         return 0
     if study.gpu_only("the Triton decode kernel"):
         num_sms = torch.cuda.get_device_properties(0).multi_processor_count

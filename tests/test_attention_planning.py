@@ -18,7 +18,7 @@ from graphkiln.runtime.attention.sdpa import SdpaBackend
 from graphkiln.runtime.attention.triton_backend import (
     MAX_SPLITS,
     MIN_SPLIT_TOKENS,
-    PROGRAMS_PER_SM,
+    DECODE_PROGRAMS_PER_SM,
     decode_tiles,
     graph_prefill_work,
     graph_programs,
@@ -36,15 +36,18 @@ def test_decode_splits_fill_the_gpu_within_bounds(num_seqs: int, max_context: in
     assert 1 <= tiles.num_splits <= MAX_SPLITS
     assert tiles.num_splits <= max(1, -(-max_context // MIN_SPLIT_TOKENS))
     capped = tiles.num_splits in (MAX_SPLITS, -(-max_context // MIN_SPLIT_TOKENS))
-    assert capped or num_seqs * 8 * tiles.num_splits >= PROGRAMS_PER_SM * 132
-    assert (num_seqs * 8 * (tiles.num_splits - 1) < PROGRAMS_PER_SM * 132) or tiles.num_splits == 1
+    assert capped or num_seqs * 8 * tiles.num_splits >= DECODE_PROGRAMS_PER_SM * 132
+    assert (num_seqs * 8 * (tiles.num_splits - 1) < DECODE_PROGRAMS_PER_SM * 132) or tiles.num_splits == 1
 
 
 def test_decode_tiles_examples() -> None:
-    assert decode_tiles(32, 8, 4096, 128, 2, num_sms=132).num_splits == 2
-    assert decode_tiles(256, 8, 4096, 128, 2, num_sms=132).num_splits == 1
-    assert decode_tiles(1, 8, 16384, 128, 2, num_sms=132).num_splits == 33
-    assert decode_tiles(1, 8, 256, 128, 2, num_sms=132).num_splits == 1
+    assert decode_tiles(64, 8, 4096, 64, 2, num_sms=132).num_splits == 2
+    assert decode_tiles(128, 8, 4096, 64, 2, num_sms=132).num_splits == 1
+    assert decode_tiles(1, 8, 2048, 64, 2, num_sms=132).num_splits == 16  # 128 tokens a split at the least
+    assert decode_tiles(1, 8, 16384, 128, 2, num_sms=132).num_splits == MAX_SPLITS
+    assert decode_tiles(1, 8, 128, 128, 2, num_sms=132).num_splits == 1
+    assert decode_tiles(4, 8, 4096, 64, 2, num_sms=132).block_n == 64
+    assert decode_tiles(4, 8, 4096, 128, 2, num_sms=132).block_n == 128
     assert decode_tiles(4, 8, 4096, 256, 2, num_sms=132).block_n == 32  # 512-byte rows: shorter tiles
 
 
