@@ -35,7 +35,7 @@ SWEEP_GEMV = {  # format -> (BLOCK_N, BLOCK_K, warps, stages) tried at 1 row
     "fp8": list(itertools.product((4, 8, 16, 32), (256, 512, 1024, 2048), (4, 8), (2, 4))),
     "int4": list(itertools.product((4, 8, 16, 32), (512, 1024, 2048, 4096), (4, 8), (2, 4))),
 }
-SWEEP_ROWS = list(itertools.product((32, 64, 128), (64, 128), (4, 8), (3, 5)))  # (BLOCK_N, BLOCK_K, warps, stages)
+SWEEP_ROWS = list(itertools.product((16, 32, 64, 128), (64, 128), (4, 8), (3, 5)))  # (BLOCK_N, BLOCK_K, warps, stages)
 
 
 def weight_bytes(fmt: str, n: int, k: int) -> int:

@@ -162,10 +162,17 @@ def gemv_tiling(n: int, k: int) -> tuple[int, int, int, int]:
 
 
 def rows_tiling(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the tensor-core kernel; BLOCK_K divides 128."""
-    if m <= 16:
-        return 16, 64, 128, 4, 4
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the tensor-core kernel; BLOCK_K divides 128. Up to 64
+    rows one row tile covers them, and slabs narrow with N so that every multiprocessor streams."""
+    if m <= 64:
+        return max(16, triton.next_power_of_2(m)), slab_width(n), 128, 4, 4
     return 64, 128, 64, 4, 4
+
+
+def slab_width(n: int) -> int:
+    """Weight rows per program at few rows: about two programs per multiprocessor on the 4096- to
+    28672-wide projections."""
+    return 16 if n <= 4096 else 32 if n <= 8192 else 64
 
 
 def _block_scales(weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
@@ -278,7 +285,7 @@ def blockwise_scaled_mm(device_index: int) -> bool:
     return True
 
 
-def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
                dtype: torch.dtype) -> torch.Tensor:
     """a @ b on fp8 tensor cores; the scaled forms want bfloat16 out, so float16 is one cast after."""
     y = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
@@ -321,10 +328,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         else:
             xq = quantize_static(x, input_scale)
             scale_a = input_scale.reshape(1, 1).expand(k // BLOCK, m).contiguous().t()
-        return _scaled_mm(xq, weight.t(), scale_a, weight_scale.t(), x.dtype)
+        return scaled_mm(xq, weight.t(), scale_a, weight_scale.t(), x.dtype)
     if input_scale is None:
         xq, scale_a = quantize_rows(x)
     else:
         xq = quantize_static(x, input_scale)
         scale_a = input_scale.reshape(1, 1).expand(m, 1).contiguous()
-    return _scaled_mm(xq, weight.t(), scale_a, weight_scale.view(1, n), x.dtype)
+    return scaled_mm(xq, weight.t(), scale_a, weight_scale.view(1, n), x.dtype)

@@ -139,11 +139,12 @@ def gemv_tiling(n: int, k: int) -> tuple[int, int, int, int]:
 
 
 def mm_tiling(m: int, n: int, k: int, group_size: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the tiled kernel; BLOCK_K divides the group size."""
-    block_k = min(group_size, 64 if m > 16 else 128)
-    if m <= 16:
-        return 16, 64, block_k, 4, 4
-    return 64, 128, block_k, 4, 4
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the tiled kernel; BLOCK_K divides the group size. Up
+    to 64 rows one row tile covers them, and slabs narrow with N so that every multiprocessor streams."""
+    if m <= 64:
+        block_n = 16 if n <= 4096 else 32 if n <= 8192 else 64
+        return max(16, triton.next_power_of_2(m)), block_n, min(group_size, 128), 4, 4
+    return 64, 128, min(group_size, 64), 4, 4
 
 
 def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> None:
