@@ -316,6 +316,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         x = x.contiguous()
     m, k = x.shape
     n = weight.shape[0]
+    if m == 0:
+        return x.new_empty(0, n)
     if m == 1:
         return fp8_gemv(x, weight, weight_scale)
     if m <= FEW_ROWS or not scaled_mm_fits(x, weight, block_scales):

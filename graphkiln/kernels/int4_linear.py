@@ -216,6 +216,8 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     if x.stride(1) != 1:
         x = x.contiguous()
     m = x.shape[0]
+    if m == 0:
+        return x.new_empty(0, qweight.shape[0])
     if m == 1:
         return int4_gemv(x, qweight, scales, zeros, group_size)
     if m <= MM_ROWS:

@@ -173,3 +173,11 @@ def test_bad_shapes_are_config_errors_naming_what_to_give():
         int4_linear(x, qweight, scales, zeros, 96)
     with pytest.raises(ConfigError, match=r"zeros has shape \(256, 1\).*needs \(256, 2\)"):
         int4_linear(x, qweight, scales, zeros[:, :1], 128)
+
+
+def test_zero_rows_give_an_empty_product():
+    weight, scale, _ = fp8_weight(256, 256, True)
+    qweight, scales, zeros, _ = int4_weight(256, 256)
+    x = activation(1, 256)[:0]
+    assert fp8_linear(x, weight, scale).shape == (0, 256)
+    assert int4_linear(x, qweight, scales, zeros, 128).shape == (0, 256)
