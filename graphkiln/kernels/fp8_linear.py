@@ -273,7 +273,8 @@ def dequantize_blocks(weight: torch.Tensor, weight_scale: torch.Tensor, dtype: t
 @functools.cache
 def blockwise_scaled_mm(device_index: int) -> bool:
     """Whether this torch build's _scaled_mm multiplies 1 x 128 activation groups by 128 x 128 weight
-    blocks on this device (cuBLAS 12.9+ on sm90): one small product tells."""
+    blocks on this device (cuBLAS 12.9+ on sm90): one small product tells, at the first block-scaled
+    product of more than FEW_ROWS rows (a warm-up call before graph capture makes it)."""
     device = torch.device("cuda", device_index)
     a = torch.ones(128, 128, device=device).to(FP8)
     scale_a = torch.ones(1, 128, device=device).t()
@@ -312,8 +313,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     (more than FEW_ROWS rows); without it activations are scaled per token or per 1 x 128 group."""
     _check(x, weight, weight_scale)
     block_scales = _block_scales(weight, weight_scale)
-    if x.stride(1) != 1:
-        x = x.contiguous()
+    x, weight_scale = x if x.stride(1) == 1 else x.contiguous(), weight_scale.contiguous()
     m, k = x.shape
     n = weight.shape[0]
     if m == 0:

@@ -7,8 +7,9 @@ One row (decode at batch 1): a GEMV in gemv.py's layout that never builds the we
 sums q * x and x, and adds scale * (sum(q * x) - zero * sum(x)), so the inner loop is one multiply-add
 per weight and the bytes read are a quarter of bf16's. More rows: a tiled kernel that dequantizes
 each weight tile in registers for tensor-core dots; past MM_ROWS rows (prefill), the weight is
-dequantized once to x's dtype and multiplied by torch.mm, whose bf16 GEMM outruns a Triton GEMM
-with dequantization in its loop at those sizes. Kernels only, no host sync: capturable.
+dequantized once to x's dtype and multiplied by torch.mm, where writing and reading that weight is a
+small part of a compute-bound product (`python -m bench quantized` times both ways). Kernels only,
+no host sync: capturable.
 """
 
 from __future__ import annotations
@@ -213,8 +214,8 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
                 group_size: int) -> torch.Tensor:
     """x [M, K] (bfloat16/float16) @ w^T -> [M, N] in x's dtype, w = (q - zeros) * scales per group."""
     _check(x, qweight, scales, zeros, group_size)
-    if x.stride(1) != 1:
-        x = x.contiguous()
+    x = x if x.stride(1) == 1 else x.contiguous()
+    scales, zeros = scales.contiguous(), zeros.contiguous()
     m = x.shape[0]
     if m == 0:
         return x.new_empty(0, qweight.shape[0])
