@@ -8,7 +8,9 @@ counts, with sweeps of the few-row kernels' tiles. A few minutes on the 8b shape
               the few-row tensor-core kernel, per-token quantization + torch._scaled_mm (rowwise)
   fp8-block   the same with 128 x 128 block scales; candidates: the GEMV, the few-row kernel, 1 x 128
               quantization + block-scaled _scaled_mm (where this torch has it), dequantize + torch.mm
-  int4        int4_linear (groups of 128, what it picks), and the GEMV, the tiled kernel, dequantize + mm
+  int4        int4_linear (groups of 128, what it picks), and the GEMV, the tiled kernel, dequantize + mm;
+              for reference torch's tinygemm (aten._weight_int4pack_mm, torchao's int4 layout on CUDA)
+              on the same weights repacked into its layout
   --sweep     at 1 row every GEMV tiling of SWEEP_GEMV; at 8 to 64 rows every tiling of SWEEP_ROWS (one
               format a command keeps it under 10 minutes; written to quantized-sweep-<formats>.json)
 
@@ -67,7 +69,24 @@ def make_weights(fmt: str, n: int, k: int, copies: int, device: str) -> list:
     return [one() for _ in range(copies)]
 
 
-def candidates(fmt: str, x, rows: int) -> dict:
+def tinygemm_weights(weights: list) -> dict:
+    """id(qweight) -> (tinygemm's packed weight, its scales and float zero points) for each int4 copy:
+    w = (q - z) * s = (q - 8) * s + (8 - z) * s. Empty where this torch has no tinygemm kernel."""
+    import torch
+
+    packed = {}
+    for q, scales, zeros in weights:
+        try:
+            tiles = torch.ops.aten._convert_weight_to_int4pack(q, 8)
+        except RuntimeError as e:
+            log(f"tinygemm skipped: {str(e).splitlines()[0]}")
+            return {}
+        scales_and_zeros = torch.stack([scales, (8 - zeros.float()).to(scales.dtype) * scales], dim=-1)
+        packed[id(q)] = tiles, scales_and_zeros.transpose(0, 1).contiguous()
+    return packed
+
+
+def candidates(fmt: str, x, rows: int, tinygemm: dict | None = None) -> dict:
     """name -> fn(weight args) of every product of this format timed at this row count."""
     import torch
 
@@ -100,6 +119,12 @@ def candidates(fmt: str, x, rows: int) -> dict:
         out["gemv"] = lambda q, s, z: i4.int4_gemv(x, q, s, z, GROUP)
     out["mm_kernel"] = lambda q, s, z: i4.int4_mm(x, q, s, z, GROUP)
     out["dequant_mm"] = lambda q, s, z: torch.mm(x, i4.dequantize(q, s, z, GROUP, x.dtype).t())
+    if tinygemm:
+        def tiny(q, s, z):
+            packed, scales_and_zeros = tinygemm[id(q)]
+            return torch.ops.aten._weight_int4pack_mm(x, packed, GROUP, scales_and_zeros)
+
+        out["tinygemm"] = tiny
     return out
 
 
@@ -180,12 +205,13 @@ def main(a: argparse.Namespace) -> int:
                 nbytes = weight_bytes(fmt, n, k)
                 copies = max(2, -(-(600 << 20) // nbytes)) if study.cuda else 2
                 weights = make_weights(fmt, n, k, copies, device)
+                tinygemm = tinygemm_weights(weights) if fmt == "int4" else None
                 calls = max(copies, 24)
                 for m in row_counts:
                     x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
                     floor_us = (nbytes + 2 * m * (n + k)) / rate * 1e6
                     row = {"model": model, "name": name, "format": fmt, "m": m, "n": n, "k": k, "floor_us": floor_us}
-                    for variant, fn in candidates(fmt, x, m).items():
+                    for variant, fn in candidates(fmt, x, m, tinygemm).items():
                         row[f"{variant}_us"] = per_call_us(lambda w, fn=fn: fn(*w), weights, calls, device)
                         row[f"{variant}_of_floor"] = floor_us / row[f"{variant}_us"]
                     if a.sweep and study.cuda and fmt != "bf16" and m <= 64:
@@ -194,7 +220,7 @@ def main(a: argparse.Namespace) -> int:
                     log(f"{model:5} {name:8} {fmt:9} m={m:<5} floor {floor_us:8.1f} us | " + " | ".join(
                         f"{v.removesuffix('_us')} {row[v]:8.1f} us ({row[v.replace('_us', '_of_floor')]:.0%})"
                         for v in row if v.endswith("_us") and v != "floor_us"))
-                del weights
+                del weights, tinygemm
                 if study.cuda:
                     torch.cuda.empty_cache()
     columns = ["model", "name", "format", "m", "floor_us"] + sorted(
