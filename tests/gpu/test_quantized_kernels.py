@@ -85,8 +85,8 @@ def test_fp8_linear_float16_and_static_input_scale(rows):
     x = activation(rows, k, torch.float16)
     input_scale = (x.float().abs().amax() / 448).reshape(1)
     y = fp8_linear(x, weight, scale, input_scale)
-    assert y.dtype == torch.float16
-    assert relative_error(y, x.float() @ reference_weight.t()) < 0.06
+    assert y.dtype == torch.float16  # the static scale quantizes only where the activation is quantized
+    assert relative_error(y, x.float() @ reference_weight.t()) < (0.06 if rows > FEW_ROWS else 0.005)
 
 
 @pytest.mark.parametrize("group", [None, 128])
