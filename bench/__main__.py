@@ -12,6 +12,7 @@ COMMANDS = {  # command -> (module, one line of help)
     "report": ("report", "markdown, plot or HISTORY.md rows from a run's JSON"),
     "kernels": ("kernels", "the kernels of one decode graph replay (and of a short prefill) by name"),
     "products": ("products", "weight products at 1 and 128 rows: cuBLAS, the Triton GEMV, Inductor"),
+    "quantized": ("quantized", "fp8 and int4 weight products vs bf16 and each format's bytes floor, tile sweeps"),
     "tiles": ("tiles", "GEMV tilings tried inside the real decode graph"),
     "attention": ("attention", "Triton attention kernels vs SDPA and the copy rate"),
     "serving": ("serving", "decode and long prefill at serving shapes, per attention backend, vs the floor"),

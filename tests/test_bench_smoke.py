@@ -54,3 +54,13 @@ def test_serve_study_smoke(tmp_path: Path) -> None:
         assert cell["overhead"] > 0
     assert results["server_metrics"]['graphkiln_steps_without_graph_total{kind="decode"}'] > 0
     assert "overhead" in proc.stdout
+
+
+def test_quantized_study_smoke(tmp_path: Path) -> None:
+    """The quantized products study on the CPU: its bf16 rows and floors (the fp8 and int4 kernels need CUDA)."""
+    cmd = [sys.executable, "-m", "bench", "quantized", "--smoke", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "quantized.json").read_text())["shapes"]
+    assert {(r["name"], r["m"]) for r in rows} == {(n, m) for n in ("qkv", "o", "gate_up", "down") for m in (1, 8)}
+    assert all(r["format"] == "bf16" and r["cublas_us"] > 0 and r["floor_us"] > 0 for r in rows)

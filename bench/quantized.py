@@ -1,0 +1,230 @@
+"""fp8 and int4 weight products against bf16 and each format's bytes floor, at decode and prefill row
+counts, with sweeps of the few-row kernels' tiles. A few minutes on the 8b shapes.
+
+    python -m bench quantized --out $OUT [--rows 1 8 32 64 4096] [--models 8b] [--formats ...] [--sweep]
+
+  bf16        cuBLAS (torch.mm); at 1 row the Triton GEMV behind graphkiln::linear
+  fp8         fp8_linear with per-channel scales (what it picks), and each candidate: the one-row GEMV,
+              the few-row tensor-core kernel, per-token quantization + torch._scaled_mm (rowwise)
+  fp8-block   the same with 128 x 128 block scales; candidates: the GEMV, the few-row kernel, 1 x 128
+              quantization + block-scaled _scaled_mm (where this torch has it), dequantize + torch.mm
+  int4        int4_linear (groups of 128, what it picks), and the GEMV, the tiled kernel, dequantize + mm;
+              for reference torch's tinygemm (aten._weight_int4pack_mm, torchao's int4 layout on CUDA)
+              on the same weights repacked into its layout
+  --sweep     at 1 row every GEMV tiling of SWEEP_GEMV; at 8 to 64 rows every tiling of SWEEP_ROWS (one
+              format a command keeps it under 10 minutes; written to quantized-sweep-<formats>.json)
+
+The floor of a format is its weight bytes (with scales and zero points) and the activation and output
+bytes, over the copy rate measured in the same run. Each product is timed inside a CUDA graph that
+cycles over enough weight copies (600 MiB) that every call reads its weight from memory. On the CPU
+(--smoke) only bf16 torch.mm runs: the quantized kernels need CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+from .common import Study, add_study_arguments, log
+from .measure import copy_rate
+from .models import projections
+from .products import per_call_us
+from .report import text_table
+
+FORMATS = ("fp8", "fp8-block", "int4")
+GROUP = 128
+SWEEP_GEMV = {  # format -> (BLOCK_N, BLOCK_K, warps, stages) tried at 1 row
+    "fp8": list(itertools.product((4, 8, 16, 32), (256, 512, 1024, 2048), (4, 8), (2, 4))),
+    "int4": list(itertools.product((4, 8, 16, 32), (512, 1024, 2048, 4096), (4, 8), (2, 4))),
+}
+SWEEP_ROWS = list(itertools.product((16, 32, 64, 128), (64, 128), (4, 8), (3, 5)))  # (BLOCK_N, BLOCK_K, warps, stages)
+
+
+def weight_bytes(fmt: str, n: int, k: int) -> int:
+    if fmt == "bf16":
+        return 2 * n * k
+    if fmt == "fp8":
+        return n * k + 4 * n
+    if fmt == "fp8-block":
+        return n * k + 4 * -(-n // 128) * -(-k // 128)
+    return n * k // 2 + 2 * 2 * n * (k // GROUP)  # int4: bf16 scales and zero points
+
+
+def make_weights(fmt: str, n: int, k: int, copies: int, device: str) -> list:
+    """`copies` random weights in the format, as the arguments after x of its product."""
+    import torch
+
+    def one():
+        if fmt == "bf16":
+            return (torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02,)
+        if fmt.startswith("fp8"):
+            w = (torch.randn(n, k, device=device) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+            shape = (-(-n // 128), -(-k // 128)) if fmt == "fp8-block" else (n,)
+            return w, torch.rand(shape, device=device) * 1e-3 + 1e-4
+        q = torch.randint(0, 256, (n, k // 2), device=device, dtype=torch.uint8)
+        scales = (torch.rand(n, k // GROUP, device=device) * 1e-3).to(torch.bfloat16)
+        zeros = torch.full((n, k // GROUP), 8.0, device=device, dtype=torch.bfloat16)
+        return q, scales, zeros
+
+    return [one() for _ in range(copies)]
+
+
+def tinygemm_weights(weights: list) -> dict:
+    """id(qweight) -> (tinygemm's packed weight, its scales and float zero points) for each int4 copy:
+    w = (q - z) * s = (q - 8) * s + (8 - z) * s. Empty where this torch has no tinygemm kernel."""
+    import torch
+
+    packed = {}
+    for q, scales, zeros in weights:
+        try:
+            tiles = torch.ops.aten._convert_weight_to_int4pack(q, 8)
+        except RuntimeError as e:
+            log(f"tinygemm skipped: {str(e).splitlines()[0]}")
+            return {}
+        scales_and_zeros = torch.stack([scales, (8 - zeros.float()).to(scales.dtype) * scales], dim=-1)
+        packed[id(q)] = tiles, scales_and_zeros.transpose(0, 1).contiguous()
+    return packed
+
+
+def candidates(fmt: str, x, rows: int, tinygemm: dict | None = None) -> dict:
+    """name -> fn(weight args) of every product of this format timed at this row count."""
+    import torch
+
+    if fmt == "bf16":
+        out = {"cublas": lambda w: torch.mm(x, w.t())}
+        if rows == 1 and x.is_cuda:
+            from graphkiln.kernels.gemv import gemv
+
+            out["gemv"] = lambda w: gemv(x, w)
+        return out
+    if fmt.startswith("fp8"):
+        from graphkiln.kernels import fp8_linear as f
+
+        out = {"picked": lambda w, s: f.fp8_linear(x, w, s)}
+        if rows == 1:
+            out["gemv"] = lambda w, s: f.fp8_gemv(x, w, s)
+        if rows <= 64:
+            out["rows_kernel"] = lambda w, s: f.fp8_rows(x, w, s)
+        if fmt == "fp8":
+            out["scaled_mm"] = lambda w, s: rowwise_scaled_mm(x, w, s)
+        else:
+            if f.blockwise_scaled_mm(x.device.index or 0):
+                out["scaled_mm"] = lambda w, s: blockwise_scaled_mm(x, w, s)
+            out["dequant_mm"] = lambda w, s: torch.mm(x, f.dequantize_blocks(w, s, x.dtype).t())
+        return out
+    from graphkiln.kernels import int4_linear as i4
+
+    out = {"picked": lambda q, s, z: i4.int4_linear(x, q, s, z, GROUP)}
+    if rows == 1:
+        out["gemv"] = lambda q, s, z: i4.int4_gemv(x, q, s, z, GROUP)
+    out["mm_kernel"] = lambda q, s, z: i4.int4_mm(x, q, s, z, GROUP)
+    out["dequant_mm"] = lambda q, s, z: torch.mm(x, i4.dequantize(q, s, z, GROUP, x.dtype).t())
+    if tinygemm:
+        def tiny(q, s, z):
+            packed, scales_and_zeros = tinygemm[id(q)]
+            return torch.ops.aten._weight_int4pack_mm(x, packed, GROUP, scales_and_zeros)
+
+        out["tinygemm"] = tiny
+    return out
+
+
+def rowwise_scaled_mm(x, weight, scale):
+    """Per-token fp8 x times the per-channel fp8 weight in torch._scaled_mm, whatever the row count."""
+    from graphkiln.kernels.fp8_linear import quantize_rows, scaled_mm
+
+    q, scale_a = quantize_rows(x)
+    return scaled_mm(q, weight.t(), scale_a, scale.view(1, -1), x.dtype)
+
+
+def blockwise_scaled_mm(x, weight, scale):
+    """1 x 128-group fp8 x times the 128 x 128-block fp8 weight in torch._scaled_mm."""
+    from graphkiln.kernels.fp8_linear import BLOCK, quantize_rows, scaled_mm
+
+    q, scale_a = quantize_rows(x, BLOCK)
+    return scaled_mm(q, weight.t(), scale_a, scale.t(), x.dtype)
+
+
+def sweep(fmt: str, x, rows: int, weights: list, calls: int) -> list:
+    """The five fastest tilings of the few-row kernel at this row count: [(us, tiles), ...]."""
+    from triton.runtime.errors import OutOfResources
+
+    if fmt == "int4":
+        from graphkiln.kernels import int4_linear as i4
+
+        if rows == 1:
+            tried = {t: (lambda q, s, z, t=t: i4.int4_gemv(x, q, s, z, GROUP, tiles=t)) for t in SWEEP_GEMV["int4"]}
+        else:
+            block_m = max(16, min(64, 1 << (rows - 1).bit_length()))
+            tried = {(block_m, *t): (lambda q, s, z, t=(block_m, *t): i4.int4_mm(x, q, s, z, GROUP, tiles=t))
+                     for t in SWEEP_ROWS}
+    else:
+        from graphkiln.kernels import fp8_linear as f
+
+        if rows == 1:
+            tried = {t: (lambda w, s, t=t: f.fp8_gemv(x, w, s, tiles=t)) for t in SWEEP_GEMV["fp8"]}
+        else:
+            block_m = max(16, min(64, 1 << (rows - 1).bit_length()))
+            tried = {(block_m, *t): (lambda w, s, t=(block_m, *t): f.fp8_rows(x, w, s, tiles=t)) for t in SWEEP_ROWS}
+    timed = []
+    for tiles, fn in tried.items():
+        try:
+            timed.append((per_call_us(lambda w, fn=fn: fn(*w), weights, calls, "cuda"), tiles))
+        except OutOfResources:
+            continue
+    return sorted(timed)[:5]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_study_arguments(p, model="8b")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64, 4096],
+                   help="rows of x (default 1 8 32 64 4096)")
+    p.add_argument("--models", nargs="+", default=["8b"], help="whose weight shapes (default 8b)")
+    p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS,
+                   help="quantized formats (default all)")
+    p.add_argument("--sweep", action="store_true", help="tilings of the few-row kernels at 1 to 64 rows (GPU)")
+
+
+def main(a: argparse.Namespace) -> int:
+    import torch
+
+    study = Study.of("quantized", a)
+    device = study.device
+    models, row_counts = (["smoke"], [1, 8]) if study.smoke else (a.models, a.rows)
+    formats = ["bf16"] + (list(a.formats) if study.cuda else [])
+    if not study.cuda:
+        log("CPU smoke: bf16 torch.mm only; the fp8 and int4 kernels need CUDA")
+    torch.manual_seed(0)
+    rate = copy_rate(device, (64 << 20) if study.smoke else (1 << 30))
+    results: dict = {"copy_Bps": rate, "group_size": GROUP, "shapes": []}
+    log(f"copy {rate / 1e12:.3f} TB/s")
+    for model in models:
+        for name, (n, k) in projections(model).items():
+            if name == "lm_head":  # kept in bf16 by every format
+                continue
+            for fmt in formats:
+                nbytes = weight_bytes(fmt, n, k)
+                copies = max(2, -(-(600 << 20) // nbytes)) if study.cuda else 2
+                weights = make_weights(fmt, n, k, copies, device)
+                tinygemm = tinygemm_weights(weights) if fmt == "int4" else None
+                calls = max(copies, 24)
+                for m in row_counts:
+                    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+                    floor_us = (nbytes + 2 * m * (n + k)) / rate * 1e6
+                    row = {"model": model, "name": name, "format": fmt, "m": m, "n": n, "k": k, "floor_us": floor_us}
+                    for variant, fn in candidates(fmt, x, m, tinygemm).items():
+                        row[f"{variant}_us"] = per_call_us(lambda w, fn=fn: fn(*w), weights, calls, device)
+                        row[f"{variant}_of_floor"] = floor_us / row[f"{variant}_us"]
+                    if a.sweep and study.cuda and fmt != "bf16" and m <= 64:
+                        row["sweep_top5"] = sweep(fmt.removesuffix("-block"), x, m, weights, calls)
+                    results["shapes"].append(row)
+                    log(f"{model:5} {name:8} {fmt:9} m={m:<5} floor {floor_us:8.1f} us | " + " | ".join(
+                        f"{v.removesuffix('_us')} {row[v]:8.1f} us ({row[v.replace('_us', '_of_floor')]:.0%})"
+                        for v in row if v.endswith("_us") and v != "floor_us"))
+                del weights, tinygemm
+                if study.cuda:
+                    torch.cuda.empty_cache()
+    columns = ["model", "name", "format", "m", "floor_us"] + sorted(
+        {k for r in results["shapes"] for k in r if k.endswith("_us")} - {"floor_us"})
+    print(text_table(results["shapes"], columns))
+    log(f"wrote {study.save(results, ('sweep-' + '-'.join(a.formats)) if a.sweep else '')}")
+    return 0

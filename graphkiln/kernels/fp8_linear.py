@@ -1,0 +1,334 @@
+"""fp8 weight products: y [M, N] = x [M, K] @ (weight [N, K] float8_e4m3fn, dequantized by its scales)^T.
+
+Weight scales are per output channel ([N]) or per 128 x 128 block ([ceil(N/128), ceil(K/128)]); the
+dequantized weight is the fp8 value times its scale.
+
+Few rows (decode): the product is a pass over the weight, so the weight streams in as fp8, is
+converted in registers and multiplied by the unquantized activation; nothing is quantized and the
+bytes read are half of bf16's. One row: the GEMV layout of gemv.py (a slab of weight rows per
+program over all of K); 2 to FEW_ROWS rows: the same slabs through tensor-core dots.
+More rows (prefill): the activation is quantized to fp8 (per token for per-channel weights, per
+1 x 128 group for block weights; with `input_scale`, by that static per-tensor scale) and the
+product runs on fp8 tensor cores in torch._scaled_mm; block weights where that torch build has no
+block-scaled _scaled_mm are dequantized to x's dtype and multiplied by torch.mm.
+Every path launches kernels only (no host sync), so it can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from graphkiln.errors import ConfigError
+
+from .gemv import _k_mask
+from .pdl import pdl_on
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+BLOCK = 128  # the side of a weight-scale block
+FEW_ROWS = 16  # up to this many rows the weight-streaming kernels run; above, torch._scaled_mm
+
+
+@triton.jit
+def _gemv_step(acc, w, k, ks, k_mask, cols, col_mask, x_ptr, s_ptr, K, stride_sn, BLOCK_N: tl.constexpr,
+               CHUNKS: tl.constexpr, SUB: tl.constexpr, BLOCK_SCALES: tl.constexpr):
+    """acc + this K step's products: elementwise for per-channel scales (scaled at the end); for block
+    scales, the sum over each SUB-wide chunk (inside one scale block) times that block's scale."""
+    x = tl.load(x_ptr + k + ks, mask=k_mask, other=0.0).to(tl.float32)
+    prod = w.to(tl.float32) * x[None, :]
+    if BLOCK_SCALES:
+        chunk_k = k + tl.arange(0, CHUNKS) * SUB
+        s = tl.load(s_ptr + (cols // 128)[:, None] * stride_sn + (chunk_k // 128)[None, :],
+                    mask=col_mask[:, None] & (chunk_k < K)[None, :], other=0.0)
+        return acc + tl.sum(tl.reshape(prod, (BLOCK_N, CHUNKS, SUB)), axis=2) * s
+    return acc + prod
+
+
+@triton.jit
+def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_wn, stride_sn, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, SUB: tl.constexpr, ACC_K: tl.constexpr, EVEN_K: tl.constexpr,
+                     BLOCK_SCALES: tl.constexpr, PDL: tl.constexpr):
+    """y[0, N] for one row x[0, K]: one program per slab of BLOCK_N weight rows over all of K; the
+    accumulator is [BLOCK_N, BLOCK_K] (per-channel scales) or one column per SUB-wide chunk (block)."""
+    pid = tl.program_id(0)
+    if PDL:  # the next kernel may start once every program has begun
+        gdc_launch_dependents()
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    col_mask = cols < N
+    w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
+    acc = tl.zeros((BLOCK_N, ACC_K), dtype=tl.float32)
+    k_mask = _k_mask(ks, 0, K, EVEN_K)
+    w = tl.load(w_ptrs, mask=col_mask[:, None] & k_mask[None, :], other=0.0)  # no earlier kernel's output
+    if PDL:  # x is: wait for the previous kernel to finish and its writes to land
+        gdc_wait()
+    acc = _gemv_step(acc, w, 0, ks, k_mask, cols, col_mask, x_ptr, s_ptr, K, stride_sn, BLOCK_N,
+                         BLOCK_K // SUB, SUB, BLOCK_SCALES)
+    for k in range(BLOCK_K, K, BLOCK_K):
+        k_mask = _k_mask(ks, k, K, EVEN_K)
+        w = tl.load(w_ptrs + k, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+        acc = _gemv_step(acc, w, k, ks, k_mask, cols, col_mask, x_ptr, s_ptr, K, stride_sn, BLOCK_N,
+                         BLOCK_K // SUB, SUB, BLOCK_SCALES)
+    y = tl.sum(acc, axis=1)
+    if not BLOCK_SCALES:
+        y = y * tl.load(s_ptr + cols, mask=col_mask, other=0.0)
+    tl.store(y_ptr + cols, y.to(y_ptr.dtype.element_ty), mask=col_mask)
+
+
+@triton.jit
+def _fp8_rows_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     BLOCK_SCALES: tl.constexpr, PDL: tl.constexpr):
+    """y[M, N] tile by tile: each fp8 weight tile converted to x's dtype (times its block's scale) in
+    registers and multiplied on tensor cores; BLOCK_K divides 128, so a step sits in one scale block."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    if PDL:
+        gdc_launch_dependents()
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    row_mask = rows < M
+    col_mask = cols < N
+    x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :]
+    w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if PDL:  # x is the previous kernel's output
+        gdc_wait()
+    for k in range(0, K, BLOCK_K):
+        k_mask = (k + ks) < K
+        w = tl.load(w_ptrs + k, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+        x = tl.load(x_ptrs + k, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        w = w.to(tl.float32)  # exact; fp8 goes to half precision through float32 on every target
+        if BLOCK_SCALES:
+            w = w * tl.load(s_ptr + (cols // 128) * stride_sn + k // 128, mask=col_mask, other=0.0)[:, None]
+        acc = tl.dot(x, tl.trans(w.to(x_ptr.dtype.element_ty)), acc)
+    if not BLOCK_SCALES:
+        acc = acc * tl.load(s_ptr + cols, mask=col_mask, other=0.0)[None, :]
+    y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_ym + cols[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm, stride_sg,
+                            GROUP: tl.constexpr, BLOCK: tl.constexpr):
+    """One group of one row of x to fp8 by its absolute maximum: q = x / s, s = amax / 448."""
+    row = tl.program_id(0).to(tl.int64)
+    group = tl.program_id(1)
+    offs = tl.arange(0, BLOCK)
+    ks = group * GROUP + offs
+    mask = (offs < GROUP) & (ks < K)
+    x = tl.load(x_ptr + row * stride_xm + ks, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0) / 448.0, 1e-12)
+    q = tl.clamp(x / scale, -448.0, 448.0)
+    tl.store(q_ptr + row * stride_qm + ks, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row * stride_sm + group * stride_sg, scale)
+
+
+@triton.jit
+def _dequantize_blocks_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on, BLOCK_N: tl.constexpr,
+                              BLOCK_K: tl.constexpr):
+    """out[N, K] = weight times its 128 x 128 block's scale, in out's dtype."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (cols < N)[:, None] & (ks < K)[None, :]
+    w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :], mask=mask, other=0.0)
+    s = tl.load(s_ptr + (cols // 128)[:, None] * stride_sn + (ks // 128)[None, :], mask=mask, other=0.0)
+    out = (w.to(tl.float32) * s).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + cols[:, None].to(tl.int64) * stride_on + ks[None, :], out, mask=mask)
+
+
+def gemv_tiling(n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages) of the one-row kernel: gemv.py's slabs with twice the K step,
+    so a step still loads as many bytes (the benchmark's sweep checks them)."""
+    if n <= 8192:
+        tiles = (4, 4096, 4, 2) if k <= 2048 else (8, 1024, 4, 3) if k < 8192 else (8, 2048, 8, 2)
+    elif n <= 32768:
+        tiles = 32, 256, 4, 6
+    else:
+        tiles = 16, 512, 4, 4
+    block_n, block_k, warps, stages = tiles
+    return block_n, min(block_k, max(triton.next_power_of_2(k), 16)), warps, stages
+
+
+def rows_tiling(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the tensor-core kernel; BLOCK_K divides 128. Up to 64
+    rows one row tile covers them, and slabs narrow with N so that every multiprocessor streams."""
+    if m <= 64:
+        return max(16, triton.next_power_of_2(m)), slab_width(n), 128, 4, 4
+    return 64, 128, 64, 4, 4
+
+
+def slab_width(n: int) -> int:
+    """Weight rows per program at few rows: about two programs per multiprocessor on the 4096- to
+    28672-wide projections."""
+    return 16 if n <= 4096 else 32 if n <= 8192 else 64
+
+
+def _block_scales(weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
+    """True for 128 x 128 block scales, False for per-output-channel ones; any other shape is refused."""
+    n, k = weight.shape
+    if weight_scale.dim() == 1 and weight_scale.shape[0] == n:
+        return False
+    if weight_scale.dim() == 2 and tuple(weight_scale.shape) == (triton.cdiv(n, BLOCK), triton.cdiv(k, BLOCK)):
+        return True
+    raise ConfigError(
+        f"fp8 weight_scale has shape {tuple(weight_scale.shape)} for a weight of shape {(n, k)}: give one scale per "
+        f"output channel ({n},) or one per 128 x 128 block ({triton.cdiv(n, BLOCK)}, {triton.cdiv(k, BLOCK)})"
+    )
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> None:
+    if weight.dtype != FP8 or weight.dim() != 2 or weight.stride(1) != 1:
+        raise ConfigError(f"fp8 weight must be a 2-D float8_e4m3fn tensor with unit stride along K; got "
+                          f"{weight.dtype} of shape {tuple(weight.shape)} and strides {weight.stride()}")
+    if x.dim() != 2 or x.shape[1] != weight.shape[1] or x.dtype not in (torch.bfloat16, torch.float16):
+        raise ConfigError(f"fp8_linear takes x [M, {weight.shape[1]}] in bfloat16 or float16; got {x.dtype} of "
+                          f"shape {tuple(x.shape)}")
+    if weight_scale.dtype != torch.float32:
+        raise ConfigError(f"fp8 weight_scale must be float32; got {weight_scale.dtype}")
+
+
+def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+             tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """x [1, K] @ dequantized weight^T with the one-row kernel; `tiles` defaults to `gemv_tiling`."""
+    n, k = weight.shape
+    block_n, block_k, warps, stages = tiles or gemv_tiling(n, k)
+    block_scales = weight_scale.dim() == 2
+    sub = min(block_k, BLOCK)
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    launch_pdl = pdl_on(x.device)
+    _fp8_gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, weight_scale, y, n, k, weight.stride(0), weight_scale.stride(0), BLOCK_N=block_n,
+        BLOCK_K=block_k, SUB=sub, ACC_K=block_k // sub if block_scales else block_k, EVEN_K=k % block_k == 0,
+        BLOCK_SCALES=block_scales, PDL=launch_pdl,
+        num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,
+    )
+    return y
+
+
+def fp8_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+             tiles: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """x [M, K] @ dequantized weight^T with the tensor-core kernel; `tiles` defaults to `rows_tiling`."""
+    m, k = x.shape
+    n = weight.shape[0]
+    block_m, block_n, block_k, warps, stages = tiles or rows_tiling(m, n, k)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    launch_pdl = pdl_on(x.device)
+    _fp8_rows_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
+        x, weight, weight_scale, y, m, n, k, x.stride(0), weight.stride(0), weight_scale.stride(0), y.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_SCALES=weight_scale.dim() == 2, PDL=launch_pdl,
+        num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,
+    )
+    return y
+
+
+def quantize_rows(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] to fp8 with a float32 scale per row (`group` None: [M, 1]) or per `group`-wide slice of a
+    row ([M, ceil(K/group)], column-major as torch._scaled_mm's block scaling wants it)."""
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=FP8, device=x.device)
+    if group is None:
+        scales = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+        width, groups = k, 1
+    else:
+        groups = triton.cdiv(k, group)
+        scales = torch.empty(groups, m, dtype=torch.float32, device=x.device).t()
+        width = group
+    block = triton.next_power_of_2(width)
+    if m:
+        _quantize_groups_kernel[(m, groups)](
+            x, q, scales, k, x.stride(0), q.stride(0), scales.stride(0), scales.stride(1), GROUP=width, BLOCK=block,
+            num_warps=max(1, min(16, block // 512)),
+        )
+    return q, scales
+
+
+def quantize_static(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
+    """x to fp8 by a static per-tensor scale (clamped to fp8's range)."""
+    return (x.float() / input_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def dequantize_blocks(weight: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """weight [N, K] times its 128 x 128 block scales, in `dtype`."""
+    n, k = weight.shape
+    out = torch.empty(n, k, dtype=dtype, device=weight.device)
+    _dequantize_blocks_kernel[(triton.cdiv(n, 64), triton.cdiv(k, 128))](
+        weight, weight_scale, out, n, k, weight.stride(0), weight_scale.stride(0), out.stride(0),
+        BLOCK_N=64, BLOCK_K=128,
+    )
+    return out
+
+
+@functools.cache
+def blockwise_scaled_mm(device_index: int) -> bool:
+    """Whether this torch build's _scaled_mm multiplies 1 x 128 activation groups by 128 x 128 weight
+    blocks on this device (cuBLAS 12.9+ on sm90): one small product tells, at the first block-scaled
+    product of more than FEW_ROWS rows (a warm-up call before graph capture makes it)."""
+    device = torch.device("cuda", device_index)
+    a = torch.ones(128, 128, device=device).to(FP8)
+    scale_a = torch.ones(1, 128, device=device).t()
+    scale_b = torch.ones(1, 1, device=device)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
+    except (RuntimeError, ValueError):
+        return False
+    return True
+
+
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+               dtype: torch.dtype) -> torch.Tensor:
+    """a @ b on fp8 tensor cores; the scaled forms want bfloat16 out, so float16 is one cast after."""
+    y = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
+    return y if dtype == torch.bfloat16 else y.to(dtype)
+
+
+def scaled_mm_fits(x: torch.Tensor, weight: torch.Tensor, block_scales: bool) -> bool:
+    """What torch._scaled_mm takes: CUDA, K and N multiples of 16 (of 128 for block scales, and a torch
+    with block-scaled _scaled_mm)."""
+    n, k = weight.shape
+    if not x.is_cuda:
+        return False
+    if block_scales:
+        return k % BLOCK == 0 and n % BLOCK == 0 and blockwise_scaled_mm(x.device.index or 0)
+    return k % 16 == 0 and n % 16 == 0
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               input_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (bfloat16/float16) @ dequantized fp8 weight [N, K]^T -> [M, N] in x's dtype.
+
+    weight_scale: float32 [N] per output channel or [ceil(N/128), ceil(K/128)] per block. input_scale:
+    a static per-tensor activation scale (float32, one element) used where the activation is quantized
+    (more than FEW_ROWS rows); without it activations are scaled per token or per 1 x 128 group."""
+    _check(x, weight, weight_scale)
+    block_scales = _block_scales(weight, weight_scale)
+    x, weight_scale = x if x.stride(1) == 1 else x.contiguous(), weight_scale.contiguous()
+    m, k = x.shape
+    n = weight.shape[0]
+    if m == 0:
+        return x.new_empty(0, n)
+    if m == 1:
+        return fp8_gemv(x, weight, weight_scale)
+    if m <= FEW_ROWS or not scaled_mm_fits(x, weight, block_scales):
+        if block_scales and m > FEW_ROWS:  # no fp8 tensor-core product fits: cuBLAS on the dequantized weight
+            return torch.mm(x, dequantize_blocks(weight, weight_scale, x.dtype).t())
+        return fp8_rows(x, weight, weight_scale)
+    if block_scales:
+        if input_scale is None:
+            xq, scale_a = quantize_rows(x, BLOCK)
+        else:
+            xq = quantize_static(x, input_scale)
+            scale_a = input_scale.reshape(1, 1).expand(k // BLOCK, m).contiguous().t()
+        return scaled_mm(xq, weight.t(), scale_a, weight_scale.t(), x.dtype)
+    if input_scale is None:
+        xq, scale_a = quantize_rows(x)
+    else:
+        xq = quantize_static(x, input_scale)
+        scale_a = input_scale.reshape(1, 1).expand(m, 1).contiguous()
+    return scaled_mm(xq, weight.t(), scale_a, weight_scale.view(1, n), x.dtype)

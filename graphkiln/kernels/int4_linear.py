@@ -1,0 +1,226 @@
+"""int4 weight-only products: y [M, N] = x [M, K] @ w^T with w = (q - zeros) * scales per group of G inputs.
+
+qweight [N, K/2] uint8 packs two 4-bit values per byte, the low nibble the even k; scales and zeros
+are [N, K/G] (any float dtype, or integer zeros).
+
+One row (decode at batch 1): a GEMV in gemv.py's layout that never builds the weight: per group it
+sums q * x and x, and adds scale * (sum(q * x) - zero * sum(x)), so the inner loop is one multiply-add
+per weight and the bytes read are a quarter of bf16's. More rows: a tiled kernel that dequantizes
+each weight tile in registers for tensor-core dots; past MM_ROWS rows (prefill), the weight is
+dequantized once to x's dtype and multiplied by torch.mm, where writing and reading that weight is a
+small part of a compute-bound product (`python -m bench quantized` times both ways). Kernels only,
+no host sync: capturable.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from graphkiln.errors import ConfigError
+
+from .pdl import pdl_on
+
+MM_ROWS = 256  # above this many rows: dequantize the weight, then torch.mm
+
+
+@triton.jit
+def _int4_gemv_step(acc, b, k, js, k_mask, cols, col_mask, x_ptr, s_ptr, z_ptr, K, stride_sn, stride_zn, G,
+                    BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, HALF_SUB: tl.constexpr):
+    """acc [BLOCK_N, CHUNKS] + this K step: each chunk of 2 * HALF_SUB inputs lies inside one group."""
+    x_even = tl.load(x_ptr + k + 2 * js, mask=k_mask, other=0.0).to(tl.float32)
+    x_odd = tl.load(x_ptr + k + 2 * js + 1, mask=k_mask, other=0.0).to(tl.float32)
+    qx = (b & 15).to(tl.float32) * x_even[None, :] + (b >> 4).to(tl.float32) * x_odd[None, :]
+    qx = tl.sum(tl.reshape(qx, (BLOCK_N, CHUNKS, HALF_SUB)), axis=2)
+    xs = tl.sum(tl.reshape(x_even + x_odd, (CHUNKS, HALF_SUB)), axis=1)
+    chunk_k = k + tl.arange(0, CHUNKS) * (2 * HALF_SUB)
+    mask = col_mask[:, None] & (chunk_k < K)[None, :]
+    s = tl.load(s_ptr + cols[:, None] * stride_sn + (chunk_k // G)[None, :], mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + cols[:, None] * stride_zn + (chunk_k // G)[None, :], mask=mask, other=0.0).to(tl.float32)
+    return acc + s * (qx - z * xs[None, :])
+
+
+@triton.jit
+def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, N, K, G, stride_qn, stride_sn, stride_zn,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr, EVEN_K: tl.constexpr,
+                      PDL: tl.constexpr):
+    """y[0, N] for one row x[0, K]: one program per slab of BLOCK_N weight rows over all of K, BLOCK_K
+    inputs (BLOCK_K / 2 bytes a row) a step, accumulated per SUB-wide chunk (SUB divides G)."""
+    pid = tl.program_id(0)
+    if PDL:  # the next kernel may start once every program has begun
+        gdc_launch_dependents()
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    js = tl.arange(0, BLOCK_K // 2)
+    col_mask = cols < N
+    q_ptrs = q_ptr + cols[:, None].to(tl.int64) * stride_qn + js[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_K // SUB), dtype=tl.float32)
+    k_mask = js < BLOCK_K // 2 if EVEN_K else 2 * js < K
+    b = tl.load(q_ptrs, mask=col_mask[:, None] & k_mask[None, :], other=0)  # no earlier kernel's output
+    if PDL:  # x is: wait for the previous kernel to finish and its writes to land
+        gdc_wait()
+    acc = _int4_gemv_step(acc, b, 0, js, k_mask, cols, col_mask, x_ptr, s_ptr, z_ptr, K, stride_sn, stride_zn, G,
+                          BLOCK_N, BLOCK_K // SUB, SUB // 2)
+    for k in range(BLOCK_K, K, BLOCK_K):
+        k_mask = js < BLOCK_K // 2 if EVEN_K else k + 2 * js < K
+        b = tl.load(q_ptrs + k // 2, mask=col_mask[:, None] & k_mask[None, :], other=0)
+        acc = _int4_gemv_step(acc, b, k, js, k_mask, cols, col_mask, x_ptr, s_ptr, z_ptr, K, stride_sn, stride_zn,
+                              G, BLOCK_N, BLOCK_K // SUB, SUB // 2)
+    tl.store(y_ptr + cols, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=col_mask)
+
+
+@triton.jit
+def _dequantize_tile(q_ptr, s_ptr, z_ptr, cols, col_mask, k, js, K, G, stride_qn, stride_sn, stride_zn,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, dtype: tl.constexpr):
+    """The weight tile [BLOCK_N, BLOCK_K] at (cols, k) in `dtype`; BLOCK_K divides G, so one group a row."""
+    k_mask = k + 2 * js < K
+    b = tl.load(q_ptr + cols[:, None].to(tl.int64) * stride_qn + k // 2 + js[None, :],
+                mask=col_mask[:, None] & k_mask[None, :], other=0)
+    s = tl.load(s_ptr + cols * stride_sn + k // G, mask=col_mask, other=0.0).to(tl.float32)[:, None]
+    z = tl.load(z_ptr + cols * stride_zn + k // G, mask=col_mask, other=0.0).to(tl.float32)[:, None]
+    low = ((b & 15).to(tl.float32) - z) * s
+    high = ((b >> 4).to(tl.float32) - z) * s
+    return tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_K)).to(dtype)
+
+
+@triton.jit
+def _int4_mm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, M, N, K, G, stride_xm, stride_qn, stride_sn, stride_zn,
+                    stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    PDL: tl.constexpr):
+    """y[M, N] tile by tile, each int4 weight tile dequantized to x's dtype in registers for a dot."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    if PDL:
+        gdc_launch_dependents()
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    js = tl.arange(0, BLOCK_K // 2)
+    row_mask = rows < M
+    col_mask = cols < N
+    x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if PDL:  # x is the previous kernel's output
+        gdc_wait()
+    for k in range(0, K, BLOCK_K):
+        w = _dequantize_tile(q_ptr, s_ptr, z_ptr, cols, col_mask, k, js, K, G, stride_qn, stride_sn, stride_zn,
+                             BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty)
+        x = tl.load(x_ptrs + k, mask=row_mask[:, None] & ((k + ks) < K)[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc)
+    y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_ym + cols[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _int4_dequantize_kernel(q_ptr, s_ptr, z_ptr, out_ptr, N, K, G, stride_qn, stride_sn, stride_zn, stride_on,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[N, K] = (q - zeros) * scales, in out's dtype."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.program_id(1) * BLOCK_K
+    col_mask = cols < N
+    w = _dequantize_tile(q_ptr, s_ptr, z_ptr, cols, col_mask, k, tl.arange(0, BLOCK_K // 2), K, G, stride_qn,
+                         stride_sn, stride_zn, BLOCK_N, BLOCK_K, out_ptr.dtype.element_ty)
+    ks = k + tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + cols[:, None].to(tl.int64) * stride_on + ks[None, :], w,
+             mask=col_mask[:, None] & (ks < K)[None, :])
+
+
+def gemv_tiling(n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages) of the one-row kernel: gemv.py's slabs with four times the
+    K step, so a step still loads as many bytes (the benchmark's sweep checks them)."""
+    if n <= 8192:
+        tiles = (4, 4096, 4, 2) if k <= 2048 else (8, 2048, 4, 3) if k < 8192 else (8, 4096, 8, 2)
+    elif n <= 32768:
+        tiles = 32, 512, 4, 6
+    else:
+        tiles = 16, 1024, 4, 4
+    block_n, block_k, warps, stages = tiles
+    return block_n, min(block_k, max(triton.next_power_of_2(k), 32)), warps, stages
+
+
+def mm_tiling(m: int, n: int, k: int, group_size: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the tiled kernel; BLOCK_K divides the group size. Up
+    to 64 rows one row tile covers them, and slabs narrow with N so that every multiprocessor streams."""
+    if m <= 64:
+        block_n = 16 if n <= 4096 else 32 if n <= 8192 else 64
+        return max(16, triton.next_power_of_2(m)), block_n, min(group_size, 128), 4, 4
+    return 64, 128, min(group_size, 64), 4, 4
+
+
+def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> None:
+    n, half_k = qweight.shape
+    k = 2 * half_k
+    if group_size < 16 or group_size & (group_size - 1) or k % group_size:
+        raise ConfigError(f"int4 group_size {group_size} must be a power of two >= 16 dividing K = {k}")
+    if qweight.dtype != torch.uint8 or qweight.stride(1) != 1:
+        raise ConfigError(f"int4 qweight must be uint8 [N, K/2] with unit stride along K; got {qweight.dtype} of "
+                          f"shape {tuple(qweight.shape)} and strides {qweight.stride()}")
+    groups = (n, k // group_size)
+    for name, t in (("scales", scales), ("zeros", zeros)):
+        if tuple(t.shape) != groups:
+            raise ConfigError(f"int4 {name} has shape {tuple(t.shape)}; a qweight of shape {(n, half_k)} with "
+                              f"group_size {group_size} needs {groups}")
+    if x.dim() != 2 or x.shape[1] != k or x.dtype not in (torch.bfloat16, torch.float16):
+        raise ConfigError(f"int4_linear takes x [M, {k}] in bfloat16 or float16; got {x.dtype} of shape "
+                          f"{tuple(x.shape)}")
+
+
+def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+              tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """x [1, K] @ w^T with the one-row kernel; `tiles` defaults to `gemv_tiling`."""
+    n, k = qweight.shape[0], x.shape[1]
+    block_n, block_k, warps, stages = tiles or gemv_tiling(n, k)
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    launch_pdl = pdl_on(x.device)
+    _int4_gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, qweight, scales, zeros, y, n, k, group_size, qweight.stride(0), scales.stride(0), zeros.stride(0),
+        BLOCK_N=block_n, BLOCK_K=block_k, SUB=min(block_k, group_size), EVEN_K=k % block_k == 0, PDL=launch_pdl,
+        num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,
+    )
+    return y
+
+
+def int4_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+            tiles: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """x [M, K] @ w^T with the tiled kernel; `tiles` defaults to `mm_tiling`."""
+    m, k = x.shape
+    n = qweight.shape[0]
+    block_m, block_n, block_k, warps, stages = tiles or mm_tiling(m, n, k, group_size)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    launch_pdl = pdl_on(x.device)
+    _int4_mm_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
+        x, qweight, scales, zeros, y, m, n, k, group_size, x.stride(0), qweight.stride(0), scales.stride(0),
+        zeros.stride(0), y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PDL=launch_pdl,
+        num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,
+    )
+    return y
+
+
+def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    """The weight [N, K] = (q - zeros) * scales, in `dtype`."""
+    n, k = qweight.shape[0], 2 * qweight.shape[1]
+    out = torch.empty(n, k, dtype=dtype, device=qweight.device)
+    block_k = min(group_size, 128)
+    _int4_dequantize_kernel[(triton.cdiv(n, 64), triton.cdiv(k, block_k))](
+        qweight, scales, zeros, out, n, k, group_size, qweight.stride(0), scales.stride(0), zeros.stride(0),
+        out.stride(0), BLOCK_N=64, BLOCK_K=block_k,
+    )
+    return out
+
+
+def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                group_size: int) -> torch.Tensor:
+    """x [M, K] (bfloat16/float16) @ w^T -> [M, N] in x's dtype, w = (q - zeros) * scales per group."""
+    _check(x, qweight, scales, zeros, group_size)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    scales, zeros = scales.contiguous(), zeros.contiguous()
+    m = x.shape[0]
+    if m == 0:
+        return x.new_empty(0, qweight.shape[0])
+    if m == 1:
+        return int4_gemv(x, qweight, scales, zeros, group_size)
+    if m <= MM_ROWS:
+        return int4_mm(x, qweight, scales, zeros, group_size)
+    return torch.mm(x, dequantize(qweight, scales, zeros, group_size, x.dtype).t())

@@ -1,0 +1,183 @@
+"""The fp8 and int4 weight kernels against float32 products of the dequantized weight, at decode and
+prefill row counts, on the bench models' projections and ragged shapes, and inside CUDA graphs."""
+
+import functools
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from graphkiln.errors import ConfigError  # noqa: E402
+from graphkiln.kernels.fp8_linear import FEW_ROWS, FP8, fp8_linear, quantize_rows, scaled_mm_fits  # noqa: E402
+from graphkiln.kernels.int4_linear import int4_linear  # noqa: E402
+
+ROWS = [1, 2, 8, 16, 128, 1024]
+MODEL_SHAPES = {  # (N, K) of q/k/v fused, o, gate/up fused, down
+    "1b-qkv": (3072, 2048), "1b-o": (2048, 2048), "1b-gate_up": (16384, 2048), "1b-down": (2048, 8192),
+    "8b-qkv": (6144, 4096), "8b-o": (4096, 4096), "8b-gate_up": (28672, 4096), "8b-down": (4096, 14336),
+}
+FP8_SHAPES = {**MODEL_SHAPES, "ragged": (1000, 3000), "tiny": (37, 100), "odd-blocks": (200, 1160)}
+INT4_SHAPES = {**MODEL_SHAPES, "ragged": (1000, 2944), "tiny": (37, 384), "odd-tiles": (200, 1152)}
+
+
+def relative_error(y: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((y.float() - expected).norm() / expected.norm()).item()
+
+
+@functools.cache
+def fp8_weight(n: int, k: int, blocks: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(fp8 weight, its scales, the dequantized float32 weight) of a random bf16-range weight."""
+    gen = torch.Generator(device="cuda").manual_seed(n * 7 + k + blocks)
+    w = torch.randn(n, k, device="cuda", generator=gen) * k**-0.5
+    if blocks:
+        rows, cols = -(-n // 128), -(-k // 128)
+        padded = torch.zeros(rows * 128, cols * 128, device="cuda")
+        padded[:n, :k] = w
+        amax = padded.abs().view(rows, 128, cols, 128).amax(dim=(1, 3))
+        scale = (amax / 448).clamp(min=1e-12)
+        full = scale.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+    else:
+        scale = (w.abs().amax(dim=1) / 448).clamp(min=1e-12)
+        full = scale[:, None]
+    q = (w / full).to(FP8)
+    return q, scale.float().contiguous(), q.float() * full
+
+
+@functools.cache
+def int4_weight(n: int, k: int, group: int = 128) -> tuple[torch.Tensor, ...]:
+    """(qweight [N, K/2] uint8, scales, zeros, the dequantized float32 weight)."""
+    gen = torch.Generator(device="cuda").manual_seed(n * 5 + k)
+    q = torch.randint(0, 16, (n, k), device="cuda", generator=gen, dtype=torch.int32)
+    scales = (torch.rand(n, k // group, device="cuda", generator=gen) + 0.5) * (0.1 * k**-0.5)
+    zeros = torch.randint(0, 16, (n, k // group), device="cuda", generator=gen).float()
+    scales, zeros = scales.to(torch.bfloat16), zeros.to(torch.bfloat16)
+    qweight = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)
+    w = (q.float() - zeros.float().repeat_interleave(group, 1)) * scales.float().repeat_interleave(group, 1)
+    return qweight, scales, zeros, w
+
+
+def activation(m: int, k: int, dtype=torch.bfloat16) -> torch.Tensor:
+    gen = torch.Generator(device="cuda").manual_seed(m * 3 + k)
+    return torch.randn(m, k, device="cuda", generator=gen).to(dtype)
+
+
+@pytest.mark.parametrize("blocks", [False, True], ids=["per-channel", "block"])
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("shape", FP8_SHAPES.values(), ids=FP8_SHAPES.keys())
+def test_fp8_linear_matches_float32(shape, rows, blocks):
+    """Few rows stream the weight against the unquantized activation (bf16 output rounding only); more
+    rows quantize the activation to fp8 (per token or per 1 x 128 group): within fp8's step of it."""
+    n, k = shape
+    weight, scale, reference_weight = fp8_weight(n, k, blocks)
+    x = activation(rows, k)
+    y = fp8_linear(x, weight, scale)
+    expected = x.float() @ reference_weight.t()
+    assert y.shape == (rows, n) and y.dtype == torch.bfloat16
+    quantized_activation = rows > FEW_ROWS and scaled_mm_fits(x, weight, blocks)
+    assert relative_error(y, expected) < (0.05 if quantized_activation else 0.005)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 128])
+def test_fp8_linear_float16_and_static_input_scale(rows):
+    n, k = 4096, 4096
+    weight, scale, reference_weight = fp8_weight(n, k, False)
+    x = activation(rows, k, torch.float16)
+    input_scale = (x.float().abs().amax() / 448).reshape(1)
+    y = fp8_linear(x, weight, scale, input_scale)
+    assert y.dtype == torch.float16  # the static scale quantizes only where the activation is quantized
+    assert relative_error(y, x.float() @ reference_weight.t()) < (0.06 if rows > FEW_ROWS else 0.005)
+
+
+@pytest.mark.parametrize("group", [None, 128])
+def test_activation_quantization_is_within_half_an_fp8_step(group):
+    x = activation(64, 4096) * 5
+    q, scales = quantize_rows(x, group)
+    per_element = scales if group is None else scales.repeat_interleave(group, 1)
+    assert q.dtype == FP8 and scales.shape == ((64, 1) if group is None else (64, 32))
+    amax = x.float().abs().amax(dim=1, keepdim=True) if group is None else x.float().abs().view(64, 32, 128).amax(2)
+    torch.testing.assert_close(scales, amax / 448, rtol=1e-6, atol=0)
+    error = (q.float() * per_element - x.float()).abs()
+    assert (error <= x.float().abs() * 2**-4 + per_element * 2**-9).all()
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("shape", INT4_SHAPES.values(), ids=INT4_SHAPES.keys())
+def test_int4_linear_matches_float32(shape, rows):
+    """Every path keeps the activation as it is: float32 accumulation and one rounding of the output (the
+    prefill path's dequantized bf16 weight adds one rounding of the weight)."""
+    n, k = shape
+    qweight, scales, zeros, reference_weight = int4_weight(n, k)
+    x = activation(rows, k)
+    y = int4_linear(x, qweight, scales, zeros, 128)
+    assert y.shape == (rows, n) and y.dtype == torch.bfloat16
+    assert relative_error(y, x.float() @ reference_weight.t()) < 0.008
+
+
+@pytest.mark.parametrize("group", [32, 64, 256])
+@pytest.mark.parametrize("rows", [1, 8, 512])
+def test_int4_linear_other_group_sizes(group, rows):
+    n, k = 1536, 2048
+    qweight, scales, zeros, reference_weight = int4_weight(n, k, group)
+    x = activation(rows, k, torch.float16)
+    y = int4_linear(x, qweight, scales, zeros, group)
+    assert relative_error(y, x.float() @ reference_weight.t()) < 0.008
+
+
+def captured(fn, x: torch.Tensor):
+    """fn(x) captured in a CUDA graph after a warm-up: (static input, static output, replay)."""
+    static_x = x.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn(static_x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        static_y = fn(static_x)
+    return static_x, static_y, graph.replay
+
+
+@pytest.mark.parametrize("rows", [1, 8, 1024])
+@pytest.mark.parametrize("kind", ["fp8-per-channel", "fp8-block", "int4"])
+def test_kernels_replay_in_a_cuda_graph(kind, rows):
+    """Captured once, replayed on new activations: the eager result of those activations, bit for bit."""
+    n, k = 6144, 4096
+    if kind == "int4":
+        qweight, scales, zeros, _ = int4_weight(n, k)
+
+        def fn(x):
+            return int4_linear(x, qweight, scales, zeros, 128)
+    else:
+        weight, scale, _ = fp8_weight(n, k, kind == "fp8-block")
+
+        def fn(x):
+            return fp8_linear(x, weight, scale)
+    static_x, static_y, replay = captured(fn, activation(rows, k))
+    for seed in (1, 2):
+        fresh = activation(rows + seed, k)[:rows]
+        static_x.copy_(fresh)
+        replay()
+        assert torch.equal(static_y, fn(fresh))
+
+
+def test_bad_shapes_are_config_errors_naming_what_to_give():
+    weight, scale, _ = fp8_weight(256, 256, False)
+    x = activation(1, 256)
+    with pytest.raises(ConfigError, match=r"\(256,\) or one per 128 x 128 block \(2, 2\)"):
+        fp8_linear(x, weight, scale[:100])
+    with pytest.raises(ConfigError, match="float8_e4m3fn"):
+        fp8_linear(x, weight.float(), scale)
+    qweight, scales, zeros, _ = int4_weight(256, 256)
+    with pytest.raises(ConfigError, match="group_size 96"):
+        int4_linear(x, qweight, scales, zeros, 96)
+    with pytest.raises(ConfigError, match=r"zeros has shape \(256, 1\).*needs \(256, 2\)"):
+        int4_linear(x, qweight, scales, zeros[:, :1], 128)
+
+
+def test_zero_rows_give_an_empty_product():
+    weight, scale, _ = fp8_weight(256, 256, True)
+    qweight, scales, zeros, _ = int4_weight(256, 256)
+    x = activation(1, 256)[:0]
+    assert fp8_linear(x, weight, scale).shape == (0, 256)
+    assert int4_linear(x, qweight, scales, zeros, 128).shape == (0, 256)
