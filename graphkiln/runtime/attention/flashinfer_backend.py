@@ -165,11 +165,11 @@ class FlashInferBackend:
     capturable_prefill = False  # its prefill plan is host work per batch: prefill runs piecewise
 
     def __init__(self, kv_cache: KVCache, workspace_bytes: int = WORKSPACE_BYTES) -> None:
+        if kv_cache.key_scales is not None:
+            raise ConfigError(FP8_REFUSAL)
         self._fi = import_flashinfer()
         from graphkiln.kernels.kv_write import write_kv  # triton, like the Triton backend: imported only when built
 
-        if kv_cache.key_scales is not None:
-            raise ConfigError(FP8_REFUSAL)
         reason = unsupported(kv_cache.keys.dtype, kv_cache.keys.shape[-1])
         if reason:
             raise UnsupportedModelError(f"{reason}; use the triton or sdpa attention backend")
