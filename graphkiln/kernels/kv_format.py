@@ -43,4 +43,4 @@ def fp8_scale(amax):
 @triton.jit
 def to_fp8(x, scale):
     """x / scale as float8_e4m3fn, clamped to its finite range (rounding may overshoot by an ulp)."""
-    return tl.clamp(x / scale, -FP8_MAX, FP8_MAX).to(tl.float8e4nv)
+    return tl.clamp(x / scale, -FP8_MAX, FP8_MAX).to(tl.float8e4nv, fp_downcast_rounding="rtne")
