@@ -123,8 +123,8 @@ def attend_tile(q, k, v, k_scale, v_scale, pos, valid, last, k_new, v_new, k_new
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, k_cache, v_cache, k_scales, v_scales, seq_lens, block_tables, slot_mapping, out_ptr, part_out, part_lse,
-    counters, scale_log2, num_splits,
+    q_ptr, k_ptr, v_ptr, k_cache, v_cache, k_scales, v_scales, seq_lens, block_tables, slot_mapping, out_ptr, part_out,
+    part_lse, counters, scale_log2, num_splits,
     stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
     stride_ot, stride_oh, stride_od, stride_cb, stride_ct, stride_ch, stride_bt,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -233,8 +233,8 @@ def paged_decode(
         part_out = torch.empty((num_seqs, num_heads, num_splits, padded), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
     _decode_kernel[(num_kv_heads, num_splits, num_seqs)](
-        q, k, v, k_cache, v_cache, k_scales, v_scales, seq_lens, block_tables, slot_mapping, out, part_out, part_lse, counters,
-        scale * 1.4426950408889634, num_splits,
+        q, k, v, k_cache, v_cache, k_scales, v_scales, seq_lens, block_tables, slot_mapping, out, part_out, part_lse,
+        counters, scale * 1.4426950408889634, num_splits,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         NUM_HEADS=num_heads, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),

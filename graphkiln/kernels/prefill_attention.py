@@ -53,8 +53,9 @@ def _attend_tile(
 
 @triton.jit
 def _attend_item(
-    q_ptr, k_cache, v_cache, k_scales, v_scales, out_ptr, item_ptr, query_start, seq_lens, block_tables, scale_log2, head, kv_head,
-    stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od, stride_cb, stride_ct, stride_ch, stride_bt,
+    q_ptr, k_cache, v_cache, k_scales, v_scales, out_ptr, item_ptr, query_start, seq_lens, block_tables, scale_log2,
+    head, kv_head, stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od, stride_cb, stride_ct, stride_ch,
+    stride_bt,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):
@@ -125,8 +126,8 @@ def paged_prefill(
     num_heads, head_dim = q.shape[1:]
     k_scales, v_scales = scales if scales is not None else (k_cache, v_cache)
     _prefill_kernel[(programs, num_heads)](
-        q, k_cache, v_cache, k_scales, v_scales, out, work, query_start, seq_lens, block_tables, scale * 1.4426950408889634,
-        *q.stride(), *out.stride(),
+        q, k_cache, v_cache, k_scales, v_scales, out, work, query_start, seq_lens, block_tables,
+        scale * 1.4426950408889634, *q.stride(), *out.stride(),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=num_heads // k_cache.shape[2], BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
         HEAD_PAD=head_pad(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
