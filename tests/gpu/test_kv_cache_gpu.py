@@ -92,7 +92,8 @@ def test_fp8_cache_fits_about_twice_the_tokens(tiny_bf16_parts):
 @pytest.mark.parametrize("head_dim", [48, 80])
 def test_a_checkpoint_of_any_head_size_serves_with_auto(head_dim, tmp_path):
     """head_dim 48 and 80: 'auto' serves the checkpoint with Triton (FlashInfer takes 64, 128, 256), its
-    graphs replay what the plain compiled engine computes, and the logits match transformers."""
+    graphs replay what the plain compiled engine computes, and the logits match the SDPA reference engine
+    and transformers."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
@@ -116,8 +117,11 @@ def test_a_checkpoint_of_any_head_size_serves_with_auto(head_dim, tmp_path):
         o.token_ids for o in plain.generate(prompts, params)
     ]
     ids = list(range(10, 70))
+    sdpa = LLM(build_engine(net, None, EngineConfig(kv_cache_tokens=8192, attention_backend="sdpa")), None)
     with torch.no_grad():
         want = model(torch.tensor([ids])).logits[0].float().cuda()
-    err = rel_err(plain.score(ids), want)
-    record(f"head_dim_{head_dim}_logits_vs_transformers", err)
-    assert err <= 2e-2
+    got = plain.score(ids)
+    errors = {"vs_sdpa_bf16": rel_err(got, sdpa.score(ids)), "vs_transformers_fp32": rel_err(got, want)}
+    record(f"head_dim_{head_dim}_logits", errors)
+    assert errors["vs_sdpa_bf16"] <= 2e-2  # the same bfloat16 model with the reference attention
+    assert errors["vs_transformers_fp32"] <= 3e-2  # bfloat16 against float32: a few roundings of 2^-9
