@@ -85,11 +85,13 @@ def _engine_parser(group) -> None:
     group.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step")
     group.add_argument("--attention-backend", choices=("auto", "sdpa", "triton", "flashinfer"), default=None)
     group.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None)
+    group.add_argument("--kv-cache-dtype", choices=("auto", "fp8_e4m3"), default=None,
+                       help="KV cache elements: the model's dtype (auto) or fp8 with a scale per token and head")
 
 
 ENGINE_FLAGS = (
     "decode_batch_sizes", "prefill_token_buckets", "max_seq_len", "kv_cache_tokens", "gpu_memory_fraction",
-    "block_size", "max_num_seqs", "max_num_batched_tokens", "attention_backend", "cuda_graphs",
+    "block_size", "max_num_seqs", "max_num_batched_tokens", "attention_backend", "cuda_graphs", "kv_cache_dtype",
 )  # fmt: skip
 
 

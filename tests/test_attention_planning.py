@@ -15,6 +15,7 @@ from graphkiln.runtime.attention.metadata import (
     pad_decode,
 )
 from graphkiln.runtime.attention.sdpa import SdpaBackend
+from graphkiln.runtime.attention.select import auto_backend
 from graphkiln.runtime.attention.triton_backend import (
     MAX_SPLITS,
     MIN_SPLIT_TOKENS,
@@ -23,9 +24,11 @@ from graphkiln.runtime.attention.triton_backend import (
     graph_prefill_work,
     graph_programs,
     graph_work_capacity,
+    padded_head_dim,
     prefill_tiles,
     prefill_work,
 )
+from graphkiln.runtime.attention.triton_backend import unsupported as triton_unsupported
 from graphkiln.runtime.kv_cache import DUMMY_BLOCK, KVCache
 
 
@@ -164,3 +167,35 @@ def test_sdpa_backend_matches_naive_float64(lens: list[tuple[int, int]], decode:
         torch.testing.assert_close(out[start : start + q_len].double(), expected, rtol=1e-5, atol=1e-5)
         start += q_len
     assert not out.isnan().any()
+
+
+@pytest.mark.parametrize("head_dim, padded", [(1, 16), (12, 16), (16, 16), (24, 32), (48, 64), (64, 64), (80, 128),
+                                              (96, 128), (112, 128), (160, 256), (256, 256)])
+def test_head_dims_pad_to_a_power_of_two_of_at_least_16(head_dim: int, padded: int) -> None:
+    assert padded_head_dim(head_dim) == padded
+    assert triton_unsupported(torch.bfloat16, head_dim) is None
+
+
+def test_triton_serves_half_float32_and_fp8_caches_up_to_head_dim_256() -> None:
+    assert triton_unsupported(torch.float8_e4m3fn, 128) is None and triton_unsupported(torch.float32, 96) is None
+    assert "head_dim 512" in triton_unsupported(torch.bfloat16, 512)
+    assert "float64" in triton_unsupported(torch.float64, 128)
+
+
+@pytest.mark.parametrize(
+    "device, dtype, head_dim, flashinfer, triton, want",
+    [
+        ("cuda", torch.bfloat16, 128, True, True, "flashinfer"),
+        ("cuda", torch.bfloat16, 96, True, True, "triton"),  # FlashInfer: 64, 128, 256 only
+        ("cuda", torch.bfloat16, 48, True, True, "triton"),
+        ("cuda", torch.float8_e4m3fn, 128, True, True, "triton"),  # FlashInfer takes no per-row scales
+        ("cuda", torch.float32, 128, True, True, "triton"),
+        ("cuda", torch.bfloat16, 128, False, True, "triton"),
+        ("cuda", torch.bfloat16, 96, True, False, "sdpa"),
+        ("cuda", torch.float8_e4m3fn, 128, True, False, "sdpa"),
+        ("cuda", torch.bfloat16, 512, True, True, "sdpa"),
+        ("cpu", torch.bfloat16, 128, True, True, "sdpa"),
+    ],
+)
+def test_auto_falls_back_by_what_each_backend_serves(device, dtype, head_dim, flashinfer, triton, want) -> None:
+    assert auto_backend(device, dtype, head_dim, flashinfer, triton) == want

@@ -386,6 +386,14 @@ def test_generate_logprobs_stop_token_and_ignore_eos(compiled: tuple[Path, dict,
     assert "logprobs" not in stopped
 
 
+def test_generate_with_the_fp8_kv_cache(compiled: tuple[Path, dict, str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert "finish" in _generate(capsys, compiled[0], "--max-tokens", "2", "--kv-cache-dtype", "fp8_e4m3")
+    with pytest.raises(SystemExit) as info:
+        cli.main(["generate", str(compiled[0]), "--prompt", "hi", "--kv-cache-dtype", "fp8"])
+    assert info.value.code == 2
+    assert "argument --kv-cache-dtype: invalid choice: 'fp8'" in single_error_line(capsys.readouterr().err)
+
+
 def test_generate_model_flag_names_where_the_weights_are(
     compiled: tuple[Path, dict, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

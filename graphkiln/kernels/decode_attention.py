@@ -16,6 +16,10 @@ The step's new key and value (the context's last position) come from the project
 cache: split 0 of each (sequence, KV head) stores them into their slot, and every split that
 covers the last position takes them from registers. So the cache write needs no launch of its
 own and no split reads a slot while it is written.
+
+Any head_dim up to 256 (tiles padded to a power of two) and an fp8 cache with per-row scales
+(kv_format.py): an fp8 step quantizes its new key and value in registers and attends them as
+stored, so a decode step sees what a later prefill will read.
 """
 
 from __future__ import annotations
@@ -25,74 +29,107 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from .kv_format import fp8_scale, head_pad, lanes, to_fp8
 from .pdl import pdl_on
 
 
 @triton.jit
 def load_paged_tile(cache, table_row, pos, valid, kv_head, stride_cb, stride_ct, stride_ch,
-                    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Rows `pos` [N] of one KV head from a paged cache [num_blocks, BLOCK_SIZE, Hkv, HEAD_DIM]."""
+                    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
+    """Rows `pos` [N] of one KV head from a paged cache [num_blocks, BLOCK_SIZE, Hkv, HEAD_DIM], as a
+    [N, HEAD_PAD] tile whose padded lanes are zeros."""
     block = tl.load(table_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
     rows = block * stride_cb + (pos % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
-    return tl.load(cache + rows[:, None] + tl.arange(0, HEAD_DIM)[None, :], mask=valid[:, None], other=0.0)
+    dims = tl.arange(0, HEAD_PAD)
+    mask = valid[:, None] & lanes(dims, HEAD_DIM, HEAD_PAD)[None, :]
+    return tl.load(cache + rows[:, None] + dims[None, :], mask=mask, other=0.0)
 
 
 @triton.jit
-def load_kv_tile(k_cache, v_cache, table_row, tile, end, last, kv_head, stride_cb, stride_ct, stride_ch,
-                 BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Positions, validity and cached keys and values of the tile from `tile` on, short of `end`; the
-    last position is left to the step's new key and value (attend_tile puts them in)."""
+def load_paged_scales(scales, table_row, pos, valid, kv_head, stride_cb, stride_ct, stride_ch,
+                      BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The fp8 scales [N] of rows `pos` of one KV head: a contiguous cache's row offset / HEAD_DIM in
+    scales [num_blocks, BLOCK_SIZE, Hkv]; 0 where not `valid`."""
+    block = tl.load(table_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    rows = block * stride_cb + (pos % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
+    return tl.load(scales + rows // HEAD_DIM, mask=valid, other=0.0)
+
+
+@triton.jit
+def load_kv_tile(k_cache, v_cache, k_scales, v_scales, table_row, tile, end, last, kv_head, stride_cb, stride_ct,
+                 stride_ch, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 HEAD_PAD: tl.constexpr, FP8: tl.constexpr):
+    """Positions, validity, cached keys and values of the tile from `tile` on, short of `end`, and their
+    fp8 scales (unused placeholders without FP8); the last position is left to the step's new key and
+    value (attend_tile puts them in)."""
     pos = tile + tl.arange(0, BLOCK_N)
     valid = pos < end
     cached = valid & (pos != last)
-    k = load_paged_tile(k_cache, table_row, pos, cached, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE, HEAD_DIM)
-    v = load_paged_tile(v_cache, table_row, pos, cached, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE, HEAD_DIM)
-    return pos, valid, k, v
+    k = load_paged_tile(k_cache, table_row, pos, cached, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE,
+                        HEAD_DIM, HEAD_PAD)
+    v = load_paged_tile(v_cache, table_row, pos, cached, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE,
+                        HEAD_DIM, HEAD_PAD)
+    k_scale = pos
+    v_scale = pos
+    if FP8:
+        k_scale = load_paged_scales(k_scales, table_row, pos, cached, kv_head, stride_cb, stride_ct, stride_ch,
+                                    BLOCK_SIZE, HEAD_DIM)
+        v_scale = load_paged_scales(v_scales, table_row, pos, cached, kv_head, stride_cb, stride_ct, stride_ch,
+                                    BLOCK_SIZE, HEAD_DIM)
+    return pos, valid, k, v, k_scale, v_scale
 
 
 @triton.jit
 def merge_splits(part_out, part_lse, out_row, first_head, first_part, num_splits, active, stride_oh, stride_od,
-                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
+                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_S: tl.constexpr):
     """Write the output of GROUP heads from `first_head` on: the `active` partials of each, weighted by
     their log-sum-exps. Partials are read past L1, which other programs' stores do not update."""
     splits = tl.arange(0, BLOCK_S)
     used = splits < active
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.arange(0, HEAD_PAD)
     for g in tl.static_range(GROUP):
         part = (first_part + g) * num_splits + splits
         lse = tl.load(part_lse + part, mask=used, other=float("-inf"), cache_modifier=".cg")
         weight = tl.exp2(lse - tl.max(lse, 0))
-        partial = tl.load(part_out + part[:, None] * HEAD_DIM + dims[None, :], mask=used[:, None], other=0.0,
+        partial = tl.load(part_out + part[:, None] * HEAD_PAD + dims[None, :], mask=used[:, None], other=0.0,
                           cache_modifier=".cg")
         result = tl.sum(partial * weight[:, None], 0) / tl.sum(weight, 0)
-        tl.store(out_row + (first_head + g) * stride_oh + dims * stride_od, result.to(out_row.dtype.element_ty))
+        tl.store(out_row + (first_head + g) * stride_oh + dims * stride_od, result.to(out_row.dtype.element_ty),
+                 mask=lanes(dims, HEAD_DIM, HEAD_PAD))
 
 
 @triton.jit
-def attend_tile(q, k, v, pos, valid, last, k_new, v_new, m_i, l_i, acc, scale_log2, PRECISION: tl.constexpr):
+def attend_tile(q, k, v, k_scale, v_scale, pos, valid, last, k_new, v_new, k_new_scale, v_new_scale, m_i, l_i, acc,
+                scale_log2, PRECISION: tl.constexpr, FP8: tl.constexpr):
     """Online-softmax update of (m_i, l_i, acc) with one tile of keys and values at positions `pos`;
-    the tile's rows at `last` take the step's new key and value."""
+    the tile's rows at `last` take the step's new key and value. With FP8 each row's logit and
+    probability are scaled by its key's and value's scale."""
     is_new = (pos == last)[:, None]
     k = tl.where(is_new, k_new[None, :], k)
     qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale_log2
+    if FP8:
+        qk = qk * tl.where(pos == last, k_new_scale, k_scale)[None, :]
     qk = tl.where(valid[None, :], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
     v = tl.where(is_new, v_new[None, :], v)
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+    weights = p
+    if FP8:
+        weights = p * tl.where(pos == last, v_new_scale, v_scale)[None, :]
+    acc = acc * alpha[:, None] + tl.dot(weights.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
     return m_new, l_i * alpha + tl.sum(p, 1), acc
 
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, k_cache, v_cache, seq_lens, block_tables, slot_mapping, out_ptr, part_out, part_lse,
-    counters, scale_log2, num_splits,
+    q_ptr, k_ptr, v_ptr, k_cache, v_cache, k_scales, v_scales, seq_lens, block_tables, slot_mapping, out_ptr, part_out,
+    part_lse, counters, scale_log2, num_splits,
     stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
     stride_ot, stride_oh, stride_od, stride_cb, stride_ct, stride_ch, stride_bt,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, PRECISION: tl.constexpr,
-    PDL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+    PRECISION: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
     split = tl.program_id(1)
@@ -110,74 +147,99 @@ def _decode_kernel(
         last = seq_len - 1
         # The cached positions before the last were written by earlier steps, never by the kernels
         # this one may overlap: the first tile loads before waiting for q, k and v.
-        pos, valid, k, v = load_kv_tile(k_cache, v_cache, table_row, start, end, last, kv_head, stride_cb, stride_ct,
-                                        stride_ch, BLOCK_N, BLOCK_SIZE, HEAD_DIM)
+        pos, valid, k, v, k_scale, v_scale = load_kv_tile(
+            k_cache, v_cache, k_scales, v_scales, table_row, start, end, last, kv_head, stride_cb, stride_ct,
+            stride_ch, BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_PAD, FP8)
         if PDL:
             gdc_wait()
         h = tl.arange(0, BLOCK_H)
         heads = kv_head * GROUP + h
         head_mask = (h < GROUP)[:, None]
-        dims = tl.arange(0, HEAD_DIM)
-        q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + dims[None, :] * stride_qd, mask=head_mask,
+        dims = tl.arange(0, HEAD_PAD)
+        dim_mask = lanes(dims, HEAD_DIM, HEAD_PAD)
+        out_mask = head_mask & dim_mask[None, :]
+        q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + dims[None, :] * stride_qd, mask=out_mask,
                     other=0.0)
-        k_new = tl.load(k_ptr + seq * stride_kt + kv_head * stride_kh + dims * stride_kd).to(k_cache.dtype.element_ty)
-        v_new = tl.load(v_ptr + seq * stride_vt + kv_head * stride_vh + dims * stride_vd).to(v_cache.dtype.element_ty)
+        k_new = tl.load(k_ptr + seq * stride_kt + kv_head * stride_kh + dims * stride_kd, mask=dim_mask, other=0.0)
+        v_new = tl.load(v_ptr + seq * stride_vt + kv_head * stride_vh + dims * stride_vd, mask=dim_mask, other=0.0)
+        k_new_scale = scale_log2
+        v_new_scale = scale_log2
+        if FP8:
+            k_new_scale = fp8_scale(tl.max(tl.abs(k_new.to(tl.float32)), 0))
+            v_new_scale = fp8_scale(tl.max(tl.abs(v_new.to(tl.float32)), 0))
+            k_new = to_fp8(k_new.to(tl.float32), k_new_scale)
+            v_new = to_fp8(v_new.to(tl.float32), v_new_scale)
+        else:
+            k_new = k_new.to(k_cache.dtype.element_ty)
+            v_new = v_new.to(v_cache.dtype.element_ty)
         if split == 0:
             slot = tl.load(slot_mapping + seq).to(tl.int64)
-            dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + kv_head * stride_ch + dims
-            tl.store(k_cache + dst, k_new)
-            tl.store(v_cache + dst, v_new)
+            row = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
+            dst = row + dims
+            tl.store(k_cache + dst, k_new, mask=dim_mask)
+            tl.store(v_cache + dst, v_new, mask=dim_mask)
+            if FP8:
+                tl.store(k_scales + row // HEAD_DIM, k_new_scale)
+                tl.store(v_scales + row // HEAD_DIM, v_new_scale)
 
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-        m_i, l_i, acc = attend_tile(q, k, v, pos, valid, last, k_new, v_new, m_i, l_i, acc, scale_log2, PRECISION)
+        acc = tl.zeros([BLOCK_H, HEAD_PAD], tl.float32)
+        m_i, l_i, acc = attend_tile(q, k, v, k_scale, v_scale, pos, valid, last, k_new, v_new, k_new_scale,
+                                    v_new_scale, m_i, l_i, acc, scale_log2, PRECISION, FP8)
         for tile in range(start + BLOCK_N, end, BLOCK_N):
-            pos, valid, k, v = load_kv_tile(k_cache, v_cache, table_row, tile, end, last, kv_head, stride_cb,
-                                            stride_ct, stride_ch, BLOCK_N, BLOCK_SIZE, HEAD_DIM)
-            m_i, l_i, acc = attend_tile(q, k, v, pos, valid, last, k_new, v_new, m_i, l_i, acc, scale_log2, PRECISION)
+            pos, valid, k, v, k_scale, v_scale = load_kv_tile(
+                k_cache, v_cache, k_scales, v_scales, table_row, tile, end, last, kv_head, stride_cb, stride_ct,
+                stride_ch, BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_PAD, FP8)
+            m_i, l_i, acc = attend_tile(q, k, v, k_scale, v_scale, pos, valid, last, k_new, v_new, k_new_scale,
+                                        v_new_scale, m_i, l_i, acc, scale_log2, PRECISION, FP8)
 
         acc = acc / l_i[:, None]  # every running split holds at least one position
         out_row = out_ptr + seq * stride_ot
         if active == 1:
             tl.store(out_row + heads[:, None] * stride_oh + dims[None, :] * stride_od, acc.to(out_ptr.dtype.element_ty),
-                     mask=head_mask)
+                     mask=out_mask)
         else:
             part = (seq * NUM_HEADS + heads) * num_splits + split
-            tl.store(part_out + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=head_mask)
+            tl.store(part_out + part[:, None] * HEAD_PAD + dims[None, :], acc, mask=head_mask)
             tl.store(part_lse + part, m_i + tl.log2(l_i), mask=h < GROUP)
             tl.debug_barrier()  # every thread's partial is stored before the count (acq_rel, GPU scope) releases it
             counter = counters + seq * tl.num_programs(0) + kv_head
             if tl.atomic_add(counter, 1) == active - 1:
                 tl.store(counter, 0)
                 merge_splits(part_out, part_lse, out_row, kv_head * GROUP, seq * NUM_HEADS + kv_head * GROUP,
-                             num_splits, active, stride_oh, stride_od, GROUP, HEAD_DIM, BLOCK_S)
+                             num_splits, active, stride_oh, stride_od, GROUP, HEAD_DIM, HEAD_PAD, BLOCK_S)
 
 
 def paged_decode(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     seq_lens: torch.Tensor, block_tables: torch.Tensor, slot_mapping: torch.Tensor, out: torch.Tensor, scale: float,
     counters: torch.Tensor, *, num_splits: int, block_n: int, num_warps: int, num_stages: int,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Store k[i], v[i] [Hkv, D] at slot_mapping[i], the last of seq_lens[i] positions of sequence i, and
     write to out[i] the attention of q[i] [Hq, D] over those positions. `counters` (int32 zeros, one
-    per KV head of every row up to the last whose sequence spans two splits) are zeros again after."""
+    per KV head of every row up to the last whose sequence spans two splits) are zeros again after.
+    An fp8 cache (contiguous) comes with `scales`, float32 [num_blocks, block_size, Hkv] for keys and values."""
     num_seqs = seq_lens.shape[0]
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
+    padded = head_pad(head_dim)
+    k_scales, v_scales = scales if scales is not None else (k_cache, v_cache)
     launch_pdl = pdl_on(q.device)
     part_out = part_lse = out
     if num_splits > 1:
-        part_out = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+        part_out = torch.empty((num_seqs, num_heads, num_splits, padded), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
     _decode_kernel[(num_kv_heads, num_splits, num_seqs)](
-        q, k, v, k_cache, v_cache, seq_lens, block_tables, slot_mapping, out, part_out, part_lse, counters,
-        scale * 1.4426950408889634, num_splits,
+        q, k, v, k_cache, v_cache, k_scales, v_scales, seq_lens, block_tables, slot_mapping, out, part_out, part_lse,
+        counters, scale * 1.4426950408889634, num_splits,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         NUM_HEADS=num_heads, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
-        BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_S=triton.next_power_of_2(num_splits),
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=launch_pdl,
+        BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, HEAD_PAD=padded, BLOCK_N=block_n,
+        BLOCK_S=triton.next_power_of_2(num_splits), PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        FP8=scales is not None, PDL=launch_pdl,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=launch_pdl,
     )

@@ -7,7 +7,8 @@ first query row) tile planned on the host; the work table's first row holds how 
 Program (p, head) takes items p, p + P, p + 2P, ... of the P programs per head, so a captured graph
 launches a fixed, small grid whatever batch a replay brings: a grid of one program per item it
 could ever hold would fill the SMs with idle programs.
-Key tiles wholly below the tile's first position skip the causal mask.
+Key tiles wholly below the tile's first position skip the causal mask. Heads of any size up to
+256 and the fp8 cache read as in decode_attention.py (kv_format.py).
 """
 
 from __future__ import annotations
@@ -16,37 +17,47 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_attention import load_paged_tile
+from .decode_attention import load_paged_scales, load_paged_tile
+from .kv_format import head_pad, lanes
 
 
 @triton.jit
 def _attend_tile(
-    q, acc, m_i, l_i, k_cache, v_cache, table_row, tile, kv_end, q_pos, kv_head, scale_log2,
+    q, acc, m_i, l_i, k_cache, v_cache, k_scales, v_scales, table_row, tile, kv_end, q_pos, kv_head, scale_log2,
     stride_cb, stride_ct, stride_ch,
-    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    PRECISION: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):
     pos = tile + tl.arange(0, BLOCK_N)
     valid = pos < kv_end
-    k = load_paged_tile(k_cache, table_row, pos, valid, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE, HEAD_DIM)
+    k = load_paged_tile(k_cache, table_row, pos, valid, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE, HEAD_DIM,
+                        HEAD_PAD)
     qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale_log2
+    if FP8:
+        qk = qk * load_paged_scales(k_scales, table_row, pos, valid, kv_head, stride_cb, stride_ct, stride_ch,
+                                    BLOCK_SIZE, HEAD_DIM)[None, :]
     if CAUSAL:
         qk = tl.where(pos[None, :] <= q_pos[:, None], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = load_paged_tile(v_cache, table_row, pos, valid, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE, HEAD_DIM)
+    v = load_paged_tile(v_cache, table_row, pos, valid, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE, HEAD_DIM,
+                        HEAD_PAD)
+    if FP8:
+        p = p * load_paged_scales(v_scales, table_row, pos, valid, kv_head, stride_cb, stride_ct, stride_ch,
+                                  BLOCK_SIZE, HEAD_DIM)[None, :]
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
     return acc, m_new, l_i
 
 
 @triton.jit
 def _attend_item(
-    q_ptr, k_cache, v_cache, out_ptr, item_ptr, query_start, seq_lens, block_tables, scale_log2, head, kv_head,
-    stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od, stride_cb, stride_ct, stride_ch, stride_bt,
-    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    q_ptr, k_cache, v_cache, k_scales, v_scales, out_ptr, item_ptr, query_start, seq_lens, block_tables, scale_log2,
+    head, kv_head, stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od, stride_cb, stride_ct, stride_ch,
+    stride_bt,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):
     """One query head of one work item: its rows attend their causal keys."""
     seq = tl.load(item_ptr)
@@ -56,9 +67,9 @@ def _attend_item(
     context = tl.load(seq_lens + seq) - q_len
 
     rows = tile_start + tl.arange(0, BLOCK_M)
-    row_mask = (rows < q_len)[:, None]
     tokens = (q_begin + rows).to(tl.int64)
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.arange(0, HEAD_PAD)
+    row_mask = (rows < q_len)[:, None] & lanes(dims, HEAD_DIM, HEAD_PAD)[None, :]
     q = tl.load(q_ptr + tokens[:, None] * stride_qt + head * stride_qh + dims[None, :] * stride_qd, mask=row_mask,
                 other=0.0)
     q_pos = context + rows
@@ -66,17 +77,17 @@ def _attend_item(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
     full_end = (context + tile_start + 1) // BLOCK_N * BLOCK_N
     for tile in range(0, full_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_cache, v_cache, table_row, tile, full_end, q_pos, kv_head,
-                                     scale_log2, stride_cb, stride_ct, stride_ch,
-                                     BLOCK_SIZE, HEAD_DIM, BLOCK_N, False, PRECISION)
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_cache, v_cache, k_scales, v_scales, table_row, tile,
+                                     full_end, q_pos, kv_head, scale_log2, stride_cb, stride_ct, stride_ch,
+                                     BLOCK_SIZE, HEAD_DIM, HEAD_PAD, BLOCK_N, False, PRECISION, FP8)
     kv_end = context + tl.minimum(tile_start + BLOCK_M, q_len)
     for tile in range(full_end, kv_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_cache, v_cache, table_row, tile, kv_end, q_pos, kv_head,
-                                     scale_log2, stride_cb, stride_ct, stride_ch,
-                                     BLOCK_SIZE, HEAD_DIM, BLOCK_N, True, PRECISION)
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_cache, v_cache, k_scales, v_scales, table_row, tile,
+                                     kv_end, q_pos, kv_head, scale_log2, stride_cb, stride_ct, stride_ch,
+                                     BLOCK_SIZE, HEAD_DIM, HEAD_PAD, BLOCK_N, True, PRECISION, FP8)
 
     acc = acc / l_i[:, None]
     dst = out_ptr + tokens[:, None] * stride_ot + head * stride_oh + dims[None, :] * stride_od
@@ -85,37 +96,41 @@ def _attend_item(
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_cache, v_cache, out_ptr, work, query_start, seq_lens, block_tables, scale_log2,
+    q_ptr, k_cache, v_cache, k_scales, v_scales, out_ptr, work, query_start, seq_lens, block_tables, scale_log2,
     stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
     stride_cb, stride_ct, stride_ch, stride_bt,
-    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):
     head = tl.program_id(1)
     kv_head = head // GROUP
     num_items = tl.load(work)
     for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
-        _attend_item(q_ptr, k_cache, v_cache, out_ptr, work + 2 + 2 * item, query_start, seq_lens, block_tables,
-                     scale_log2, head, kv_head, stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
-                     stride_cb, stride_ct, stride_ch, stride_bt, BLOCK_SIZE, HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION)
+        _attend_item(q_ptr, k_cache, v_cache, k_scales, v_scales, out_ptr, work + 2 + 2 * item, query_start, seq_lens,
+                     block_tables, scale_log2, head, kv_head, stride_qt, stride_qh, stride_qd, stride_ot, stride_oh,
+                     stride_od, stride_cb, stride_ct, stride_ch, stride_bt, BLOCK_SIZE, HEAD_DIM, HEAD_PAD, BLOCK_M,
+                     BLOCK_N, PRECISION, FP8)
 
 
 def paged_prefill(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start: torch.Tensor,
     seq_lens: torch.Tensor, block_tables: torch.Tensor, work: torch.Tensor, out: torch.Tensor, scale: float,
     programs: int, *, block_m: int, block_n: int, num_warps: int, num_stages: int,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Causal attention for every (sequence, query tile) of the work table, all query heads.
 
     work: int32 [1 + capacity, 2], row 0 (number of items, 0), then the items; `programs` per head
-    share them.
+    share them. An fp8 cache (contiguous) comes with `scales` as in paged_decode.
     """
     num_heads, head_dim = q.shape[1:]
+    k_scales, v_scales = scales if scales is not None else (k_cache, v_cache)
     _prefill_kernel[(programs, num_heads)](
-        q, k_cache, v_cache, out, work, query_start, seq_lens, block_tables, scale * 1.4426950408889634,
-        *q.stride(), *out.stride(),
+        q, k_cache, v_cache, k_scales, v_scales, out, work, query_start, seq_lens, block_tables,
+        scale * 1.4426950408889634, *q.stride(), *out.stride(),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=num_heads // k_cache.shape[2], BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
-        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        HEAD_PAD=head_pad(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=scales is not None,
         num_warps=num_warps, num_stages=num_stages,
     )

@@ -14,6 +14,7 @@ from .decode_graphs import DecodeGraphs
 from .engine import Engine
 from .graphs import CaptureSetup, GraphPool, GraphSet
 from .kv_cache import BlockAllocator
+from .kv_dtype import cache_dtype
 from .memory import allocate_kv_cache, kv_cache_blocks
 from .prefill_graphs import PiecewisePrefillGraphs, PrefillGraphs
 from .runner import ModelRunner, Padding
@@ -35,8 +36,9 @@ def build_engine(model: CausalLM, compiled: CompiledModel | None = None, config:
     max_context = min(cfg.max_context, config.max_seq_len or cfg.max_context)
     param = next(model.parameters())
     dtype, device = param.dtype, param.device
-    num_blocks = kv_cache_blocks(cfg, dtype, device, config)
-    kv = allocate_kv_cache(cfg, num_blocks, config.block_size, dtype, device)
+    kv_dtype = cache_dtype(config.kv_cache_dtype, dtype)
+    num_blocks = kv_cache_blocks(cfg, kv_dtype, device, config)
+    kv = allocate_kv_cache(cfg, num_blocks, config.block_size, kv_dtype, device)
     log.info("KV cache: %d blocks of %d tokens, %.1f MiB", num_blocks, config.block_size, kv.nbytes / 2**20)
     backend = select_backend(config.attention_backend, kv)
     allocator = BlockAllocator(num_blocks, config.block_size)

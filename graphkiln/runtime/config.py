@@ -16,6 +16,7 @@ from graphkiln.errors import ConfigError
 DEFAULT_DECODE_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 DEFAULT_PREFILL_TOKEN_BUCKETS = tuple(2**i for i in range(4, 13))  # 16 ... 4096
 ATTENTION_BACKENDS = ("auto", "sdpa", "triton", "flashinfer")
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # the model's dtype, or float8_e4m3fn with row scales (kv_dtype.py)
 DEFAULT_CPU_KV_TOKENS = 16384
 
 
@@ -35,6 +36,8 @@ class EngineConfig:
     `max_seq_len` caps prompt plus output below the model's own context. Decode steps of up to the
     largest decode batch size and prefill steps of up to the largest token bucket replay captured
     CUDA graphs (padded to the next size); larger ones run the compiled pieces without a graph.
+    `kv_cache_dtype` "fp8_e4m3" stores keys and values in one byte an element (plus a float32
+    scale per token and KV head), so about twice the tokens fit; "auto" keeps the model's dtype.
     """
 
     attention_backend: str = "auto"
@@ -47,6 +50,7 @@ class EngineConfig:
     max_seq_len: int | None = None
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("decode_batch_sizes", "prefill_token_buckets"):
@@ -59,6 +63,8 @@ class EngineConfig:
             raise ConfigError(
                 f"EngineConfig.attention_backend={self.attention_backend!r}; use one of {ATTENTION_BACKENDS}"
             )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"EngineConfig.kv_cache_dtype={self.kv_cache_dtype!r}; use one of {KV_CACHE_DTYPES}")
         if not isinstance(self.cuda_graphs, bool):
             raise ConfigError(f"EngineConfig.cuda_graphs={self.cuda_graphs!r}: use True or False")
         if not is_int(self.block_size) or self.block_size < 1 or self.block_size & (self.block_size - 1):

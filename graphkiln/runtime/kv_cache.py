@@ -10,11 +10,17 @@ import torch
 from graphkiln.errors import CapacityError
 from graphkiln.models.config import ModelConfig
 
+from .kv_dtype import SCALE_DTYPE, is_scaled
+
 DUMMY_BLOCK = 0
 
 
 class KVCache:
-    """Keys and values of every layer: [num_layers, num_blocks, block_size, num_kv_heads, head_dim] each."""
+    """Keys and values of every layer: [num_layers, num_blocks, block_size, num_kv_heads, head_dim] each.
+
+    An fp8 cache (kv_dtype.py) also holds a float32 scale per row: key_scales and value_scales
+    [num_layers, num_blocks, block_size, num_kv_heads]; other caches have none.
+    """
 
     def __init__(
         self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
@@ -22,23 +28,36 @@ class KVCache:
         shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.key_scales = self.value_scales = None
+        if is_scaled(dtype):
+            self.key_scales = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device)
+            self.value_scales = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device)
         self.num_blocks = num_blocks
         self.block_size = block_size
 
     def release(self) -> None:
         """Let the cache's memory go: every later use fails."""
-        self.keys = self.values = None
+        self.keys = self.values = self.key_scales = self.value_scales = None
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[index], self.values[index]
 
+    def layer_scales(self, index: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """One layer's (key, value) row scales [num_blocks, block_size, num_kv_heads], or None when unscaled."""
+        if self.key_scales is None:
+            return None
+        return self.key_scales[index], self.value_scales[index]
+
     @property
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
+        scales = 0 if self.key_scales is None else self.key_scales.nbytes + self.value_scales.nbytes
+        return self.keys.nbytes + self.values.nbytes + scales
 
     @staticmethod
     def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
-        return 2 * cfg.num_layers * cfg.kv_size * dtype.itemsize
+        """Keys and values of every layer for one token, with their row scales where the dtype has them."""
+        scales = cfg.num_kv_heads * SCALE_DTYPE.itemsize if is_scaled(dtype) else 0
+        return 2 * cfg.num_layers * (cfg.kv_size * dtype.itemsize + scales)
 
 
 class BlockAllocator:

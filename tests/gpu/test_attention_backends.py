@@ -1,9 +1,11 @@
 """Triton, FlashInfer and SDPA attention backends on the GPU against a float32 reference read from the paged cache.
 
 Each run writes the batch's new keys and values through the backend; the reference then gathers
-every sequence's context from the same cache and applies a masked softmax in float32. Outputs are
-poisoned with NaN first, so a row the kernels never write fails. Relative errors are recorded as
-junit properties (`pytest --junitxml`).
+every sequence's context from the same cache (dequantized, for the fp8 cache) and applies a masked
+softmax in float32. Outputs are poisoned with NaN first, so a row the kernels never write fails.
+Relative errors are recorded as junit properties (`pytest --junitxml`). Head sizes that are not
+powers of two (12 to 160) and the fp8 cache run the same decode (split and unsplit, GQA, padded
+rows), prefill (varlen, on cached prefixes) and CUDA-graph replays as the others.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
+from graphkiln.errors import ConfigError  # noqa: E402
 from graphkiln.models.config import ModelConfig  # noqa: E402
 from graphkiln.runtime.attention.flashinfer_backend import FlashInferBackend, flashinfer_importable  # noqa: E402
 from graphkiln.runtime.attention.metadata import BatchMetadata, SequenceSlice, build_metadata, pad_decode  # noqa: E402
@@ -24,6 +27,7 @@ from graphkiln.runtime.attention.sdpa import SdpaBackend  # noqa: E402
 from graphkiln.runtime.attention.select import select_backend  # noqa: E402
 from graphkiln.runtime.attention.triton_backend import TritonBackend  # noqa: E402
 from graphkiln.runtime.kv_cache import KVCache  # noqa: E402
+from graphkiln.runtime.kv_dtype import FP8, dequantize, quantize  # noqa: E402
 from graphkiln.runtime.batch import Batch as StepBatch  # noqa: E402
 from graphkiln.runtime.prefill_graphs import dummy_slices  # noqa: E402
 from graphkiln.runtime.static_batch import StaticBatch  # noqa: E402
@@ -39,6 +43,17 @@ HEADS = [
     (torch.float16, 32, 8, 128), (torch.float16, 8, 8, 64), (torch.bfloat16, 16, 2, 256),
     (torch.bfloat16, 4, 2, 32), (torch.float32, 8, 2, 64),
 ]
+# Head sizes that are not powers of two: the tiles are padded to the next one and the lanes masked.
+ODD_HEADS = [
+    (torch.bfloat16, 8, 2, 48), (torch.bfloat16, 32, 8, 80), (torch.bfloat16, 16, 4, 96), (torch.float16, 16, 2, 112),
+    (torch.bfloat16, 4, 4, 12), (torch.bfloat16, 8, 1, 160), (torch.float32, 8, 2, 80),
+]
+# The fp8 cache (a scale per token and KV head) under queries of these dtypes and head shapes.
+FP8_HEADS = [
+    (torch.bfloat16, 32, 8, 128), (torch.bfloat16, 8, 2, 64), (torch.float16, 8, 8, 128), (torch.bfloat16, 16, 2, 256),
+    (torch.bfloat16, 16, 4, 96), (torch.bfloat16, 8, 2, 48), (torch.float32, 8, 2, 64),
+]
+FP8_ROW_ERROR = 0.04  # float8_e4m3fn rounds each element to within 2^-4 of itself: about 2.5% RMS
 # FlashInfer serves float16/bfloat16 at head_dim 64, 128 and 256; GQA ratios 1, 4, 7 and 8. Each
 # (dtype, head_dim) is one JIT build of FlashInfer's fa2 module (decode and prefill share it).
 FLASHINFER_HEADS = [
@@ -80,6 +95,14 @@ class Batch:
     num_heads: int
     real_tokens: int  # rows before padded decode rows and prefill padding
 
+    def stored(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer LAYER's keys and values as the kernels read them: float32, dequantized where fp8."""
+        k_cache, v_cache = self.cache.layer(LAYER)
+        scales = self.cache.layer_scales(LAYER)
+        if scales is None:
+            return k_cache.float(), v_cache.float()
+        return dequantize(k_cache, scales[0], torch.float32), dequantize(v_cache, scales[1], torch.float32)
+
     def split(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         kv_heads = (self.qkv.shape[1] - self.num_heads) // 2
         return self.qkv.split([self.num_heads, kv_heads, kv_heads], dim=1)
@@ -89,13 +112,21 @@ def _slices(lens: list[tuple[int, int]], free: list[int]) -> list[SequenceSlice]
     return [SequenceSlice(q, s, tuple(free.pop() for _ in range(-(-s // BLOCK)))) for q, s in lens]
 
 
-def make_batch(heads: tuple, lens: list[tuple[int, int]], pad: int, decode: bool, seed: int = 0) -> Batch:
+def make_batch(
+    heads: tuple, lens: list[tuple[int, int]], pad: int, decode: bool, seed: int = 0, fp8: bool = False
+) -> Batch:
     dtype, num_heads, num_kv_heads, head_dim = heads
     torch.manual_seed(seed)
     num_blocks = sum(-(-s // BLOCK) for _, s in lens) + 1
-    cache = KVCache(_config(num_heads, num_kv_heads, head_dim), num_blocks, BLOCK, dtype, CUDA)
-    cache.keys.normal_()
-    cache.values.normal_()
+    cache = KVCache(_config(num_heads, num_kv_heads, head_dim), num_blocks, BLOCK, FP8 if fp8 else dtype, CUDA)
+    if fp8:
+        for rows, scales, spread in ((cache.keys, cache.key_scales, 1.0), (cache.values, cache.value_scales, 3.0)):
+            quantized, row_scales = quantize(torch.randn(rows.shape, device=CUDA) * spread)
+            rows.copy_(quantized)
+            scales.copy_(row_scales)
+    else:
+        cache.keys.normal_()
+        cache.values.normal_()
     free = list(range(1, num_blocks))
     random.Random(seed).shuffle(free)
     slices = _slices(lens, free)
@@ -109,7 +140,7 @@ def make_batch(heads: tuple, lens: list[tuple[int, int]], pad: int, decode: bool
 
 def reference(batch: Batch, meta: BatchMetadata, scale: float) -> torch.Tensor:
     """float32 causal attention of the real query rows over each sequence's context gathered from the cache."""
-    k_cache, v_cache = batch.cache.layer(LAYER)
+    k_cache, v_cache = batch.stored()
     q = batch.split()[0]
     group = batch.num_heads // k_cache.shape[2]
     outs, start = [], 0
@@ -117,8 +148,8 @@ def reference(batch: Batch, meta: BatchMetadata, scale: float) -> torch.Tensor:
         if start >= batch.real_tokens:
             break
         blocks = meta.block_tables[i, : -(-seq_len // BLOCK)].long()
-        keys = k_cache[blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(group, 1)
-        values = v_cache[blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(group, 1)
+        keys = k_cache[blocks].flatten(0, 1)[:seq_len].repeat_interleave(group, 1)
+        values = v_cache[blocks].flatten(0, 1)[:seq_len].repeat_interleave(group, 1)
         for chunk in range(0, q_len, 1024):
             query = q[start + chunk : start + min(chunk + 1024, q_len)].float()
             scores = torch.einsum("nhd,lhd->hnl", query, keys) * scale
@@ -129,15 +160,29 @@ def reference(batch: Batch, meta: BatchMetadata, scale: float) -> torch.Tensor:
     return torch.cat(outs)
 
 
+def assert_written(batch: Batch, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """The cache holds k and v [n, Hkv, D] at `slots`: exactly, or for fp8 within its rounding and with
+    each row's scale its largest magnitude / 448."""
+    scales = batch.cache.layer_scales(LAYER)
+    if scales is None:
+        k_cache, v_cache = batch.cache.layer(LAYER)
+        assert torch.equal(k_cache.flatten(0, 1)[slots], k) and torch.equal(v_cache.flatten(0, 1)[slots], v)
+        return
+    for stored, row_scales, want in zip(batch.stored(), scales, (k, v)):
+        got = stored.flatten(0, 1)[slots]
+        err = ((got - want.float()).norm() / want.float().norm()).item()
+        assert err <= FP8_ROW_ERROR, f"fp8 rows off by {err:.3e}"
+        amax = want.float().abs().amax(-1)
+        torch.testing.assert_close(row_scales.flatten(0, 1)[slots], amax / 448, rtol=1e-5, atol=0)
+
+
 def run_and_check(backend, batch: Batch, record_property) -> None:
     q, k, v = batch.split()
     out = torch.full_like(q, float("nan"))
     scale = q.shape[-1] ** -0.5
     backend.plan(batch.meta)(LAYER, q, k, v, out, scale)
     n = batch.real_tokens
-    k_cache, v_cache = batch.cache.layer(LAYER)
-    slots = batch.meta.slot_mapping[:n]
-    assert torch.equal(k_cache.flatten(0, 1)[slots], k[:n]) and torch.equal(v_cache.flatten(0, 1)[slots], v[:n])
+    assert_written(batch, batch.meta.slot_mapping[:n], k[:n], v[:n])
     expected = reference(batch, batch.meta, scale)
     err = ((out[:n].float() - expected).norm() / expected.norm()).item()
     record_property("rel_err", err)
@@ -150,7 +195,7 @@ def _id(heads: tuple) -> str:
 
 
 @pytest.mark.parametrize("case", DECODE)
-@pytest.mark.parametrize("heads", HEADS, ids=_id)
+@pytest.mark.parametrize("heads", HEADS + ODD_HEADS, ids=_id)
 def test_triton_decode(heads: tuple, case: str, record_property) -> None:
     lens, pad = DECODE[case]
     batch = make_batch(heads, [(1, s) for s in lens], pad, decode=True)
@@ -158,11 +203,36 @@ def test_triton_decode(heads: tuple, case: str, record_property) -> None:
 
 
 @pytest.mark.parametrize("case", PREFILL)
-@pytest.mark.parametrize("heads", HEADS, ids=_id)
+@pytest.mark.parametrize("heads", HEADS + ODD_HEADS, ids=_id)
 def test_triton_prefill(heads: tuple, case: str, record_property) -> None:
     lens, pad = PREFILL[case]
     batch = make_batch(heads, lens, pad, decode=False)
     run_and_check(TritonBackend(batch.cache), batch, record_property)
+
+
+@pytest.mark.parametrize("case", DECODE)
+@pytest.mark.parametrize("heads", FP8_HEADS, ids=_id)
+def test_triton_decode_fp8_cache(heads: tuple, case: str, record_property) -> None:
+    lens, pad = DECODE[case]
+    batch = make_batch(heads, [(1, s) for s in lens], pad, decode=True, fp8=True)
+    run_and_check(TritonBackend(batch.cache), batch, record_property)
+
+
+@pytest.mark.parametrize("case", PREFILL)
+@pytest.mark.parametrize("heads", FP8_HEADS, ids=_id)
+def test_triton_prefill_fp8_cache(heads: tuple, case: str, record_property) -> None:
+    lens, pad = PREFILL[case]
+    batch = make_batch(heads, lens, pad, decode=False, fp8=True)
+    run_and_check(TritonBackend(batch.cache), batch, record_property)
+
+
+@pytest.mark.parametrize("case", ["decode-boundaries", "prefill-chunked"])
+def test_sdpa_backend_fp8_cache(case: str, record_property) -> None:
+    kind, name = case.split("-")
+    lens, pad = DECODE[name] if kind == "decode" else PREFILL[name]
+    lens = [(1, s) for s in lens] if kind == "decode" else lens
+    batch = make_batch((torch.bfloat16, 16, 4, 96), lens, pad, decode=kind == "decode", fp8=True)
+    run_and_check(SdpaBackend(batch.cache), batch, record_property)
 
 
 @pytest.mark.parametrize("case", ["decode-boundaries", "prefill-chunked", "prefill-fresh"])
@@ -211,8 +281,7 @@ def check_decode_replay(backend, batch: Batch, lens_a: list[int], lens_b: list[i
     err = ((out[:num_seqs].float() - expected).norm() / expected.norm()).item()
     record_property("rel_err", err)
     assert err <= TOLERANCE[q.dtype], f"relative error {err:.3e}"
-    k_cache, _ = batch.cache.layer(LAYER)
-    assert torch.equal(k_cache.flatten(0, 1)[meta.slot_mapping[:num_seqs]], k[:num_seqs])
+    assert_written(batch, meta.slot_mapping[:num_seqs], k[:num_seqs], v[:num_seqs])
 
 
 def replay_lengths(num_seqs: int) -> tuple[list[int], list[int]]:
@@ -232,14 +301,28 @@ def test_decode_replays_in_a_cuda_graph(backend: type, heads: tuple, num_seqs: i
     check_decode_replay(backend(batch.cache), batch, lens_a, lens_b, record_property)
 
 
-@pytest.mark.parametrize("heads", [(torch.bfloat16, 32, 8, 128), (torch.float16, 8, 8, 64)], ids=_id)
-def test_triton_prefill_replays_in_a_cuda_graph(heads: tuple, record_property) -> None:
+@pytest.mark.parametrize("fp8", [False, True], ids=["model-dtype-cache", "fp8-cache"])
+@pytest.mark.parametrize("heads", [(torch.bfloat16, 8, 2, 48), (torch.bfloat16, 32, 8, 80), (torch.bfloat16, 16, 4, 96),
+                                   (torch.float16, 16, 2, 112), (torch.bfloat16, 32, 8, 128)], ids=_id)
+@pytest.mark.parametrize("num_seqs", [4, 64])
+def test_triton_decode_replays_in_a_cuda_graph_at_any_head_size_and_fp8(
+    heads: tuple, num_seqs: int, fp8: bool, record_property
+) -> None:
+    lens_a, lens_b = replay_lengths(num_seqs)
+    batch = make_batch(heads, [(1, s) for s in lens_a + lens_b], 0, decode=True, fp8=fp8)
+    check_decode_replay(TritonBackend(batch.cache), batch, lens_a, lens_b, record_property)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["model-dtype-cache", "fp8-cache"])
+@pytest.mark.parametrize("heads", [(torch.bfloat16, 32, 8, 128), (torch.float16, 8, 8, 64), (torch.bfloat16, 32, 8, 80),
+                                   (torch.bfloat16, 8, 2, 48)], ids=_id)
+def test_triton_prefill_replays_in_a_cuda_graph(heads: tuple, fp8: bool, record_property) -> None:
     """As PrefillGraphs does: capture a dummy batch through StaticBatch, then fill other batches (fresh
     prompts, chunks on cached prefixes mixed with decode rows, a full bucket, fewer tokens than the
     bucket), re-plan on the same buffers, replay."""
     tokens, max_seqs = 512, 64
     cases = [PREFILL["fresh"][0], PREFILL["chunked"][0][1:], [(512, 12000)], [(1, 9)] * 40]
-    batch = make_batch(heads, [lens for case in cases for lens in case], 0, decode=False)
+    batch = make_batch(heads, [lens for case in cases for lens in case], 0, decode=False, fp8=fp8)
     width = -(-12000 // BLOCK)
     static = StaticBatch(tokens, max_seqs, width, BLOCK, CUDA)
     backend = TritonBackend(batch.cache)
@@ -270,8 +353,7 @@ def test_triton_prefill_replays_in_a_cuda_graph(heads: tuple, record_property) -
         err = ((out[:real].float() - expected).norm() / expected.norm()).item()
         record_property(f"rel_err_{seed}", err)
         assert err <= TOLERANCE[q.dtype], f"case {lens[:3]}...: relative error {err:.3e}"
-        k_cache, _ = batch.cache.layer(LAYER)
-        assert torch.equal(k_cache.flatten(0, 1)[meta.slot_mapping[:real]], k[:real])
+        assert_written(batch, meta.slot_mapping[:real], k[:real], v[:real])
 
 
 @needs_flashinfer
@@ -293,8 +375,18 @@ def test_flashinfer_prefill(heads: tuple, case: str, record_property) -> None:
 
 
 def test_auto_backend_on_cuda() -> None:
-    """'auto' picks FlashInfer where it imports and serves the cache, Triton otherwise."""
+    """'auto' picks FlashInfer where it imports and serves the cache, Triton otherwise (other head sizes,
+    the fp8 cache)."""
     served = make_batch((torch.bfloat16, 8, 2, 128), [(1, 5)], 0, decode=True).cache
-    other = make_batch((torch.bfloat16, 4, 2, 32), [(1, 5)], 0, decode=True).cache
     assert select_backend("auto", served).name == ("flashinfer" if flashinfer_importable() else "triton")
-    assert select_backend("auto", other).name == "triton"
+    for heads in [(torch.bfloat16, 4, 2, 32), (torch.bfloat16, 8, 2, 48), (torch.bfloat16, 32, 8, 80)]:
+        assert select_backend("auto", make_batch(heads, [(1, 5)], 0, decode=True).cache).name == "triton"
+    fp8 = make_batch((torch.bfloat16, 8, 2, 128), [(1, 5)], 0, decode=True, fp8=True).cache
+    assert select_backend("auto", fp8).name == "triton"
+
+
+@needs_flashinfer
+def test_flashinfer_refuses_the_fp8_cache() -> None:
+    fp8 = make_batch((torch.bfloat16, 8, 2, 128), [(1, 5)], 0, decode=True, fp8=True).cache
+    with pytest.raises(ConfigError, match="kv_cache_dtype='fp8_e4m3'"):
+        select_backend("flashinfer", fp8)

@@ -68,8 +68,16 @@ def flashinfer_importable() -> bool:
     return True
 
 
+FP8_REFUSAL = (
+    "kv_cache_dtype='fp8_e4m3' keeps a scale per token and KV head, and FlashInfer's API takes one scale per"
+    " tensor; use attention_backend='triton' (or 'auto') with it, or kv_cache_dtype='auto' with flashinfer"
+)
+
+
 def unsupported(dtype: torch.dtype, head_dim: int) -> str | None:
     """Why FlashInfer cannot serve a cache of this dtype and head size, or None when it can."""
+    if dtype == torch.float8_e4m3fn:
+        return FP8_REFUSAL
     if dtype not in DTYPES:
         return f"KV cache dtype {dtype}: the flashinfer backend supports float16 and bfloat16"
     if head_dim not in HEAD_DIMS:
@@ -157,6 +165,8 @@ class FlashInferBackend:
     capturable_prefill = False  # its prefill plan is host work per batch: prefill runs piecewise
 
     def __init__(self, kv_cache: KVCache, workspace_bytes: int = WORKSPACE_BYTES) -> None:
+        if kv_cache.key_scales is not None:
+            raise ConfigError(FP8_REFUSAL)
         self._fi = import_flashinfer()
         from graphkiln.kernels.kv_write import write_kv  # triton, like the Triton backend: imported only when built
 

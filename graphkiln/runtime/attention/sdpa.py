@@ -2,8 +2,9 @@
 
 Writes the batch's keys and values through the slot mapping, gathers each sequence's context
 from its block table and attends with a causal mask aligned to the end of the context (so a
-prefill that continues a cached prefix sees the prefix). Not capturable in a CUDA graph: it
-loops over sequences on the host.
+prefill that continues a cached prefix sees the prefix). An fp8 cache is quantized on write and
+dequantized on read (kv_dtype.py). Not capturable in a CUDA graph: it loops over sequences on
+the host.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 
 from graphkiln.models.attention import AttentionFn
 from graphkiln.runtime.kv_cache import KVCache
+from graphkiln.runtime.kv_dtype import dequantize, quantize
 
 from .metadata import BatchMetadata
 
@@ -33,16 +35,24 @@ class SdpaBackend:
 
     def _run(self, meta: BatchMetadata, layer: int, q, k, v, out, scale: float) -> None:
         k_cache, v_cache = self.kv_cache.layer(layer)
+        scales = self.kv_cache.layer_scales(layer)
         heads, dim = k_cache.shape[-2:]
         rows = k.shape[0]
         slots = meta.slot_mapping[:rows]
-        k_cache.view(-1, heads, dim).index_copy_(0, slots, k.to(k_cache.dtype))
-        v_cache.view(-1, heads, dim).index_copy_(0, slots, v.to(v_cache.dtype))
+        if scales is None:
+            k_cache.view(-1, heads, dim).index_copy_(0, slots, k.to(k_cache.dtype))
+            v_cache.view(-1, heads, dim).index_copy_(0, slots, v.to(v_cache.dtype))
+        else:
+            _write_fp8(k, k_cache, scales[0], slots)
+            _write_fp8(v, v_cache, scales[1], slots)
         start = 0
         for i, (q_len, seq_len) in enumerate(zip(meta.query_lens, meta.seq_lens)):
             blocks = meta.block_tables[i, : -(-seq_len // meta.block_size)]
             keys = k_cache[blocks].reshape(-1, heads, dim)[:seq_len]
             values = v_cache[blocks].reshape(-1, heads, dim)[:seq_len]
+            if scales is not None:
+                keys = dequantize(keys, scales[0][blocks].reshape(-1, heads)[:seq_len], q.dtype)
+                values = dequantize(values, scales[1][blocks].reshape(-1, heads)[:seq_len], q.dtype)
             query = q[start : start + q_len]
             key_pos = torch.arange(seq_len, device=q.device)
             query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
@@ -58,3 +68,12 @@ class SdpaBackend:
             out[start : start + q_len] = result.transpose(0, 1)
             start += q_len
         out[start:] = 0
+
+
+def _write_fp8(x: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor) -> None:
+    """Rows x [T, Hkv, D] quantized into an fp8 cache's slots (as bytes: index_copy_ has no fp8 kernel) and
+    their scales."""
+    heads, dim = cache.shape[-2:]
+    rows, row_scales = quantize(x)
+    cache.view(-1, heads, dim).view(torch.uint8).index_copy_(0, slots, rows.view(torch.uint8))
+    scales.view(-1, heads).index_copy_(0, slots, row_scales)

@@ -1,10 +1,14 @@
 """Choosing an attention backend.
 
-'auto' is FlashInfer on CUDA when the package imports and serves the cache's dtype and head
-size, Triton on CUDA otherwise, and the SDPA reference on the CPU.
+'auto' takes the first backend that serves the cache's dtype and head size: on CUDA, FlashInfer
+where the package imports (float16/bfloat16 caches, head_dim 64, 128 or 256), then Triton where
+triton imports (any head_dim up to 256, the fp8 cache included), then the SDPA reference, which
+serves everything; on the CPU, SDPA. So `auto` never refuses a model the engine can load.
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 from graphkiln.errors import ConfigError
 from graphkiln.runtime.kv_cache import KVCache
@@ -14,14 +18,27 @@ from .base import AttentionBackend
 BACKENDS = ("auto", "sdpa", "triton", "flashinfer")
 
 
-def _auto(kv_cache: KVCache) -> str:
-    from .flashinfer_backend import flashinfer_importable, unsupported
+def auto_backend(device_type: str, dtype, head_dim: int, flashinfer: bool, triton: bool) -> str:
+    """The backend 'auto' means for a cache of `dtype` and `head_dim` on `device_type`, given which of
+    the optional packages import."""
+    from . import flashinfer_backend, triton_backend
 
-    if kv_cache.keys.device.type != "cuda":
+    if device_type != "cuda":
         return "sdpa"
-    if unsupported(kv_cache.keys.dtype, kv_cache.keys.shape[-1]) is None and flashinfer_importable():
+    if flashinfer and flashinfer_backend.unsupported(dtype, head_dim) is None:
         return "flashinfer"
-    return "triton"
+    if triton and triton_backend.unsupported(dtype, head_dim) is None:
+        return "triton"
+    return "sdpa"
+
+
+def _auto(kv_cache: KVCache) -> str:
+    from .flashinfer_backend import flashinfer_importable
+
+    keys = kv_cache.keys
+    cuda = keys.device.type == "cuda"
+    return auto_backend(keys.device.type, keys.dtype, keys.shape[-1], cuda and flashinfer_importable(),
+                        cuda and importlib.util.find_spec("triton") is not None)  # fmt: skip
 
 
 def select_backend(name: str, kv_cache: KVCache) -> AttentionBackend:

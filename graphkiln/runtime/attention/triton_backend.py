@@ -4,7 +4,9 @@ A decode call (every sequence adds one token) is one launch: the decode kernel s
 keys and values through the slot mapping itself, attends over the paged context and merges its
 splits (the last split of a sequence to finish, counting on zeros the backend keeps). A prefill
 call writes the keys and values (one launch), then runs the varlen causal prefill kernel, which
-reads the whole context from the paged cache. Planning (tile sizes, decode splits,
+reads the whole context from the paged cache. Any head_dim up to 256 runs on tiles padded to a
+power of two (planned at the padded width); an fp8 cache passes its row scales to every kernel.
+Planning (tile sizes, decode splits,
 prefill work items) is plain Python here; the kernels import triton, an optional dependency,
 only when a backend is built.
 
@@ -33,6 +35,8 @@ PROGRAMS_PER_SM = 2  # prefill programs resident per SM at the default tiles (sh
 DECODE_PROGRAMS_PER_SM = 6  # decode programs a grid wants per SM: enough loads in flight to stream the cache
 MIN_SPLIT_TOKENS = 128  # a decode split never covers fewer tokens than this of the longest context
 MAX_SPLITS = 64
+MAX_HEAD_DIM = 256
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn)
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,20 @@ def _cdiv(a: int, b: int) -> int:
 
 def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The head lanes of the kernels' tiles: the next power of two, at least 16 (kernels/kv_format.py)."""
+    return max(16, _next_pow2(head_dim))
+
+
+def unsupported(dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why the Triton kernels cannot serve a cache of this dtype and head size, or None when they can."""
+    if dtype not in DTYPES:
+        return f"KV cache dtype {dtype}: the triton backend supports {', '.join(str(d) for d in DTYPES)}"
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        return f"head_dim {head_dim}: the triton attention backend supports 1 to {MAX_HEAD_DIM}"
+    return None
 
 
 def decode_tiles(
@@ -134,12 +152,9 @@ class TritonBackend:
         from graphkiln.kernels.decode_attention import paged_decode
         from graphkiln.kernels.prefill_attention import paged_prefill
 
-        head_dim = kv_cache.keys.shape[-1]
-        if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
-            raise UnsupportedModelError(
-                f"head_dim {head_dim}: the triton attention backend needs a power of two from 16 to 256;"
-                " use the sdpa backend"
-            )
+        reason = unsupported(kv_cache.keys.dtype, kv_cache.keys.shape[-1])
+        if reason:
+            raise UnsupportedModelError(f"{reason}; use the sdpa attention backend")
         self.kv_cache = kv_cache
         self._write_kv, self._decode, self._prefill = write_kv, paged_decode, paged_prefill
         device = kv_cache.keys.device
@@ -159,7 +174,7 @@ class TritonBackend:
             meta.seq_lens_t.shape[0],
             num_kv_heads,
             meta.block_tables.shape[1] * block_size,
-            head_dim,
+            padded_head_dim(head_dim),
             self.kv_cache.keys.element_size(),
             self._num_sms,
         )
@@ -168,7 +183,7 @@ class TritonBackend:
         def run(layer: int, q, k, v, out, scale: float) -> None:
             k_cache, v_cache = self.kv_cache.layer(layer)
             self._decode(q, k, v, k_cache, v_cache, meta.seq_lens_t, meta.block_tables, meta.slot_mapping, out, scale,
-                         self._split_counters, **tile_args)
+                         self._split_counters, scales=self.kv_cache.layer_scales(layer), **tile_args)
 
         return run
 
@@ -200,7 +215,7 @@ class TritonBackend:
         return self._prefill_fn(meta, tiles, work, programs, zero_padding=False)
 
     def _row_shape(self) -> tuple[int, int]:
-        return self.kv_cache.keys.shape[-1], self.kv_cache.keys.element_size()
+        return padded_head_dim(self.kv_cache.keys.shape[-1]), self.kv_cache.keys.element_size()
 
     def _prefill_fn(
         self, meta: BatchMetadata, tiles: PrefillTiles, work: torch.Tensor, programs: Callable[[int], int],
@@ -211,10 +226,11 @@ class TritonBackend:
 
         def run(layer: int, q, k, v, out, scale: float) -> None:
             k_cache, v_cache = self.kv_cache.layer(layer)
-            self._write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            scales = self.kv_cache.layer_scales(layer)
+            self._write_kv(k, v, k_cache, v_cache, meta.slot_mapping, scales)
             self._prefill(
                 q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens_t, meta.block_tables, work, out, scale,
-                programs(q.shape[1]), **tile_args,
+                programs(q.shape[1]), scales=scales, **tile_args,
             )
             if zero_padding:
                 out[meta.num_tokens :] = 0
