@@ -33,6 +33,7 @@ from graphkiln.models.transformer import CausalLM
 from graphkiln.passes.base import Pass
 from graphkiln.passes.dump import check_dump_dir
 from graphkiln.passes.manager import check_disabled, default_passes
+from graphkiln.timing import Stopwatch
 
 from .artifacts import CPU_KERNELS, TOKENIZER_FILE, load_compiled, save_compiled
 from .compile import CompileReport, Progress, compile_module
@@ -305,20 +306,26 @@ def recorded_config(manifest: dict, out: Path) -> ModelConfig:
 
 
 def read_artifact(
-    out: Path, model_dir: Path, device=None, dtype=None, trusted_keys: Sequence = ()
+    out: Path, model_dir: Path, device=None, dtype=None, trusted_keys: Sequence = (), clock: Stopwatch | None = None
 ) -> tuple[CausalLM, CompiledModel, Tokenizer | None, dict]:
     """Check, then load weights, compiled pieces and the tokenizer: no Dynamo trace, no Inductor compile,
-    and no transformers import where the artifact keeps a tokenizer snapshot."""
+    and no transformers import where the artifact keeps a tokenizer snapshot. `clock` gets the stages
+    checks, weights (with the count weight_bytes), pieces and tokenizer."""
     out = out.resolve()
+    clock = clock or Stopwatch()
     with _locked(out, shared=True):
-        manifest = check_artifact(out, model_dir, device, dtype, trusted_keys)
-        config = manifest["config"]
-        model = load_model(model_dir, torch.device(config["device"]), config["dtype"], recorded_config(manifest, out))
-        tensors = dict(model.named_parameters(remove_duplicate=False))
-        tensors.update(model.named_buffers(remove_duplicate=False))
-        compiled = load_compiled(manifest["compiled"], manifest["files"], out, tensors)
-        if manifest["model"].get("tokenizer") == "snapshot":
-            tokenizer = Tokenizer.from_snapshot(model_dir, out / TOKENIZER_FILE)
-        else:
-            tokenizer = Tokenizer.from_dir(model_dir)
+        with clock.stage("checks"):
+            manifest = check_artifact(out, model_dir, device, dtype, trusted_keys)
+            config = manifest["config"]
+            model_config = recorded_config(manifest, out)
+        model = load_model(model_dir, torch.device(config["device"]), config["dtype"], model_config, clock)
+        with clock.stage("pieces"):
+            tensors = dict(model.named_parameters(remove_duplicate=False))
+            tensors.update(model.named_buffers(remove_duplicate=False))
+            compiled = load_compiled(manifest["compiled"], manifest["files"], out, tensors)
+        with clock.stage("tokenizer"):
+            if manifest["model"].get("tokenizer") == "snapshot":
+                tokenizer = Tokenizer.from_snapshot(model_dir, out / TOKENIZER_FILE)
+            else:
+                tokenizer = Tokenizer.from_dir(model_dir)
         return model, compiled, tokenizer, manifest

@@ -16,6 +16,7 @@ from graphkiln.errors import ConfigError
 DEFAULT_DECODE_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 DEFAULT_PREFILL_TOKEN_BUCKETS = tuple(2**i for i in range(4, 13))  # 16 ... 4096
 ATTENTION_BACKENDS = ("auto", "sdpa", "triton", "flashinfer")
+CAPTURE_MODES = ("background", "blocking")
 DEFAULT_CPU_KV_TOKENS = 16384
 
 
@@ -35,6 +36,9 @@ class EngineConfig:
     `max_seq_len` caps prompt plus output below the model's own context. Decode steps of up to the
     largest decode batch size and prefill steps of up to the largest token bucket replay captured
     CUDA graphs (padded to the next size); larger ones run the compiled pieces without a graph.
+    `capture`: "background" (the engine serves while its graphs are captured, a step whose graph is
+    not captured yet running without it; `LLM.wait_ready()` waits for them) or "blocking" (every
+    graph captured before `load` returns). Without graphs the same happens to one warm-up run per size.
     """
 
     attention_backend: str = "auto"
@@ -47,6 +51,7 @@ class EngineConfig:
     max_seq_len: int | None = None
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
+    capture: str = "background"
 
     def __post_init__(self) -> None:
         for name in ("decode_batch_sizes", "prefill_token_buckets"):
@@ -59,6 +64,8 @@ class EngineConfig:
             raise ConfigError(
                 f"EngineConfig.attention_backend={self.attention_backend!r}; use one of {ATTENTION_BACKENDS}"
             )
+        if self.capture not in CAPTURE_MODES:
+            raise ConfigError(f"EngineConfig.capture={self.capture!r}; use one of {CAPTURE_MODES}")
         if not isinstance(self.cuda_graphs, bool):
             raise ConfigError(f"EngineConfig.cuda_graphs={self.cuda_graphs!r}: use True or False")
         if not is_int(self.block_size) or self.block_size < 1 or self.block_size & (self.block_size - 1):
