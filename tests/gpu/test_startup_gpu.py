@@ -92,8 +92,8 @@ def test_weights_reader_rate_to_the_device(tmp_path: Path) -> None:
     record("weights_reader_GBps", {"rates": rates, "bytes": stats.bytes})
     for name in ("w0", "w17"):
         assert torch.equal(dests[name].cpu(), tensors[name])
-    half = WeightsReader(torch.device("cuda")).read(
-        [TensorRead(entries["w3"], dests["w0"][:, :7168].contiguous(), cols=(7168, 14336))]
-    )
+    right = torch.empty(4096, 7168, dtype=torch.float32, device="cuda")  # a column shard, converted on the device
+    half = reader.read([TensorRead(entries["w3"], right, cols=(7168, 14336))])
     assert half.bytes == 4096 * 7168 * 2
+    assert torch.equal(right.cpu(), tensors["w3"][:, 7168:].float())
     assert max(rates[1:]) > 5.0  # the target is 10 GB/s (bench/weights.py reports it); this catches a broken path
