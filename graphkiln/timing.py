@@ -16,7 +16,9 @@ class Stopwatch:
 
     @contextlib.contextmanager
     def stage(self, name: str) -> Iterator[None]:
-        """Add the seconds the block takes to stage `name`."""
+        """Add the seconds the block takes to stage `name` (stages are listed in the order they start; blocks
+        on different threads may overlap)."""
+        self.stages.setdefault(name, 0.0)
         start = time.perf_counter()
         try:
             yield

@@ -110,19 +110,36 @@ def load_model(
     records it, so a warm load never imports transformers); without it config.json is read here.
     `clock` gets the stage "weights" and the count "weight_bytes".
     """
-    clock = clock or Stopwatch()
+    model = empty_model(model_dir, device, dtype, cfg)
+    fill_model(model, model_dir, clock)
+    return model
+
+
+def empty_model(
+    model_dir: str | Path, device: str | torch.device = "cpu", dtype="float32", cfg: ModelConfig | None = None
+) -> CausalLM:
+    """`load_model`'s model before its weights are read: every parameter allocated on `device`, uninitialised
+    (what compiled pieces bind to may be bound now, and `fill_model` run beside that)."""
     model_dir = check_model_dir(model_dir)
     device = torch.device(device)
-    dtype = resolve_dtype(dtype)
     cfg = cfg or model_config_from_hf(read_hf_config(model_dir), model_dir)
-    files = weight_files(model_dir)
     with torch.device("meta"):
         model = CausalLM(cfg)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model = model.to(dtype=resolve_dtype(dtype)).to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    model.model.register_buffer("rope_cache", rope_cache(cfg, device), persistent=False)
+    return model.eval().requires_grad_(False)
+
+
+def fill_model(model: CausalLM, model_dir: str | Path, clock: Stopwatch | None = None) -> None:
+    """Read the checkpoint into an `empty_model`; refuse a missing, misplaced, misshapen or non-finite tensor."""
+    clock = clock or Stopwatch()
+    model_dir = check_model_dir(model_dir)
+    files = weight_files(model_dir)
+    param = next(model.parameters())
     with clock.stage("weights"):
-        filled, read = _fill_weights(model, cfg, files, device, dtype)
+        filled, read = _fill_weights(model, model.cfg, files, param.device, param.dtype)
     clock.counts["weight_bytes"] = clock.counts.get("weight_bytes", 0) + read
     missing = sorted(_checkpoint_names(model) - filled)
     if missing:
@@ -130,8 +147,6 @@ def load_model(
             f"{model_dir}: checkpoint lacks tensors for {missing[:5]}{' ...' if len(missing) > 5 else ''}; "
             "the checkpoint does not match config.json"
         )
-    model.model.register_buffer("rope_cache", rope_cache(cfg, device), persistent=False)
-    return model.eval().requires_grad_(False)
 
 
 def _checkpoint_names(model: CausalLM) -> set[str]:

@@ -66,9 +66,9 @@ class EngineStats:
 @dataclass(frozen=True)
 class LoadStats:
     """Where `load` spent its time, in seconds: `import` (from `import graphkiln` to its API loaded; torch
-    included unless imported before), then `stages` in order (checks, weights, pieces, tokenizer,
-    engine); `weight_bytes` read from the checkpoint; `load_s` the whole call. After it returned:
-    `prepare_s` (load's start until every graph or warm-up was done, None while some are owed; what
+    included unless imported before), then `stages` in the order they started (checks, weights and
+    pieces, which overlap, tokenizer, engine); `weight_bytes` read from the checkpoint; `load_s` the
+    whole call. After it returned: `prepare_s` (load's start until every graph or warm-up was done, None while some are owed; what
     each took and when is `EngineStats.prepared`) and `first_token_s` (load's start to the first
     token read back, None before)."""
 
