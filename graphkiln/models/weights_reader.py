@@ -212,6 +212,8 @@ class WeightsReader:
         count = min(self.buffers, len(chunks))
         staging = [torch.empty(buffer_bytes, dtype=torch.uint8, pin_memory=cuda) for _ in range(count)]
         stream = torch.cuda.Stream(self.device) if cuda else None
+        if stream is not None:  # the destinations' memory may still be in use by work queued before
+            stream.wait_stream(torch.cuda.current_stream(self.device))
         done: list[torch.cuda.Event | None] = [None] * count
         queued: deque[tuple[Future, int, _Chunk]] = deque()
 
