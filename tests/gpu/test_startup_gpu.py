@@ -51,13 +51,14 @@ print(json.dumps({{"tokens": tokens, "ready_at_first_step": ready_at_first_step,
     "events_after_load": after_load, "events": torch_compile_events(), "load": dataclasses.asdict(stats.load),
     "errors": [p.error for p in stats.prepared if p.error], "prepared": len(stats.prepared),
     "longest_job_s": max(p.seconds for p in stats.prepared), "graphs": stats.graphs_captured,
+    "pool_bytes": stats.graph_pool_bytes,
     "without_graph": stats.steps_without_graph}}))
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     record("startup_background_capture", {k: result[k] for k in ("load", "prepared", "longest_job_s", "graphs",
-                                                                 "without_graph", "ready_at_first_step")}
+                                                                 "without_graph", "ready_at_first_step", "pool_bytes")}
            | {"first_step_s": result["steps_s"][0], "longest_later_step_s": max(result["steps_s"][1:]),
               "steps": len(result["steps_s"])})  # fmt: skip
     assert not result["ready_at_first_step"], "every graph was captured before the first step: nothing was tested"
@@ -65,6 +66,8 @@ print(json.dumps({{"tokens": tokens, "ready_at_first_step": ready_at_first_step,
     assert result["events"]["dynamo_graphs"] == 0 and result["events"]["inductor_compiles"] == 0
     assert result["events"] == result["events_after_load"]
     captured = graphkiln.load(out, capture="blocking", **ENGINE)
+    # Captured smallest first in the background, largest first when blocking: what that costs in pool memory.
+    record("startup_pool_bytes", {"background": result["pool_bytes"], "blocking": captured.stats().graph_pool_bytes})
     want = [o.token_ids for o in captured.generate(prompts, SamplingParams(max_tokens=32, ignore_eos=True))]
     assert result["tokens"] == want
     # A step waits for at most one capture (plus its own run): the longest capture bounds the stall. The
