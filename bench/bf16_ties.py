@@ -32,6 +32,7 @@ def main(a: argparse.Namespace) -> int:
     options = {"emulate_precision_casts": True} if a.emulate_precision_casts else {}
     engine = dict(decode_batch_sizes=(1, 2, 4, 8), kv_cache_tokens=8192)
     compiled = LLM.compile("tiny", CompileConfig(dtype="bfloat16", inductor_options=options), **engine)
+    compiled.wait_ready()
     eager = LLM.eager("tiny", dtype="bfloat16", **engine)
     params = SamplingParams(max_tokens=8 if a.smoke else 16, ignore_eos=True)
     total = identical = 0

@@ -133,7 +133,9 @@ def compiled_llm(study, work: Path, tag: str = "art", disabled_passes: tuple[str
         save_model(study.model, model, study.device, study.dtype, study.layers)
     config = graphkiln.CompileConfig(device=study.device, dtype=study.dtype_name, disabled_passes=disabled_passes)
     graphkiln.compile_model(model, work / tag, config, force=True)
-    return graphkiln.load(work / tag, **engine)
+    llm = graphkiln.load(work / tag, **engine)
+    llm.wait_ready()
+    return llm
 
 
 def decoding(llm, batch: int, steps: int, prompt_tokens: int = 128) -> list:

@@ -46,6 +46,7 @@ def measure(study: Study, model_dir: Path, disabled: tuple[str, ...], batches: t
     engine = graphkiln.EngineConfig(decode_batch_sizes=batches, prefill_token_buckets=(prefill,),
                                     kv_cache_tokens=8192 if study.smoke else 65536)
     llm = graphkiln.LLM(build_engine(net, compiled, engine), None, report.counters.as_dict())
+    llm.wait_ready()
     row = {"disabled": list(disabled), "compile_s": report.timings["total"],
            "inductor_compiles": report.counters.inductor_compiles, "boundary_tensors": boundary_tensors(compiled)}
     prompt = 16 if study.smoke else 128

@@ -276,6 +276,7 @@ def gk_compiled(s: Settings, mres: dict, row: dict, save) -> None:
             start("warm", 60, 300)
         t = time.time()
         llm = graphkiln.load(artifact, **s.engine)
+        llm.wait_ready()
     row["load_in_process_s"] = time.time() - t
     try:
         row["graph_pool_bytes"] = llm.stats().graph_pool_bytes if s.device == "cuda" else None

@@ -230,6 +230,7 @@ def main(a: argparse.Namespace) -> int:
                     results["errors"].append({"where": f"server {shape} c={c}", "error": error_text(e)})
             results["server_metrics"] = _metrics(url)
         with graphkiln.load(work / "art", **engine) as llm:
+            llm.wait_ready()
             for shape, c in cells:
                 cell = results["cells"][shape][str(c)]
                 cell["offline"] = offline_cell(llm, prompts[shape, c], warmups[shape, c], shapes[shape][1], c)

@@ -1,17 +1,20 @@
 """Start-up times: a fresh process (`python -m bench _startup SPEC`) loads a model and makes one token.
 
+    python -m bench startup --models 1b,8b --out "$OUT"     # warm starts on the GPU (cold too: --cold)
+    python -m bench startup --smoke                          # the built-in tiny model on the CPU
+
 The parent notes the time before it spawns the child; the child prints, after CHILD_PREFIX, one
 JSON line with the wall-clock time at each mark. The phases between marks, from process start:
 
   import       Python start, `import torch` and graphkiln's API (or transformers' Llama)
   cuda_init    the CUDA context (done by hand, so it is not counted in the load)
   compile      cold only: `compile_model` (its stage seconds in `compile_timings`)
-  load         `graphkiln.load` (transformers: `from_pretrained`), split for graphkiln into
-               capture (LLM.stats(): every graph kind's capture seconds), weights (`load_model` of
-               the same files with the manifest's config, as load calls it, timed again after the
-               first token: the page cache as warm as in the load) and pieces_etc (the rest:
-               checks, compiled pieces, tokenizer, KV cache)
-  first_token  generate(max_tokens=1) of a random prompt
+  load         `graphkiln.load` (transformers: `from_pretrained`), split for graphkiln by
+               LLM.stats().load into weights (read to the device), pieces (compiled pieces
+               loaded) and the rest (checks, tokenizer, KV cache)
+  first_token  generate(max_tokens=1) of a random prompt, right after load: graphs are still
+               being captured in the background
+  ready        graphkiln: until every graph is captured (LLM.wait_ready())
 
 Before any start-up is timed, `ensure_bytecode` writes the .pyc files the installed packages lack,
 as `pip install` does: without them every fresh process compiles torch's sources again.
@@ -19,7 +22,9 @@ as `pip install` does: without them every fresh process compiles torch's sources
 
 from __future__ import annotations
 
+import argparse
 import compileall
+import dataclasses
 import importlib.util
 import json
 import os
@@ -28,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from .common import REPO
+from .common import REPO, environment, log, random_prompts, write_json
 
 CHILD_PREFIX = "GK_BENCH_CHILD "
 
@@ -56,19 +61,24 @@ def run_child(spec: dict, env_extra: dict, timeout: float | None) -> dict:
         raise RuntimeError(f"start-up child {spec['mode']} exited {proc.returncode}: {tail}")
     res = json.loads(lines[-1][len(CHILD_PREFIX):])
     marks = res.pop("marks")
-    order = [(k, marks[k]) for k in ("imported", "cuda_ready", "compiled", "loaded", "first_token") if k in marks]
+    order = [(k, marks[k]) for k in ("imported", "cuda_ready", "compiled", "loaded", "first_token", "ready")
+             if k in marks]  # fmt: skip
     names = {"imported": "import", "cuda_ready": "cuda_init", "compiled": "compile", "loaded": "load",
-             "first_token": "first_token"}
+             "first_token": "first_token", "ready": "ready"}
     phases, previous = {}, t0
     for key, at in order:
         phases[names[key]] = at - previous
         previous = at
-    if "weights_s" in res:  # graphkiln: the load split into weights, capture and the rest
-        phases["weights"] = res["weights_s"]
+    if "load" in res:  # graphkiln: the load split by LLM.stats().load
+        stages = res["load"]["stages"]
+        phases["weights"] = stages.get("weights", 0.0)
+        phases["pieces"] = stages.get("pieces", 0.0)
+        phases["load_rest"] = phases["load"] - phases["weights"] - phases["pieces"]
         phases["capture"] = res["capture_s"]
-        phases["pieces_etc"] = phases["load"] - res["weights_s"] - res["capture_s"]
     res["phases_s"] = phases
     res["start_to_first_token_s"] = marks["first_token"] - t0
+    if "ready" in marks:
+        res["start_to_ready_s"] = marks["ready"] - t0
     res["process_wall_s"] = time.time() - t0
     return res
 
@@ -111,20 +121,128 @@ def child_main(spec: dict) -> None:
             marks["compiled"] = time.time()
             res.update(compile_timings=report.timings, compile_summary=report.summary(),
                        counters=report.counters.as_dict())
+        from graphkiln.compiler.counters import torch_compile_events
+
         llm = graphkiln.load(spec["artifact"], **spec["engine"])
         marks["loaded"] = time.time()
         llm.generate([prompt], graphkiln.SamplingParams(max_tokens=1, ignore_eos=True))
         marks["first_token"] = time.time()
+        llm.wait_ready()
+        marks["ready"] = time.time()
         stats = llm.stats()
         res["capture_s"] = sum(g.capture_s for g in stats.graphs.values())
         res["graphs"] = stats.graphs_captured
+        res["load"] = {**dataclasses.asdict(stats.load), "weights_GBps": stats.load.weights_gb_per_s}
+        res["prepare_errors"] = [p.error for p in stats.prepared if p.error]
+        res["steps_without_graph"] = stats.steps_without_graph
+        res["compile_events_after_load"] = torch_compile_events()
         res["transformers_imported"] = "transformers" in sys.modules
-        from graphkiln.models import ModelConfig, load_model
-
-        t = time.time()  # as load reads them: with the config the manifest recorded
-        load_model(spec["model_dir"], device, spec["dtype"], ModelConfig.from_dict(llm.manifest["model"]["config"]))
-        if device == "cuda":
-            torch.cuda.synchronize()
-        res["weights_s"] = time.time() - t
     res["marks"] = marks
     print(CHILD_PREFIX + json.dumps(res), flush=True)
+
+
+# The start-up study: `python -m bench startup`.
+
+COLUMNS = ("import", "cuda_init", "compile", "load", "weights", "pieces", "load_rest", "first_token")
+
+
+def breakdown_table(rows: list[tuple[str, dict]]) -> str:
+    """One markdown table: per start, the phases from process start to the first token, then graphs ready."""
+    header = ["start", "import", "CUDA init", "compile", "load", "of it: weights", "GB/s", "pieces", "rest",
+              "first token", "start→1st token", "capture (background)", "start→ready"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for name, child in rows:
+        if "error" in child:
+            lines.append(f"| {name} | " + " | ".join(["err"] * (len(header) - 1)) + " |")
+            continue
+        p = child["phases_s"]
+        cells = [p.get(k) for k in COLUMNS]
+        rate = (child.get("load") or {}).get("weights_GBps")
+        cells = cells[:5] + [rate] + cells[5:] + [child.get("start_to_first_token_s"), p.get("capture"),
+                                                   child.get("start_to_ready_s")]  # fmt: skip
+        lines.append(f"| {name} | " + " | ".join("" if c is None else f"{c:.2f}" for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def main(a: argparse.Namespace) -> int:
+    import shutil
+    import tempfile
+
+    import torch
+
+    device = "cpu" if a.smoke else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: use --smoke on a machine without a GPU", file=sys.stderr)
+        return 2
+    models = ("tiny",) if a.smoke else tuple(m for m in a.models.split(",") if m)
+    dtype = "float32" if device == "cpu" else "bfloat16"
+    engine = {"attention_backend": "sdpa" if device == "cpu" else "triton"}
+    if a.kv_cache_tokens:
+        engine["kv_cache_tokens"] = a.kv_cache_tokens
+    scratch = Path(tempfile.mkdtemp(prefix="gk-startup-"))
+    caches = {"TORCHINDUCTOR_CACHE_DIR": str(scratch / "inductor"), "TRITON_CACHE_DIR": str(scratch / "triton")}
+    results = {"meta": {**environment(device), "bytecode": ensure_bytecode(), "models": models}, "starts": {}}
+    rows = []
+    try:
+        for name in models:
+            model_dir = _model_dir(name, scratch, device, dtype)
+            spec = {"model_dir": model_dir, "artifact": str(scratch / f"{name}-artifact"), "device": device,
+                    "dtype": dtype, "engine": engine, "prompt": random_prompts(1, 16 if a.smoke else 128, 4096, 7)[0]}
+            whiches = ("cold", "warm", "warm") if a.cold else ("warm", "warm")
+            if not a.cold:
+                log(f"{name}: compiling the artifact (not timed)")
+                _compile(spec, caches)
+            for i, which in enumerate(whiches):
+                label = f"{name} {which}" + (" (again)" if i and whiches[i - 1] == which else "")
+                try:
+                    child = run_child({**spec, "mode": f"gk_{which}"}, caches, timeout=a.timeout_s)
+                    log(f"{label}: first token at {child['start_to_first_token_s']:.2f} s, ready at "
+                        f"{child.get('start_to_ready_s', 0):.2f} s")
+                except Exception as e:  # noqa: BLE001  (kept in the JSON and the table)
+                    child = {"error": f"{type(e).__name__}: {e}"[:2000]}
+                    log(f"{label} failed: {child['error']}")
+                results["starts"][label] = child
+                rows.append((label, child))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    table = breakdown_table(rows)
+    print(table, flush=True)
+    if a.out:
+        out = Path(a.out)
+        write_json(out / f"startup-{device}.json", results)
+        (out / f"startup-{device}.md").write_text(table + "\n")
+    return 0
+
+
+def _model_dir(name: str, scratch: Path, device: str, dtype: str) -> str:
+    """`tiny` as shipped; `1b`/`8b` random-weight models of those shapes, saved to the scratch folder."""
+    if name == "tiny":
+        return "tiny"
+    import torch
+
+    from .models import build_hf_model, shape_of
+
+    log(f"{name}: building and saving a random-weight model")
+    model = build_hf_model(shape_of(name), device, getattr(torch, dtype))
+    model.save_pretrained(scratch / name)
+    del model
+    return str(scratch / name)
+
+
+def _compile(spec: dict, caches: dict) -> None:
+    """The artifact, compiled in a child with the start-up children's caches (so warm starts find them)."""
+    import subprocess as sp
+
+    code = ("import graphkiln, json, sys; s = json.loads(sys.argv[1]); graphkiln.compile_model(s['model_dir'], "
+            "s['artifact'], graphkiln.CompileConfig(device=s['device'], dtype=s['dtype']), "
+            "engine=graphkiln.EngineConfig(**s['engine']), force=True)")
+    sp.run([sys.executable, "-c", code, json.dumps(spec)], env=dict(os.environ, **caches), cwd=str(REPO), check=True)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--models", default="1b,8b", help="comma list of tiny, 1b, 8b (default 1b,8b)")
+    p.add_argument("--cold", action="store_true", help="also a cold start (compile_model with empty caches) first")
+    p.add_argument("--kv-cache-tokens", type=int, help="KV cache size (default: the engine's)")
+    p.add_argument("--timeout-s", type=float, default=400, help="per start-up child (default 400)")
+    p.add_argument("--smoke", action="store_true", help="the built-in tiny model on the CPU")
+    p.add_argument("--out", help="folder for startup-<device>.json and .md")

@@ -8,7 +8,10 @@ are imported on first use, so `import graphkiln.errors` (or any one room) does n
 from __future__ import annotations
 
 import importlib
+import time
 from typing import TYPE_CHECKING
+
+IMPORT_STARTED = time.perf_counter()  # LLM.stats().load.import_s counts from here
 
 from graphkiln.version import __version__
 

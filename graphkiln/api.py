@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -22,7 +23,11 @@ from graphkiln.llm import LLM, is_hub_id, resolve_model_dir
 from graphkiln.models.fingerprint import model_fingerprint
 from graphkiln.runtime.builder import build_engine
 from graphkiln.runtime.config import EngineConfig
+from graphkiln.runtime.stats import LoadStats
+from graphkiln.timing import Stopwatch
 from graphkiln.version import __version__
+
+IMPORTED = time.perf_counter()  # with graphkiln.IMPORT_STARTED: what importing the API cost
 
 
 def compile_model(
@@ -101,6 +106,8 @@ def load(
     pass `trusted_keys` (Ed25519 public key PEMs: paths or bytes) to refuse any artifact not signed
     by one of them, before anything in it is unpickled or loaded.
     """
+    start = time.perf_counter()
+    clock = Stopwatch()
     if on_mismatch not in ("error", "recompile"):
         raise ConfigError(f"on_mismatch={on_mismatch!r}; use 'error' or 'recompile'")
     if trusted_keys is not None and on_mismatch == "recompile":
@@ -117,16 +124,28 @@ def load(
             "moved, load with graphkiln.load(OUT, model=NEW_DIR) or `graphkiln generate OUT --model NEW_DIR`"
         )
     try:
-        net, compiled, tokenizer, manifest = read_artifact(out, model_dir, device, dtype, keys)
+        net, compiled, tokenizer, manifest = read_artifact(out, model_dir, device, dtype, keys, clock)
     except ArtifactError:
         if on_mismatch == "error":
             raise
         config = CompileConfig(**{**_config_fields(manifest["config"]), **_overrides(device, dtype)})
-        compile_model(source, out, config, engine=recorded_engine(manifest, out), force=True)
-        net, compiled, tokenizer, manifest = read_artifact(out, model_dir, device, dtype)
-    llm = LLM(build_engine(net, compiled, serving), tokenizer, manifest.get("counters"))
+        with clock.stage("recompile"):
+            compile_model(source, out, config, engine=recorded_engine(manifest, out), force=True)
+        clock = Stopwatch({"recompile": clock.stages["recompile"]})
+        net, compiled, tokenizer, manifest = read_artifact(out, model_dir, device, dtype, clock=clock)
+    with clock.stage("engine"):
+        engine = build_engine(net, compiled, serving)
+    llm = LLM(engine, tokenizer, manifest.get("counters"))
     llm.manifest = manifest
+    llm.load_stats = LoadStats(_import_seconds(), clock.stages, clock.counts.get("weight_bytes", 0),
+                               time.perf_counter() - start, started=start)  # fmt: skip
     return llm
+
+
+def _import_seconds() -> float:
+    from graphkiln import IMPORT_STARTED
+
+    return IMPORTED - IMPORT_STARTED
 
 
 def recorded_engine(manifest: dict, root: Path) -> EngineConfig:

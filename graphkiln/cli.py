@@ -87,11 +87,14 @@ def _engine_parser(group) -> None:
     group.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None)
     group.add_argument("--kv-cache-dtype", choices=("auto", "fp8_e4m3"), default=None,
                        help="KV cache elements: the model's dtype (auto) or fp8 with a scale per token and head")
+    group.add_argument("--capture", choices=("background", "blocking"), default=None,
+                       help="capture CUDA graphs while serving (default) or before the first request")
 
 
 ENGINE_FLAGS = (
     "decode_batch_sizes", "prefill_token_buckets", "max_seq_len", "kv_cache_tokens", "gpu_memory_fraction",
     "block_size", "max_num_seqs", "max_num_batched_tokens", "attention_backend", "cuda_graphs", "kv_cache_dtype",
+    "capture",
 )  # fmt: skip
 
 
@@ -154,6 +157,8 @@ def run_generate(args) -> int:
     )  # fmt: skip
     llm = graphkiln.load(args.artifact, model=args.model, trusted_keys=args.trusted_key, **_engine_options(args))
     outputs = llm.generate(args.prompt, params)
+    if args.verbose:
+        print(report.format_load_stats(llm.stats().load), file=sys.stderr)
     for prompt, out in zip(args.prompt, outputs):
         print(f"{prompt!r} -> {out.text!r}")
         print(
@@ -300,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     gen.add_argument("--logprobs", type=int, default=None, metavar="N",
                      help="return logprobs (N alternatives per token); prints each sampled token's logprob")
+    gen.add_argument("--verbose", action="store_true", help="print where the load spent its time (stderr)")
     _engine_parser(gen.add_argument_group("engine options (default: what the artifact records)"))
     gen.set_defaults(handler=run_generate)
     _serve_parser(sub.add_parser("serve", help="an OpenAI-compatible HTTP server (pip install 'graphkiln[serve]')"))

@@ -24,7 +24,7 @@ from graphkiln.runtime.engine import Engine, TokenLogprobs
 from graphkiln.runtime.memory import resolve_device
 from graphkiln.runtime.sampling_params import SamplingParams
 from graphkiln.runtime.scheduler import Sequence as Request
-from graphkiln.runtime.stats import EngineStats
+from graphkiln.runtime.stats import EngineStats, LoadStats
 
 Prompt = str | Sequence[int]
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # org/name
@@ -103,6 +103,7 @@ class LLM:
         self.compile_counters = compile_counters
         self.compile_report: CompileReport | None = None
         self.manifest: dict | None = None
+        self.load_stats: LoadStats | None = None  # set by graphkiln.load
 
     @classmethod
     def eager(
@@ -141,10 +142,22 @@ class LLM:
         return self._engine
 
     def stats(self) -> EngineStats:
-        """The KV cache, the captured graphs (sizes, capture time, pool bytes, replays), steps run without a
-        graph, the engine config, and the compile counters of the compile behind this LLM."""
-        stats = self.engine.stats()
-        return dataclasses.replace(stats, compile_counters=self.compile_counters)
+        """The KV cache, the captured graphs (sizes, capture time, pool bytes, replays; which were prepared
+        when), steps run without a graph, the engine config, the compile counters of the compile behind
+        this LLM and, after `graphkiln.load`, where the load spent its time (`load`)."""
+        engine = self.engine
+        stats = engine.stats()
+        load = self.load_stats
+        if load is not None:
+            done, first = engine.preparation.finished_at, engine.first_token_at
+            load = dataclasses.replace(load, prepare_s=None if done is None else done - load.started,
+                                       first_token_s=None if first is None else first - load.started)  # fmt: skip
+        return dataclasses.replace(stats, compile_counters=self.compile_counters, load=load)
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Wait until the graphs (or warm-ups) being prepared in the background are all done; False if
+        `timeout` seconds passed first. Requests need not wait for this: benchmarks do."""
+        return self.engine.wait_ready(timeout)
 
     def close(self) -> None:
         """Abort what is running and free the KV cache, graphs and weights now; the LLM is unusable after."""

@@ -147,3 +147,17 @@ def format_manifest(m: dict, root: Path) -> str:
             sizes = compiled["unique_pieces"][key]["sizes"]
             lines.append(f"{name:<12} {'piece':<10} {key:<18} dynamic" + (f" + {sizes}" if sizes else ""))
     return "\n".join(lines)
+
+
+def format_load_stats(load) -> str:
+    """`generate --verbose`: LLM.stats().load as one line per stage, seconds."""
+    lines = ["load breakdown (s):"]
+    if load.import_s is not None:
+        lines.append(f"  import      {load.import_s:7.3f}")
+    for stage, seconds in load.stages.items():
+        extra = f"  {load.weight_bytes / 1e9:.3f} GB at {load.weights_gb_per_s:.2f} GB/s" if stage == "weights" else ""
+        lines.append(f"  {stage:<11} {seconds:7.3f}{extra}")
+    lines.append(f"  load total  {load.load_s:7.3f}")
+    for name, value in (("first token", load.first_token_s), ("graphs ready", load.prepare_s)):
+        lines.append(f"  {name:<11} {value:7.3f} after load started" if value is not None else f"  {name}: not yet")
+    return "\n".join(lines)

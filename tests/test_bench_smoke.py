@@ -64,3 +64,20 @@ def test_quantized_study_smoke(tmp_path: Path) -> None:
     rows = json.loads((tmp_path / "quantized.json").read_text())["shapes"]
     assert {(r["name"], r["m"]) for r in rows} == {(n, m) for n in ("qkv", "o", "gate_up", "down") for m in (1, 8)}
     assert all(r["format"] == "bf16" and r["cublas_us"] > 0 and r["floor_us"] > 0 for r in rows)
+def test_startup_study_smoke(tmp_path: Path) -> None:
+    """`python -m bench startup --smoke`: the tiny model's warm starts in fresh processes, one breakdown table."""
+    cmd = [sys.executable, "-m", "bench", "startup", "--smoke", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((tmp_path / "startup-cpu.json").read_text())
+    starts = results["starts"]
+    assert list(starts) == ["tiny warm", "tiny warm (again)"]
+    for child in starts.values():
+        assert "error" not in child, child
+        assert child["prepare_errors"] == [] and not child["transformers_imported"]
+        assert child["compile_events_after_load"]["dynamo_graphs"] == 0
+        assert child["compile_events_after_load"]["inductor_compiles"] == 0
+        phases = child["phases_s"]
+        assert {"import", "load", "weights", "pieces", "first_token", "ready"} <= set(phases)
+        assert child["load"]["weight_bytes"] > 0 and child["start_to_first_token_s"] <= child["start_to_ready_s"]
+    assert "| tiny warm |" in proc.stdout and "| tiny warm |" in (tmp_path / "startup-cpu.md").read_text()

@@ -17,6 +17,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,6 +27,7 @@ import torch
 from graphkiln.compat import private_inductor_cache, require_depyf
 from graphkiln.errors import ArtifactError, ConfigError
 from graphkiln.models import load_model, resolve_dtype
+from graphkiln.models.loader import empty_model, fill_model
 from graphkiln.models.config import ModelConfig
 from graphkiln.models.tokenizer import Tokenizer
 from graphkiln.models.fingerprint import model_fingerprint
@@ -33,6 +35,7 @@ from graphkiln.models.transformer import CausalLM
 from graphkiln.passes.base import Pass
 from graphkiln.passes.dump import check_dump_dir
 from graphkiln.passes.manager import check_disabled, default_passes
+from graphkiln.timing import Stopwatch
 
 from .artifacts import CPU_KERNELS, TOKENIZER_FILE, load_compiled, save_compiled
 from .compile import CompileReport, Progress, compile_module
@@ -304,21 +307,38 @@ def recorded_config(manifest: dict, out: Path) -> ModelConfig:
         raise ArtifactError(f"{out / MANIFEST}: field model.config is missing or invalid ({e!r}); {REWRITE}") from e
 
 
+def _fill_on(device: torch.device, model: CausalLM, model_dir: Path, clock: Stopwatch) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    fill_model(model, model_dir, clock)
+
+
 def read_artifact(
-    out: Path, model_dir: Path, device=None, dtype=None, trusted_keys: Sequence = ()
+    out: Path, model_dir: Path, device=None, dtype=None, trusted_keys: Sequence = (), clock: Stopwatch | None = None
 ) -> tuple[CausalLM, CompiledModel, Tokenizer | None, dict]:
     """Check, then load weights, compiled pieces and the tokenizer: no Dynamo trace, no Inductor compile,
-    and no transformers import where the artifact keeps a tokenizer snapshot."""
+    and no transformers import where the artifact keeps a tokenizer snapshot. The weights are read on a
+    thread of their own while the pieces load (they bind the parameters, not their values). `clock` gets
+    the stages checks, weights (with the count weight_bytes), pieces (the two overlap) and tokenizer."""
     out = out.resolve()
+    clock = clock or Stopwatch()
     with _locked(out, shared=True):
-        manifest = check_artifact(out, model_dir, device, dtype, trusted_keys)
-        config = manifest["config"]
-        model = load_model(model_dir, torch.device(config["device"]), config["dtype"], recorded_config(manifest, out))
-        tensors = dict(model.named_parameters(remove_duplicate=False))
-        tensors.update(model.named_buffers(remove_duplicate=False))
-        compiled = load_compiled(manifest["compiled"], manifest["files"], out, tensors)
-        if manifest["model"].get("tokenizer") == "snapshot":
-            tokenizer = Tokenizer.from_snapshot(model_dir, out / TOKENIZER_FILE)
-        else:
-            tokenizer = Tokenizer.from_dir(model_dir)
+        with clock.stage("checks"):
+            manifest = check_artifact(out, model_dir, device, dtype, trusted_keys)
+            config = manifest["config"]
+            model_config = recorded_config(manifest, out)
+        device = torch.device(config["device"])
+        model = empty_model(model_dir, device, config["dtype"], model_config)
+        with ThreadPoolExecutor(1, thread_name_prefix="graphkiln-fill") as pool:  # weights beside the pieces
+            weights = pool.submit(_fill_on, device, model, model_dir, clock)
+            with clock.stage("pieces"):
+                tensors = dict(model.named_parameters(remove_duplicate=False))
+                tensors.update(model.named_buffers(remove_duplicate=False))
+                compiled = load_compiled(manifest["compiled"], manifest["files"], out, tensors)
+            weights.result()
+        with clock.stage("tokenizer"):
+            if manifest["model"].get("tokenizer") == "snapshot":
+                tokenizer = Tokenizer.from_snapshot(model_dir, out / TOKENIZER_FILE)
+            else:
+                tokenizer = Tokenizer.from_dir(model_dir)
         return model, compiled, tokenizer, manifest

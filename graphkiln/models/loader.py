@@ -1,9 +1,10 @@
 """Load a Hugging Face model directory: config.json plus (sharded) safetensors, straight to device/dtype.
 
 The model is built on the meta device, materialized empty on the target device in the target
-dtype, and filled one checkpoint tensor at a time, so at most one tensor exists twice in memory.
-Each filled tensor is summed once as it lands (one pass over memory the copy just touched, one
-device sync for all of them): a NaN or Inf weight is refused by name instead of decoding token 0.
+dtype, and filled by the weights reader (weights_reader.py): each checkpoint tensor's bytes go
+from the file to its (slice of a) parameter through a few rotating staging buffers, never whole
+on the host. Each filled tensor is then summed once (one device sync for all of them): a NaN or
+Inf weight is refused by name instead of decoding token 0.
 """
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from graphkiln.errors import ConfigError, ModelFileError, WeightMismatchError
+from graphkiln.timing import Stopwatch
 
 from .config import ModelConfig, model_config_from_hf, read_hf_config
 from .rope import rope_cache
 from .transformer import CausalLM
+from .weights_reader import TensorEntry, TensorRead, WeightsReader, read_header
 
 DTYPES = {
     "float32": torch.float32,
@@ -70,19 +72,11 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
                 raise ModelFileError(f"{path}: listed in {index.name} but missing; download it again")
         return files
     if single.is_file():
-        return {name: single for name in _tensor_names(single)}
+        return {name: single for name in read_header(single)}
     raise ModelFileError(
         f"{model_dir}: no model.safetensors or model.safetensors.index.json; "
         "graphkiln loads safetensors checkpoints only"
     )
-
-
-def _tensor_names(path: Path) -> list[str]:
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            return list(f.keys())
-    except (SafetensorError, OSError) as e:
-        raise ModelFileError(f"{path}: not a readable safetensors file ({e}); download it again") from e
 
 
 def _target(model: CausalLM, name: str) -> tuple[str, torch.Tensor, int | None]:
@@ -104,32 +98,55 @@ def _slice(cfg: ModelConfig, param: torch.Tensor, fused_name: str, index: int) -
 
 
 def load_model(
-    model_dir: str | Path, device: str | torch.device = "cpu", dtype="float32", cfg: ModelConfig | None = None
+    model_dir: str | Path,
+    device: str | torch.device = "cpu",
+    dtype="float32",
+    cfg: ModelConfig | None = None,
+    clock: Stopwatch | None = None,
 ) -> CausalLM:
     """Build a CausalLM from a Hugging Face directory on `device` in `dtype`.
 
     `cfg` is the ModelConfig already read from this directory's config.json (an artifact's manifest
     records it, so a warm load never imports transformers); without it config.json is read here.
+    `clock` gets the stage "weights" and the count "weight_bytes".
     """
+    model = empty_model(model_dir, device, dtype, cfg)
+    fill_model(model, model_dir, clock)
+    return model
+
+
+def empty_model(
+    model_dir: str | Path, device: str | torch.device = "cpu", dtype="float32", cfg: ModelConfig | None = None
+) -> CausalLM:
+    """`load_model`'s model before its weights are read: every parameter allocated on `device`, uninitialised
+    (what compiled pieces bind to may be bound now, and `fill_model` run beside that)."""
     model_dir = check_model_dir(model_dir)
     device = torch.device(device)
-    dtype = resolve_dtype(dtype)
     cfg = cfg or model_config_from_hf(read_hf_config(model_dir), model_dir)
-    files = weight_files(model_dir)
     with torch.device("meta"):
         model = CausalLM(cfg)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model = model.to(dtype=resolve_dtype(dtype)).to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    filled = _fill_weights(model, cfg, files, device, dtype)
+    model.model.register_buffer("rope_cache", rope_cache(cfg, device), persistent=False)
+    return model.eval().requires_grad_(False)
+
+
+def fill_model(model: CausalLM, model_dir: str | Path, clock: Stopwatch | None = None) -> None:
+    """Read the checkpoint into an `empty_model`; refuse a missing, misplaced, misshapen or non-finite tensor."""
+    clock = clock or Stopwatch()
+    model_dir = check_model_dir(model_dir)
+    files = weight_files(model_dir)
+    param = next(model.parameters())
+    with clock.stage("weights"):
+        filled, read = _fill_weights(model, model.cfg, files, param.device, param.dtype)
+    clock.counts["weight_bytes"] = clock.counts.get("weight_bytes", 0) + read
     missing = sorted(_checkpoint_names(model) - filled)
     if missing:
         raise WeightMismatchError(
             f"{model_dir}: checkpoint lacks tensors for {missing[:5]}{' ...' if len(missing) > 5 else ''}; "
             "the checkpoint does not match config.json"
         )
-    model.model.register_buffer("rope_cache", rope_cache(cfg, device), persistent=False)
-    return model.eval().requires_grad_(False)
 
 
 def _checkpoint_names(model: CausalLM) -> set[str]:
@@ -143,26 +160,22 @@ def _checkpoint_names(model: CausalLM) -> set[str]:
     return names
 
 
-def _fill_weights(model: CausalLM, cfg: ModelConfig, files: dict[str, Path], device, dtype) -> set[str]:
-    """Copy every checkpoint tensor into its (slice of a) parameter; return the checkpoint names used."""
-    by_file: dict[Path, list[str]] = {}
+def _fill_weights(model: CausalLM, cfg: ModelConfig, files: dict[Path, Path], device, dtype) -> tuple[set[str], int]:
+    """Read every checkpoint tensor into its (slice of a) parameter; return the checkpoint names used and
+    the bytes read."""
+    headers = {path: read_header(path) for path in sorted(set(files.values()))}
+    reads = []
     for name, path in files.items():
-        by_file.setdefault(path, []).append(name)
-    filled: set[str] = set()
-    sums: list[tuple[Path, str, torch.Tensor, torch.Tensor]] = []  # (file, name, filled slice, its sum)
+        if IGNORED_TENSORS.match(name) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
+            continue
+        entry = headers[path].get(name)
+        if entry is None:
+            raise ModelFileError(f"{path}: holds no tensor {name!r}, which the index lists there; download it again")
+        reads.append(TensorRead(entry, _destination(model, cfg, entry)))
     with torch.no_grad():
-        for path, names in by_file.items():
-            try:
-                with safe_open(str(path), framework="pt", device=str(device)) as f:
-                    for name in names:
-                        if IGNORED_TENSORS.match(name) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
-                            continue
-                        dest = _copy_tensor(model, cfg, name, f.get_tensor(name), path, filled, dtype)
-                        sums.append((path, name, dest, _sum(dest)))
-            except (SafetensorError, OSError) as e:
-                raise ModelFileError(f"{path}: not a readable safetensors file ({e}); download it again") from e
-        _check_finite(sums, dtype)
-    return filled
+        stats = WeightsReader(device).read(reads)
+        _check_finite([(r.entry, r.dest, _sum(r.dest)) for r in reads], dtype)
+    return {r.entry.name for r in reads}, stats.bytes
 
 
 def _sum(tensor: torch.Tensor) -> torch.Tensor:
@@ -170,37 +183,37 @@ def _sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.sum(dtype=torch.float32 if tensor.dtype == torch.float16 else None)
 
 
-def _check_finite(sums: list[tuple[Path, str, torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> None:
+def _check_finite(sums: list[tuple[TensorEntry, torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> None:
     """A sum is finite unless its tensor holds NaN or Inf, or the sum overflows: the tensor is then checked whole."""
     if not sums or bool(torch.isfinite(torch.stack([s for *_, s in sums])).all()):
         return
-    for path, name, dest, total in sums:
+    for entry, dest, total in sums:
         if not bool(torch.isfinite(total)) and not bool(torch.isfinite(dest).all()):
-            with safe_open(str(path), framework="pt") as f:
-                finite_source = bool(torch.isfinite(f.get_tensor(name)).all())
-            if finite_source:
+            source = torch.empty(entry.shape, dtype=entry.dtype)
+            WeightsReader(torch.device("cpu")).read([TensorRead(entry, source)])
+            if bool(torch.isfinite(source).all()):
                 raise ModelFileError(
-                    f"{path}: tensor {name!r} holds values beyond {str(dtype).removeprefix('torch.')}'s range "
-                    "(they become Inf); load the model in bfloat16 or float32"
+                    f"{entry.path}: tensor {entry.name!r} holds values beyond {str(dtype).removeprefix('torch.')}'s "
+                    "range (they become Inf); load the model in bfloat16 or float32"
                 )
             raise ModelFileError(
-                f"{path}: tensor {name!r} holds NaN or Inf values; the checkpoint is corrupt, download or save it again"
+                f"{entry.path}: tensor {entry.name!r} holds NaN or Inf values; the checkpoint is corrupt, download or "
+                "save it again"
             )
 
 
-def _copy_tensor(model, cfg, name, tensor, path, filled, dtype) -> torch.Tensor:
+def _destination(model: CausalLM, cfg: ModelConfig, entry: TensorEntry) -> torch.Tensor:
+    """The (slice of a) parameter a checkpoint tensor fills, its shape checked."""
     try:
-        ours, param, index = _target(model, name)
+        ours, param, index = _target(model, entry.name)
     except AttributeError:
         raise WeightMismatchError(
-            f"{path}: tensor {name!r} has no place in a {cfg.architecture} with this config.json"
+            f"{entry.path}: tensor {entry.name!r} has no place in a {cfg.architecture} with this config.json"
         ) from None
     dest = param if index is None else _slice(cfg, param, ours, index)
-    if tuple(dest.shape) != tuple(tensor.shape):
+    if tuple(dest.shape) != entry.shape:
         raise WeightMismatchError(
-            f"{path}: tensor {name!r} has shape {tuple(tensor.shape)} but config.json implies "
+            f"{entry.path}: tensor {entry.name!r} has shape {entry.shape} but config.json implies "
             f"{tuple(dest.shape)}; the checkpoint and config.json disagree"
         )
-    dest.copy_(tensor.to(dtype))
-    filled.add(name)
     return dest

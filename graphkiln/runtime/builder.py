@@ -12,25 +12,25 @@ from .attention.select import select_backend
 from .config import EngineConfig
 from .decode_graphs import DecodeGraphs
 from .engine import Engine
-from .graphs import CaptureSetup, GraphPool, GraphSet
+from .graphs import CaptureSetup, GraphPool
 from .kv_cache import BlockAllocator
 from .kv_dtype import cache_dtype
 from .memory import allocate_kv_cache, kv_cache_blocks
 from .prefill_graphs import PiecewisePrefillGraphs, PrefillGraphs
+from .preparation import Job, Preparation
 from .runner import ModelRunner, Padding
 from .scheduler import Scheduler
+from .step_lock import StepLock
+from .warmup import warmup_jobs
 
 log = logging.getLogger("graphkiln.runtime")
 
 
-def _log_capture(graphs: GraphSet) -> None:
-    s = graphs.stats
-    log.info("captured %d %s graphs in %.2f s, pool %.1f MiB", s.graphs, graphs.kind, s.seconds, s.pool_bytes / 2**20)
-
-
 def build_engine(model: CausalLM, compiled: CompiledModel | None = None, config: EngineConfig | None = None) -> Engine:
     """Eager when `compiled` is None; with it, compiled pieces and, on CUDA, CUDA graphs: whole for
-    decode, and for prefill where the attention backend can capture it (piecewise otherwise)."""
+    decode, and for prefill where the attention backend can capture it (piecewise otherwise). The
+    graphs (without them, warm-up runs) are prepared as `config.capture` says: in the background
+    (the engine serves meanwhile) or before this returns."""
     config = config or EngineConfig()
     cfg = model.cfg
     max_context = min(cfg.max_context, config.max_seq_len or cfg.max_context)
@@ -44,27 +44,40 @@ def build_engine(model: CausalLM, compiled: CompiledModel | None = None, config:
     allocator = BlockAllocator(num_blocks, config.block_size)
     padding = Padding(config.decode_batch_sizes, config.prefill_token_buckets) if compiled is not None else None
     runner = ModelRunner(model, kv, backend, forward=compiled, padding=padding)
-    if compiled is not None and config.cuda_graphs and device.type == "cuda":
-        _capture(runner, compiled, config, max_context, allocator.capacity)
+    jobs: list[Job] = []
+    if compiled is not None:
+        max_blocks = -(-max_context // config.block_size)
+        prefill_sizes = tuple(s for s in config.prefill_token_buckets if s <= config.max_num_batched_tokens)
+        decode_sizes = tuple(s for s in config.decode_batch_sizes if s <= min(config.max_num_seqs, allocator.capacity))
+        if config.cuda_graphs and device.type == "cuda":
+            jobs = _graphs(runner, compiled, config, max_blocks, prefill_sizes, decode_sizes)
+        else:
+            jobs = list(warmup_jobs(runner, decode_sizes, prefill_sizes, max_blocks))
     scheduler = Scheduler(allocator, max_context, config.max_num_batched_tokens, config.max_num_seqs)
-    return Engine(runner, scheduler, cfg.eos_token_ids, cfg.vocab_size, config)
+    lock = StepLock()
+    preparation = Preparation(jobs, lock, device)
+    if config.capture == "blocking":  # largest first: smaller graphs reuse the pool's memory
+        preparation.jobs.reverse()
+        preparation.run_now()
+        log.info("prepared %d buckets in %.2f s", len(jobs), sum(d.seconds for d in preparation.done))
+    engine = Engine(runner, scheduler, cfg.eos_token_ids, cfg.vocab_size, config, lock, preparation)
+    if config.capture == "background" and jobs:
+        preparation.start()
+    elif not jobs:
+        preparation.skip()
+    return engine
 
 
-def _capture(runner: ModelRunner, compiled: CompiledModel, config: EngineConfig, max_context: int, blocks: int) -> None:
-    """Capture the prefill graphs, then the decode graphs, into one pool (decode sizes a step can reach only)."""
-    setup = CaptureSetup(GraphPool(), runner.backend, config.block_size, -(-max_context // config.block_size),
-                         runner.device)  # fmt: skip
-    prefill_sizes = tuple(s for s in config.prefill_token_buckets if s <= config.max_num_batched_tokens)
+def _graphs(runner: ModelRunner, compiled: CompiledModel, config: EngineConfig, max_blocks: int,
+            prefill_sizes: tuple[int, ...], decode_sizes: tuple[int, ...]) -> list[Job]:  # fmt: skip
+    """The graph strategies, in one pool, and their capture jobs: decode buckets (a step's most common
+    kind), then prefill buckets, each smallest first."""
+    setup = CaptureSetup(GraphPool(), runner.backend, config.block_size, max_blocks, runner.device)
     split_at_attention = any(attn for _, attn in compiled.split.submodules)
     if prefill_sizes and runner.backend.capturable_prefill:
         runner.prefill_graphs = PrefillGraphs(setup, prefill_sizes, compiled, config.max_num_seqs)
     elif prefill_sizes and split_at_attention:
         runner.prefill_graphs = PiecewisePrefillGraphs(setup, prefill_sizes, compiled, config.max_num_seqs)
-    if runner.prefill_graphs is not None:
-        runner.prefill_graphs.capture()
-        _log_capture(runner.prefill_graphs.graphs)
-    decode_sizes = tuple(s for s in config.decode_batch_sizes if s <= min(config.max_num_seqs, blocks))
     if runner.backend.capturable_decode and decode_sizes:
         runner.decode_graphs = DecodeGraphs(setup, decode_sizes, compiled, runner.model.compute_logits)
-        runner.decode_graphs.capture()
-        _log_capture(runner.decode_graphs.graphs)
+    return [job for strategy in (runner.decode_graphs, runner.prefill_graphs) if strategy for job in strategy.jobs()]

@@ -17,6 +17,7 @@ DEFAULT_DECODE_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 DEFAULT_PREFILL_TOKEN_BUCKETS = tuple(2**i for i in range(4, 13))  # 16 ... 4096
 ATTENTION_BACKENDS = ("auto", "sdpa", "triton", "flashinfer")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # the model's dtype, or float8_e4m3fn with row scales (kv_dtype.py)
+CAPTURE_MODES = ("background", "blocking")
 DEFAULT_CPU_KV_TOKENS = 16384
 
 
@@ -38,6 +39,9 @@ class EngineConfig:
     CUDA graphs (padded to the next size); larger ones run the compiled pieces without a graph.
     `kv_cache_dtype` "fp8_e4m3" stores keys and values in one byte an element (plus a float32
     scale per token and KV head), so about twice the tokens fit; "auto" keeps the model's dtype.
+    `capture`: "background" (the engine serves while its graphs are captured, a step whose graph is
+    not captured yet running without it; `LLM.wait_ready()` waits for them) or "blocking" (every
+    graph captured before `load` returns). Without graphs the same happens to one warm-up run per size.
     """
 
     attention_backend: str = "auto"
@@ -51,6 +55,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     kv_cache_dtype: str = "auto"
+    capture: str = "background"
 
     def __post_init__(self) -> None:
         for name in ("decode_batch_sizes", "prefill_token_buckets"):
@@ -65,6 +70,8 @@ class EngineConfig:
             )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"EngineConfig.kv_cache_dtype={self.kv_cache_dtype!r}; use one of {KV_CACHE_DTYPES}")
+        if self.capture not in CAPTURE_MODES:
+            raise ConfigError(f"EngineConfig.capture={self.capture!r}; use one of {CAPTURE_MODES}")
         if not isinstance(self.cuda_graphs, bool):
             raise ConfigError(f"EngineConfig.cuda_graphs={self.cuda_graphs!r}: use True or False")
         if not is_int(self.block_size) or self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -17,7 +17,7 @@ import torch
 from graphkiln.models.attention import ForwardContext, forward_context
 
 from .batch import Batch, PendingIds
-from .graphs import CaptureSetup, GraphSet
+from .graphs import CaptureJob, CaptureSetup, GraphSet
 from .sampler import MODES, Sampled, SamplingBatch, SamplingTensors, sample
 from .static_batch import StaticBatch
 
@@ -35,8 +35,9 @@ class DecodeGraphs:
         self.sampling = SamplingTensors.empty(largest, setup.device)
         self.sampling_staging = SamplingTensors(*(self.batch.pinned_like(t) for t in self.sampling))
 
-    def bucket(self, num_seqs: int) -> int | None:
-        return self.graphs.bucket(num_seqs)
+    def bucket(self, num_seqs: int, mode: str) -> int | None:
+        """The smallest bucket holding `num_seqs` whose graph for `mode` is captured."""
+        return self.graphs.ready_bucket(num_seqs, lambda size: (size, mode))
 
     def _step(self, size: int, mode: str) -> Sampled:
         meta = self.batch.metadata("decode", size, size, (1,) * size, (1,) * size)
@@ -44,12 +45,14 @@ class DecodeGraphs:
             hidden = self.forward(self.batch.input_ids[:size], self.batch.positions[:size])
             return sample(self.compute_logits(hidden), self.sampling.rows(size), mode)
 
-    def capture(self) -> None:
-        """Every bucket and sampling mode, largest bucket first."""
-        with self.graphs.capturing():
-            for size in reversed(self.graphs.sizes):
-                for mode in MODES:
-                    self.graphs.capture((size, mode), partial(self._step, size, mode))
+    def _capture_one(self, size: int, mode: str) -> None:
+        with self.graphs.capturing((size, mode)):
+            self.graphs.capture((size, mode), partial(self._step, size, mode))
+
+    def jobs(self) -> list[CaptureJob]:
+        """One capture per bucket and sampling mode, smallest bucket first."""
+        return [CaptureJob(self.graphs, f"{size}/{mode}", partial(self._capture_one, size, mode))
+                for size in self.graphs.sizes for mode in MODES]  # fmt: skip
 
     def run(self, batch: Batch, sampling: SamplingBatch, pending: PendingIds | None = None) -> Sampled:
         """The sampled rows (ids; log-probabilities unless greedy) of a decode step that fits a bucket.
@@ -57,8 +60,8 @@ class DecodeGraphs:
         A greedy step copies no sampling parameters. `pending` then overwrites input ids still on the device.
         """
         n = len(batch.slices)
-        size = self.bucket(n)
         mode = sampling.mode
+        size = self.bucket(n, mode)
         with self.batch.staging_turn():
             meta = self.batch.fill("decode", batch.padded(size), size)
             if mode != "greedy":

@@ -13,6 +13,9 @@ through, so a failed launch leaves them as they were: a step of one request fail
 alone next, one step each, so only the one at fault fails. An interrupt (KeyboardInterrupt) leaves
 no half-done state either: a read-back it cuts short stays in flight, and the next read skips the
 rows already read.
+
+Graphs are prepared in the background after the engine is built (preparation.py): every step,
+score, stats read and close holds the step lock (step_lock.py), which a capture holds between steps.
 """
 
 from __future__ import annotations
@@ -32,11 +35,13 @@ from graphkiln.errors import CapacityError, ConfigError, RequestError
 from .batch import PendingIds
 from .config import EngineConfig
 from .kv_cache import BlockAllocator
+from .preparation import Preparation
 from .runner import ModelRunner
 from .sampler import Sampled, SamplingBatch
 from .sampling_params import MAX_LOGPROBS, SamplingParams
 from .scheduler import PENDING, ScheduledChunk, Scheduler, Sequence
 from .stats import EngineStats, GraphStats
+from .step_lock import StepLock
 
 log = logging.getLogger("graphkiln.runtime")
 
@@ -108,9 +113,22 @@ class ReadBack:
 
 class Engine:
     def __init__(
-        self, runner: ModelRunner, scheduler: Scheduler, eos_token_ids: Seq[int], vocab_size: int, config: EngineConfig
+        self,
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        eos_token_ids: Seq[int],
+        vocab_size: int,
+        config: EngineConfig,
+        lock: StepLock | None = None,
+        preparation: Preparation | None = None,
     ) -> None:
         self.runner = runner
+        self.lock = lock or StepLock()
+        if preparation is None:
+            preparation = Preparation([], self.lock, runner.device)
+            preparation.skip()
+        self.preparation = preparation
+        self.first_token_at: float | None = None  # time.perf_counter() when the first token was read back
         self.scheduler = scheduler
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -124,6 +142,10 @@ class Engine:
         return self.scheduler.allocator
 
     def stats(self) -> EngineStats:
+        with self.lock():
+            return self._stats()
+
+    def _stats(self) -> EngineStats:
         runner = self.runner
         graphs = runner.graph_sets()
         return EngineStats(
@@ -138,26 +160,41 @@ class Engine:
             waiting=len(self.scheduler.waiting),
             graphs={g.graphs.kind: GraphStats.of(g.graphs) for g in graphs},
             steps_without_graph=dict(runner.steps_without_graph),
+            prepared=tuple(self.preparation.done),
+            ready=self.preparation.ready,
         )
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Wait until every graph (or warm-up) the background preparation owes is done; False on timeout."""
+        return self.preparation.wait(timeout)
 
     def cuda_graph(self, kind: str, key) -> torch.cuda.CUDAGraph:
         """One captured graph, to replay by hand (benchmarks time replays): `kind` as in `stats().graphs`,
         `key` a bucket size, or (size, sampling mode) for decode, (size, piece name) for piecewise prefill."""
-        sets = {s.graphs.kind: s.graphs for s in self.runner.graph_sets()}
-        if kind not in sets or key not in sets[kind].graphs:
-            keys = {k: list(g.graphs) for k, g in sets.items()}
-            raise ConfigError(f"no captured {kind!r} graph {key!r}; this engine holds {keys}")
-        return sets[kind].graphs[key][0]
+        with self.lock():
+            sets = {s.graphs.kind: s.graphs for s in self.runner.graph_sets()}
+            if kind not in sets or key not in sets[kind].graphs:
+                keys = {k: list(g.graphs) for k, g in sets.items()}
+                raise ConfigError(f"no captured {kind!r} graph {key!r}; this engine holds {keys}")
+            return sets[kind].graphs[key][0]
 
     def recapture(self) -> None:
         """Capture every graph again (same sizes): for benchmarks that change kernel settings in between."""
-        self.drain()
-        self.runner.recapture()
+        self.wait_ready()
+        with self.lock():
+            self.drain()
+            self.runner.recapture()
 
     def close(self) -> None:
         """Abort every request and give the KV cache, graphs and weights back to the device now (the
         engine is unusable after). Lazy imports inside torch leave reference cycles through the frames
-        that ran them, some of which hold this engine's weights: a garbage collection frees those."""
+        that ran them, some of which hold this engine's weights: a garbage collection frees those.
+        A capture running in the background finishes first; those not started are skipped."""
+        self.preparation.stop()
+        with self.lock():
+            self._close()
+
+    def _close(self) -> None:
         self.drain()
         for seq in list(self.requests.values()):
             self.abort(seq)
@@ -215,6 +252,10 @@ class Engine:
 
     def step(self) -> list[TokenEvent]:
         """Launch the next step (if any is scheduled), then return the tokens of the one before it."""
+        with self.lock():
+            return self._step()
+
+    def _step(self) -> list[TokenEvent]:
         events = self._read_back(keep=1)  # none, unless an interrupt cut the last read short
         chunks = self.scheduler.schedule()
         failure = None
@@ -230,7 +271,8 @@ class Engine:
 
     def drain(self) -> list[TokenEvent]:
         """Read back the steps in flight, launching nothing."""
-        return self._read_back(keep=0)
+        with self.lock():
+            return self._read_back(keep=0)
 
     def _read_back(self, keep: int) -> list[TokenEvent]:
         """Read the oldest steps in flight until `keep` are left (a step leaves only once fully read)."""
@@ -295,6 +337,8 @@ class Engine:
                 seq.logprobs.append(logprobs)
             if seq.first_token_time is None:
                 seq.first_token_time = now
+                if self.first_token_at is None:
+                    self.first_token_at = time.perf_counter()
             reason = self._finish_reason(seq, token, index)
             if reason:
                 del seq.tokens[index + 1 :]  # the step launched after this one computed past the stop
@@ -318,6 +362,10 @@ class Engine:
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """float32 logits [len(token_ids), vocab] of one prompt, computed chunk by chunk (a step in
         flight is read back first: its events reach streamed requests through `seq.events`)."""
+        with self.lock():
+            return self._score(token_ids)
+
+    def _score(self, token_ids: list[int]) -> torch.Tensor:
         self.drain()
         seq = Sequence(-1, list(token_ids), SamplingParams(max_tokens=1), seed=0)
         self._check_ids(seq.prompt_ids)

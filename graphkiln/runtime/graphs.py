@@ -3,8 +3,12 @@
 A `GraphSet` is one kind of graph keyed by bucket size (with a sampling mode or a piece name
 beside it): the sizes and the bucket lookup, warm-up and capture into the engine's one memory
 pool on one side stream, replay counts and capture stats. What a graph runs, and how a batch
-reaches its static buffers, is the strategy's (decode_graphs.py, prefill_graphs.py); every
-strategy captures largest bucket first, so smaller graphs reuse the pool's memory.
+reaches its static buffers, is the strategy's (decode_graphs.py, prefill_graphs.py). Each strategy
+lists its captures as jobs, one bucket each, smallest first (the most used buckets); captured all
+at once they run largest first, so smaller graphs reuse the pool's memory, and captured in the
+background (preparation.py) smallest first. A bucket serves replays once it is `ready`: a step
+whose bucket is not ready yet takes the smallest ready bucket that holds it, or runs without a graph.
+Captures use `capture_error_mode="thread_local"`: they may run on a thread of their own.
 """
 
 from __future__ import annotations
@@ -61,6 +65,26 @@ class CaptureSetup:
     device: torch.device
 
 
+@dataclass(frozen=True)
+class CaptureJob:
+    """One bucket's capture: `run()` captures it and marks it ready in `graphs`."""
+
+    graphs: GraphSet
+    key: str
+    run: Callable[[], None]
+
+    @property
+    def kind(self) -> str:
+        return self.graphs.kind
+
+
+def capture_all(jobs: list[CaptureJob]) -> None:
+    """Run every job now, largest first (jobs come smallest first)."""
+    with torch.inference_mode():
+        for job in reversed(jobs):
+            job.run()
+
+
 class GraphSet:
     """Captured graphs of one kind, each with the outputs its replay refreshes."""
 
@@ -70,20 +94,25 @@ class GraphSet:
         self.pool = pool
         self.graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, Any]] = {}
         self.replays: Counter[Hashable] = Counter()
+        self.ready: set[Hashable] = set()  # buckets whose graphs are all captured (strategies say what a key is)
         self.stats = CaptureStats()
 
-    def bucket(self, count: int) -> int | None:
-        return smallest_bucket(self.sizes, count)
+    def ready_bucket(self, count: int, key: Callable[[int], Hashable] = lambda size: size) -> int | None:
+        """The smallest size holding `count` whose bucket `key(size)` is ready, or None."""
+        i = bisect.bisect_left(self.sizes, count)
+        return next((size for size in self.sizes[i:] if key(size) in self.ready), None)
 
     @contextlib.contextmanager
-    def capturing(self) -> Iterator[None]:
-        """Around capturing the whole set: inference mode, the time it took and the pool memory it added."""
+    def capturing(self, bucket: Hashable) -> Iterator[None]:
+        """Around capturing one bucket's graph(s): its seconds and the pool memory it added count in the stats,
+        and the bucket is ready once the block ends without raising."""
         start = time.perf_counter()
         before = reserved_after_sync()
-        with torch.inference_mode():
-            yield
-        torch.cuda.synchronize()
-        self.stats = CaptureStats(len(self.graphs), time.perf_counter() - start, reserved_after_sync() - before)
+        yield
+        added = reserved_after_sync() - before
+        self.ready.add(bucket)
+        self.stats = CaptureStats(len(self.graphs), self.stats.seconds + time.perf_counter() - start,
+                                  self.stats.pool_bytes + added)  # fmt: skip
 
     def capture(self, key: Hashable, fn: Callable[[], Any]) -> Any:
         """Run `fn` once on the side stream (warm-up: lazy initialisation, autotuning), then capture it
@@ -94,7 +123,7 @@ class GraphSet:
             fn()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool.handle, stream=stream):
+        with torch.cuda.graph(graph, pool=self.pool.handle, stream=stream, capture_error_mode="thread_local"):
             outputs = fn()
         self.graphs[key] = (graph, outputs)
         return outputs
@@ -107,4 +136,6 @@ class GraphSet:
 
     def release(self) -> None:
         """Drop every graph and its outputs, so the pool's memory can go back to the device."""
+        self.ready.clear()
         self.graphs.clear()
+        self.stats = CaptureStats()

@@ -20,6 +20,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -28,7 +29,7 @@ from graphkiln.models.attention import ForwardContext, forward_context
 
 from .attention.metadata import SequenceSlice
 from .batch import Batch, PendingIds
-from .graphs import CaptureSetup, GraphSet
+from .graphs import CaptureJob, CaptureSetup, GraphSet
 from .kv_cache import DUMMY_BLOCK
 from .static_batch import StaticBatch
 
@@ -55,7 +56,20 @@ class _StaticPrefill(ABC):
         self.batch = StaticBatch(largest, min(max_seqs, largest), setup.max_blocks_per_seq, setup.block_size, setup.device)
 
     def bucket(self, num_tokens: int) -> int | None:
-        return self.graphs.bucket(num_tokens)
+        """The smallest captured bucket holding `num_tokens`."""
+        return self.graphs.ready_bucket(num_tokens)
+
+    def jobs(self) -> list[CaptureJob]:
+        """One capture per token bucket, smallest first."""
+        return [CaptureJob(self.graphs, str(size), partial(self._capture_timed, size)) for size in self.graphs.sizes]
+
+    def _capture_timed(self, size: int) -> None:
+        with self.graphs.capturing(size):
+            self._capture_bucket(size)
+
+    @abstractmethod
+    def _capture_bucket(self, size: int) -> None:
+        """Plan a dummy batch of `size` tokens, warm up and capture the bucket's graph(s)."""
 
     @abstractmethod
     def _seq_rows(self, batch: Batch, size: int) -> int:
@@ -86,17 +100,14 @@ class PrefillGraphs(_StaticPrefill):
         """As many as the bucket can hold: a captured grid is fixed by them, whatever batch a replay brings."""
         return min(self.batch.max_seqs, size)
 
-    def capture(self) -> None:
-        """Plan a dummy batch, warm up and capture every bucket, largest first."""
-        with self.graphs.capturing():
-            for size in reversed(self.graphs.sizes):
-                attention = self._load(self._dummy(size), size)
+    def _capture_bucket(self, size: int) -> None:
+        attention = self._load(self._dummy(size), size)
 
-                def step(size: int = size, attention: ForwardContext = attention) -> torch.Tensor:
-                    with forward_context(attention):
-                        return self.forward(*self._inputs(size))
+        def step() -> torch.Tensor:
+            with forward_context(attention):
+                return self.forward(*self._inputs(size))
 
-                self.graphs.capture(size, step)
+        self.graphs.capture(size, step)
 
     def run(self, batch: Batch, pending: PendingIds | None = None) -> torch.Tensor:
         """Hidden states [batch tokens, hidden] of a prefill (or mixed) step that fits a bucket."""
@@ -148,11 +159,10 @@ class PiecewisePrefillGraphs(_StaticPrefill):
         finally:
             self.action.kind = None
 
-    def capture(self) -> None:
-        """Every piece for every bucket, largest first; attention runs between pieces on the side stream."""
-        with self.graphs.capturing(), torch.cuda.stream(self.graphs.pool.stream):
-            for size in reversed(self.graphs.sizes):
-                self._run("capture", size, self._load(self._dummy(size), size))
+    def _capture_bucket(self, size: int) -> None:
+        """Every piece of the bucket; attention runs between pieces on the side stream."""
+        with torch.cuda.stream(self.graphs.pool.stream):
+            self._run("capture", size, self._load(self._dummy(size), size))
 
     def run(self, batch: Batch, pending: PendingIds | None = None) -> torch.Tensor:
         """Hidden states [batch tokens, hidden] of a prefill (or mixed) step that fits a bucket."""

@@ -22,7 +22,7 @@ from .attention.base import AttentionBackend
 from .attention.metadata import build_metadata
 from .batch import Batch, PendingIds, pack
 from .decode_graphs import DecodeGraphs
-from .graphs import smallest_bucket
+from .graphs import capture_all, smallest_bucket
 from .kv_cache import KVCache
 from .prefill_graphs import PiecewisePrefillGraphs, PrefillGraphs
 from .sampler import Sampled, SamplingBatch, sample
@@ -75,7 +75,7 @@ class ModelRunner:
         """Capture every graph again, same sizes, same pool (after kernel settings changed)."""
         for strategy in self.graph_sets():
             strategy.graphs.release()
-            strategy.capture()
+        capture_all([job for strategy in self.graph_sets() for job in strategy.jobs()])
 
     def release(self) -> None:
         """Drop the graphs, the KV cache and the model, so their device memory can go back at once."""
@@ -101,7 +101,7 @@ class ModelRunner:
         batch = pack(chunks)
         with torch.inference_mode():
             graphs = self.decode_graphs
-            if batch.decode and graphs is not None and graphs.bucket(batch.num_tokens) is not None:
+            if batch.decode and graphs is not None and graphs.bucket(batch.num_tokens, sampling.mode) is not None:
                 return graphs.run(batch, sampling, pending)
             logits = self._logits(batch, rows, pending)
             return sample(logits, sampling.tensors(self.device), sampling.mode)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from .config import EngineConfig
 from .graphs import GraphSet
+from .preparation import PreparedBucket
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,9 @@ class EngineStats:
     graphs: dict[str, GraphStats] = field(default_factory=dict)
     steps_without_graph: dict[str, int] = field(default_factory=dict)
     compile_counters: dict[str, int] | None = None
+    prepared: tuple[PreparedBucket, ...] = ()  # graphs captured (or sizes warmed up) so far, in order
+    ready: bool = True  # every one of them is done
+    load: LoadStats | None = None
 
     @property
     def graphs_captured(self) -> int:
@@ -57,3 +61,26 @@ class EngineStats:
     @property
     def graph_pool_bytes(self) -> int:
         return sum(g.pool_bytes for g in self.graphs.values())
+
+
+@dataclass(frozen=True)
+class LoadStats:
+    """Where `load` spent its time, in seconds: `import` (from `import graphkiln` to its API loaded; torch
+    included unless imported before), then `stages` in the order they started (checks, weights and
+    pieces, which overlap, tokenizer, engine); `weight_bytes` read from the checkpoint; `load_s` the
+    whole call. After it returned: `prepare_s` (load's start until every graph or warm-up was done, None while some are owed; what
+    each took and when is `EngineStats.prepared`) and `first_token_s` (load's start to the first
+    token read back, None before)."""
+
+    import_s: float | None
+    stages: dict[str, float]
+    weight_bytes: int
+    load_s: float
+    started: float = field(default=0.0, repr=False)  # time.perf_counter() at load's start
+    prepare_s: float | None = None
+    first_token_s: float | None = None
+
+    @property
+    def weights_gb_per_s(self) -> float:
+        seconds = self.stages.get("weights", 0.0)
+        return self.weight_bytes / seconds / 1e9 if seconds > 0 else 0.0

@@ -48,7 +48,7 @@ def engines(parts, **options):
     """(eager, compiled without graphs, compiled with CUDA graphs) sharing one compile."""
     net, compiled, tok = parts
     config = EngineConfig(decode_batch_sizes=DECODE_SIZES, prefill_token_buckets=PREFILL_SIZES, kv_cache_tokens=8192,
-                          attention_backend="triton").replace(**options)  # fmt: skip
+                          attention_backend="triton", capture="blocking").replace(**options)  # fmt: skip
     eager = LLM(build_engine(net, None, config), tok)
     plain = LLM(build_engine(net, compiled, config.replace(cuda_graphs=False)), tok)
     graphed = LLM(build_engine(net, compiled, config), tok)
@@ -289,7 +289,7 @@ def test_llama_shaped_bf16_artifact_in_fresh_process(llama_2layer, tmp_path):
 import json, time, torch, graphkiln
 from graphkiln.compiler.counters import torch_compile_events
 t = time.perf_counter()
-llm = graphkiln.load({str(out)!r}, kv_cache_tokens=8192)
+llm = graphkiln.load({str(out)!r}, kv_cache_tokens=8192, capture="blocking")
 load_s = time.perf_counter() - t
 prompts = [[5 + i] * (1 + 3 * i) for i in range(6)]
 outs = llm.generate(prompts, graphkiln.SamplingParams(max_tokens=16, ignore_eos=True))
@@ -322,7 +322,8 @@ print(json.dumps({{"tokens": [o.token_ids for o in outs], "events": torch_compil
 def test_load_captures_exactly_the_decode_sizes_it_is_given(tmp_path):
     out = tmp_path / "art"
     graphkiln.compile_model("tiny", out, CompileConfig(device="cuda", dtype="bfloat16"))
-    llm = graphkiln.load(out, decode_batch_sizes=(1, 2, 4), prefill_token_buckets=(16,), kv_cache_tokens=4096)
+    llm = graphkiln.load(out, decode_batch_sizes=(1, 2, 4), prefill_token_buckets=(16,), kv_cache_tokens=4096,
+                         capture="blocking")
     stats = llm.stats()
     assert stats.graphs["decode"].sizes == (1, 2, 4)
     assert stats.graphs["decode"].graphs == 3 * len(MODES)

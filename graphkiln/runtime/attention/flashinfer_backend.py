@@ -205,7 +205,9 @@ class FlashInferBackend:
         width = meta.block_tables.shape[1]
         indptr, last_page_len = page_layout(meta.seq_lens, meta.block_size, width)
         total = int(indptr[-1])
-        if slot is None or total > slot.capacity:
+        # A slot an eager step of this size made before its graph was captured (graphs are captured in the
+        # background) is made again, at the full width, when the graph's own buffers plan it.
+        if slot is None or total > slot.capacity or (not slot.captured and slot.capacity < batch * width):
             if slot is not None and slot.captured:
                 raise CapacityError(
                     f"decode batch of {batch} needs {total} pages but its captured graph holds {slot.capacity}"

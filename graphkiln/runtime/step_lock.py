@@ -1,0 +1,64 @@
+"""The engine's step lock: steps and background preparation (graph captures, warm-ups) take turns.
+
+Re-entrant for its holder (a step may drain, a score steps). Turns alternate while both sides
+ask: a background turn that asks gets the lock before the next step, and a step that waited gets
+it before the next background turn. So a loop that steps without pause cannot starve the
+captures, and a step waits for at most one capture.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+
+class StepLock:
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._owner: int | None = None
+        self._depth = 0
+        self._background = False  # whether the holder took a background turn
+        self._background_waiting = 0
+        self._steps_waiting = 0
+        self._step_turn = False  # a background turn just ended while a step waited: that step goes next
+
+    @contextlib.contextmanager
+    def __call__(self, background: bool = False) -> Iterator[None]:
+        self._acquire(background)
+        try:
+            yield
+        finally:
+            self._release()
+
+    def _acquire(self, background: bool) -> None:
+        me = threading.get_ident()
+        with self._cond:
+            if self._owner == me:
+                self._depth += 1
+                return
+            if background:
+                self._background_waiting += 1
+            else:
+                self._steps_waiting += 1
+            try:
+                while self._owner is not None or (
+                    self._step_turn if background else self._background_waiting and not self._step_turn
+                ):
+                    self._cond.wait()
+            finally:
+                if background:
+                    self._background_waiting -= 1
+                else:
+                    self._steps_waiting -= 1
+            self._owner, self._depth, self._background = me, 1, background
+            if not background:
+                self._step_turn = False
+
+    def _release(self) -> None:
+        with self._cond:
+            self._depth -= 1
+            if self._depth == 0:
+                self._owner = None
+                self._step_turn = self._background and self._steps_waiting > 0
+                self._cond.notify_all()

@@ -1,0 +1,39 @@
+"""Warm-up jobs for a compiled engine without CUDA graphs (the CPU, or `cuda_graphs=False`): each padded
+size a step can run once on a dummy batch in the KV cache's dummy block, so the first request of
+each size does not pay for the compiled code's first call. They are what the background
+preparation (preparation.py) runs where there is nothing to capture. Prefill buckets larger than
+the largest decode batch are left out: each job then costs at most a step of that batch, which is
+what a request arriving meanwhile may wait."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from graphkiln.models.attention import ForwardContext, forward_context
+
+from .attention.metadata import SequenceSlice, build_metadata
+from .kv_cache import DUMMY_BLOCK
+from .preparation import WarmupJob
+from .prefill_graphs import dummy_slices
+from .runner import ModelRunner
+
+
+def warmup_jobs(runner: ModelRunner, decode_sizes: tuple[int, ...], prefill_sizes: tuple[int, ...],
+                max_blocks: int) -> list[WarmupJob]:  # fmt: skip
+    """Decode sizes, then prefill sizes up to the largest decode size, each smallest first."""
+    block = runner.kv_cache.block_size
+    prefill_sizes = tuple(n for n in prefill_sizes if n <= max(decode_sizes, default=0))
+    decode = [WarmupJob("decode-warmup", str(n), partial(_run, runner, [SequenceSlice(1, 1, (DUMMY_BLOCK,))] * n, n))
+              for n in decode_sizes]  # fmt: skip
+    prefill = [WarmupJob("prefill-warmup", str(n), partial(_run, runner, dummy_slices(n, block, max_blocks), n))
+               for n in prefill_sizes]  # fmt: skip
+    return decode + prefill
+
+
+def _run(runner: ModelRunner, slices: list[SequenceSlice], num_tokens: int) -> None:
+    meta = build_metadata(slices, runner.kv_cache.block_size, num_tokens, runner.device)
+    zeros = torch.zeros(num_tokens, dtype=torch.int64, device=runner.device)
+    with forward_context(ForwardContext(runner.backend.plan(meta))):
+        runner.forward(zeros, zeros)

@@ -1,0 +1,174 @@
+"""Start-up: the load breakdown, a warm load that neither traces nor compiles, and requests served while the
+engine's background preparation (on the CPU: one warm-up run per bucket) is still running."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import graphkiln
+from artifact_helpers import ENGINE, GREEDY, PROMPTS, RESULT_PREFIX, greedy_tokens, run_python_json
+from graphkiln import EngineConfig, SamplingParams
+from graphkiln.errors import ConfigError
+from graphkiln.models.tiny import tiny_model_dir
+from graphkiln.models.weights_reader import read_header
+from graphkiln.runtime.preparation import Preparation, WarmupJob
+from graphkiln.runtime.step_lock import StepLock
+
+MANY_SIZES = tuple(range(1, 97))  # 96 decode warm-ups (and prefill 16..64): long enough to step beside
+STAGES = ["checks", "weights", "pieces", "tokenizer", "engine"]
+
+
+def test_fresh_warm_load_breakdown_without_tracing_or_compiling(artifact: Path, eager_tokens: list[list[int]]) -> None:
+    """In a fresh process: the breakdown is filled in order, the weight bytes are the checkpoint's (tied head
+    not read), and nothing is traced or compiled by the load, the background warm-ups or the requests."""
+    code = f"""
+import json, dataclasses, torch
+torch.set_num_threads(1)
+import graphkiln
+from graphkiln.compiler.counters import torch_compile_events
+llm = graphkiln.load({str(artifact)!r}, **{ENGINE!r})
+outs = llm.generate({PROMPTS!r}, graphkiln.{GREEDY!r})
+assert llm.wait_ready(120)
+stats = llm.stats()
+print({RESULT_PREFIX!r} + json.dumps({{"load": dataclasses.asdict(stats.load), "events": torch_compile_events(),
+      "prepared": [dataclasses.asdict(p) for p in stats.prepared], "ready": stats.ready,
+      "tokens": [o.token_ids for o in outs]}}))
+"""
+    result = run_python_json(code)
+    load = result["load"]
+    stages = load["stages"]
+    assert sorted(stages) == sorted(STAGES) and list(stages)[0] == "checks" and list(stages)[-1] == "engine"
+    assert all(seconds >= 0 for seconds in stages.values())
+    overlap = min(stages["weights"], stages["pieces"])  # the weights are read while the pieces load
+    assert 0 < load["import_s"] and sum(stages.values()) - overlap <= load["load_s"]
+    entries = read_header(tiny_model_dir() / "model.safetensors")
+    assert load["weight_bytes"] == sum(e.end - e.start for name, e in entries.items() if name != "lm_head.weight")
+    assert load["load_s"] <= load["first_token_s"] and load["load_s"] <= load["prepare_s"]
+    assert result["events"]["dynamo_graphs"] == 0 and result["events"]["inductor_compiles"] == 0
+    assert result["ready"] and result["prepared"] and not [p for p in result["prepared"] if p["error"]]
+    kinds = [(p["kind"], int(p["key"])) for p in result["prepared"]]
+    decode = [("decode-warmup", n) for n in (1, 2, 4)]
+    assert kinds == decode + [("prefill-warmup", n) for n in (16, 32) if n <= 4]  # prefill buckets above 4: left out
+    assert result["tokens"] == eager_tokens
+
+
+def test_a_request_is_served_while_preparation_runs(artifact: Path) -> None:
+    """Steps and warm-ups take turns: the request arrives before the preparation is done, every step runs,
+    preparation advances between them, and the tokens are those of an engine prepared before serving."""
+    want = greedy_tokens(graphkiln.load(artifact, decode_batch_sizes=(1, 2, 4), capture="blocking", **ENGINE))
+    llm = graphkiln.load(artifact, decode_batch_sizes=MANY_SIZES, **ENGINE)
+    engine = llm.engine
+    total = len(engine.preparation.jobs)
+    seqs = [engine.add_request(llm.encode(p), GREEDY) for p in PROMPTS]
+    prepared = []
+    while any(s.finish_reason is None for s in seqs):
+        engine.step()
+        prepared.append(len(llm.stats().prepared))
+    assert prepared[0] < total, "the preparation was done before the first step: nothing was tested"
+    assert prepared[-1] > prepared[0]  # it ran between the steps
+    assert [list(s.output_ids) for s in seqs] == want
+    assert llm.wait_ready(120) and llm.stats().ready
+    assert len(llm.stats().prepared) == total
+    load = llm.stats().load
+    assert load.first_token_s < load.prepare_s
+
+
+def test_close_during_preparation_skips_the_rest(artifact: Path) -> None:
+    llm = graphkiln.load(artifact, decode_batch_sizes=MANY_SIZES, **ENGINE)
+    preparation = llm.engine.preparation
+    llm.close()
+    assert preparation.ready and len(preparation.done) < len(preparation.jobs)
+
+
+def test_blocking_capture_prepares_before_load_returns(artifact: Path) -> None:
+    llm = graphkiln.load(artifact, capture="blocking", **ENGINE)
+    stats = llm.stats()
+    assert stats.ready and len(stats.prepared) == len(llm.engine.preparation.jobs) > 0
+    assert stats.load.prepare_s <= stats.load.load_s
+
+
+def test_capture_mode_is_checked() -> None:
+    with pytest.raises(ConfigError, match=r"EngineConfig\.capture='later'.*background"):
+        EngineConfig(capture="later")
+
+
+def test_a_failing_job_is_recorded_and_the_rest_still_run() -> None:
+    """The preparation with jobs of its own: one raises; it is logged and recorded, the others run."""
+    ran = []
+
+    def fail() -> None:
+        raise RuntimeError("no graph for you")
+
+    jobs = [WarmupJob("decode", "1", lambda: ran.append(1)), WarmupJob("decode", "2", fail),
+            WarmupJob("decode", "4", lambda: ran.append(4))]  # fmt: skip
+    import torch
+
+    preparation = Preparation(jobs, StepLock(), torch.device("cpu"))
+    preparation.start()
+    assert preparation.wait(30)
+    assert ran == [1, 4]
+    assert [(p.key, p.error) for p in preparation.done] == [("1", None), ("2", "RuntimeError: no graph for you"),
+                                                            ("4", None)]  # fmt: skip
+    assert isinstance(preparation.errors[0], RuntimeError)
+
+
+def test_a_waiting_background_turn_comes_before_the_next_step() -> None:
+    """A thread that steps without pause cannot starve a background turn: it gets the lock within one step."""
+    lock = StepLock()
+    steps, stop = [], threading.Event()
+
+    def stepping() -> None:
+        while not stop.is_set():
+            with lock():
+                steps.append(time.perf_counter())
+                time.sleep(0.002)
+
+    thread = threading.Thread(target=stepping)
+    thread.start()
+    try:
+        time.sleep(0.02)
+        asked = time.perf_counter()
+        with lock(background=True):
+            got = time.perf_counter()
+            before = len(steps)
+        assert len([t for t in steps[:before] if t > asked]) <= 1  # at most the step that held the lock
+        assert got - asked < 1.0
+    finally:
+        stop.set()
+        thread.join()
+
+
+def test_reentrant_for_its_holder() -> None:
+    lock = StepLock()
+    with lock(), lock():
+        pass
+    with lock(background=True), lock():
+        pass
+
+
+def test_a_waiting_step_comes_before_the_next_background_turn() -> None:
+    """Background turns back to back (a preparation's jobs) let a waiting step in after the current one."""
+    lock = StepLock()
+    turns, stop = [], threading.Event()
+
+    def preparing() -> None:
+        while not stop.is_set():
+            with lock(background=True):
+                turns.append(time.perf_counter())
+                time.sleep(0.002)
+
+    thread = threading.Thread(target=preparing)
+    thread.start()
+    try:
+        time.sleep(0.02)
+        asked = time.perf_counter()
+        with lock():
+            before = len(turns)
+        assert len([t for t in turns[:before] if t > asked]) <= 1
+    finally:
+        stop.set()
+        thread.join()
