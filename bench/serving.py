@@ -124,6 +124,8 @@ def main(a: argparse.Namespace) -> int:
                 t0 = time.perf_counter()
                 llm = graphkiln.load(work / "art", attention_backend=backend, **engine_options)
                 result["load_s"][backend] = time.perf_counter() - t0
+                llm.wait_ready()
+                result.setdefault("ready_s", {})[backend] = time.perf_counter() - t0
             except graphkiln.errors.GraphkilnError as e:
                 result["errors"][backend] = str(e)
                 log(f"{backend}: {e}")
@@ -136,7 +138,7 @@ def main(a: argparse.Namespace) -> int:
                     log(f"{backend} decode {batch}x{prompt}: {row['ms_per_step']:.3f} ms ({row['x_floor']:.2f}x floor)")
             chunk = a.prefill_chunk_tokens
             long_options = {**engine_options, **({"max_num_batched_tokens": chunk} if chunk else {})}
-            with graphkiln.load(work / "art", attention_backend=backend, **long_options) as llm:
+            with graphkiln.load(work / "art", attention_backend=backend, capture="blocking", **long_options) as llm:
                 for tokens in longs:
                     row = dict(backend=backend, chunk=llm.engine.config.max_num_batched_tokens,
                                **long_row(llm, tokens, study.device, mb, matmul_bw, 1 if study.smoke else 2,
