@@ -28,6 +28,7 @@ from graphkiln.compat import private_inductor_cache, require_depyf
 from graphkiln.errors import ArtifactError, ConfigError
 from graphkiln.models import load_model, resolve_dtype
 from graphkiln.models.loader import empty_model, fill_model
+from graphkiln.models.weights_reader import indexed
 from graphkiln.models.config import ModelConfig
 from graphkiln.models.tokenizer import Tokenizer
 from graphkiln.models.fingerprint import model_fingerprint
@@ -330,7 +331,7 @@ def read_artifact(
         device = torch.device(config["device"])
         model = empty_model(model_dir, device, config["dtype"], model_config)
         with ThreadPoolExecutor(1, thread_name_prefix="graphkiln-fill") as pool:  # weights beside the pieces
-            weights = pool.submit(_fill_on, device, model, model_dir, clock)
+            weights = pool.submit(_fill_on, indexed(device), model, model_dir, clock)
             with clock.stage("pieces"):
                 tensors = dict(model.named_parameters(remove_duplicate=False))
                 tensors.update(model.named_buffers(remove_duplicate=False))

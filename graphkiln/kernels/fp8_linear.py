@@ -45,8 +45,10 @@ def _gemv_step(acc, w, k, ks, k_mask, cols, col_mask, x_ptr, s_ptr, K, stride_sn
         chunk_k = k + tl.arange(0, CHUNKS) * SUB
         s = tl.load(s_ptr + (cols // 128)[:, None] * stride_sn + (chunk_k // 128)[None, :],
                     mask=col_mask[:, None] & (chunk_k < K)[None, :], other=0.0)
-        return acc + tl.sum(tl.reshape(prod, (BLOCK_N, CHUNKS, SUB)), axis=2) * s
-    return acc + prod
+        out = acc + tl.sum(tl.reshape(prod, (BLOCK_N, CHUNKS, SUB)), axis=2) * s
+    else:
+        out = acc + prod
+    return out
 
 
 @triton.jit

@@ -68,6 +68,13 @@ class TensorEntry:
         return math.prod(self.shape[1:]) if self.shape else 1
 
 
+def indexed(device: torch.device) -> torch.device:
+    """`device` with the index a bare "cuda" means in this thread, for another thread to select."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _corrupt(path: Path, why: str) -> ModelFileError:
     return ModelFileError(f"{path}: not a readable safetensors file ({why}); {REDOWNLOAD}")
 

@@ -21,6 +21,8 @@ from typing import Protocol
 
 import torch
 
+from graphkiln.models.weights_reader import indexed
+
 from .step_lock import StepLock
 
 log = logging.getLogger("graphkiln.runtime")
@@ -59,7 +61,7 @@ class Preparation:
     def __init__(self, jobs: list[Job], lock: StepLock, device: torch.device) -> None:
         self.jobs = list(jobs)
         self.lock = lock
-        self.device = device
+        self.device = indexed(device)  # selected by the thread the jobs run on
         self.started = time.perf_counter()
         self.done: list[PreparedBucket] = []
         self.finished_at: float | None = None  # time.perf_counter() once every job has run
