@@ -29,12 +29,13 @@ from graphkiln.models import load_model, resolve_dtype
 from graphkiln.models.config import ModelConfig
 from graphkiln.models.tokenizer import Tokenizer
 from graphkiln.models.fingerprint import model_fingerprint
+from graphkiln.models.quantization import layer_schemes, model_scheme, save_quantized
 from graphkiln.models.transformer import CausalLM
 from graphkiln.passes.base import Pass
 from graphkiln.passes.dump import check_dump_dir
 from graphkiln.passes.manager import check_disabled, default_passes
 
-from .artifacts import CPU_KERNELS, TOKENIZER_FILE, load_compiled, save_compiled
+from .artifacts import CPU_KERNELS, QUANTIZED_FILE, TOKENIZER_FILE, load_compiled, save_compiled
 from .compile import CompileReport, Progress, compile_module
 from .compiled_model import CompiledModel
 from .config import CompileConfig
@@ -202,7 +203,7 @@ def _compile_into(
 ) -> tuple[dict, CompileReport]:
     progress("load weights", 0, 1)
     start = time.perf_counter()
-    model = load_model(model_dir, config.device, config.dtype)
+    model = load_model(model_dir, config.device, config.dtype, quantization=config.quantization)
     load_s = time.perf_counter() - start
     tokenizer = Tokenizer.from_dir(model_dir)
     snapshot = tokenizer is not None and tokenizer.save_snapshot(tmp / TOKENIZER_FILE)
@@ -214,6 +215,8 @@ def _compile_into(
     progress("save", 0, 1)
     t = time.perf_counter()
     section = save_compiled(compiled, tmp)
+    if config.quantization:
+        save_quantized(model, tmp / QUANTIZED_FILE)
     if private_cache.exists():
         _ship_cpu_kernels(private_cache, tmp / CPU_KERNELS)
     report.timings["save"] = time.perf_counter() - t
@@ -226,6 +229,7 @@ def _compile_into(
             "architecture": model.cfg.architecture,
             "config": asdict(model.cfg),
             "tokenizer": "snapshot" if snapshot else ("transformers" if tokenizer else None),
+            "quantization": _quantization(model_dir, config, model),
             **fingerprint,
         },
         "config": asdict(config),
@@ -240,6 +244,15 @@ def _compile_into(
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     tmp.chmod(0o755)
     return manifest, report
+
+
+def _quantization(model_dir: Path, config: CompileConfig, model: CausalLM) -> dict | None:
+    """The scheme and each linear layer's format, or None for an unquantized model."""
+    scheme = model_scheme(model_dir, config.quantization)
+    if scheme is None:
+        return None
+    file = None if scheme.from_checkpoint else QUANTIZED_FILE
+    return {"scheme": scheme.describe(), "file": file, "layers": layer_schemes(model)}
 
 
 def _ship_cpu_kernels(cache: Path, shipped: Path) -> None:
@@ -313,7 +326,11 @@ def read_artifact(
     with _locked(out, shared=True):
         manifest = check_artifact(out, model_dir, device, dtype, trusted_keys)
         config = manifest["config"]
-        model = load_model(model_dir, torch.device(config["device"]), config["dtype"], recorded_config(manifest, out))
+        quantization = config.get("quantization")
+        model = load_model(
+            model_dir, torch.device(config["device"]), config["dtype"], recorded_config(manifest, out),
+            quantization, out / QUANTIZED_FILE if quantization else None,
+        )
         tensors = dict(model.named_parameters(remove_duplicate=False))
         tensors.update(model.named_buffers(remove_duplicate=False))
         compiled = load_compiled(manifest["compiled"], manifest["files"], out, tensors)

@@ -18,6 +18,16 @@ from safetensors import SafetensorError, safe_open
 from graphkiln.errors import ConfigError, ModelFileError, WeightMismatchError
 
 from .config import ModelConfig, model_config_from_hf, read_hf_config
+from .quantization import (
+    fill_quantized,
+    install_quantized,
+    is_projection_tensor,
+    load_quantized,
+    model_scheme,
+    quantize_model,
+    reset_input_scales,
+)
+from .quantized_linear import FP8, QuantizedLinear
 from .rope import rope_cache
 from .transformer import CausalLM
 
@@ -104,30 +114,49 @@ def _slice(cfg: ModelConfig, param: torch.Tensor, fused_name: str, index: int) -
 
 
 def load_model(
-    model_dir: str | Path, device: str | torch.device = "cpu", dtype="float32", cfg: ModelConfig | None = None
+    model_dir: str | Path,
+    device: str | torch.device = "cpu",
+    dtype="float32",
+    cfg: ModelConfig | None = None,
+    quantization: str | None = None,
+    quantized_weights: Path | None = None,
 ) -> CausalLM:
     """Build a CausalLM from a Hugging Face directory on `device` in `dtype`.
 
     `cfg` is the ModelConfig already read from this directory's config.json (an artifact's manifest
     records it, so a warm load never imports transformers); without it config.json is read here.
+    A checkpoint quantized by its publisher loads as it is. `quantization` ("fp8", "int4") quantizes
+    the decoder's projections after loading, or, with `quantized_weights` (the file an artifact holds),
+    takes them from that file instead of the checkpoint.
     """
     model_dir = check_model_dir(model_dir)
     device = torch.device(device)
     dtype = resolve_dtype(dtype)
     cfg = cfg or model_config_from_hf(read_hf_config(model_dir), model_dir)
+    scheme = model_scheme(model_dir, quantization)
     files = weight_files(model_dir)
     with torch.device("meta"):
         model = CausalLM(cfg)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model = model.to(dtype=dtype)
+    build_quantized = scheme is not None and (scheme.from_checkpoint or quantized_weights is not None)
+    if build_quantized:
+        install_quantized(model, cfg, scheme, dtype)
+    model = model.to_empty(device=device)
+    reset_input_scales(model)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    filled = _fill_weights(model, cfg, files, device, dtype)
-    missing = sorted(_checkpoint_names(model) - filled)
+    skip = is_projection_tensor if quantized_weights is not None else lambda name: False
+    filled = _fill_weights(model, cfg, {n: p for n, p in files.items() if not skip(n)}, device, dtype)
+    missing = sorted(n for n in _checkpoint_names(model) - filled if not skip(n))
     if missing:
         raise WeightMismatchError(
             f"{model_dir}: checkpoint lacks tensors for {missing[:5]}{' ...' if len(missing) > 5 else ''}; "
             "the checkpoint does not match config.json"
         )
+    if quantized_weights is not None:
+        load_quantized(model, quantized_weights)
+    elif scheme is not None and not scheme.from_checkpoint:
+        quantize_model(model, cfg, scheme)
     model.model.register_buffer("rope_cache", rope_cache(cfg, device), persistent=False)
     return model.eval().requires_grad_(False)
 
@@ -166,8 +195,13 @@ def _fill_weights(model: CausalLM, cfg: ModelConfig, files: dict[str, Path], dev
 
 
 def _sum(tensor: torch.Tensor) -> torch.Tensor:
-    """The sum, accumulated and returned in float32 for float16 (whose sums of finite weights overflow)."""
-    return tensor.sum(dtype=torch.float32 if tensor.dtype == torch.float16 else None)
+    """The sum, accumulated and returned in float32 for float16 (whose sums of finite weights overflow) and fp8."""
+    return _numeric(tensor).sum(dtype=torch.float32 if tensor.dtype == torch.float16 else None)
+
+
+def _numeric(tensor: torch.Tensor) -> torch.Tensor:
+    """fp8 tensors, which torch cannot sum or test for NaN, as float32."""
+    return tensor.float() if tensor.dtype == FP8 else tensor
 
 
 def _check_finite(sums: list[tuple[Path, str, torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> None:
@@ -175,9 +209,9 @@ def _check_finite(sums: list[tuple[Path, str, torch.Tensor, torch.Tensor]], dtyp
     if not sums or bool(torch.isfinite(torch.stack([s for *_, s in sums])).all()):
         return
     for path, name, dest, total in sums:
-        if not bool(torch.isfinite(total)) and not bool(torch.isfinite(dest).all()):
+        if not bool(torch.isfinite(total)) and not bool(torch.isfinite(_numeric(dest)).all()):
             with safe_open(str(path), framework="pt") as f:
-                finite_source = bool(torch.isfinite(f.get_tensor(name)).all())
+                finite_source = bool(torch.isfinite(_numeric(f.get_tensor(name))).all())
             if finite_source:
                 raise ModelFileError(
                     f"{path}: tensor {name!r} holds values beyond {str(dtype).removeprefix('torch.')}'s range "
@@ -195,6 +229,10 @@ def _copy_tensor(model, cfg, name, tensor, path, filled, dtype) -> torch.Tensor:
         raise WeightMismatchError(
             f"{path}: tensor {name!r} has no place in a {cfg.architecture} with this config.json"
         ) from None
+    owner, kind = ours.rsplit(".", 1)
+    if isinstance(quantized := model.get_submodule(owner), QuantizedLinear):
+        filled.add(name)
+        return fill_quantized(quantized, kind, index, tensor, f"{path}: tensor {name!r}")
     dest = param if index is None else _slice(cfg, param, ours, index)
     if tuple(dest.shape) != tuple(tensor.shape):
         raise WeightMismatchError(
