@@ -138,20 +138,25 @@ def _compressed_tensors_scheme(qc: dict, path: Path) -> QuantScheme:
     return QuantScheme("fp8", weights, activations, "compressed-tensors")
 
 
+def _value(field) -> str | None:
+    """An enum field of compressed-tensors' config as its string (the library returns either)."""
+    return getattr(field, "value", field)
+
+
 def _fp8_args(group, path: Path) -> tuple[str, str]:
     """(weight scales, activations) of one fp8 config group."""
     w, a = group.weights, group.input_activations
-    if w is None or w.num_bits != 8 or w.type != "float" or not w.symmetric or w.strategy not in ("tensor", "channel"):
+    if w is None or w.num_bits != 8 or _value(w.type) != "float" or not w.symmetric or _value(w.strategy) not in ("tensor", "channel"):
         raise _unsupported(path, f"weights {w!r}")
     if a is None:
         raise _unsupported(path, "fp8 weights with unquantized activations")
-    if a.num_bits != 8 or a.type != "float" or not a.symmetric:
+    if a.num_bits != 8 or _value(a.type) != "float" or not a.symmetric:
         raise _unsupported(path, f"input_activations {a!r}")
-    if a.dynamic is True and a.strategy == "token":
-        return w.strategy.value, "dynamic"
-    if a.dynamic is False and a.strategy == "tensor":
-        return w.strategy.value, "static"
-    raise _unsupported(path, f"input_activations strategy {a.strategy.value!r} with dynamic={a.dynamic!r}")
+    if a.dynamic is True and _value(a.strategy) == "token":
+        return _value(w.strategy), "dynamic"
+    if a.dynamic is False and _value(a.strategy) == "tensor":
+        return _value(w.strategy), "static"
+    raise _unsupported(path, f"input_activations strategy {_value(a.strategy)!r} with dynamic={a.dynamic!r}")
 
 
 def model_scheme(model_dir: Path, quantization: str | None) -> QuantScheme | None:
