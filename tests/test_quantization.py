@@ -335,3 +335,19 @@ def test_inspect_shows_each_layers_format(quantized: dict[str, Path], capsys) ->
     assert "layers 0-3 self_attn.qkv_proj        int4, asymmetric, groups of 128, weight-only" in text
     assert "layers 0-3 mlp.down_proj             int4, asymmetric, groups of 16, weight-only" in text  # K = 688
     assert "lm_head                              float32 (not quantized)" in text
+
+
+@pytest.mark.slow
+def test_prequantized_checkpoint_compiles_into_an_artifact_that_reads_it_as_it_is(
+    llama: Checkpoint, random_ids: Callable[..., list[int]], tmp_path: Path
+) -> None:
+    ids = random_ids(48)
+    write_fp8_checkpoint(llama.path, llama.model, tmp_path / "fp8", "compressed-tensors", "tensor", "static", ids)
+    manifest, _ = graphkiln.compile_model(tmp_path / "fp8", tmp_path / "art", engine=SMALL_ENGINE)
+    quant = manifest["model"]["quantization"]
+    assert quant["scheme"] == "fp8, tensor weight scales, static activations (compressed-tensors checkpoint)"
+    assert quant["file"] is None and QUANTIZED_FILE not in manifest["files"]
+    assert quant["layers"]["model.layers.1.self_attn.qkv_proj"] == "fp8 e4m3, per-channel weight scales, static per-tensor activations"
+    compiled = graphkiln.load(tmp_path / "art", **ENGINE).score(ids)
+    eager = graphkiln.LLM.eager(tmp_path / "fp8", **ENGINE).score(ids)
+    assert relative_error(compiled, eager) < 1e-4
