@@ -255,6 +255,8 @@ def _serve_parser(parser: argparse.ArgumentParser) -> None:
                         help="with --compile; default: cuda if available")
     parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
                         help="with --compile; default: bfloat16 on cuda, float32 on cpu")
+    parser.add_argument("--quantization", choices=("fp8", "int4"), default=None,
+                        help="with --compile: quantize the decoder's linear layers (see compile-model --help)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=_count(0), default=8000, help="port (default 8000; 0: any free one, printed)")
@@ -273,7 +275,7 @@ def _serve_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="warning",
                         help="uvicorn's log level (info: one line per request)")
     _engine_parser(parser.add_argument_group("engine options (default: what the artifact records)"))
-    parser.set_defaults(handler=run_serve, specialize_sizes=(), disable_pass=[], dump_dir=None, quantization=None)
+    parser.set_defaults(handler=run_serve, specialize_sizes=(), disable_pass=[], dump_dir=None)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,6 +20,7 @@ import graphkiln
 from artifact_helpers import ENGINE, SMALL_ENGINE
 from graphkiln import CompileConfig, cli
 from graphkiln.compiler.artifacts import QUANTIZED_FILE
+from graphkiln.compiler.compile import CompileReport
 from graphkiln.compiler.counters import torch_compile_events
 from graphkiln.errors import ArtifactError, ConfigError, UnsupportedModelError
 from graphkiln.models.loader import load_model
@@ -218,14 +219,34 @@ def tiny_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def quantized(tiny_copy: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def compiled_quantized(tiny_copy: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, CompileReport]]:
+    """The tiny model compiled with each scheme: (artifact, compile report)."""
     root = tmp_path_factory.mktemp("quantized")
     outs = {}
     for scheme in ("fp8", "int4"):
-        outs[scheme] = root / scheme
-        _, report = graphkiln.compile_model(tiny_copy, outs[scheme], CompileConfig(quantization=scheme), engine=SMALL_ENGINE)
+        _, report = graphkiln.compile_model(tiny_copy, root / scheme, CompileConfig(quantization=scheme), engine=SMALL_ENGINE)
         report.counters.expect(graphs_traced=1, inductor_compiles=3)
+        outs[scheme] = (root / scheme, report)
     return outs
+
+
+@pytest.fixture(scope="module")
+def quantized(compiled_quantized: dict[str, tuple[Path, CompileReport]]) -> dict[str, Path]:
+    return {scheme: out for scheme, (out, _) in compiled_quantized.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["fp8", "int4"])
+def test_quantized_graph_calls_the_quantized_ops_and_the_linear_passes_leave_them(
+    compiled_quantized: dict[str, tuple[Path, CompileReport]], scheme: str
+) -> None:
+    out, report = compiled_quantized[scheme]
+    graph = (out / "graph.pkl").read_bytes()
+    assert graph.count(f"graphkiln.{scheme}_linear".encode()) >= 16  # 4 projections x 4 layers
+    assert b"graphkiln.silu_mul_linear" not in graph
+    records = {r.name: r for r in report.passes}
+    assert records["linear_op"].runs > 0 and records["linear_op"].matches == 0
+    assert records["silu_mul_linear"].runs == 1 and records["silu_mul_linear"].matches == 0
 
 
 @pytest.fixture(scope="module")
@@ -331,7 +352,7 @@ def test_tampered_or_missing_quantized_weights_are_artifact_errors(quantized: di
 def test_inspect_shows_each_layers_format(quantized: dict[str, Path], capsys) -> None:
     assert cli.main(["inspect", str(quantized["int4"])]) == 0
     text = capsys.readouterr().out
-    assert f"quantization  int4, group weight scales, none activations (quantized by compile-model), weights in {QUANTIZED_FILE}" in text
+    assert f"quantization  int4, group weight scales, weight-only (quantized by compile-model), weights in {QUANTIZED_FILE}" in text
     assert "layers 0-3 self_attn.qkv_proj        int4, asymmetric, groups of 128, weight-only" in text
     assert "layers 0-3 mlp.down_proj             int4, asymmetric, groups of 16, weight-only" in text  # K = 688
     assert "lm_head                              float32 (not quantized)" in text

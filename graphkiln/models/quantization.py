@@ -59,7 +59,8 @@ class QuantScheme:
 
     def describe(self) -> str:
         where = "quantized by compile-model" if not self.from_checkpoint else f"{self.source} checkpoint"
-        return f"{self.method}, {self.weights} weight scales, {self.activations} activations ({where})"
+        activations = "weight-only" if self.activations == "none" else f"{self.activations} activations"
+        return f"{self.method}, {self.weights} weight scales, {activations} ({where})"
 
 
 def compile_scheme(name: str) -> QuantScheme:
@@ -74,14 +75,15 @@ def checkpoint_scheme(model_dir: Path) -> QuantScheme | None:
     """The scheme config.json's `quantization_config` declares, or None for an unquantized checkpoint."""
     path = model_dir / "config.json"
     try:
-        qc = json.loads(path.read_text()).get("quantization_config")
+        config = json.loads(path.read_text())
+        qc = config.get("quantization_config")
     except (OSError, ValueError, AttributeError):
         return None  # reading config.json itself reports what is wrong with it
     if qc is None:
         return None
     method = qc.get("quant_method") if isinstance(qc, dict) else None
     if method == "compressed-tensors":
-        return _compressed_tensors_scheme(qc, path)
+        return _compressed_tensors_scheme(qc, path, config.get("num_hidden_layers", 1))
     if method == "fp8":
         return _block_fp8_scheme(qc, path)
     raise _unsupported(path, f"quant_method {method!r}")
@@ -102,7 +104,7 @@ def _block_fp8_scheme(qc: dict, path: Path) -> QuantScheme:
     return QuantScheme("fp8", "block", "dynamic", "fp8")
 
 
-def _compressed_tensors_scheme(qc: dict, path: Path) -> QuantScheme:
+def _compressed_tensors_scheme(qc: dict, path: Path, num_layers: int) -> QuantScheme:
     """Parsed and validated by the compressed-tensors library; every decoder projection must fall under one
     fp8 scheme, and the LM head under none."""
     try:
@@ -123,7 +125,9 @@ def _compressed_tensors_scheme(qc: dict, path: Path) -> QuantScheme:
         raise _unsupported(path, "compressed-tensors kv_cache_scheme")
     linear = torch.nn.Linear(1, 1, device="meta")
     schemes = set()
-    for module in ("model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj", "lm_head"):
+    modules = [f"model.layers.{i}.{'mlp' if p.endswith(('gate_proj', 'up_proj', 'down_proj')) else 'self_attn'}.{p}"
+               for i in range(num_layers) for p in PROJECTIONS]
+    for module in [*modules, "lm_head"]:
         groups = [g for g in config.config_groups.values() if is_match(module, linear, g.targets, config.ignore)]
         if module == "lm_head":
             if groups:

@@ -136,7 +136,7 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, 
     w = weight.float().unflatten(-1, (-1, group_size))
     low = w.amin(-1, keepdim=True).clamp(max=0)
     high = w.amax(-1, keepdim=True).clamp(min=0)
-    scale = ((high - low) / INT4_MAX).clamp(min=MIN_SCALE)
+    scale = ((high - low) / INT4_MAX).clamp(min=MIN_SCALE).to(weight.dtype).float()  # as stored
     zero = (-low / scale).round().clamp(0, INT4_MAX)
     q = (w / scale + zero).round().clamp(0, INT4_MAX).flatten(-2)
     return pack_int4(q), scale.squeeze(-1).to(weight.dtype), zero.squeeze(-1).to(weight.dtype)
