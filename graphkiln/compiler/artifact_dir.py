@@ -29,7 +29,8 @@ from graphkiln.models import load_model, resolve_dtype
 from graphkiln.models.config import ModelConfig
 from graphkiln.models.tokenizer import Tokenizer
 from graphkiln.models.fingerprint import model_fingerprint
-from graphkiln.models.quantization import layer_schemes, model_scheme, save_quantized
+from graphkiln.models.quant_scheme import model_scheme
+from graphkiln.models.quantized_layers import layer_schemes, save_quantized
 from graphkiln.models.transformer import CausalLM
 from graphkiln.passes.base import Pass
 from graphkiln.passes.dump import check_dump_dir

@@ -18,12 +18,12 @@ from safetensors import SafetensorError, safe_open
 from graphkiln.errors import ConfigError, ModelFileError, WeightMismatchError
 
 from .config import ModelConfig, model_config_from_hf, read_hf_config
-from .quantization import (
+from .quant_scheme import model_scheme
+from .quantized_layers import (
     fill_quantized,
     install_quantized,
     is_projection_tensor,
     load_quantized,
-    model_scheme,
     quantize_model,
     reset_input_scales,
 )

@@ -160,6 +160,10 @@ class QuantizedLinear(nn.Module):
     def _add_bias(self, y: torch.Tensor) -> torch.Tensor:
         return y if self.bias is None else y + self.bias
 
+    def describe(self) -> str:
+        """The storage format, as `graphkiln inspect` shows it."""
+        raise NotImplementedError
+
 
 class Fp8Linear(QuantizedLinear):
     """float8_e4m3fn weight with a float32 scale per output channel (`weight_scale` [N]); `static_input` adds a
@@ -167,7 +171,9 @@ class Fp8Linear(QuantizedLinear):
 
     scale_name = "weight_scale"
 
-    def __init__(self, in_features, parts, bias, dtype, static_input: bool = False) -> None:
+    def __init__(
+        self, in_features: int, parts: tuple[int, ...], bias: bool, dtype: torch.dtype, static_input: bool = False
+    ) -> None:
         super().__init__(in_features, parts, bias, dtype)
         self.weight = _frozen((self.out_features, in_features), FP8)
         setattr(self, self.scale_name, _frozen(self.scale_shape(), torch.float32))
@@ -201,7 +207,9 @@ class BlockFp8Linear(Fp8Linear):
 class Int4Linear(QuantizedLinear):
     """Weight-only int4: packed values, and a scale and zero point per group of `group_size` inputs."""
 
-    def __init__(self, in_features, parts, bias, dtype, group_size: int = INT4_GROUP) -> None:
+    def __init__(
+        self, in_features: int, parts: tuple[int, ...], bias: bool, dtype: torch.dtype, group_size: int = INT4_GROUP
+    ) -> None:
         super().__init__(in_features, parts, bias, dtype)
         self.group_size = group_size
         groups = in_features // group_size
