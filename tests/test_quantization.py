@@ -372,3 +372,10 @@ def test_prequantized_checkpoint_compiles_into_an_artifact_that_reads_it_as_it_i
     compiled = graphkiln.load(tmp_path / "art", **ENGINE).score(ids)
     eager = graphkiln.LLM.eager(tmp_path / "fp8", **ENGINE).score(ids)
     assert relative_error(compiled, eager) < 1e-4
+
+
+def test_compile_model_refuses_an_unsupported_scheme_before_writing_anything(llama: Checkpoint, tmp_path: Path) -> None:
+    gptq = _with_quantization_config(llama.path, tmp_path / "gptq", {"quant_method": "gptq", "bits": 4})
+    with pytest.raises(UnsupportedModelError, match="quant_method 'gptq'"):
+        graphkiln.compile_model(gptq, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gptq"]

@@ -165,7 +165,7 @@ def write_artifact(
     """Compile `model_dir` for `config` into `out`; return the manifest and the compile report.
     `engine_defaults` (an EngineConfig as a dict) is recorded for `load` to start from.
 
-    The model directory (config.json, weight file headers), the device, the paths, the pass names
+    The model directory (config.json, weight file headers, quantization), the device, the paths, the pass names
     and, for dumps, depyf are checked before anything is locked, created or reported as progress.
     `force` replaces an existing artifact (or an empty folder), nothing else. `sign_key` signs the
     manifest.
@@ -173,6 +173,7 @@ def write_artifact(
     out = out.resolve()
     fingerprint = model_fingerprint(model_dir)
     check_device(config.device)
+    model_scheme(model_dir, config.quantization)  # an unsupported or conflicting scheme, before anything is written
     check_paths(out, model_dir, config)
     check_disabled(default_passes(graph_passes), config.disabled_passes)
     if config.dump_dir:
