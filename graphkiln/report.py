@@ -138,7 +138,7 @@ def _quantization_lines(quant: dict | None) -> list[str]:
     if not quant:
         return ["quantization  none"]
     stored = f", weights in {quant['file']}" if quant.get("file") else ""
-    lines = [f"quantization  {quant['scheme']}{stored}"]
+    lines = [f"quantization  {quant['description']}{stored}"]
     groups: dict[tuple[str, str], list[int]] = {}
     for name, scheme in quant["layers"].items():
         parts = name.split(".")

@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 
 import graphkiln
-from artifact_helpers import ENGINE, SMALL_ENGINE
+from artifact_helpers import ENGINE, RESULT_PREFIX, SMALL_ENGINE, run_python_json
 from graphkiln import CompileConfig, cli
 from graphkiln.compiler.artifacts import QUANTIZED_FILE
 from graphkiln.compiler.compile import CompileReport
@@ -366,12 +366,18 @@ def test_prequantized_checkpoint_compiles_into_an_artifact_that_reads_it_as_it_i
     write_fp8_checkpoint(llama.path, llama.model, tmp_path / "fp8", "compressed-tensors", "tensor", "static", ids)
     manifest, _ = graphkiln.compile_model(tmp_path / "fp8", tmp_path / "art", engine=SMALL_ENGINE)
     quant = manifest["model"]["quantization"]
-    assert quant["scheme"] == "fp8, tensor weight scales, static activations (compressed-tensors checkpoint)"
+    assert quant["description"] == "fp8, tensor weight scales, static activations (compressed-tensors checkpoint)"
     assert quant["file"] is None and QUANTIZED_FILE not in manifest["files"]
     assert quant["layers"]["model.layers.1.self_attn.qkv_proj"] == "fp8 e4m3, per-channel weight scales, static per-tensor activations"
     compiled = graphkiln.load(tmp_path / "art", **ENGINE).score(ids)
     eager = graphkiln.LLM.eager(tmp_path / "fp8", **ENGINE).score(ids)
     assert relative_error(compiled, eager) < 1e-4
+    code = f"""import json, sys, graphkiln
+logits = graphkiln.load({str(tmp_path / "art")!r}, kv_cache_tokens=2048).score({ids!r})
+print("{RESULT_PREFIX}" + json.dumps({{"logits": logits.tolist(), "imported": [m for m in ("compressed_tensors", "transformers") if m in sys.modules]}}))
+"""
+    fresh = run_python_json(code)  # the recorded scheme: config.json is not parsed again, so neither library loads
+    assert fresh["imported"] == [] and torch.equal(torch.tensor(fresh["logits"]), compiled)
 
 
 def test_compile_model_refuses_an_unsupported_scheme_before_writing_anything(llama: Checkpoint, tmp_path: Path) -> None:

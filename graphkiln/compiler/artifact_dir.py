@@ -29,7 +29,7 @@ from graphkiln.models import load_model, resolve_dtype
 from graphkiln.models.config import ModelConfig
 from graphkiln.models.tokenizer import Tokenizer
 from graphkiln.models.fingerprint import model_fingerprint
-from graphkiln.models.quant_scheme import model_scheme
+from graphkiln.models.quant_scheme import QuantScheme, model_scheme
 from graphkiln.models.quantized_layers import layer_schemes, save_quantized
 from graphkiln.models.transformer import CausalLM
 from graphkiln.passes.base import Pass
@@ -254,7 +254,7 @@ def _quantization(model_dir: Path, config: CompileConfig, model: CausalLM) -> di
     if scheme is None:
         return None
     file = None if scheme.from_checkpoint else QUANTIZED_FILE
-    return {"scheme": scheme.describe(), "file": file, "layers": layer_schemes(model)}
+    return {"scheme": asdict(scheme), "description": scheme.describe(), "file": file, "layers": layer_schemes(model)}
 
 
 def _ship_cpu_kernels(cache: Path, shipped: Path) -> None:
@@ -319,6 +319,15 @@ def recorded_config(manifest: dict, out: Path) -> ModelConfig:
         raise ArtifactError(f"{out / MANIFEST}: field model.config is missing or invalid ({e!r}); {REWRITE}") from e
 
 
+def recorded_scheme(manifest: dict, out: Path) -> QuantScheme | None:
+    """The quantization scheme compile-model found or applied, or None."""
+    recorded = manifest["model"].get("quantization")
+    try:
+        return QuantScheme(**recorded["scheme"]) if recorded else None
+    except (KeyError, TypeError) as e:
+        raise ArtifactError(f"{out / MANIFEST}: field model.quantization is invalid ({e!r}); {REWRITE}") from e
+
+
 def read_artifact(
     out: Path, model_dir: Path, device=None, dtype=None, trusted_keys: Sequence = ()
 ) -> tuple[CausalLM, CompiledModel, Tokenizer | None, dict]:
@@ -328,10 +337,9 @@ def read_artifact(
     with _locked(out, shared=True):
         manifest = check_artifact(out, model_dir, device, dtype, trusted_keys)
         config = manifest["config"]
-        quantization = config.get("quantization")
         model = load_model(
             model_dir, torch.device(config["device"]), config["dtype"], recorded_config(manifest, out),
-            quantization, out / QUANTIZED_FILE if quantization else None,
+            recorded_scheme(manifest, out), out / QUANTIZED_FILE if config.get("quantization") else None,
         )
         tensors = dict(model.named_parameters(remove_duplicate=False))
         tensors.update(model.named_buffers(remove_duplicate=False))

@@ -18,7 +18,7 @@ from safetensors import SafetensorError, safe_open
 from graphkiln.errors import ConfigError, ModelFileError, WeightMismatchError
 
 from .config import ModelConfig, model_config_from_hf, read_hf_config
-from .quant_scheme import model_scheme
+from .quant_scheme import QuantScheme, model_scheme
 from .quantized_layers import (
     fill_quantized,
     install_quantized,
@@ -118,7 +118,7 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype="float32",
     cfg: ModelConfig | None = None,
-    quantization: str | None = None,
+    quantization: str | QuantScheme | None = None,
     quantized_weights: Path | None = None,
 ) -> CausalLM:
     """Build a CausalLM from a Hugging Face directory on `device` in `dtype`.
@@ -127,7 +127,8 @@ def load_model(
     records it, so a warm load never imports transformers); without it config.json is read here.
     A checkpoint quantized by its publisher loads as it is. `quantization` ("fp8", "int4") quantizes
     the decoder's projections after loading, or, with `quantized_weights` (the file an artifact holds),
-    takes them from that file instead of the checkpoint.
+    takes them from that file instead of the checkpoint; a QuantScheme (an artifact's record) is used
+    as it is.
     """
     model_dir = check_model_dir(model_dir)
     device = torch.device(device)

@@ -148,8 +148,12 @@ def _fp8_args(group, path: Path) -> tuple[str, str]:
     raise _unsupported(path, f"input_activations strategy {_value(a.strategy)!r} with dynamic={a.dynamic!r}")
 
 
-def model_scheme(model_dir: Path, quantization: str | None) -> QuantScheme | None:
-    """The checkpoint's own scheme, else the one compile-model asks for; both at once is an error."""
+def model_scheme(model_dir: Path, quantization: str | QuantScheme | None) -> QuantScheme | None:
+    """The checkpoint's own scheme, else the one compile-model asks for; both at once is an error. A QuantScheme
+    (the one an artifact's manifest records) is taken as it is, without reading config.json again: parsing a
+    compressed-tensors config imports that library and transformers, which a warm load must not."""
+    if isinstance(quantization, QuantScheme):
+        return quantization
     found = checkpoint_scheme(model_dir)
     if found is not None and quantization is not None:
         raise ConfigError(
