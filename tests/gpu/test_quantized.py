@@ -168,3 +168,39 @@ def test_prequantized_checkpoint_compiles_and_loads_fresh_with_zero_compiles(lay
     graphkiln.compile_model(tmp_path / "fp8", out, CompileConfig(device="cuda", dtype="bfloat16"))
     reference = LLM.eager(tmp_path / "fp8", kv_cache_tokens=8192)  # CPU, float32: the ops' reference bodies
     _check_engine(out, reference, f"{layout}_fp8", 0.1)
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "int4"])
+def test_llama_1b_shaped_quality_against_bf16_over_64_prompts(scheme, tmp_path):
+    """Issue 23's quality measure on a 2-layer Llama-3.2-1B-shaped model with random weights: logits of the
+    quantized artifact against the bf16 one, relative error and top-1 agreement over 64 prompts (recorded)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=2, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=4096,
+                         tie_word_embeddings=True)  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    model.save_pretrained(tmp_path / "model")
+    del model
+    llms = {}
+    for name, quantization in (("bf16", None), (scheme, scheme)):
+        out = tmp_path / name
+        graphkiln.compile_model(tmp_path / "model", out, CompileConfig(device="cuda", dtype="bfloat16",
+                                                                       quantization=quantization))
+        llms[name] = graphkiln.load(out, kv_cache_tokens=8192)
+    gen = torch.Generator().manual_seed(1)
+    errors, agree, total = [], 0, 0
+    for _ in range(64):
+        ids = torch.randint(0, 128256, (32,), generator=gen).tolist()
+        ref, ours = llms["bf16"].score(ids), llms[scheme].score(ids)
+        errors.append(((ours - ref).norm() / ref.norm()).item())
+        agree += int((ours.argmax(-1) == ref.argmax(-1)).sum())
+        total += len(ids)
+    result = {"mean_relative_error": sum(errors) / len(errors), "max_relative_error": max(errors), "top1": agree / total}
+    record(f"quantized_{scheme}_1b_2layer_vs_bf16_64_prompts", result)
+    assert result["max_relative_error"] < (0.1 if scheme == "fp8" else 0.25), result
