@@ -47,8 +47,14 @@ def projections(name: str) -> dict[str, tuple[int, int]]:
             "down": (h, inter), "lm_head": (s["vocab_size"], h)}
 
 
-def model_bytes(shape: dict, dtype_bytes: int) -> dict:
-    """Parameters, weight bytes (all, and read per decode step), KV bytes per token, FLOPs per token."""
+# Bytes per decoder projection weight: fp8 (plus a float32 scale per row, negligible), int4 plus a 16-bit scale and
+# zero point per group of 128.
+QUANTIZED_BYTES = {"fp8": 1.0, "int4": 0.5 + 4 / 128}
+
+
+def model_bytes(shape: dict, dtype_bytes: int, quantization: str | None = None) -> dict:
+    """Parameters, weight bytes (all, and read per decode step), KV bytes per token, FLOPs per token.
+    With `quantization` the decoder's projections count at their quantized size, the rest at `dtype_bytes`."""
     h, layers, nh, nkv, hd = (shape[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
                                                  "num_key_value_heads", "head_dim"))
     inter, vocab, tied = shape["intermediate_size"], shape["vocab_size"], shape["tie_word_embeddings"]
@@ -59,10 +65,11 @@ def model_bytes(shape: dict, dtype_bytes: int) -> dict:
     # Read every decode step: all layers, the final norm and the LM head (the tied table, or the untied
     # head); an untied input embedding table is only gathered from (a few rows), so it is not counted.
     read_params = layers * layer_params + h + embed
+    saved = layers * layer_matmul * (dtype_bytes - QUANTIZED_BYTES[quantization]) if quantization else 0
     return {
         "params": params,
-        "weight_bytes_all": params * dtype_bytes,
-        "weight_bytes_read": read_params * dtype_bytes,
+        "weight_bytes_all": params * dtype_bytes - saved,
+        "weight_bytes_read": read_params * dtype_bytes - saved,
         "matmul_params_per_token": layers * layer_matmul,  # plus the LM head for the rows that sample
         "lm_head_params": embed,
         "kv_bytes_per_token": 2 * layers * nkv * hd * dtype_bytes,

@@ -205,7 +205,11 @@ def to_markdown(results: dict) -> str:
                      f"{hw['copy_bytes'] / 2**30:.3g} GiB, median of 10), {settings.get('dtype_name', '')} matmul "
                      f"{hw['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s ({hw['matmul_n']}³, median of 10)")
     lines += [f"decode: {settings.get('prompt_len')} prompt tokens, {settings.get('new_tokens')} new tokens; graphkiln "
-              f"buckets: decode {settings.get('decode_buckets')}, prefill {settings.get('prefill_buckets')}.", ""]
+              f"buckets: decode {settings.get('decode_buckets')}, prefill {settings.get('prefill_buckets')}."]
+    if settings.get("quantization"):
+        lines.append(f"graphkiln compiled with --quantization {settings['quantization']}: its row and the floor; "
+                     "the other rows unquantized.")
+    lines.append("")
     for name, mres in (results.get("models") or {}).items():
         lines += _model_markdown(results, name, mres, settings.get("dtype_name", ""))
     if targets := target_rows(results):

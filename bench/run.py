@@ -71,6 +71,7 @@ class Settings:
         self.device = "cpu" if smoke else "cuda"
         self.dtype_name = "float32" if smoke else "bfloat16"
         self.dtype_bytes = 4 if smoke else 2
+        self.quantization = a.quantization
         self.models = csv(a.models or ("smoke" if smoke else "1b,8b"), str)
         self.rows = csv(a.rows or ",".join(ROWS), str)
         self.batches = csv(a.batches or ("1,2" if smoke else "1,8,32,64"))
@@ -189,7 +190,7 @@ class Run:
         """Build model `name` and save it, then its rows in order."""
         s = self.s
         shape = shape_of(name, s.max_position)
-        mb = model_bytes(shape, s.dtype_bytes)
+        mb = model_bytes(shape, s.dtype_bytes, s.quantization)
         mres = {"shape": shape, "bytes": mb, "rows": {}, "model_dir": str(scratch / name)}
         self.results["models"][name] = mres
         log(f"{name}: {mb['params'] / 1e6:.1f} M params, {mb['weight_bytes_all'] / 2**30:.3f} GiB of weights")
@@ -304,6 +305,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-start", action="store_true", help="no start-up children: compile in this process (quick runs, "
                    "the CPU test)")
     p.add_argument("--keep", action="store_true", help="keep the scratch model and artifact folders")
+    p.add_argument("--quantization", choices=("fp8", "int4"), help="compile the graphkiln compiled row with "
+                   "--quantization (its floor counts the quantized bytes; the other rows stay unquantized)")
     p.add_argument("--smoke", action="store_true", help="CPU, float32, tiny shapes: every code path, a minute or two")
 
 

@@ -115,7 +115,7 @@ def child_main(spec: dict) -> None:
         marks["first_token"] = time.time()
     else:
         if spec["mode"] == "gk_cold":
-            config = graphkiln.CompileConfig(device=device, dtype=spec["dtype"])
+            config = graphkiln.CompileConfig(device=device, dtype=spec["dtype"], quantization=spec["quantization"])
             engine = graphkiln.EngineConfig(**spec["engine"])
             _, report = graphkiln.compile_model(spec["model_dir"], spec["artifact"], config, engine=engine, force=True)
             marks["compiled"] = time.time()

@@ -60,6 +60,9 @@ def _compile_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--specialize-sizes", type=_sizes, default=(), metavar="1,2,4,...",
                         help="token counts that get one more Inductor compile each, with the token dim fixed")
     parser.add_argument("--disable-pass", action="append", default=[], metavar="NAME")
+    parser.add_argument("--quantization", choices=("fp8", "int4"), default=None,
+                        help="quantize the decoder's linear layers at compile time (fp8: per-channel weights, "
+                             "per-token activations; int4: weight-only, groups of 128)")
     parser.add_argument("--dump-dir", type=Path, default=None, help="write pass-debugging dumps here")
     parser.add_argument("--force", action="store_true",
                         help="replace OUT if it is a graphkiln artifact (or empty); anything else is never replaced")
@@ -114,6 +117,7 @@ def _config(args):
         "specialize_sizes": args.specialize_sizes,
         "disabled_passes": tuple(args.disable_pass),
         "dump_dir": str(args.dump_dir) if args.dump_dir else None,
+        "quantization": args.quantization,
     }
     return CompileConfig(**{k: v for k, v in fields.items() if v is not None})
 
@@ -258,6 +262,8 @@ def _serve_parser(parser: argparse.ArgumentParser) -> None:
                         help="with --compile; default: cuda if available")
     parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
                         help="with --compile; default: bfloat16 on cuda, float32 on cpu")
+    parser.add_argument("--quantization", choices=("fp8", "int4"), default=None,
+                        help="with --compile: quantize the decoder's linear layers (see compile-model --help)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=_count(0), default=8000, help="port (default 8000; 0: any free one, printed)")

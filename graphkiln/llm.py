@@ -129,7 +129,8 @@ class LLM:
         config = config or CompileConfig()
         serving = engine_config(engine, **options)
         model_dir = resolve_model_dir(model)
-        net = load_model(model_dir, resolve_device(config.device), resolve_dtype(config.dtype))
+        net = load_model(model_dir, resolve_device(config.device), resolve_dtype(config.dtype),
+                         quantization=config.quantization)
         compiled, report = compile_module(net, config)
         llm = cls(build_engine(net, compiled, serving), Tokenizer.from_dir(model_dir), report.counters.as_dict())
         llm.compile_report = report

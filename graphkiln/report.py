@@ -122,6 +122,35 @@ def format_compile_summary(s: dict) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
+def _layer_ranges(indices: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5"."""
+    runs: list[list[int]] = []
+    for i in sorted(indices):
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
+
+
+def _quantization_lines(quant: dict | None) -> list[str]:
+    """The scheme, then each linear layer's format, decoder layers with the same format on one line."""
+    if not quant:
+        return ["quantization  none"]
+    stored = f", weights in {quant['file']}" if quant.get("file") else ""
+    lines = [f"quantization  {quant['description']}{stored}"]
+    groups: dict[tuple[str, str], list[int]] = {}
+    for name, scheme in quant["layers"].items():
+        parts = name.split(".")
+        if len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
+            groups.setdefault((".".join(parts[3:]), scheme), []).append(int(parts[2]))
+        else:
+            lines.append(f"  {name:<36} {scheme}")
+    for (name, scheme), layers in groups.items():
+        lines.append(f"  {'layers ' + _layer_ranges(layers) + ' ' + name:<36} {scheme}")
+    return lines
+
+
 def format_manifest(m: dict, root: Path) -> str:
     env, model, cfg, engine, compiled = m["environment"], m["model"], m["config"], m["engine"], m["compiled"]
     lines = [
@@ -133,6 +162,7 @@ def format_manifest(m: dict, root: Path) -> str:
         "weights       " + ", ".join(f"{w['file']} ({w['size'] / 2**20:.1f} MiB)" for w in model["weights"]),
         f"tokenizer     {TOKENIZER_KINDS[model.get('tokenizer')]}",
         f"dtype         {cfg['dtype']}",
+        *_quantization_lines(model.get("quantization")),
         f"specialized   {cfg['specialize_sizes'] or 'none (dynamic only)'}",
         f"decode graphs {engine['decode_batch_sizes']} (default; load can change it)",
         f"prefill graphs {engine['prefill_token_buckets']} (default; load can change it)",

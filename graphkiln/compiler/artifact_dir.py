@@ -32,13 +32,15 @@ from graphkiln.models.weights_reader import indexed
 from graphkiln.models.config import ModelConfig
 from graphkiln.models.tokenizer import Tokenizer
 from graphkiln.models.fingerprint import model_fingerprint
+from graphkiln.models.quant_scheme import QuantScheme, model_scheme
+from graphkiln.models.quantized_layers import layer_schemes, save_quantized
 from graphkiln.models.transformer import CausalLM
 from graphkiln.passes.base import Pass
 from graphkiln.passes.dump import check_dump_dir
 from graphkiln.passes.manager import check_disabled, default_passes
 from graphkiln.timing import Stopwatch
 
-from .artifacts import CPU_KERNELS, TOKENIZER_FILE, load_compiled, save_compiled
+from .artifacts import CPU_KERNELS, QUANTIZED_FILE, TOKENIZER_FILE, load_compiled, save_compiled
 from .compile import CompileReport, Progress, compile_module
 from .compiled_model import CompiledModel
 from .config import CompileConfig
@@ -167,7 +169,7 @@ def write_artifact(
     """Compile `model_dir` for `config` into `out`; return the manifest and the compile report.
     `engine_defaults` (an EngineConfig as a dict) is recorded for `load` to start from.
 
-    The model directory (config.json, weight file headers), the device, the paths, the pass names
+    The model directory (config.json, weight file headers, quantization), the device, the paths, the pass names
     and, for dumps, depyf are checked before anything is locked, created or reported as progress.
     `force` replaces an existing artifact (or an empty folder), nothing else. `sign_key` signs the
     manifest.
@@ -175,6 +177,7 @@ def write_artifact(
     out = out.resolve()
     fingerprint = model_fingerprint(model_dir)
     check_device(config.device)
+    model_scheme(model_dir, config.quantization)  # an unsupported or conflicting scheme, before anything is written
     check_paths(out, model_dir, config)
     check_disabled(default_passes(graph_passes), config.disabled_passes)
     if config.dump_dir:
@@ -206,7 +209,7 @@ def _compile_into(
 ) -> tuple[dict, CompileReport]:
     progress("load weights", 0, 1)
     start = time.perf_counter()
-    model = load_model(model_dir, config.device, config.dtype)
+    model = load_model(model_dir, config.device, config.dtype, quantization=config.quantization)
     load_s = time.perf_counter() - start
     tokenizer = Tokenizer.from_dir(model_dir)
     snapshot = tokenizer is not None and tokenizer.save_snapshot(tmp / TOKENIZER_FILE)
@@ -218,6 +221,8 @@ def _compile_into(
     progress("save", 0, 1)
     t = time.perf_counter()
     section = save_compiled(compiled, tmp)
+    if config.quantization:
+        save_quantized(model, tmp / QUANTIZED_FILE)
     if private_cache.exists():
         _ship_cpu_kernels(private_cache, tmp / CPU_KERNELS)
     report.timings["save"] = time.perf_counter() - t
@@ -230,6 +235,7 @@ def _compile_into(
             "architecture": model.cfg.architecture,
             "config": asdict(model.cfg),
             "tokenizer": "snapshot" if snapshot else ("transformers" if tokenizer else None),
+            "quantization": _quantization(model_dir, config, model),
             **fingerprint,
         },
         "config": asdict(config),
@@ -244,6 +250,15 @@ def _compile_into(
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     tmp.chmod(0o755)
     return manifest, report
+
+
+def _quantization(model_dir: Path, config: CompileConfig, model: CausalLM) -> dict | None:
+    """The scheme and each linear layer's format, or None for an unquantized model."""
+    scheme = model_scheme(model_dir, config.quantization)
+    if scheme is None:
+        return None
+    file = None if scheme.from_checkpoint else QUANTIZED_FILE
+    return {"scheme": asdict(scheme), "description": scheme.describe(), "file": file, "layers": layer_schemes(model)}
 
 
 def _ship_cpu_kernels(cache: Path, shipped: Path) -> None:
@@ -308,6 +323,15 @@ def recorded_config(manifest: dict, out: Path) -> ModelConfig:
         raise ArtifactError(f"{out / MANIFEST}: field model.config is missing or invalid ({e!r}); {REWRITE}") from e
 
 
+def recorded_scheme(manifest: dict, out: Path) -> QuantScheme | None:
+    """The quantization scheme compile-model found or applied, or None."""
+    recorded = manifest["model"].get("quantization")
+    try:
+        return QuantScheme(**recorded["scheme"]) if recorded else None
+    except (KeyError, TypeError) as e:
+        raise ArtifactError(f"{out / MANIFEST}: field model.quantization is invalid ({e!r}); {REWRITE}") from e
+
+
 def _fill_on(device: torch.device, model: CausalLM, model_dir: Path, clock: Stopwatch) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -328,8 +352,10 @@ def read_artifact(
             manifest = check_artifact(out, model_dir, device, dtype, trusted_keys)
             config = manifest["config"]
             model_config = recorded_config(manifest, out)
+            scheme = recorded_scheme(manifest, out)
         device = torch.device(config["device"])
-        model = empty_model(model_dir, device, config["dtype"], model_config)
+        quantized = out / QUANTIZED_FILE if config.get("quantization") else None
+        model = empty_model(model_dir, device, config["dtype"], model_config, scheme, quantized)
         with ThreadPoolExecutor(1, thread_name_prefix="graphkiln-fill") as pool:  # weights beside the pieces
             weights = pool.submit(_fill_on, indexed(device), model, model_dir, clock)
             with clock.stage("pieces"):

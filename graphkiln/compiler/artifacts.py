@@ -4,6 +4,7 @@ Layout under the directory:
   graph.pkl                 the stitching graph with its attention submodules (FX code, no weights)
   pieces/<key>/<variant>.bin  Inductor standalone artifacts; variant is "dynamic" or a token count
   cpu-kernels/                (CPU only) the compiled C++ kernels, laid out as in Inductor's cache
+  quantized-weights.safetensors  the decoder's projections quantized at compile time (--quantization)
   tokenizer.json              the tokenizer pipeline transformers builds, when it alone reproduces
                               transformers (models/tokenizer.py)
 
@@ -36,6 +37,7 @@ GRAPH_FILE = "graph.pkl"
 PIECES_DIR = "pieces"
 CPU_KERNELS = "cpu-kernels"
 TOKENIZER_FILE = "tokenizer.json"
+QUANTIZED_FILE = "quantized-weights.safetensors"
 
 
 def save_compiled(compiled: CompiledModel, out: Path) -> dict:

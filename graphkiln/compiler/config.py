@@ -14,11 +14,13 @@ from graphkiln.checks import check_sizes
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "float16", "bfloat16")
+QUANTIZATIONS = ("fp8", "int4")
 
 
 @dataclass(frozen=True)
 class CompileConfig:
-    """Device and dtype of the artifact, token counts compiled specialized, passes, Inductor options, dumps.
+    """Device and dtype of the artifact, token counts compiled specialized, passes, Inductor options, dumps,
+    and `quantization` ("fp8", "int4"): the decoder's projections quantized at compile time.
 
     Every piece is compiled once with a dynamic token dim; each size in `specialize_sizes` adds one
     more compile with the token dim fixed to it, used for calls of exactly that many tokens.
@@ -30,6 +32,7 @@ class CompileConfig:
     disabled_passes: tuple[str, ...] = ()
     dump_dir: str | None = None
     inductor_options: dict = field(default_factory=dict, hash=False, compare=False)
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("specialize_sizes", "disabled_passes"):
@@ -38,6 +41,8 @@ class CompileConfig:
             raise ConfigError(f"CompileConfig.device={self.device!r}; use one of {DEVICES}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"CompileConfig.dtype={self.dtype!r}; use one of {DTYPES}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"CompileConfig.quantization={self.quantization!r}; use one of {QUANTIZATIONS} or None")
         check_sizes("CompileConfig.specialize_sizes", self.specialize_sizes, allow_empty=True)
         if self.dump_dir is not None:
             object.__setattr__(self, "dump_dir", str(self.dump_dir))

@@ -19,6 +19,16 @@ from graphkiln.errors import ConfigError, ModelFileError, WeightMismatchError
 from graphkiln.timing import Stopwatch
 
 from .config import ModelConfig, model_config_from_hf, read_hf_config
+from .quant_scheme import QuantScheme, model_scheme
+from .quantized_layers import (
+    fill_quantized,
+    install_quantized,
+    is_projection_tensor,
+    load_quantized,
+    quantize_model,
+    reset_input_scales,
+)
+from .quantized_linear import FP8, QuantizedLinear
 from .rope import rope_cache
 from .transformer import CausalLM
 from .weights_reader import TensorEntry, TensorRead, WeightsReader, read_header
@@ -102,51 +112,84 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype="float32",
     cfg: ModelConfig | None = None,
+    quantization: str | QuantScheme | None = None,
+    quantized_weights: Path | None = None,
     clock: Stopwatch | None = None,
 ) -> CausalLM:
     """Build a CausalLM from a Hugging Face directory on `device` in `dtype`.
 
     `cfg` is the ModelConfig already read from this directory's config.json (an artifact's manifest
     records it, so a warm load never imports transformers); without it config.json is read here.
-    `clock` gets the stage "weights" and the count "weight_bytes".
+    A checkpoint quantized by its publisher loads as it is. `quantization` ("fp8", "int4") quantizes
+    the decoder's projections after loading, or, with `quantized_weights` (the file an artifact holds),
+    takes them from that file instead of the checkpoint; a QuantScheme (an artifact's record) is used
+    as it is. `clock` gets the stage "weights" and the count "weight_bytes".
     """
-    model = empty_model(model_dir, device, dtype, cfg)
+    model = empty_model(model_dir, device, dtype, cfg, quantization, quantized_weights)
     fill_model(model, model_dir, clock)
     return model
 
 
 def empty_model(
-    model_dir: str | Path, device: str | torch.device = "cpu", dtype="float32", cfg: ModelConfig | None = None
+    model_dir: str | Path,
+    device: str | torch.device = "cpu",
+    dtype="float32",
+    cfg: ModelConfig | None = None,
+    quantization: str | QuantScheme | None = None,
+    quantized_weights: Path | None = None,
 ) -> CausalLM:
     """`load_model`'s model before its weights are read: every parameter allocated on `device`, uninitialised
-    (what compiled pieces bind to may be bound now, and `fill_model` run beside that)."""
+    (what compiled pieces bind to may be bound now, and `fill_model` run beside that). Quantized projections
+    are in place already where the checkpoint or `quantized_weights` holds them."""
     model_dir = check_model_dir(model_dir)
     device = torch.device(device)
+    dtype = resolve_dtype(dtype)
     cfg = cfg or model_config_from_hf(read_hf_config(model_dir), model_dir)
+    scheme = model_scheme(model_dir, quantization)
     with torch.device("meta"):
         model = CausalLM(cfg)
-    model = model.to(dtype=resolve_dtype(dtype)).to_empty(device=device)
+    model = model.to(dtype=dtype)
+    if scheme is not None and (scheme.from_checkpoint or quantized_weights is not None):
+        install_quantized(model, cfg, scheme, dtype)
+    model = model.to_empty(device=device)
+    reset_input_scales(model)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.register_buffer("rope_cache", rope_cache(cfg, device), persistent=False)
+    model.weight_source = WeightSource(scheme, quantized_weights)
     return model.eval().requires_grad_(False)
+
+
+class WeightSource:
+    """Where `fill_model` takes an `empty_model`'s projections from: the checkpoint, quantized after
+    (`scheme` applied at compile time), or an artifact's `quantized_weights` file."""
+
+    def __init__(self, scheme: QuantScheme | None, quantized_weights: Path | None) -> None:
+        self.scheme = scheme
+        self.quantized_weights = quantized_weights
 
 
 def fill_model(model: CausalLM, model_dir: str | Path, clock: Stopwatch | None = None) -> None:
     """Read the checkpoint into an `empty_model`; refuse a missing, misplaced, misshapen or non-finite tensor."""
     clock = clock or Stopwatch()
     model_dir = check_model_dir(model_dir)
-    files = weight_files(model_dir)
+    source: WeightSource = model.weight_source
+    skip = is_projection_tensor if source.quantized_weights is not None else lambda name: False
+    files = {name: path for name, path in weight_files(model_dir).items() if not skip(name)}
     param = next(model.parameters())
     with clock.stage("weights"):
         filled, read = _fill_weights(model, model.cfg, files, param.device, param.dtype)
     clock.counts["weight_bytes"] = clock.counts.get("weight_bytes", 0) + read
-    missing = sorted(_checkpoint_names(model) - filled)
+    missing = sorted(n for n in _checkpoint_names(model) - filled if not skip(n))
     if missing:
         raise WeightMismatchError(
             f"{model_dir}: checkpoint lacks tensors for {missing[:5]}{' ...' if len(missing) > 5 else ''}; "
             "the checkpoint does not match config.json"
         )
+    if source.quantized_weights is not None:
+        load_quantized(model, source.quantized_weights)
+    elif source.scheme is not None and not source.scheme.from_checkpoint:
+        quantize_model(model, model.cfg, source.scheme)
 
 
 def _checkpoint_names(model: CausalLM) -> set[str]:
@@ -165,22 +208,47 @@ def _fill_weights(model: CausalLM, cfg: ModelConfig, files: dict[Path, Path], de
     the bytes read."""
     headers = {path: read_header(path) for path in sorted(set(files.values()))}
     reads = []
+    staged = []  # (quantized owner, entry, tensor read whole) for fill_quantized
     for name, path in files.items():
         if IGNORED_TENSORS.match(name) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
             continue
         entry = headers[path].get(name)
         if entry is None:
             raise ModelFileError(f"{path}: holds no tensor {name!r}, which the index lists there; download it again")
-        reads.append(TensorRead(entry, _destination(model, cfg, entry)))
+        quantized = _quantized_owner(model, cfg, entry)
+        dest = torch.empty(entry.shape, dtype=entry.dtype, device=device) if quantized else _destination(model, cfg, entry)
+        reads.append(TensorRead(entry, dest))
+        if quantized:
+            staged.append((quantized, entry, dest))
     with torch.no_grad():
         stats = WeightsReader(device).read(reads)
-        _check_finite([(r.entry, r.dest, _sum(r.dest)) for r in reads], dtype)
+        sums = [(r.entry, r.dest, _sum(r.dest)) for r in reads]
+        for (module, kind, index), entry, tensor in staged:
+            fill_quantized(module, kind, index, tensor, f"{entry.path}: tensor {entry.name!r}")
+        _check_finite(sums, dtype)
     return {r.entry.name for r in reads}, stats.bytes
 
 
+def _quantized_owner(model: CausalLM, cfg: ModelConfig, entry: TensorEntry) -> tuple | None:
+    """(module, tensor kind, fused index) where the tensor fills a QuantizedLinear (read whole, then
+    placed by fill_quantized, which fuses scales); None for a plain parameter."""
+    try:
+        ours, _, index = _target(model, entry.name)
+    except AttributeError:
+        return None  # _destination names the misplaced tensor
+    owner, kind = ours.rsplit(".", 1)
+    module = model.get_submodule(owner)
+    return (module, kind, index) if isinstance(module, QuantizedLinear) else None
+
+
 def _sum(tensor: torch.Tensor) -> torch.Tensor:
-    """The sum, accumulated and returned in float32 for float16 (whose sums of finite weights overflow)."""
-    return tensor.sum(dtype=torch.float32 if tensor.dtype == torch.float16 else None)
+    """The sum, accumulated and returned in float32 for float16 (whose sums of finite weights overflow) and fp8."""
+    return _numeric(tensor).sum(dtype=torch.float32 if tensor.dtype == torch.float16 else None)
+
+
+def _numeric(tensor: torch.Tensor) -> torch.Tensor:
+    """fp8 tensors, which torch cannot sum or test for NaN, as float32."""
+    return tensor.float() if tensor.dtype == FP8 else tensor
 
 
 def _check_finite(sums: list[tuple[TensorEntry, torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> None:
@@ -188,10 +256,10 @@ def _check_finite(sums: list[tuple[TensorEntry, torch.Tensor, torch.Tensor]], dt
     if not sums or bool(torch.isfinite(torch.stack([s for *_, s in sums])).all()):
         return
     for entry, dest, total in sums:
-        if not bool(torch.isfinite(total)) and not bool(torch.isfinite(dest).all()):
+        if not bool(torch.isfinite(total)) and not bool(torch.isfinite(_numeric(dest)).all()):
             source = torch.empty(entry.shape, dtype=entry.dtype)
             WeightsReader(torch.device("cpu")).read([TensorRead(entry, source)])
-            if bool(torch.isfinite(source).all()):
+            if bool(torch.isfinite(_numeric(source)).all()):
                 raise ModelFileError(
                     f"{entry.path}: tensor {entry.name!r} holds values beyond {str(dtype).removeprefix('torch.')}'s "
                     "range (they become Inf); load the model in bfloat16 or float32"

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Fetch the wheels that graphkiln[flashinfer] needs, for a CUDA machine without access to the package
+# Fetch the wheels that graphkiln[flashinfer] and graphkiln[quant] need, for a CUDA machine without access to the package
 # index (Python 3.12, x86-64), into .whl/ (ignored by git). Run it where pip can reach the index,
 # then copy the repository with .whl/ to the CUDA machine; tests/gpu/run.sh installs them.
 #
 #   flashinfer_python-0.5.3-py3-none-any.whl                 ~7.0 MB
 #   apache_tvm_ffi-0.1.15.post2-cp312-...manylinux_2_28.whl  ~3.3 MB
 #   nvidia_cudnn_frontend-1.32.0-cp312-...manylinux_2_28.whl ~11.6 MB   (about 21 MiB in all)
+#   compressed_tensors, loguru, psutil (graphkiln[quant]: compressed-tensors checkpoints)  ~0.5 MB
 #
 # A CUDA image with torch usually has flashinfer's other requirements (click, einops, ninja, numpy, nvidia-ml-py,
 # packaging, requests, tabulate, torch, tqdm; typing-extensions for tvm-ffi) except
@@ -21,6 +22,7 @@ dest="${WHEEL_DIR:-.whl}"
 python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d "$dest" \
-  flashinfer-python==0.5.3 apache-tvm-ffi==0.1.15.post2 nvidia-cudnn-frontend==1.32.0
+  flashinfer-python==0.5.3 apache-tvm-ffi==0.1.15.post2 nvidia-cudnn-frontend==1.32.0 \
+  compressed-tensors==0.20.0 loguru==0.7.3 psutil==7.2.2
 ls -l "$dest"/flashinfer_python-0.5.3-*.whl "$dest"/apache_tvm_ffi-0.1.15.post2-*.whl \
   "$dest"/nvidia_cudnn_frontend-1.32.0-*.whl

@@ -1,0 +1,177 @@
+"""The quantized linear layers of a model: built empty, filled from a checkpoint, quantized, saved and loaded.
+
+Whatever the scheme (`quant_scheme.py`), the decoder's projections (q/k/v, o, gate/up, down)
+become the modules of `quantized_linear.py`; embeddings, norms and the LM head stay in the model
+dtype. A checkpoint's separate q, k, v (gate, up) tensors fill slices of one fused module.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from graphkiln.errors import ArtifactError, UnsupportedModelError, WeightMismatchError
+
+from .config import ModelConfig
+from .quant_scheme import PROJECTIONS, QuantScheme
+from .quantized_linear import (
+    BLOCK,
+    FP8,
+    BlockFp8Linear,
+    Fp8Linear,
+    Int4Linear,
+    QuantizedLinear,
+    int4_group_size,
+    quantize_fp8,
+    quantize_int4,
+)
+from .transformer import CausalLM
+
+
+def _projections(model: CausalLM, cfg: ModelConfig):
+    """(parent module, attribute, in_features, fused parts, has bias) of every decoder projection."""
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        yield attn, "qkv_proj", cfg.hidden_size, (cfg.q_size, cfg.kv_size, cfg.kv_size), cfg.qkv_bias
+        yield attn, "o_proj", cfg.q_size, (cfg.hidden_size,), cfg.o_bias
+        yield mlp, "gate_up_proj", cfg.hidden_size, (cfg.intermediate_size,) * 2, cfg.mlp_bias
+        yield mlp, "down_proj", cfg.intermediate_size, (cfg.hidden_size,), cfg.mlp_bias
+
+
+def _module(scheme: QuantScheme, in_features: int, parts: tuple[int, ...], bias: bool, dtype) -> QuantizedLinear:
+    if scheme.method == "int4":
+        group = int4_group_size(in_features)
+        if group is None:
+            raise UnsupportedModelError(f"int4 needs a layer's input size divisible by 16; a layer has {in_features}")
+        return Int4Linear(in_features, parts, bias, dtype, group)
+    if scheme.weights == "block":
+        if len(parts) > 1 and any(p % BLOCK for p in parts):
+            raise UnsupportedModelError(
+                f"block-wise fp8 with fused projections of sizes {parts}: each must be a multiple of {BLOCK}"
+            )
+        return BlockFp8Linear(in_features, parts, bias, dtype)
+    return Fp8Linear(in_features, parts, bias, dtype, static_input=scheme.activations == "static")
+
+
+def install_quantized(model: CausalLM, cfg: ModelConfig, scheme: QuantScheme, dtype: torch.dtype) -> None:
+    """Replace every decoder projection of a model on the meta device by an empty quantized module."""
+    with torch.device("meta"):
+        for parent, name, in_features, parts, bias in _projections(model, cfg):
+            setattr(parent, name, _module(scheme, in_features, parts, bias, dtype))
+
+
+def reset_input_scales(model: CausalLM) -> None:
+    """Static activation scales start at zero: the fused parts' scales are combined by their maximum."""
+    for module in model.modules():
+        if isinstance(module, Fp8Linear) and module.input_scale is not None:
+            module.input_scale.zero_()
+
+
+def fill_quantized(module: QuantizedLinear, kind: str, index: int | None, tensor: torch.Tensor, where: str) -> torch.Tensor:
+    """Copy one checkpoint tensor (`kind` of fused part `index`, None: unfused) into `module`; return its
+    destination. Per-tensor weight scales are spread over their part's channels; the static activation
+    scales of fused parts are combined by their maximum, which every part's activations fit."""
+    part = 0 if index is None else index
+    if kind == "input_scale":
+        dest = module.input_scale
+        _check_shape(tensor.reshape(-1), (1,), where)
+        return dest.copy_(torch.maximum(dest, tensor.float().reshape(1)))
+    if kind == "bias":
+        dest = module.bias.split(module.parts)[part]
+        _check_shape(tensor, dest.shape, where)
+        return dest.copy_(tensor)
+    if kind == "weight":
+        dest = module.weight.split(module.parts)[part]
+        _check_shape(tensor, dest.shape, where)
+        if tensor.dtype != FP8:
+            raise WeightMismatchError(f"{where}: dtype {tensor.dtype}, the checkpoint's quantization_config needs {FP8}")
+        return dest.copy_(tensor)
+    if kind == "weight_scale_inv" and isinstance(module, BlockFp8Linear):
+        dest = module.weight_scale_inv.split([-(-p // BLOCK) for p in module.parts])[part]
+        _check_shape(tensor, dest.shape, where)
+        return dest.copy_(tensor)
+    if kind == "weight_scale" and not isinstance(module, BlockFp8Linear):
+        dest = module.weight_scale.split(module.parts)[part]
+        values = tensor.float().reshape(-1)
+        if values.numel() == 1:
+            values = values.expand(dest.shape)
+        _check_shape(values, dest.shape, where)
+        return dest.copy_(values)
+    raise WeightMismatchError(f"{where}: no place for a {kind!r} tensor in a {type(module).__name__}")
+
+
+def _check_shape(tensor: torch.Tensor, shape, where: str) -> None:
+    if tuple(tensor.shape) != tuple(shape):
+        raise WeightMismatchError(
+            f"{where}: shape {tuple(tensor.shape)} but config.json and quantization_config imply {tuple(shape)}"
+        )
+
+
+@torch.no_grad()
+def quantize_model(model: CausalLM, cfg: ModelConfig, scheme: QuantScheme) -> None:
+    """Quantize every decoder projection of a loaded model in place, one layer at a time."""
+    for parent, name, in_features, parts, bias in _projections(model, cfg):
+        linear = getattr(parent, name)
+        weight = linear.weight
+        with torch.device(weight.device):
+            module = _module(scheme, in_features, parts, bias, weight.dtype)
+        if isinstance(module, Int4Linear):
+            for dest, value in zip((module.qweight, module.scales, module.zeros), quantize_int4(weight, module.group_size)):
+                dest.copy_(value)
+        else:
+            q, scale = quantize_fp8(weight)
+            module.weight.copy_(q)
+            module.weight_scale.copy_(scale)
+        if bias:
+            module.bias.copy_(linear.bias)
+        setattr(parent, name, module)
+
+
+def quantized_tensors(model: CausalLM) -> dict[str, torch.Tensor]:
+    """Every tensor of the quantized projections, by parameter name."""
+    quantized = {name for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    return {name: p for name, p in model.named_parameters() if name.rsplit(".", 1)[0] in quantized}
+
+
+def save_quantized(model: CausalLM, path: Path) -> None:
+    save_file({name: t.contiguous().cpu() for name, t in quantized_tensors(model).items()}, str(path))
+
+
+@torch.no_grad()
+def load_quantized(model: CausalLM, path: Path) -> None:
+    """Fill the quantized projections from a file save_quantized wrote (its sha256 already checked)."""
+    wanted = quantized_tensors(model)
+    try:
+        with safe_open(str(path), framework="pt", device=str(next(iter(wanted.values())).device)) as f:
+            names = set(f.keys())
+            if names != set(wanted):
+                odd = sorted(names ^ set(wanted))[:3]
+                raise ArtifactError(f"{path}: its tensors differ from the model's quantized layers ({odd}); recompile")
+            for name, dest in wanted.items():
+                value = f.get_tensor(name)
+                if value.shape != dest.shape or value.dtype != dest.dtype:
+                    raise ArtifactError(f"{path}: tensor {name!r} is {value.dtype} {tuple(value.shape)}, the model "
+                                        f"needs {dest.dtype} {tuple(dest.shape)}; recompile")
+                dest.copy_(value)
+    except (SafetensorError, OSError) as e:
+        raise ArtifactError(f"{path}: not a readable safetensors file ({e}); recompile") from e
+
+
+def is_projection_tensor(name: str) -> bool:
+    """A checkpoint tensor of a decoder projection (what a quantized artifact stores itself)."""
+    parts = name.split(".")
+    return len(parts) >= 2 and parts[-2] in PROJECTIONS
+
+
+def layer_schemes(model: CausalLM) -> dict[str, str]:
+    """Each linear layer's format, for the manifest and `graphkiln inspect`."""
+    out = {}
+    for name, module in model.named_modules():
+        if isinstance(module, QuantizedLinear):
+            out[name] = module.describe()
+        elif isinstance(module, torch.nn.Linear):
+            out[name] = f"{str(module.weight.dtype).removeprefix('torch.')} (not quantized)"
+    return out

@@ -1,0 +1,224 @@
+"""Quantized weight products: the custom ops, their reference bodies, the quantizers and the modules.
+
+`graphkiln::fp8_linear(x, weight, weight_scale, input_scale)`: weight [N, K] float8_e4m3fn with
+scales per output channel ([N]) or per 128 x 128 block ([ceil(N/128), ceil(K/128)], the factor
+to multiply by); activations quantized per token (channel scales) or per 1 x 128 group (block
+scales) at run time, or with one static scale when `input_scale` [1] is given.
+`graphkiln::int4_linear(x, qweight, scales, zeros, group_size)`: w[n, k] = (q[n, k] - zeros[n, g])
+* scales[n, g] with g = k // group_size, q in 0..15 packed two to a byte, the low nibble first.
+
+On CUDA both ops call the Triton kernels of `graphkiln.kernels`; elsewhere they dequantize to
+float32 and multiply, quantizing the activations the way the kernels do, so that CPU and GPU
+results differ only by rounding. The ops are opaque to Inductor and to the linear passes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max
+BLOCK = 128  # side of a weight scale block, and the activation group of block-scaled weights
+INT4_GROUP = 128
+INT4_MIN_GROUP = 16
+INT4_MAX = 15
+MIN_SCALE = 1e-12  # the scale of an all-zero row or group: any positive value quantizes it to zero
+
+
+def _expand_blocks(scale: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """[ceil(N/128), ceil(K/128)] block scales -> [N, K], one value per weight."""
+    return scale.repeat_interleave(BLOCK, 0)[:n].repeat_interleave(BLOCK, 1)[:, :k]
+
+
+def dequantize_fp8(weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """The float32 weight an fp8 weight and its channel or block scales stand for."""
+    n, k = weight.shape
+    scale = weight_scale.float()
+    scale = scale[:, None] if scale.dim() == 1 else _expand_blocks(scale, n, k)
+    return weight.float() * scale
+
+
+def _round_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * scale
+
+
+def quantize_activations_fp8(x: torch.Tensor, block_scaled: bool, input_scale: torch.Tensor | None) -> torch.Tensor:
+    """x in float32 after the round trip through fp8 the kernels make: with `input_scale`, one static scale;
+    else a scale per token, or per 1 x 128 group of a token when the weight has block scales."""
+    x = x.float()
+    if input_scale is not None:
+        return _round_fp8(x, input_scale.float().reshape(()))
+    if not block_scaled:
+        scale = x.abs().amax(-1, keepdim=True).clamp(min=MIN_SCALE) / FP8_MAX
+        return _round_fp8(x, scale)
+    k = x.shape[-1]
+    groups = F.pad(x, (0, -k % BLOCK)).unflatten(-1, (-1, BLOCK))
+    scale = groups.abs().amax(-1, keepdim=True).clamp(min=MIN_SCALE) / FP8_MAX
+    return _round_fp8(groups, scale).flatten(-2)[..., :k]
+
+
+@torch.library.custom_op("graphkiln::fp8_linear", mutates_args=())
+def fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None
+) -> torch.Tensor:
+    """x [M, K] @ dequantized weight [N, K]^T -> [M, N] in x.dtype."""
+    if x.is_cuda:  # triton is optional: the kernel is imported only where it runs
+        from graphkiln.kernels.fp8_linear import fp8_linear as kernel
+
+        return kernel(x, weight, weight_scale, input_scale)
+    xq = quantize_activations_fp8(x, weight_scale.dim() == 2, input_scale)
+    return torch.mm(xq, dequantize_fp8(weight, weight_scale).t()).to(x.dtype)
+
+
+@fp8_linear.register_fake
+def _(x, weight, weight_scale, input_scale) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] values 0..15 -> [N, K // 2] uint8, k = 2j in the low nibble of byte j and k = 2j + 1 in the high."""
+    q = q.to(torch.uint8)
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of pack_int4: [N, K // 2] uint8 -> [N, K] uint8 values 0..15."""
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
+
+
+def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The float32 weight [N, K] of packed int4 values with one scale and zero point per group."""
+    q = unpack_int4(qweight).float()
+    scale = scales.float().repeat_interleave(group_size, 1)
+    zero = zeros.float().repeat_interleave(group_size, 1)
+    return (q - zero) * scale
+
+
+@torch.library.custom_op("graphkiln::int4_linear", mutates_args=())
+def int4_linear(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """x [M, K] @ dequantized weight [N, K]^T -> [M, N] in x.dtype; the activations stay as they are."""
+    if x.is_cuda:  # triton is optional: the kernel is imported only where it runs
+        from graphkiln.kernels.int4_linear import int4_linear as kernel
+
+        return kernel(x, qweight, scales, zeros, group_size)
+    return torch.mm(x.float(), dequantize_int4(qweight, scales, zeros, group_size).t()).to(x.dtype)
+
+
+@int4_linear.register_fake
+def _(x, qweight, scales, zeros, group_size) -> torch.Tensor:
+    return x.new_empty(x.shape[0], qweight.shape[0])
+
+
+def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (float8_e4m3fn [N, K], float32 scales [N]): each row's largest magnitude maps to 448."""
+    w = weight.float()
+    scale = w.abs().amax(-1).clamp(min=MIN_SCALE) / FP8_MAX
+    return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def int4_group_size(in_features: int) -> int | None:
+    """128, or the largest power of two below it that divides K (at least 16); None when none does."""
+    group = math.gcd(in_features, INT4_GROUP)
+    return group if group >= INT4_MIN_GROUP else None
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (packed uint8 [N, K // 2], scales, zeros [N, K // group_size] in weight.dtype).
+
+    Asymmetric: each group's range [min, max] (widened to hold 0) spans the 16 levels, with an
+    integer zero point, so zero is exact and no weight moves by more than half a scale."""
+    w = weight.float().unflatten(-1, (-1, group_size))
+    low = w.amin(-1, keepdim=True).clamp(max=0)
+    high = w.amax(-1, keepdim=True).clamp(min=0)
+    scale = ((high - low) / INT4_MAX).clamp(min=MIN_SCALE).to(weight.dtype).float()  # as stored
+    zero = (-low / scale).round().clamp(0, INT4_MAX)
+    q = (w / scale + zero).round().clamp(0, INT4_MAX).flatten(-2)
+    return pack_int4(q), scale.squeeze(-1).to(weight.dtype), zero.squeeze(-1).to(weight.dtype)
+
+
+def _frozen(shape, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+
+
+class QuantizedLinear(nn.Module):
+    """A linear layer whose weight is stored quantized. `parts` are the output sizes of the checkpoint
+    projections fused into it (q, k, v or gate, up), in order; `bias` holds the bias in `dtype`."""
+
+    def __init__(self, in_features: int, parts: tuple[int, ...], bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = sum(parts)
+        self.parts = parts
+        self.bias = _frozen(self.out_features, dtype) if bias else None
+
+    def _add_bias(self, y: torch.Tensor) -> torch.Tensor:
+        return y if self.bias is None else y + self.bias
+
+    def describe(self) -> str:
+        """The storage format, as `graphkiln inspect` shows it."""
+        raise NotImplementedError
+
+
+class Fp8Linear(QuantizedLinear):
+    """float8_e4m3fn weight with a float32 scale per output channel (`weight_scale` [N]); `static_input` adds a
+    static activation scale (`input_scale` [1]), else activations are quantized per token as they come."""
+
+    scale_name = "weight_scale"
+
+    def __init__(
+        self, in_features: int, parts: tuple[int, ...], bias: bool, dtype: torch.dtype, static_input: bool = False
+    ) -> None:
+        super().__init__(in_features, parts, bias, dtype)
+        self.weight = _frozen((self.out_features, in_features), FP8)
+        setattr(self, self.scale_name, _frozen(self.scale_shape(), torch.float32))
+        self.input_scale = _frozen(1, torch.float32) if static_input else None
+
+    def scale_shape(self) -> tuple[int, ...]:
+        return (self.out_features,)
+
+    def describe(self) -> str:
+        activations = "static per-tensor" if self.input_scale is not None else "dynamic per-token"
+        return f"fp8 e4m3, per-channel weight scales, {activations} activations"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scales = getattr(self, self.scale_name)
+        return self._add_bias(torch.ops.graphkiln.fp8_linear(x, self.weight, scales, self.input_scale))
+
+
+class BlockFp8Linear(Fp8Linear):
+    """float8_e4m3fn weight with a float32 factor per 128 x 128 block, under the name the checkpoints give it
+    (`weight_scale_inv`); activations quantized per 1 x 128 group as they come."""
+
+    scale_name = "weight_scale_inv"
+
+    def scale_shape(self) -> tuple[int, ...]:
+        return (-(-self.out_features // BLOCK), -(-self.in_features // BLOCK))
+
+    def describe(self) -> str:
+        return f"fp8 e4m3, {BLOCK}x{BLOCK} block weight scales, dynamic per-1x{BLOCK}-group activations"
+
+
+class Int4Linear(QuantizedLinear):
+    """Weight-only int4: packed values, and a scale and zero point per group of `group_size` inputs."""
+
+    def __init__(
+        self, in_features: int, parts: tuple[int, ...], bias: bool, dtype: torch.dtype, group_size: int = INT4_GROUP
+    ) -> None:
+        super().__init__(in_features, parts, bias, dtype)
+        self.group_size = group_size
+        groups = in_features // group_size
+        self.qweight = _frozen((self.out_features, in_features // 2), torch.uint8)
+        self.scales = _frozen((self.out_features, groups), dtype)
+        self.zeros = _frozen((self.out_features, groups), dtype)
+
+    def describe(self) -> str:
+        return f"int4, asymmetric, groups of {self.group_size}, weight-only"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._add_bias(torch.ops.graphkiln.int4_linear(x, self.qweight, self.scales, self.zeros, self.group_size))
