@@ -4,6 +4,7 @@ The model is built on the meta device, materialized empty on the target device i
 dtype, and filled one checkpoint tensor at a time, so at most one tensor exists twice in memory.
 Each filled tensor is summed once as it lands (one pass over memory the copy just touched, one
 device sync for all of them): a NaN or Inf weight is refused by name instead of decoding token 0.
+One rank of a tensor-parallel group (`shard`) reads only its slices of each tensor (models/sharding.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from graphkiln.errors import ConfigError, ModelFileError, WeightMismatchError
 
 from .config import ModelConfig, model_config_from_hf, read_hf_config
 from .rope import rope_cache
+from .sharding import Shard, checkpoint_part, held_by_rank0_only, local_config, read_part
 from .transformer import CausalLM
 
 DTYPES = {
@@ -104,9 +106,13 @@ def _slice(cfg: ModelConfig, param: torch.Tensor, fused_name: str, index: int) -
 
 
 def load_model(
-    model_dir: str | Path, device: str | torch.device = "cpu", dtype="float32", cfg: ModelConfig | None = None
+    model_dir: str | Path,
+    device: str | torch.device = "cpu",
+    dtype="float32",
+    cfg: ModelConfig | None = None,
+    shard: Shard = Shard(),
 ) -> CausalLM:
-    """Build a CausalLM from a Hugging Face directory on `device` in `dtype`.
+    """Build a CausalLM from a Hugging Face directory on `device` in `dtype`; with `shard`, that rank's part.
 
     `cfg` is the ModelConfig already read from this directory's config.json (an artifact's manifest
     records it, so a warm load never imports transformers); without it config.json is read here.
@@ -117,11 +123,11 @@ def load_model(
     cfg = cfg or model_config_from_hf(read_hf_config(model_dir), model_dir)
     files = weight_files(model_dir)
     with torch.device("meta"):
-        model = CausalLM(cfg)
+        model = CausalLM(cfg, shard)
     model = model.to(dtype=dtype).to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    filled = _fill_weights(model, cfg, files, device, dtype)
+    filled = _fill_weights(model, cfg, shard, files, device, dtype)
     missing = sorted(_checkpoint_names(model) - filled)
     if missing:
         raise WeightMismatchError(
@@ -129,6 +135,10 @@ def load_model(
             "the checkpoint does not match config.json"
         )
     model.model.register_buffer("rope_cache", rope_cache(cfg, device), persistent=False)
+    if shard.parallel:
+        embed = model.model.embed_tokens
+        start = torch.tensor(shard.rank * embed.rows, dtype=torch.int64, device=device)
+        embed.register_buffer("vocab_start", start, persistent=False)
     return model.eval().requires_grad_(False)
 
 
@@ -143,8 +153,11 @@ def _checkpoint_names(model: CausalLM) -> set[str]:
     return names
 
 
-def _fill_weights(model: CausalLM, cfg: ModelConfig, files: dict[str, Path], device, dtype) -> set[str]:
-    """Copy every checkpoint tensor into its (slice of a) parameter; return the checkpoint names used."""
+def _fill_weights(
+    model: CausalLM, cfg: ModelConfig, shard: Shard, files: dict[str, Path], device, dtype
+) -> set[str]:
+    """Copy every checkpoint tensor (this rank's part) into its (slice of a) parameter; return the checkpoint
+    names used."""
     by_file: dict[Path, list[str]] = {}
     for name, path in files.items():
         by_file.setdefault(path, []).append(name)
@@ -157,7 +170,12 @@ def _fill_weights(model: CausalLM, cfg: ModelConfig, files: dict[str, Path], dev
                     for name in names:
                         if IGNORED_TENSORS.match(name) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
                             continue
-                        dest = _copy_tensor(model, cfg, name, f.get_tensor(name), path, filled, dtype)
+                        if shard.rank and held_by_rank0_only(name):
+                            _target(model, name)[1].zero_()
+                            filled.add(name)
+                            continue
+                        tensor = read_part(f, name, checkpoint_part(cfg, shard, name))
+                        dest = _copy_tensor(model, cfg, name, tensor, path, filled, dtype)
                         sums.append((path, name, dest, _sum(dest)))
             except (SafetensorError, OSError) as e:
                 raise ModelFileError(f"{path}: not a readable safetensors file ({e}); download it again") from e
@@ -195,7 +213,10 @@ def _copy_tensor(model, cfg, name, tensor, path, filled, dtype) -> torch.Tensor:
         raise WeightMismatchError(
             f"{path}: tensor {name!r} has no place in a {cfg.architecture} with this config.json"
         ) from None
-    dest = param if index is None else _slice(cfg, param, ours, index)
+    dest = param if index is None else _slice(local_config(cfg, model.shard.size), param, ours, index)
+    if model.shard.parallel and name.endswith(("embed_tokens.weight", "lm_head.weight")):
+        dest[tensor.shape[0] :].zero_()  # the vocabulary's padding rows, on the last rank
+        dest = dest[: tensor.shape[0]]
     if tuple(dest.shape) != tuple(tensor.shape):
         raise WeightMismatchError(
             f"{path}: tensor {name!r} has shape {tuple(tensor.shape)} but config.json implies "
