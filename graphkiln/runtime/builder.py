@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from graphkiln.compiler.compiled_model import CompiledModel
+from graphkiln.models.sharding import local_config
 from graphkiln.models.transformer import CausalLM
 
 from .attention.select import select_backend
@@ -19,6 +21,9 @@ from .prefill_graphs import PiecewisePrefillGraphs, PrefillGraphs
 from .runner import ModelRunner, Padding
 from .scheduler import Scheduler
 
+if TYPE_CHECKING:
+    from .tensor_parallel import Peers
+
 log = logging.getLogger("graphkiln.runtime")
 
 
@@ -27,22 +32,26 @@ def _log_capture(graphs: GraphSet) -> None:
     log.info("captured %d %s graphs in %.2f s, pool %.1f MiB", s.graphs, graphs.kind, s.seconds, s.pool_bytes / 2**20)
 
 
-def build_engine(model: CausalLM, compiled: CompiledModel | None = None, config: EngineConfig | None = None) -> Engine:
+def build_engine(
+    model: CausalLM, compiled: CompiledModel | None = None, config: EngineConfig | None = None, peers: Peers | None = None
+) -> Engine:
     """Eager when `compiled` is None; with it, compiled pieces and, on CUDA, CUDA graphs: whole for
-    decode, and for prefill where the attention backend can capture it (piecewise otherwise)."""
+    decode, and for prefill where the attention backend can capture it (piecewise otherwise). `peers`:
+    the other ranks of a tensor-parallel group, which follow every step (no CUDA graphs yet)."""
     config = config or EngineConfig()
     cfg = model.cfg
     max_context = min(cfg.max_context, config.max_seq_len or cfg.max_context)
     param = next(model.parameters())
     dtype, device = param.dtype, param.device
-    num_blocks = kv_cache_blocks(cfg, dtype, device, config)
-    kv = allocate_kv_cache(cfg, num_blocks, config.block_size, dtype, device)
+    layers = local_config(cfg, model.shard.size)  # this rank's KV heads
+    num_blocks = kv_cache_blocks(layers, dtype, device, config)
+    kv = allocate_kv_cache(layers, num_blocks, config.block_size, dtype, device)
     log.info("KV cache: %d blocks of %d tokens, %.1f MiB", num_blocks, config.block_size, kv.nbytes / 2**20)
     backend = select_backend(config.attention_backend, kv)
     allocator = BlockAllocator(num_blocks, config.block_size)
     padding = Padding(config.decode_batch_sizes, config.prefill_token_buckets) if compiled is not None else None
-    runner = ModelRunner(model, kv, backend, forward=compiled, padding=padding)
-    if compiled is not None and config.cuda_graphs and device.type == "cuda":
+    runner = ModelRunner(model, kv, backend, forward=compiled, padding=padding, peers=peers)
+    if compiled is not None and config.cuda_graphs and device.type == "cuda" and not model.shard.parallel:
         _capture(runner, compiled, config, max_context, allocator.capacity)
     scheduler = Scheduler(allocator, max_context, config.max_num_batched_tokens, config.max_num_seqs)
     return Engine(runner, scheduler, cfg.eos_token_ids, cfg.vocab_size, config)

@@ -35,6 +35,7 @@ class EngineConfig:
     `max_seq_len` caps prompt plus output below the model's own context. Decode steps of up to the
     largest decode batch size and prefill steps of up to the largest token bucket replay captured
     CUDA graphs (padded to the next size); larger ones run the compiled pieces without a graph.
+    `collective_timeout_s` bounds how long a tensor-parallel rank waits inside a step for the others.
     """
 
     attention_backend: str = "auto"
@@ -47,6 +48,7 @@ class EngineConfig:
     max_seq_len: int | None = None
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
+    collective_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         for name in ("decode_batch_sizes", "prefill_token_buckets"):
@@ -70,6 +72,9 @@ class EngineConfig:
         fraction = self.gpu_memory_fraction
         if not isinstance(fraction, (int, float)) or isinstance(fraction, bool) or not 0 < fraction <= 1:
             raise ConfigError(f"EngineConfig.gpu_memory_fraction={fraction!r}: it must be in (0, 1]")
+        timeout = self.collective_timeout_s
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
+            raise ConfigError(f"EngineConfig.collective_timeout_s={timeout!r}: give a positive number of seconds")
         if self.kv_cache_tokens is not None:
             self._check_cache_holds_the_limits()
 
