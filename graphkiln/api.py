@@ -8,11 +8,12 @@ import json
 import os
 from collections.abc import Sequence
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 
 import torch
 
-from graphkiln.compiler.artifact_dir import read_artifact, write_artifact
+from graphkiln.compiler.artifact_dir import check_artifact, read_artifact, read_tokenizer, write_artifact
 from graphkiln.compiler.compile import CompileReport, Progress
 from graphkiln.compiler.config import CompileConfig
 from graphkiln.compiler.manifest import MANIFEST, REWRITE, read_manifest
@@ -20,8 +21,10 @@ from graphkiln.compiler.signing import KeySource, load_private_key, load_public_
 from graphkiln.errors import ArtifactError, ConfigError, ModelFileError
 from graphkiln.llm import LLM, is_hub_id, resolve_model_dir
 from graphkiln.models.fingerprint import model_fingerprint
+from graphkiln.models.sharding import Shard
 from graphkiln.runtime.builder import build_engine
 from graphkiln.runtime.config import EngineConfig
+from graphkiln.runtime.tensor_parallel import parallel_engine
 from graphkiln.version import __version__
 
 
@@ -100,6 +103,8 @@ def load(
     Artifacts contain executable code: load only those you would run the compiling code for, or
     pass `trusted_keys` (Ed25519 public key PEMs: paths or bytes) to refuse any artifact not signed
     by one of them, before anything in it is unpickled or loaded.
+    An artifact compiled with `tensor_parallel_size=N` starts N-1 more processes here, one per GPU (or CPU
+    rank); under torchrun, every rank but 0 serves rank 0's steps and then exits the program.
     """
     if on_mismatch not in ("error", "recompile"):
         raise ConfigError(f"on_mismatch={on_mismatch!r}; use 'error' or 'recompile'")
@@ -116,6 +121,14 @@ def load(
             f"{model_dir}: the model directory {out / MANIFEST} names (model.source) is gone; if the weights "
             "moved, load with graphkiln.load(OUT, model=NEW_DIR) or `graphkiln generate OUT --model NEW_DIR`"
         )
+    size = manifest["config"].get("tensor_parallel_size", 1)
+    if size > 1:
+        manifest = check_artifact(out.resolve(), model_dir, device, dtype, keys)  # before any rank starts
+        load_rank = partial(_artifact_rank, out, model_dir, device, dtype, tuple(trusted_keys or ()))
+        engine = parallel_engine(size, manifest["config"]["device"], load_rank, serving)
+        llm = LLM(engine, read_tokenizer(manifest, out, model_dir), manifest.get("counters"))
+        llm.manifest = manifest
+        return llm
     try:
         net, compiled, tokenizer, manifest = read_artifact(out, model_dir, device, dtype, keys)
     except ArtifactError:
@@ -127,6 +140,13 @@ def load(
     llm = LLM(build_engine(net, compiled, serving), tokenizer, manifest.get("counters"))
     llm.manifest = manifest
     return llm
+
+
+def _artifact_rank(out: Path, model_dir: Path, device, dtype, trusted_keys: tuple, shard: Shard):
+    """One tensor-parallel rank's weights and compiled pieces (each rank checks the artifact itself)."""
+    keys = load_public_keys(trusted_keys) if trusted_keys else ()
+    net, compiled, _, _ = read_artifact(out, model_dir, device, dtype, keys, shard)
+    return net, compiled
 
 
 def recorded_engine(manifest: dict, root: Path) -> EngineConfig:

@@ -23,12 +23,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from graphkiln.compat import private_inductor_cache, require_depyf
+from graphkiln.compat import fake_process_group, private_inductor_cache, require_depyf
 from graphkiln.errors import ArtifactError, ConfigError
 from graphkiln.models import load_model, resolve_dtype
 from graphkiln.models.config import ModelConfig
 from graphkiln.models.tokenizer import Tokenizer
 from graphkiln.models.fingerprint import model_fingerprint
+from graphkiln.models.sharding import Shard
 from graphkiln.models.transformer import CausalLM
 from graphkiln.passes.base import Pass
 from graphkiln.passes.dump import check_dump_dir
@@ -200,16 +201,18 @@ def write_artifact(
 def _compile_into(
     model_dir, model_source, fingerprint, tmp: Path, config, engine_defaults: dict, graph_passes, progress
 ) -> tuple[dict, CompileReport]:
-    progress("load weights", 0, 1)
-    start = time.perf_counter()
-    model = load_model(model_dir, config.device, config.dtype)
-    load_s = time.perf_counter() - start
-    tokenizer = Tokenizer.from_dir(model_dir)
-    snapshot = tokenizer is not None and tokenizer.save_snapshot(tmp / TOKENIZER_FILE)
-    progress("load weights", 1, 1)
-    private_cache = tmp / ".inductor-cache"
-    with private_inductor_cache(private_cache) if config.device == "cpu" else contextlib.nullcontext():
-        compiled, report = compile_module(model, config, graph_passes, progress)
+    size = config.tensor_parallel_size
+    with fake_process_group(size) if size > 1 else contextlib.nullcontext():  # rank 0's graph is every rank's
+        progress("load weights", 0, 1)
+        start = time.perf_counter()
+        model = load_model(model_dir, config.device, config.dtype, shard=Shard(0, size))
+        load_s = time.perf_counter() - start
+        tokenizer = Tokenizer.from_dir(model_dir)
+        snapshot = tokenizer is not None and tokenizer.save_snapshot(tmp / TOKENIZER_FILE)
+        progress("load weights", 1, 1)
+        private_cache = tmp / ".inductor-cache"
+        with private_inductor_cache(private_cache) if config.device == "cpu" else contextlib.nullcontext():
+            compiled, report = compile_module(model, config, graph_passes, progress)
     report.timings = {"load": load_s, **report.timings}
     progress("save", 0, 1)
     t = time.perf_counter()
@@ -305,20 +308,24 @@ def recorded_config(manifest: dict, out: Path) -> ModelConfig:
 
 
 def read_artifact(
-    out: Path, model_dir: Path, device=None, dtype=None, trusted_keys: Sequence = ()
+    out: Path, model_dir: Path, device=None, dtype=None, trusted_keys: Sequence = (), shard: Shard = Shard()
 ) -> tuple[CausalLM, CompiledModel, Tokenizer | None, dict]:
-    """Check, then load weights, compiled pieces and the tokenizer: no Dynamo trace, no Inductor compile,
-    and no transformers import where the artifact keeps a tokenizer snapshot."""
+    """Check, then load weights (`shard`: one tensor-parallel rank's), compiled pieces and the tokenizer: no
+    Dynamo trace, no Inductor compile, and no transformers import where the artifact keeps a tokenizer snapshot."""
     out = out.resolve()
     with _locked(out, shared=True):
         manifest = check_artifact(out, model_dir, device, dtype, trusted_keys)
         config = manifest["config"]
-        model = load_model(model_dir, torch.device(config["device"]), config["dtype"], recorded_config(manifest, out))
+        cfg = recorded_config(manifest, out)
+        model = load_model(model_dir, torch.device(config["device"]), config["dtype"], cfg, shard)
         tensors = dict(model.named_parameters(remove_duplicate=False))
         tensors.update(model.named_buffers(remove_duplicate=False))
         compiled = load_compiled(manifest["compiled"], manifest["files"], out, tensors)
-        if manifest["model"].get("tokenizer") == "snapshot":
-            tokenizer = Tokenizer.from_snapshot(model_dir, out / TOKENIZER_FILE)
-        else:
-            tokenizer = Tokenizer.from_dir(model_dir)
-        return model, compiled, tokenizer, manifest
+        return model, compiled, read_tokenizer(manifest, out, model_dir), manifest
+
+
+def read_tokenizer(manifest: dict, out: Path, model_dir: Path) -> Tokenizer | None:
+    """The artifact's tokenizer snapshot where it keeps one, else the model directory's tokenizer."""
+    if manifest["model"].get("tokenizer") == "snapshot":
+        return Tokenizer.from_snapshot(model_dir, out / TOKENIZER_FILE)
+    return Tokenizer.from_dir(model_dir)
