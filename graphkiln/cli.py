@@ -60,6 +60,8 @@ def _compile_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--specialize-sizes", type=_sizes, default=(), metavar="1,2,4,...",
                         help="token counts that get one more Inductor compile each, with the token dim fixed")
     parser.add_argument("--disable-pass", action="append", default=[], metavar="NAME")
+    parser.add_argument("--tensor-parallel-size", type=_count(1), default=1, metavar="N",
+                        help="split the model over N ranks (GPUs, or CPU processes); `load` starts them")
     parser.add_argument("--dump-dir", type=Path, default=None, help="write pass-debugging dumps here")
     parser.add_argument("--force", action="store_true",
                         help="replace OUT if it is a graphkiln artifact (or empty); anything else is never replaced")
@@ -109,6 +111,7 @@ def _config(args):
         "specialize_sizes": args.specialize_sizes,
         "disabled_passes": tuple(args.disable_pass),
         "dump_dir": str(args.dump_dir) if args.dump_dir else None,
+        "tensor_parallel_size": args.tensor_parallel_size,
     }
     return CompileConfig(**{k: v for k, v in fields.items() if v is not None})
 
@@ -269,7 +272,7 @@ def _serve_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="warning",
                         help="uvicorn's log level (info: one line per request)")
     _engine_parser(parser.add_argument_group("engine options (default: what the artifact records)"))
-    parser.set_defaults(handler=run_serve, specialize_sizes=(), disable_pass=[], dump_dir=None)
+    parser.set_defaults(handler=run_serve, specialize_sizes=(), disable_pass=[], dump_dir=None, tensor_parallel_size=1)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,8 @@ from graphkiln.compiler.compile import CompileReport, compile_module
 from graphkiln.compiler.config import CompileConfig
 from graphkiln.errors import ModelFileError, RequestError, RequestFailedError
 from graphkiln.models import load_model, resolve_dtype
-from graphkiln.models.sharding import Shard
+from graphkiln.models.config import model_config_from_hf, read_hf_config
+from graphkiln.models.sharding import Shard, check_shardable
 from graphkiln.models.tiny import TINY_NAME, tiny_model_dir
 from graphkiln.models.tokenizer import IncrementalDecoder, Tokenizer
 from graphkiln.runtime.builder import build_engine
@@ -124,6 +125,7 @@ class LLM:
         model_dir = resolve_model_dir(model)
         device = resolve_device(device)
         if tensor_parallel_size > 1:
+            check_shardable(model_config_from_hf(read_hf_config(model_dir), model_dir), tensor_parallel_size)
             load_rank = partial(_eager_rank, model_dir, device.type, resolve_dtype(dtype))
             return cls(parallel_engine(tensor_parallel_size, device.type, load_rank, config), Tokenizer.from_dir(model_dir))
         net = load_model(model_dir, device, resolve_dtype(dtype))

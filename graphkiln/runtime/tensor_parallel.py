@@ -273,8 +273,7 @@ def parallel_engine(size: int, device: str, load_rank: LoadRank, config: EngineC
 
     group = start_group(size, device, load_rank, config)
     try:
-        with group.peers.watch():
-            net, compiled = load_rank(group.shard)
+        net, compiled = load_rank(group.shard)  # its errors are the user's to see as they are
         engine = build_engine(net, compiled, config, group.peers)
         kv = engine.runner.kv_cache
         group.ready(config.replace(kv_cache_tokens=(kv.num_blocks - 1) * kv.block_size))
