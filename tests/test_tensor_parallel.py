@@ -7,10 +7,13 @@ time, so each test closes its LLM before the next one starts.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
+import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -18,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import graphkiln
-from artifact_helpers import ENGINE, SMALL_ENGINE, popen, run
+from artifact_helpers import ENGINE, SMALL_ENGINE, popen, run, subprocess_env
 from conftest import FAMILIES, Checkpoint
 from graphkiln import CompileConfig, SamplingParams
 from graphkiln.compat import fake_process_group
@@ -197,3 +200,30 @@ def test_two_torchrun_nodes_serve_from_rank_0(tiny_tp: Path) -> None:
         assert node.returncode == 0, stderr
     assert f"'The kiln is hot' -> {expected!r}" in outputs[0][0]
     assert "->" not in outputs[1][0]
+
+
+def _rank1_exits(path: Path, shard: Shard):
+    if shard.rank == 1:
+        os._exit(3)
+    return load_model(path, shard=shard), None
+
+
+def test_rank_dying_while_loading_is_named(llama: Checkpoint) -> None:
+    start = time.monotonic()
+    with pytest.raises(RankFailedError, match=r"rank 1 \(pid \d+\) exited with code 3"):
+        parallel_engine(2, "cpu", partial(_rank1_exits, llama.path), graphkiln.EngineConfig(**ENGINE))
+    assert time.monotonic() - start < DEAD_RANK_LIMIT_S
+    assert not dist.is_initialized()
+
+
+def test_rank_failing_to_start_is_named(llama: Checkpoint) -> None:
+    """A program read from stdin cannot be spawned again (the child re-runs the parent's main file): the
+    parent says so at once instead of waiting for the group's timeout."""
+    script = f"import graphkiln\ngraphkiln.LLM.eager({str(llama.path)!r}, tensor_parallel_size=2, kv_cache_tokens=2048)\n"
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, "-"], input=script, env=subprocess_env(), capture_output=True,
+                            text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 1
+    assert re.search(r"RankFailedError: tensor-parallel rank 1 \(pid \d+\) exited with code 1 while starting",
+                     result.stderr)  # fmt: skip
+    assert time.monotonic() - start < 60

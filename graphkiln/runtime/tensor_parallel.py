@@ -146,12 +146,35 @@ class Peers:
             self.store_dir = None
 
 
-def _init_groups(rank: int, size: int, init_method: str, device_type: str, timeout_s: float) -> dist.ProcessGroup:
-    """The world group (NCCL on CUDA, gloo on the CPU) and the gloo control group; returns the control group."""
+def _init_groups(rank: int, size: int, store: dist.Store | None, device_type: str, timeout_s: float) -> dist.ProcessGroup:
+    """The world group (NCCL on CUDA, gloo on the CPU) and the gloo control group; returns the control group.
+    Without a store the group meets as torchrun says (env://)."""
     backend = "nccl" if device_type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
-                            timeout=timedelta(seconds=timeout_s))  # fmt: skip
+    meet = {"store": store} if store is not None else {"init_method": "env://"}
+    dist.init_process_group(backend, rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s), **meet)
     return dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+
+
+def _joining_key(rank: int) -> str:
+    return f"graphkiln/joining/{rank}"
+
+
+def _wait_for_ranks(store: dist.Store, processes: dict[int, multiprocessing.process.BaseProcess], timeout_s: float) -> None:
+    """Until every spawned rank says it is joining the group; one that exits first (or never says it) is a
+    RankFailedError naming it, instead of a wait for the whole timeout."""
+    deadline = time.monotonic() + timeout_s
+    waiting = dict(processes)
+    while waiting:
+        for rank, process in list(waiting.items()):
+            if store.check([_joining_key(rank)]):
+                del waiting[rank]
+            elif process.exitcode is not None:
+                raise RankFailedError(f"tensor-parallel rank {rank} (pid {process.pid}) exited with code "
+                                      f"{process.exitcode} while starting; its error is printed above")  # fmt: skip
+        if waiting and time.monotonic() > deadline:
+            raise RankFailedError(f"tensor-parallel ranks {sorted(waiting)} did not start within "
+                                  f"{timeout_s:.0f} s (EngineConfig.collective_timeout_s)")  # fmt: skip
+        time.sleep(0.02)
 
 
 def _receive(control: dist.ProcessGroup):
@@ -177,14 +200,16 @@ def follow(shard: Shard, load_rank: LoadRank, control: dist.ProcessGroup) -> Non
         runner.follow(step, input_ids)
 
 
-def _spawned_rank(rank: int, size: int, init_method: str, device: str, cuda_device: str | None, threads: int,
+def _spawned_rank(rank: int, size: int, store_path: str, device: str, cuda_device: str | None, threads: int,
                   timeout_s: float, load_rank: LoadRank) -> None:  # fmt: skip
     """The entry point of a rank spawned by rank 0 (it sees only its own GPU, as cuda:0)."""
     if cuda_device is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = cuda_device
     torch.set_num_threads(threads)
     try:
-        control = _init_groups(rank, size, init_method, device, timeout_s)
+        store = dist.FileStore(store_path, size)
+        store.set(_joining_key(rank), "1")
+        control = _init_groups(rank, size, store, device, timeout_s)
         follow(Shard(rank, size), load_rank, control)
     except Exception as error:
         print(f"graphkiln: tensor-parallel rank {rank} stops: {type(error).__name__}: {error}", file=sys.stderr)
@@ -232,17 +257,19 @@ def start_group(size: int, device: str, load_rank: LoadRank, config: EngineConfi
         return _join_torchrun(size, device, load_rank, config, *launched)
     cuda_devices = _visible_cuda_devices(size) if device == "cuda" else None
     store_dir = tempfile.mkdtemp(prefix="graphkiln-tp-")
-    init_method = f"file://{store_dir}/store"
+    store_path = f"{store_dir}/store"
     context = mp.get_context("spawn")
     processes = {}
     try:
+        store = dist.FileStore(store_path, size)
         for rank in range(1, size):
-            args = (rank, size, init_method, device, cuda_devices[rank] if cuda_devices else None,
+            args = (rank, size, store_path, device, cuda_devices[rank] if cuda_devices else None,
                     torch.get_num_threads(), config.collective_timeout_s, load_rank)  # fmt: skip
             processes[rank] = context.Process(target=_spawned_rank, args=args, daemon=True,
                                               name=f"graphkiln-tp-rank{rank}")  # fmt: skip
             processes[rank].start()
-        control = _init_groups(0, size, init_method, device, config.collective_timeout_s)
+        _wait_for_ranks(store, processes, config.collective_timeout_s)
+        control = _init_groups(0, size, store, device, config.collective_timeout_s)
     except BaseException:
         for process in processes.values():
             process.terminate()
@@ -257,7 +284,7 @@ def _join_torchrun(size: int, device: str, load_rank: LoadRank, config: EngineCo
                           f"tensor_parallel_size={size}; start exactly {size} (nnodes x nproc-per-node)")  # fmt: skip
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    control = _init_groups(rank, size, "env://", device, config.collective_timeout_s)
+    control = _init_groups(rank, size, None, device, config.collective_timeout_s)
     if rank == 0:
         return Group(Shard(0, size), Peers(size, control, {}, None))
     try:
