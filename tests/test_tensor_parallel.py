@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import graphkiln
-from artifact_helpers import ENGINE, SMALL_ENGINE, popen, run, subprocess_env
+from artifact_helpers import ENGINE, SMALL_CONFIG_ARGS, SMALL_ENGINE, compile_cmd, popen, run, subprocess_env
 from conftest import FAMILIES, Checkpoint
 from graphkiln import CompileConfig, SamplingParams
 from graphkiln.compat import fake_process_group
@@ -160,10 +160,16 @@ def test_more_ranks_than_gpus_is_a_config_error() -> None:
 
 @pytest.fixture(scope="module")
 def tiny_tp(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model (tied embeddings, a tokenizer) compiled for 2 ranks."""
+    """The tiny model (tied embeddings, a tokenizer) compiled for 2 ranks by `compile-model`."""
     out = tmp_path_factory.mktemp("tp") / "tiny-tp2"
-    graphkiln.compile_model("tiny", out, TP, engine=SMALL_ENGINE)
+    result = run([*compile_cmd("tiny", "-o", out, "--tensor-parallel-size", "2", *SMALL_CONFIG_ARGS), "--quiet"])
+    assert result.returncode == 0, result.stderr
     return out
+
+
+def test_inspect_shows_the_ranks(tiny_tp: Path) -> None:
+    result = run([sys.executable, "-m", "graphkiln", "inspect", str(tiny_tp)])
+    assert "tensor parallel 2 rank(s)" in result.stdout, result.stderr
 
 
 def generate_cmd(out: Path) -> list[str]:
@@ -227,3 +233,15 @@ def test_rank_failing_to_start_is_named(llama: Checkpoint) -> None:
     assert re.search(r"RankFailedError: tensor-parallel rank 1 \(pid \d+\) exited with code 1 while starting",
                      result.stderr)  # fmt: skip
     assert time.monotonic() - start < 60
+
+
+def test_server_on_two_ranks(tiny_tp: Path) -> None:
+    """`graphkiln serve` on the 2-rank artifact answers as the single-rank engine generates."""
+    from serve_helpers import serve_process
+
+    with graphkiln.LLM.eager("tiny", **ENGINE) as llm:
+        expected = llm.generate(["The kiln is hot"], SamplingParams(max_tokens=8, ignore_eos=True))[0].text
+    with serve_process(str(tiny_tp), "--kv-cache-tokens", "2048") as server, server.http() as http:
+        body = {"prompt": "The kiln is hot", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        reply = http.post("/v1/completions", json=body).json()
+    assert reply["choices"][0]["text"] == expected
