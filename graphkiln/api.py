@@ -121,23 +121,41 @@ def load(
             f"{model_dir}: the model directory {out / MANIFEST} names (model.source) is gone; if the weights "
             "moved, load with graphkiln.load(OUT, model=NEW_DIR) or `graphkiln generate OUT --model NEW_DIR`"
         )
-    size = manifest["config"].get("tensor_parallel_size", 1)
-    if size > 1:
-        manifest = check_artifact(out.resolve(), model_dir, device, dtype, keys)  # before any rank starts
-        load_rank = partial(_artifact_rank, out, model_dir, device, dtype, tuple(trusted_keys or ()))
-        engine = parallel_engine(size, manifest["config"]["device"], load_rank, serving)
-        llm = LLM(engine, read_tokenizer(manifest, out, model_dir), manifest.get("counters"))
-        llm.manifest = manifest
-        return llm
+    if manifest["config"].get("tensor_parallel_size", 1) > 1:
+        return _load_parallel(out, source, model_dir, device, dtype, on_mismatch, keys, trusted_keys, serving, manifest)
     try:
         net, compiled, tokenizer, manifest = read_artifact(out, model_dir, device, dtype, keys)
     except ArtifactError:
         if on_mismatch == "error":
             raise
-        config = CompileConfig(**{**_config_fields(manifest["config"]), **_overrides(device, dtype)})
-        compile_model(source, out, config, engine=recorded_engine(manifest, out), force=True)
+        _recompile(source, out, manifest, device, dtype)
         net, compiled, tokenizer, manifest = read_artifact(out, model_dir, device, dtype)
     llm = LLM(build_engine(net, compiled, serving), tokenizer, manifest.get("counters"))
+    llm.manifest = manifest
+    return llm
+
+
+def _recompile(source, out: Path, manifest: dict, device, dtype) -> None:
+    """Compile `source` into `out` again, with the CompileConfig and engine defaults the stale artifact records."""
+    config = CompileConfig(**{**_config_fields(manifest["config"]), **_overrides(device, dtype)})
+    compile_model(source, out, config, engine=recorded_engine(manifest, out), force=True)
+
+
+def _load_parallel(out: Path, source, model_dir: Path, device, dtype, on_mismatch: str, keys: Sequence,
+                   trusted_keys, serving: EngineConfig, manifest: dict) -> LLM:  # fmt: skip
+    """A tensor-parallel artifact, checked (or recompiled) before any other rank starts; each rank then loads
+    its own shard and the same pieces (checking the artifact, against `trusted_keys` too, itself)."""
+    try:
+        manifest = check_artifact(out.resolve(), model_dir, device, dtype, keys)
+    except ArtifactError:
+        if on_mismatch == "error":
+            raise
+        _recompile(source, out, manifest, device, dtype)
+        manifest = check_artifact(out.resolve(), model_dir, device, dtype)
+    load_rank = partial(_artifact_rank, out, model_dir, device, dtype, tuple(trusted_keys or ()))
+    engine = parallel_engine(manifest["config"]["tensor_parallel_size"], manifest["config"]["device"], load_rank,
+                             serving)  # fmt: skip
+    llm = LLM(engine, read_tokenizer(manifest, out, model_dir), manifest.get("counters"))
     llm.manifest = manifest
     return llm
 

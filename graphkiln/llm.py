@@ -15,7 +15,7 @@ import torch
 
 from graphkiln.compiler.compile import CompileReport, compile_module
 from graphkiln.compiler.config import CompileConfig
-from graphkiln.errors import ModelFileError, RequestError, RequestFailedError
+from graphkiln.errors import ConfigError, ModelFileError, RequestError, RequestFailedError
 from graphkiln.models import load_model, resolve_dtype
 from graphkiln.models.config import model_config_from_hf, read_hf_config
 from graphkiln.models.sharding import Shard, check_shardable
@@ -137,6 +137,9 @@ class LLM:
     ) -> LLM:
         """Trace and compile in this process (no artifacts written) and serve the compiled model."""
         config = config or CompileConfig()
+        if config.tensor_parallel_size > 1:
+            raise ConfigError(f"LLM.compile serves one rank, not tensor_parallel_size={config.tensor_parallel_size}; "
+                              "compile with graphkiln.compile_model(MODEL, OUT, config) and graphkiln.load(OUT)")  # fmt: skip
         serving = engine_config(engine, **options)
         model_dir = resolve_model_dir(model)
         net = load_model(model_dir, resolve_device(config.device), resolve_dtype(config.dtype))
