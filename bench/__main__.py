@@ -17,6 +17,7 @@ COMMANDS = {  # command -> (module, one line of help)
     "passes": ("passes", "each optional graph pass on and off"),
     "bf16-ties": ("bf16_ties", "where bfloat16 greedy tokens differ between eager and compiled (CPU)"),
     "serve": ("serve", "graphkiln serve over HTTP at concurrency 1/16/64 against the offline engine"),
+    "tp-share": ("tp_share", "whether tensor-parallel ranks compiled on their own produce the same code"),
     "tp-memory": ("tp_memory", "peak host memory of loading one tensor-parallel rank against the whole model"),
 }
 
