@@ -274,3 +274,22 @@ def test_server_on_two_ranks(tiny_tp: Path) -> None:
         body = {"prompt": "The kiln is hot", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
         reply = http.post("/v1/completions", json=body).json()
     assert reply["choices"][0]["text"] == expected
+
+
+def test_rank_0_dying_stops_the_others(llama: Checkpoint, tmp_path: Path) -> None:
+    """Rank 0 killed mid-generate: the rank it started exits on its own, saying rank 0 is gone."""
+    script = tmp_path / "die.py"
+    script.write_text(
+        "import os, signal\nimport graphkiln\n\nif __name__ == '__main__':\n"
+        f"    llm = graphkiln.LLM.eager({str(llama.path)!r}, tensor_parallel_size=2, kv_cache_tokens=2048)\n"
+        "    stream = llm.generate_stream([1, 2, 3], graphkiln.SamplingParams(max_tokens=200, ignore_eos=True))\n"
+        "    next(stream)\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    start = time.monotonic()
+    env = {**subprocess_env(), "PYTHONPATH": str(Path(graphkiln.__file__).parents[1])}
+    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                            timeout=120)  # returns once the orphaned rank closed its stderr too  # fmt: skip
+    assert result.returncode == -signal.SIGKILL
+    assert "graphkiln: tensor-parallel rank 1 stops: RankFailedError: rank 0 is gone" in result.stderr
+    assert time.monotonic() - start < 60

@@ -194,10 +194,20 @@ def follow(shard: Shard, load_rank: LoadRank, control: dist.ProcessGroup) -> Non
         return
     runner = build_engine(net, compiled, config).runner
     dist.barrier(group=control)
-    while (step := _receive(control)) is not None:
+    while (step := _next_step(control)) is not None:
         input_ids = torch.empty(step.batch.num_tokens, dtype=torch.int64, device=runner.device)
-        dist.broadcast(input_ids, src=0)
-        runner.follow(step, input_ids)
+        try:
+            dist.broadcast(input_ids, src=0)
+            runner.follow(step, input_ids)
+        except Exception as error:
+            raise RankFailedError(f"a step's collective failed: rank 0 or another rank is gone ({error})") from None
+
+
+def _next_step(control: dist.ProcessGroup) -> Step | None:
+    try:
+        return _receive(control)
+    except Exception as error:
+        raise RankFailedError(f"rank 0 is gone: waiting for its next step failed ({error})") from None
 
 
 def _spawned_rank(rank: int, size: int, store_path: str, device: str, cuda_device: str | None, threads: int,
