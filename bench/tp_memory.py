@@ -11,6 +11,7 @@ allocated. A rank that materialised whole tensors would peak above its share by 
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -27,14 +28,8 @@ PREFIX = "TP-MEMORY "
 def add_arguments(p) -> None:
     p.add_argument("--ranks", type=int, default=2, help="tensor-parallel size (default 2)")
     p.add_argument("--out", type=Path, default=None, help="write the JSON result here too")
-    p.add_argument("--child", default=None, help=argparse_suppress())
-    p.add_argument("--model", type=Path, default=None, help=argparse_suppress())
-
-
-def argparse_suppress() -> str:
-    import argparse
-
-    return argparse.SUPPRESS
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # a measuring child: "rank/size"
+    p.add_argument("--model", type=Path, default=None, help=argparse.SUPPRESS)
 
 
 def _status_bytes(field: str) -> int:

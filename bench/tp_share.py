@@ -48,7 +48,8 @@ def main(a) -> int:
         folders = [Path(tmp) / f"rank{r}" for r in (0, 1)]
         for rank, folder in enumerate(folders):
             _compile_rank(model_dir, rank, a.ranks, folder)
-        files = sorted(str(p.relative_to(folders[0] / "artifact")) for p in (folders[0] / "artifact").rglob("*") if p.is_file())
+        first_artifact = folders[0] / "artifact"
+        files = sorted(str(p.relative_to(first_artifact)) for p in first_artifact.rglob("*") if p.is_file())
         rows = []
         for rel in files:
             first, second = ((f / "artifact" / rel).read_bytes() for f in folders)

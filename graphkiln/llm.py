@@ -127,7 +127,8 @@ class LLM:
         if tensor_parallel_size > 1:
             check_shardable(model_config_from_hf(read_hf_config(model_dir), model_dir), tensor_parallel_size)
             load_rank = partial(_eager_rank, model_dir, device.type, resolve_dtype(dtype))
-            return cls(parallel_engine(tensor_parallel_size, device.type, load_rank, config), Tokenizer.from_dir(model_dir))
+            engine = parallel_engine(tensor_parallel_size, device.type, load_rank, config)
+            return cls(engine, Tokenizer.from_dir(model_dir))
         net = load_model(model_dir, device, resolve_dtype(dtype))
         return cls(build_engine(net, None, config), Tokenizer.from_dir(model_dir))
 
@@ -138,8 +139,10 @@ class LLM:
         """Trace and compile in this process (no artifacts written) and serve the compiled model."""
         config = config or CompileConfig()
         if config.tensor_parallel_size > 1:
-            raise ConfigError(f"LLM.compile serves one rank, not tensor_parallel_size={config.tensor_parallel_size}; "
-                              "compile with graphkiln.compile_model(MODEL, OUT, config) and graphkiln.load(OUT)")  # fmt: skip
+            raise ConfigError(
+                f"LLM.compile serves one rank, not tensor_parallel_size={config.tensor_parallel_size}; compile "
+                "with graphkiln.compile_model(MODEL, OUT, config) and graphkiln.load(OUT)"
+            )
         serving = engine_config(engine, **options)
         model_dir = resolve_model_dir(model)
         net = load_model(model_dir, resolve_device(config.device), resolve_dtype(config.dtype))

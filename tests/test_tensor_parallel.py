@@ -254,7 +254,8 @@ def test_rank_dying_while_loading_is_named(llama: Checkpoint) -> None:
 def test_rank_failing_to_start_is_named(llama: Checkpoint) -> None:
     """A program read from stdin cannot be spawned again (the child re-runs the parent's main file): the
     parent says so at once instead of waiting for the group's timeout."""
-    script = f"import graphkiln\ngraphkiln.LLM.eager({str(llama.path)!r}, tensor_parallel_size=2, kv_cache_tokens=2048)\n"
+    load = f"graphkiln.LLM.eager({str(llama.path)!r}, tensor_parallel_size=2, kv_cache_tokens=2048)"
+    script = f"import graphkiln\n{load}\n"
     start = time.monotonic()
     result = subprocess.run([sys.executable, "-"], input=script, env=subprocess_env(), capture_output=True,
                             text=True, timeout=300)  # fmt: skip

@@ -42,7 +42,9 @@ class CompileConfig:
             raise ConfigError(f"CompileConfig.dtype={self.dtype!r}; use one of {DTYPES}")
         check_sizes("CompileConfig.specialize_sizes", self.specialize_sizes, allow_empty=True)
         if not is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
-            raise ConfigError(f"CompileConfig.tensor_parallel_size={self.tensor_parallel_size!r}: use a positive integer")
+            raise ConfigError(
+                f"CompileConfig.tensor_parallel_size={self.tensor_parallel_size!r}: use a positive integer"
+            )
         if self.dump_dir is not None:
             object.__setattr__(self, "dump_dir", str(self.dump_dir))
         try:  # recorded in the manifest, to recompile a stale artifact with the same options

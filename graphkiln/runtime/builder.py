@@ -33,7 +33,10 @@ def _log_capture(graphs: GraphSet) -> None:
 
 
 def build_engine(
-    model: CausalLM, compiled: CompiledModel | None = None, config: EngineConfig | None = None, peers: Peers | None = None
+    model: CausalLM,
+    compiled: CompiledModel | None = None,
+    config: EngineConfig | None = None,
+    peers: Peers | None = None,
 ) -> Engine:
     """Eager when `compiled` is None; with it, compiled pieces and, on CUDA, CUDA graphs: whole for
     decode, and for prefill where the attention backend can capture it (piecewise otherwise). `peers`:

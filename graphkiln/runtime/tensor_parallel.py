@@ -146,7 +146,9 @@ class Peers:
             self.store_dir = None
 
 
-def _init_groups(rank: int, size: int, store: dist.Store | None, device_type: str, timeout_s: float) -> dist.ProcessGroup:
+def _init_groups(
+    rank: int, size: int, store: dist.Store | None, device_type: str, timeout_s: float
+) -> dist.ProcessGroup:
     """The world group (NCCL on CUDA, gloo on the CPU) and the gloo control group; returns the control group.
     Without a store the group meets as torchrun says (env://)."""
     backend = "nccl" if device_type == "cuda" else "gloo"
@@ -159,7 +161,9 @@ def _joining_key(rank: int) -> str:
     return f"graphkiln/joining/{rank}"
 
 
-def _wait_for_ranks(store: dist.Store, processes: dict[int, multiprocessing.process.BaseProcess], timeout_s: float) -> None:
+def _wait_for_ranks(
+    store: dist.Store, processes: dict[int, multiprocessing.process.BaseProcess], timeout_s: float
+) -> None:
     """Until every spawned rank says it is joining the group; one that exits first (or never says it) is a
     RankFailedError naming it, instead of a wait for the whole timeout."""
     deadline = time.monotonic() + timeout_s
