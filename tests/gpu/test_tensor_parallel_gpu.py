@@ -44,3 +44,18 @@ def test_more_ranks_than_gpus_is_a_config_error(tmp_path: Path) -> None:
     graphkiln.compile_model("tiny", tmp_path / "art", config, engine=ENGINE)
     with pytest.raises(ConfigError, match="tensor_parallel_size=2 but this machine shows 1 CUDA device"):
         graphkiln.load(tmp_path / "art")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_gpus_match_one(tmp_path: Path) -> None:
+    """float32 on 2 GPUs (NCCL, one spawned rank): logits and greedy tokens of the single-GPU engine."""
+    prompts = [[1, 5, 9, 200, 17, 3], [1, 7]]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    with graphkiln.LLM.eager("tiny", "cuda", "float32", ENGINE) as one:
+        logits = one.score(prompts[0])
+        tokens = [o.token_ids for o in one.generate(prompts, params)]
+    config = CompileConfig(device="cuda", dtype="float32", tensor_parallel_size=2)
+    graphkiln.compile_model("tiny", tmp_path / "art", config, engine=ENGINE)
+    with graphkiln.load(tmp_path / "art") as two:
+        torch.testing.assert_close(two.score(prompts[0]), logits, atol=1e-3, rtol=0)
+        assert [o.token_ids for o in two.generate(prompts, params)] == tokens
