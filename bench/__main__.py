@@ -21,6 +21,8 @@ COMMANDS = {  # command -> (module, one line of help)
     "serve": ("serve", "graphkiln serve over HTTP at concurrency 1/16/64 against the offline engine"),
     "startup": ("startup", "start-up breakdown in fresh processes: import, weights, pieces, capture, first token"),
     "weights": ("weights", "safetensors weights from the page cache to the device: graphkiln's reader vs safe_open"),
+    "tp-share": ("tp_share", "whether tensor-parallel ranks compiled on their own produce the same code"),
+    "tp-memory": ("tp_memory", "peak host memory of loading one tensor-parallel rank against the whole model"),
 }
 
 

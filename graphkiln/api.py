@@ -9,11 +9,12 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 
 import torch
 
-from graphkiln.compiler.artifact_dir import read_artifact, write_artifact
+from graphkiln.compiler.artifact_dir import check_artifact, read_artifact, read_tokenizer, write_artifact
 from graphkiln.compiler.compile import CompileReport, Progress
 from graphkiln.compiler.config import CompileConfig
 from graphkiln.compiler.manifest import MANIFEST, REWRITE, read_manifest
@@ -21,10 +22,12 @@ from graphkiln.compiler.signing import KeySource, load_private_key, load_public_
 from graphkiln.errors import ArtifactError, ConfigError, ModelFileError
 from graphkiln.llm import LLM, is_hub_id, resolve_model_dir
 from graphkiln.models.fingerprint import model_fingerprint
+from graphkiln.models.sharding import Shard
 from graphkiln.runtime.builder import build_engine
 from graphkiln.runtime.config import EngineConfig
 from graphkiln.runtime.stats import LoadStats
 from graphkiln.timing import Stopwatch
+from graphkiln.runtime.tensor_parallel import parallel_engine
 from graphkiln.version import __version__
 
 IMPORTED = time.perf_counter()  # with graphkiln.IMPORT_STARTED: what importing the API cost
@@ -105,6 +108,8 @@ def load(
     Artifacts contain executable code: load only those you would run the compiling code for, or
     pass `trusted_keys` (Ed25519 public key PEMs: paths or bytes) to refuse any artifact not signed
     by one of them, before anything in it is unpickled or loaded.
+    An artifact compiled with `tensor_parallel_size=N` starts N-1 more processes here, one per GPU (or CPU
+    rank); under torchrun, every rank but 0 serves rank 0's steps and then exits the program.
     """
     start = time.perf_counter()
     clock = Stopwatch()
@@ -123,14 +128,15 @@ def load(
             f"{model_dir}: the model directory {out / MANIFEST} names (model.source) is gone; if the weights "
             "moved, load with graphkiln.load(OUT, model=NEW_DIR) or `graphkiln generate OUT --model NEW_DIR`"
         )
+    if manifest["config"].get("tensor_parallel_size", 1) > 1:
+        return _load_parallel(out, source, model_dir, device, dtype, on_mismatch, keys, trusted_keys, serving, manifest)
     try:
         net, compiled, tokenizer, manifest = read_artifact(out, model_dir, device, dtype, keys, clock)
     except ArtifactError:
         if on_mismatch == "error":
             raise
-        config = CompileConfig(**{**_config_fields(manifest["config"]), **_overrides(device, dtype)})
         with clock.stage("recompile"):
-            compile_model(source, out, config, engine=recorded_engine(manifest, out), force=True)
+            _recompile(source, out, manifest, device, dtype)
         clock = Stopwatch({"recompile": clock.stages["recompile"]})
         net, compiled, tokenizer, manifest = read_artifact(out, model_dir, device, dtype, clock=clock)
     with clock.stage("engine"):
@@ -146,6 +152,38 @@ def _import_seconds() -> float:
     from graphkiln import IMPORT_STARTED
 
     return IMPORTED - IMPORT_STARTED
+
+
+def _recompile(source, out: Path, manifest: dict, device, dtype) -> None:
+    """Compile `source` into `out` again, with the CompileConfig and engine defaults the stale artifact records."""
+    config = CompileConfig(**{**_config_fields(manifest["config"]), **_overrides(device, dtype)})
+    compile_model(source, out, config, engine=recorded_engine(manifest, out), force=True)
+
+
+def _load_parallel(out: Path, source, model_dir: Path, device, dtype, on_mismatch: str, keys: Sequence,
+                   trusted_keys, serving: EngineConfig, manifest: dict) -> LLM:  # fmt: skip
+    """A tensor-parallel artifact, checked (or recompiled) before any other rank starts; each rank then loads
+    its own shard and the same pieces (checking the artifact, against `trusted_keys` too, itself)."""
+    try:
+        manifest = check_artifact(out.resolve(), model_dir, device, dtype, keys)
+    except ArtifactError:
+        if on_mismatch == "error":
+            raise
+        _recompile(source, out, manifest, device, dtype)
+        manifest = check_artifact(out.resolve(), model_dir, device, dtype)
+    load_rank = partial(_artifact_rank, out, model_dir, device, dtype, tuple(trusted_keys or ()))
+    engine = parallel_engine(manifest["config"]["tensor_parallel_size"], manifest["config"]["device"], load_rank,
+                             serving)  # fmt: skip
+    llm = LLM(engine, read_tokenizer(manifest, out, model_dir), manifest.get("counters"))
+    llm.manifest = manifest
+    return llm
+
+
+def _artifact_rank(out: Path, model_dir: Path, device, dtype, trusted_keys: tuple, shard: Shard):
+    """One tensor-parallel rank's weights and compiled pieces (each rank checks the artifact itself)."""
+    keys = load_public_keys(trusted_keys) if trusted_keys else ()
+    net, compiled, _, _ = read_artifact(out, model_dir, device, dtype, keys, shard=shard)
+    return net, compiled
 
 
 def recorded_engine(manifest: dict, root: Path) -> EngineConfig:

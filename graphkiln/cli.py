@@ -63,6 +63,8 @@ def _compile_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--quantization", choices=("fp8", "int4"), default=None,
                         help="quantize the decoder's linear layers at compile time (fp8: per-channel weights, "
                              "per-token activations; int4: weight-only, groups of 128)")
+    parser.add_argument("--tensor-parallel-size", type=_count(1), default=1, metavar="N",
+                        help="split the model over N ranks (GPUs, or CPU processes); `load` starts them")
     parser.add_argument("--dump-dir", type=Path, default=None, help="write pass-debugging dumps here")
     parser.add_argument("--force", action="store_true",
                         help="replace OUT if it is a graphkiln artifact (or empty); anything else is never replaced")
@@ -118,6 +120,7 @@ def _config(args):
         "disabled_passes": tuple(args.disable_pass),
         "dump_dir": str(args.dump_dir) if args.dump_dir else None,
         "quantization": args.quantization,
+        "tensor_parallel_size": args.tensor_parallel_size,
     }
     return CompileConfig(**{k: v for k, v in fields.items() if v is not None})
 
@@ -282,7 +285,7 @@ def _serve_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="warning",
                         help="uvicorn's log level (info: one line per request)")
     _engine_parser(parser.add_argument_group("engine options (default: what the artifact records)"))
-    parser.set_defaults(handler=run_serve, specialize_sizes=(), disable_pass=[], dump_dir=None)
+    parser.set_defaults(handler=run_serve, specialize_sizes=(), disable_pass=[], dump_dir=None, tensor_parallel_size=1)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,6 +18,10 @@ never `torch._...` themselves):
   A shared folder would let one artifact's code run for another: Inductor finds a C++ kernel by
   the hash of its source (not of the library), and an FX graph entry by the hash of the graph,
   taking the first entry of that folder whose guards pass.
+- Tensor parallel: `all_reduce_sum` and `all_gather_last_dim`, functional collectives
+  (`torch.distributed._functional_collectives`) on the default process group, which a Dynamo
+  trace keeps as `_c10d_functional` ops; `fake_process_group(size)`, torch's fake backend, so
+  compile-model traces and compiles a rank's graph in one process with no peers.
 - `inductor_output_code()`: collects the wrapper code (with every C++/Triton kernel inline) of
   each graph Inductor compiles or loads from its cache, through `GraphLowering.save_output_code`,
   the hook torch's own `run_and_get_code` uses; present and called on cache hits in 2.11-2.13.
@@ -42,7 +46,8 @@ from torch.fx.experimental import _config as fx_config
 from graphkiln.errors import ConfigError
 
 __all__ = [
-    "CustomGraphPass", "TORCH_LINEAR", "artifact_cache", "depyf_debug", "dynamo_counters", "graph_returns_tuple", "inductor_output_code",
+    "CustomGraphPass", "TORCH_LINEAR", "all_gather_last_dim", "all_reduce_sum", "artifact_cache", "depyf_debug",
+    "dynamo_counters", "fake_process_group", "graph_returns_tuple", "inductor_output_code",
     "install_cpu_kernels", "is_op_overload", "load_artifact", "mark_dynamic_dim", "private_inductor_cache",
     "require_depyf", "size_oblivious", "standalone_compile",
 ]  # fmt: skip
@@ -185,3 +190,43 @@ def install_cpu_kernels(shipped: Path, target: Path) -> None:
         partial = dest.with_name(f".{dest.name}.{os.getpid()}")
         shutil.copyfile(library, partial)
         os.replace(partial, dest)
+
+
+def _world_group_name() -> str:
+    import torch.distributed as dist
+
+    return dist.group.WORLD.group_name
+
+
+def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    """The sum of `x` over the default process group, as a functional collective."""
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol.all_reduce(x, "sum", _world_group_name())
+
+
+def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
+    """Every rank's `x` side by side along the last dim, rank order, as a functional collective."""
+    import torch.distributed._functional_collectives as funcol
+
+    gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # renamed in torch 2.13
+    return gather(x, x.dim() - 1, _world_group_name())
+
+
+@contextlib.contextmanager
+def fake_process_group(size: int) -> Iterator[None]:
+    """A default process group of `size` ranks (this process rank 0) whose collectives do nothing: compile-model
+    traces and compiles one rank's graph with it. A process that already has a default group is refused."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise ConfigError(
+            "compile-model with tensor_parallel_size > 1 compiles in one process, but this process already has a "
+            "torch.distributed process group; run compile-model outside torchrun"
+        )
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -40,3 +40,7 @@ class RequestFailedError(GraphkilnError):
     def __init__(self, message: str, outputs: list | None = None) -> None:
         super().__init__(message)
         self.outputs = outputs or []
+
+
+class RankFailedError(GraphkilnError):
+    """A rank of a tensor-parallel group died or failed in a step; the group cannot continue: load again."""

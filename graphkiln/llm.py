@@ -8,14 +8,17 @@ import re
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from graphkiln.compiler.compile import CompileReport, compile_module
 from graphkiln.compiler.config import CompileConfig
-from graphkiln.errors import ModelFileError, RequestError, RequestFailedError
+from graphkiln.errors import ConfigError, ModelFileError, RequestError, RequestFailedError
 from graphkiln.models import load_model, resolve_dtype
+from graphkiln.models.config import model_config_from_hf, read_hf_config
+from graphkiln.models.sharding import Shard, check_shardable
 from graphkiln.models.tiny import TINY_NAME, tiny_model_dir
 from graphkiln.models.tokenizer import IncrementalDecoder, Tokenizer
 from graphkiln.runtime.builder import build_engine
@@ -25,6 +28,7 @@ from graphkiln.runtime.memory import resolve_device
 from graphkiln.runtime.sampling_params import SamplingParams
 from graphkiln.runtime.scheduler import Sequence as Request
 from graphkiln.runtime.stats import EngineStats, LoadStats
+from graphkiln.runtime.tensor_parallel import parallel_engine
 
 Prompt = str | Sequence[int]
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # org/name
@@ -112,13 +116,21 @@ class LLM:
         device: str | torch.device = "cpu",
         dtype: str | torch.dtype = "float32",
         engine: EngineConfig | None = None,
+        tensor_parallel_size: int = 1,
         **options,
     ) -> LLM:
         """The eager reference engine: no compile, SDPA attention unless `attention_backend` says otherwise.
-        What compiled engines are checked against. `options` override fields of `engine` (EngineConfig)."""
+        What compiled engines are checked against. `options` override fields of `engine` (EngineConfig).
+        `tensor_parallel_size` > 1 splits the model over that many processes (started here, as `load` does)."""
         config = engine_config(engine, **options)
         model_dir = resolve_model_dir(model)
-        net = load_model(model_dir, resolve_device(device), resolve_dtype(dtype))
+        device = resolve_device(device)
+        if tensor_parallel_size > 1:
+            check_shardable(model_config_from_hf(read_hf_config(model_dir), model_dir), tensor_parallel_size)
+            load_rank = partial(_eager_rank, model_dir, device.type, resolve_dtype(dtype))
+            engine = parallel_engine(tensor_parallel_size, device.type, load_rank, config)
+            return cls(engine, Tokenizer.from_dir(model_dir))
+        net = load_model(model_dir, device, resolve_dtype(dtype))
         return cls(build_engine(net, None, config), Tokenizer.from_dir(model_dir))
 
     @classmethod
@@ -127,6 +139,11 @@ class LLM:
     ) -> LLM:
         """Trace and compile in this process (no artifacts written) and serve the compiled model."""
         config = config or CompileConfig()
+        if config.tensor_parallel_size > 1:
+            raise ConfigError(
+                f"LLM.compile serves one rank, not tensor_parallel_size={config.tensor_parallel_size}; compile "
+                "with graphkiln.compile_model(MODEL, OUT, config) and graphkiln.load(OUT)"
+            )
         serving = engine_config(engine, **options)
         model_dir = resolve_model_dir(model)
         net = load_model(model_dir, resolve_device(config.device), resolve_dtype(config.dtype),
@@ -271,6 +288,11 @@ class LLM:
             time_to_first_token_s=first_token_time - seq.arrival,
             total_s=seq.finish_time - seq.arrival,
         )
+
+
+def _eager_rank(model_dir: Path, device: str, dtype: torch.dtype, shard: Shard) -> tuple:
+    """One tensor-parallel rank's eager model (each rank sees its own GPU as cuda:0)."""
+    return load_model(model_dir, device, dtype, shard=shard), None
 
 
 def _failure(failed: list[tuple[str, Request]], outputs: list[RequestOutput] | None = None) -> RequestFailedError:

@@ -163,6 +163,7 @@ def format_manifest(m: dict, root: Path) -> str:
         f"tokenizer     {TOKENIZER_KINDS[model.get('tokenizer')]}",
         f"dtype         {cfg['dtype']}",
         *_quantization_lines(model.get("quantization")),
+        f"tensor parallel {cfg.get('tensor_parallel_size', 1)} rank(s), one set of pieces for all",
         f"specialized   {cfg['specialize_sizes'] or 'none (dynamic only)'}",
         f"decode graphs {engine['decode_batch_sizes']} (default; load can change it)",
         f"prefill graphs {engine['prefill_token_buckets']} (default; load can change it)",

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from graphkiln.compat import private_inductor_cache, require_depyf
+from graphkiln.compat import fake_process_group, private_inductor_cache, require_depyf
 from graphkiln.errors import ArtifactError, ConfigError
 from graphkiln.models import load_model, resolve_dtype
 from graphkiln.models.loader import empty_model, fill_model
@@ -34,6 +34,7 @@ from graphkiln.models.tokenizer import Tokenizer
 from graphkiln.models.fingerprint import model_fingerprint
 from graphkiln.models.quant_scheme import QuantScheme, model_scheme
 from graphkiln.models.quantized_layers import layer_schemes, save_quantized
+from graphkiln.models.sharding import Shard
 from graphkiln.models.transformer import CausalLM
 from graphkiln.passes.base import Pass
 from graphkiln.passes.dump import check_dump_dir
@@ -207,16 +208,19 @@ def write_artifact(
 def _compile_into(
     model_dir, model_source, fingerprint, tmp: Path, config, engine_defaults: dict, graph_passes, progress
 ) -> tuple[dict, CompileReport]:
-    progress("load weights", 0, 1)
-    start = time.perf_counter()
-    model = load_model(model_dir, config.device, config.dtype, quantization=config.quantization)
-    load_s = time.perf_counter() - start
-    tokenizer = Tokenizer.from_dir(model_dir)
-    snapshot = tokenizer is not None and tokenizer.save_snapshot(tmp / TOKENIZER_FILE)
-    progress("load weights", 1, 1)
-    private_cache = tmp / ".inductor-cache"
-    with private_inductor_cache(private_cache) if config.device == "cpu" else contextlib.nullcontext():
-        compiled, report = compile_module(model, config, graph_passes, progress)
+    size = config.tensor_parallel_size
+    with fake_process_group(size) if size > 1 else contextlib.nullcontext():  # rank 0's graph is every rank's
+        progress("load weights", 0, 1)
+        start = time.perf_counter()
+        model = load_model(model_dir, config.device, config.dtype, quantization=config.quantization,
+                           shard=Shard(0, size))
+        load_s = time.perf_counter() - start
+        tokenizer = Tokenizer.from_dir(model_dir)
+        snapshot = tokenizer is not None and tokenizer.save_snapshot(tmp / TOKENIZER_FILE)
+        progress("load weights", 1, 1)
+        private_cache = tmp / ".inductor-cache"
+        with private_inductor_cache(private_cache) if config.device == "cpu" else contextlib.nullcontext():
+            compiled, report = compile_module(model, config, graph_passes, progress)
     report.timings = {"load": load_s, **report.timings}
     progress("save", 0, 1)
     t = time.perf_counter()
@@ -339,12 +343,14 @@ def _fill_on(device: torch.device, model: CausalLM, model_dir: Path, clock: Stop
 
 
 def read_artifact(
-    out: Path, model_dir: Path, device=None, dtype=None, trusted_keys: Sequence = (), clock: Stopwatch | None = None
+    out: Path, model_dir: Path, device=None, dtype=None, trusted_keys: Sequence = (), clock: Stopwatch | None = None,
+    shard: Shard = Shard(),
 ) -> tuple[CausalLM, CompiledModel, Tokenizer | None, dict]:
-    """Check, then load weights, compiled pieces and the tokenizer: no Dynamo trace, no Inductor compile,
-    and no transformers import where the artifact keeps a tokenizer snapshot. The weights are read on a
-    thread of their own while the pieces load (they bind the parameters, not their values). `clock` gets
-    the stages checks, weights (with the count weight_bytes), pieces (the two overlap) and tokenizer."""
+    """Check, then load weights (`shard`: one tensor-parallel rank's), compiled pieces and the tokenizer: no
+    Dynamo trace, no Inductor compile, and no transformers import where the artifact keeps a tokenizer snapshot.
+    The weights are read on a thread of their own while the pieces load (they bind the parameters, not their
+    values). `clock` gets the stages checks, weights (with the count weight_bytes), pieces (the two overlap)
+    and tokenizer."""
     out = out.resolve()
     clock = clock or Stopwatch()
     with _locked(out, shared=True):
@@ -355,7 +361,7 @@ def read_artifact(
             scheme = recorded_scheme(manifest, out)
         device = torch.device(config["device"])
         quantized = out / QUANTIZED_FILE if config.get("quantization") else None
-        model = empty_model(model_dir, device, config["dtype"], model_config, scheme, quantized)
+        model = empty_model(model_dir, device, config["dtype"], model_config, scheme, quantized, shard)
         with ThreadPoolExecutor(1, thread_name_prefix="graphkiln-fill") as pool:  # weights beside the pieces
             weights = pool.submit(_fill_on, indexed(device), model, model_dir, clock)
             with clock.stage("pieces"):
@@ -364,8 +370,12 @@ def read_artifact(
                 compiled = load_compiled(manifest["compiled"], manifest["files"], out, tensors)
             weights.result()
         with clock.stage("tokenizer"):
-            if manifest["model"].get("tokenizer") == "snapshot":
-                tokenizer = Tokenizer.from_snapshot(model_dir, out / TOKENIZER_FILE)
-            else:
-                tokenizer = Tokenizer.from_dir(model_dir)
+            tokenizer = read_tokenizer(manifest, out, model_dir)
         return model, compiled, tokenizer, manifest
+
+
+def read_tokenizer(manifest: dict, out: Path, model_dir: Path) -> Tokenizer | None:
+    """The artifact's tokenizer snapshot where it keeps one, else the model directory's tokenizer."""
+    if manifest["model"].get("tokenizer") == "snapshot":
+        return Tokenizer.from_snapshot(model_dir, out / TOKENIZER_FILE)
+    return Tokenizer.from_dir(model_dir)

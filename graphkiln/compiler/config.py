@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass, field
 
 from graphkiln.errors import ConfigError
-from graphkiln.checks import check_sizes
+from graphkiln.checks import check_sizes, is_int
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "float16", "bfloat16")
@@ -20,7 +20,8 @@ QUANTIZATIONS = ("fp8", "int4")
 @dataclass(frozen=True)
 class CompileConfig:
     """Device and dtype of the artifact, token counts compiled specialized, passes, Inductor options, dumps,
-    and `quantization` ("fp8", "int4"): the decoder's projections quantized at compile time.
+    `quantization` ("fp8", "int4"): the decoder's projections quantized at compile time, and the number of
+    tensor-parallel ranks the model is split over (each rank runs the same compiled code).
 
     Every piece is compiled once with a dynamic token dim; each size in `specialize_sizes` adds one
     more compile with the token dim fixed to it, used for calls of exactly that many tokens.
@@ -31,6 +32,7 @@ class CompileConfig:
     specialize_sizes: tuple[int, ...] = ()
     disabled_passes: tuple[str, ...] = ()
     dump_dir: str | None = None
+    tensor_parallel_size: int = 1
     inductor_options: dict = field(default_factory=dict, hash=False, compare=False)
     quantization: str | None = None
 
@@ -44,6 +46,15 @@ class CompileConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"CompileConfig.quantization={self.quantization!r}; use one of {QUANTIZATIONS} or None")
         check_sizes("CompileConfig.specialize_sizes", self.specialize_sizes, allow_empty=True)
+        if not is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
+            raise ConfigError(
+                f"CompileConfig.tensor_parallel_size={self.tensor_parallel_size!r}: use a positive integer"
+            )
+        if self.tensor_parallel_size > 1 and self.quantization is not None:
+            raise ConfigError(
+                f"CompileConfig.quantization={self.quantization!r} with tensor_parallel_size="
+                f"{self.tensor_parallel_size}: quantized weights are not sharded yet; use one of the two"
+            )
         if self.dump_dir is not None:
             object.__setattr__(self, "dump_dir", str(self.dump_dir))
         try:  # recorded in the manifest, to recompile a stale artifact with the same options

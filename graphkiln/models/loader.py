@@ -4,7 +4,8 @@ The model is built on the meta device, materialized empty on the target device i
 dtype, and filled by the weights reader (weights_reader.py): each checkpoint tensor's bytes go
 from the file to its (slice of a) parameter through a few rotating staging buffers, never whole
 on the host. Each filled tensor is then summed once (one device sync for all of them): a NaN or
-Inf weight is refused by name instead of decoding token 0.
+Inf weight is refused by name instead of decoding token 0. One rank of a tensor-parallel group
+(`shard`) reads only its rows or columns of each tensor (models/sharding.py).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from .quantized_layers import (
 )
 from .quantized_linear import FP8, QuantizedLinear
 from .rope import rope_cache
+from .sharding import Part, Shard, checkpoint_part, held_by_rank0_only, local_config
 from .transformer import CausalLM
 from .weights_reader import TensorEntry, TensorRead, WeightsReader, read_header
 
@@ -115,6 +117,7 @@ def load_model(
     quantization: str | QuantScheme | None = None,
     quantized_weights: Path | None = None,
     clock: Stopwatch | None = None,
+    shard: Shard = Shard(),
 ) -> CausalLM:
     """Build a CausalLM from a Hugging Face directory on `device` in `dtype`.
 
@@ -123,9 +126,10 @@ def load_model(
     A checkpoint quantized by its publisher loads as it is. `quantization` ("fp8", "int4") quantizes
     the decoder's projections after loading, or, with `quantized_weights` (the file an artifact holds),
     takes them from that file instead of the checkpoint; a QuantScheme (an artifact's record) is used
-    as it is. `clock` gets the stage "weights" and the count "weight_bytes".
+    as it is. `clock` gets the stage "weights" and the count "weight_bytes". `shard`: one tensor-parallel
+    rank's part of the model.
     """
-    model = empty_model(model_dir, device, dtype, cfg, quantization, quantized_weights)
+    model = empty_model(model_dir, device, dtype, cfg, quantization, quantized_weights, shard)
     fill_model(model, model_dir, clock)
     return model
 
@@ -137,6 +141,7 @@ def empty_model(
     cfg: ModelConfig | None = None,
     quantization: str | QuantScheme | None = None,
     quantized_weights: Path | None = None,
+    shard: Shard = Shard(),
 ) -> CausalLM:
     """`load_model`'s model before its weights are read: every parameter allocated on `device`, uninitialised
     (what compiled pieces bind to may be bound now, and `fill_model` run beside that). Quantized projections
@@ -147,7 +152,7 @@ def empty_model(
     cfg = cfg or model_config_from_hf(read_hf_config(model_dir), model_dir)
     scheme = model_scheme(model_dir, quantization)
     with torch.device("meta"):
-        model = CausalLM(cfg)
+        model = CausalLM(cfg, shard)
     model = model.to(dtype=dtype)
     if scheme is not None and (scheme.from_checkpoint or quantized_weights is not None):
         install_quantized(model, cfg, scheme, dtype)
@@ -156,6 +161,10 @@ def empty_model(
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.register_buffer("rope_cache", rope_cache(cfg, device), persistent=False)
+    if shard.parallel:
+        embed = model.model.embed_tokens
+        start = torch.tensor(shard.rank * embed.rows, dtype=torch.int64, device=device)
+        embed.register_buffer("vocab_start", start, persistent=False)
     model.weight_source = WeightSource(scheme, quantized_weights)
     return model.eval().requires_grad_(False)
 
@@ -209,15 +218,25 @@ def _fill_weights(model: CausalLM, cfg: ModelConfig, files: dict[Path, Path], de
     headers = {path: read_header(path) for path in sorted(set(files.values()))}
     reads = []
     staged = []  # (quantized owner, entry, tensor read whole) for fill_quantized
+    held_by_rank0: set[str] = set()  # row-parallel biases, zero on the other ranks
     for name, path in files.items():
         if IGNORED_TENSORS.match(name) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
             continue
         entry = headers[path].get(name)
         if entry is None:
             raise ModelFileError(f"{path}: holds no tensor {name!r}, which the index lists there; download it again")
+        if model.shard.rank and held_by_rank0_only(name):
+            _destination(model, cfg, entry, None).zero_()
+            held_by_rank0.add(name)
+            continue
+        part = checkpoint_part(cfg, model.shard, name)
         quantized = _quantized_owner(model, cfg, entry)
-        dest = torch.empty(entry.shape, dtype=entry.dtype, device=device) if quantized else _destination(model, cfg, entry)
-        reads.append(TensorRead(entry, dest))
+        if quantized:
+            dest = torch.empty(entry.shape, dtype=entry.dtype, device=device)
+        else:
+            dest = _destination(model, cfg, entry, part)
+        span = None if part is None else (part[1], part[2])
+        reads.append(TensorRead(entry, dest, *((span, None) if part is None or part[0] == 0 else (None, span))))
         if quantized:
             staged.append((quantized, entry, dest))
     with torch.no_grad():
@@ -226,7 +245,7 @@ def _fill_weights(model: CausalLM, cfg: ModelConfig, files: dict[Path, Path], de
         for (module, kind, index), entry, tensor in staged:
             fill_quantized(module, kind, index, tensor, f"{entry.path}: tensor {entry.name!r}")
         _check_finite(sums, dtype)
-    return {r.entry.name for r in reads}, stats.bytes
+    return {r.entry.name for r in reads} | held_by_rank0, stats.bytes
 
 
 def _quantized_owner(model: CausalLM, cfg: ModelConfig, entry: TensorEntry) -> tuple | None:
@@ -270,18 +289,25 @@ def _check_finite(sums: list[tuple[TensorEntry, torch.Tensor, torch.Tensor]], dt
             )
 
 
-def _destination(model: CausalLM, cfg: ModelConfig, entry: TensorEntry) -> torch.Tensor:
-    """The (slice of a) parameter a checkpoint tensor fills, its shape checked."""
+def _destination(model: CausalLM, cfg: ModelConfig, entry: TensorEntry, part: Part | None) -> torch.Tensor:
+    """The (slice of a) parameter a checkpoint tensor (this rank's `part` of it) fills, its shape checked."""
     try:
         ours, param, index = _target(model, entry.name)
     except AttributeError:
         raise WeightMismatchError(
             f"{entry.path}: tensor {entry.name!r} has no place in a {cfg.architecture} with this config.json"
         ) from None
-    dest = param if index is None else _slice(cfg, param, ours, index)
-    if tuple(dest.shape) != entry.shape:
+    dest = param if index is None else _slice(local_config(cfg, model.shard.size), param, ours, index)
+    shape = entry.shape
+    if part is not None:
+        dim, start, stop = part
+        shape = (*shape[:dim], stop - start, *shape[dim + 1 :])
+    if model.shard.parallel and entry.name.endswith(("embed_tokens.weight", "lm_head.weight")):
+        dest[shape[0] :].zero_()  # the vocabulary's padding rows, on the last rank
+        dest = dest[: shape[0]]
+    if tuple(dest.shape) != tuple(shape):
         raise WeightMismatchError(
-            f"{entry.path}: tensor {entry.name!r} has shape {entry.shape} but config.json implies "
+            f"{entry.path}: tensor {entry.name!r} has shape {tuple(shape)} but config.json implies "
             f"{tuple(dest.shape)}; the checkpoint and config.json disagree"
         )
     return dest

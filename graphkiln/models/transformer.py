@@ -3,6 +3,9 @@
 Tokens of all sequences in a batch are packed along one dimension (no padding, no batch dim):
 `forward(input_ids [T], positions [T]) -> hidden [T, hidden_size]`. q/k/v and gate/up are
 fused projections; the loader fills their slices from the separate checkpoint tensors.
+Built for one rank of a tensor-parallel group (`Shard`), the layers hold that rank's heads and MLP
+width and sum the o and down projections over the ranks (models/sharding.py); at one rank no
+collective is traced.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from .attention import attention
 from .config import ModelConfig
 from .linear import linear
 from .rope import apply_rope
+from .sharding import Shard, VocabParallelEmbedding, gather_vocab, local_config, reduce_across
 
 
 class RMSNorm(nn.Module):
@@ -33,9 +37,10 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_index: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_index: int, shard: Shard) -> None:
         super().__init__()
         self.cfg = cfg
+        self.shard = shard
         self.layer_index = layer_index
         self.scale = cfg.head_dim**-0.5
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
@@ -57,27 +62,28 @@ class Attention(nn.Module):
         q, k = apply_rope(qk, cos_sin).split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         out = q.new_empty(tokens, cfg.num_heads, cfg.head_dim)
         attention(q, k, v, out, self.layer_index, self.scale)
-        return self.o_proj(out.view(tokens, cfg.q_size))
+        return reduce_across(self.o_proj(out.view(tokens, cfg.q_size)), self.shard)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: Shard) -> None:
         super().__init__()
+        self.shard = shard
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return reduce_across(self.down_proj(F.silu(gate) * up), self.shard)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_index: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_index: int, shard: Shard) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_index)
+        self.self_attn = Attention(cfg, layer_index, shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, shard)
 
     def forward(self, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos_sin)
@@ -85,10 +91,14 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: Shard) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        if shard.parallel:
+            self.embed_tokens = VocabParallelEmbedding(cfg, shard)
+        else:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        local = local_config(cfg, shard.size)
+        self.layers = nn.ModuleList(DecoderLayer(local, i, shard) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.register_buffer("rope_cache", torch.empty(cfg.max_context, 2 * cfg.head_dim), persistent=False)
 
@@ -101,16 +111,18 @@ class DecoderModel(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Decoder plus LM head. `forward` returns hidden states; `compute_logits` maps chosen rows to logits."""
+    """Decoder plus LM head. `forward` returns hidden states; `compute_logits` maps chosen rows to logits
+    (of the whole vocabulary on every rank). `cfg` is the whole model's config, also on one rank of several."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: Shard = Shard()) -> None:
         super().__init__()
         self.cfg = cfg
-        self.model = DecoderModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.shard = shard
+        self.model = DecoderModel(cfg, shard)
+        self.lm_head = nn.Linear(cfg.hidden_size, self.model.embed_tokens.weight.shape[0], bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.lm_head.weight)
+        return gather_vocab(linear(hidden, self.lm_head.weight), self.cfg, self.shard)

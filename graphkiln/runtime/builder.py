@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from graphkiln.compiler.compiled_model import CompiledModel
+from graphkiln.models.sharding import local_config
 from graphkiln.models.transformer import CausalLM
 
 from .attention.select import select_backend
@@ -23,29 +25,39 @@ from .scheduler import Scheduler
 from .step_lock import StepLock
 from .warmup import warmup_jobs
 
+if TYPE_CHECKING:
+    from .tensor_parallel import Peers
+
 log = logging.getLogger("graphkiln.runtime")
 
 
-def build_engine(model: CausalLM, compiled: CompiledModel | None = None, config: EngineConfig | None = None) -> Engine:
+def build_engine(
+    model: CausalLM,
+    compiled: CompiledModel | None = None,
+    config: EngineConfig | None = None,
+    peers: Peers | None = None,
+) -> Engine:
     """Eager when `compiled` is None; with it, compiled pieces and, on CUDA, CUDA graphs: whole for
     decode, and for prefill where the attention backend can capture it (piecewise otherwise). The
     graphs (without them, warm-up runs) are prepared as `config.capture` says: in the background
-    (the engine serves meanwhile) or before this returns."""
+    (the engine serves meanwhile) or before this returns. `peers`: the other ranks of a tensor-parallel
+    group, which follow every step (no CUDA graphs or warm-ups yet: each would need every rank)."""
     config = config or EngineConfig()
     cfg = model.cfg
     max_context = min(cfg.max_context, config.max_seq_len or cfg.max_context)
     param = next(model.parameters())
     dtype, device = param.dtype, param.device
+    layers = local_config(cfg, model.shard.size)  # this rank's KV heads
     kv_dtype = cache_dtype(config.kv_cache_dtype, dtype)
-    num_blocks = kv_cache_blocks(cfg, kv_dtype, device, config)
-    kv = allocate_kv_cache(cfg, num_blocks, config.block_size, kv_dtype, device)
+    num_blocks = kv_cache_blocks(layers, kv_dtype, device, config)
+    kv = allocate_kv_cache(layers, num_blocks, config.block_size, kv_dtype, device)
     log.info("KV cache: %d blocks of %d tokens, %.1f MiB", num_blocks, config.block_size, kv.nbytes / 2**20)
     backend = select_backend(config.attention_backend, kv)
     allocator = BlockAllocator(num_blocks, config.block_size)
     padding = Padding(config.decode_batch_sizes, config.prefill_token_buckets) if compiled is not None else None
-    runner = ModelRunner(model, kv, backend, forward=compiled, padding=padding)
+    runner = ModelRunner(model, kv, backend, forward=compiled, padding=padding, peers=peers)
     jobs: list[Job] = []
-    if compiled is not None:
+    if compiled is not None and not model.shard.parallel:
         max_blocks = -(-max_context // config.block_size)
         prefill_sizes = tuple(s for s in config.prefill_token_buckets if s <= config.max_num_batched_tokens)
         decode_sizes = tuple(s for s in config.decode_batch_sizes if s <= min(config.max_num_seqs, allocator.capacity))

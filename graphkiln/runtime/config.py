@@ -42,6 +42,7 @@ class EngineConfig:
     `capture`: "background" (the engine serves while its graphs are captured, a step whose graph is
     not captured yet running without it; `LLM.wait_ready()` waits for them) or "blocking" (every
     graph captured before `load` returns). Without graphs the same happens to one warm-up run per size.
+    `collective_timeout_s` bounds how long a tensor-parallel rank waits inside a step for the others.
     """
 
     attention_backend: str = "auto"
@@ -56,6 +57,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     kv_cache_dtype: str = "auto"
     capture: str = "background"
+    collective_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         for name in ("decode_batch_sizes", "prefill_token_buckets"):
@@ -83,6 +85,9 @@ class EngineConfig:
         fraction = self.gpu_memory_fraction
         if not isinstance(fraction, (int, float)) or isinstance(fraction, bool) or not 0 < fraction <= 1:
             raise ConfigError(f"EngineConfig.gpu_memory_fraction={fraction!r}: it must be in (0, 1]")
+        timeout = self.collective_timeout_s
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
+            raise ConfigError(f"EngineConfig.collective_timeout_s={timeout!r}: give a positive number of seconds")
         if self.kv_cache_tokens is not None:
             self._check_cache_holds_the_limits()
 

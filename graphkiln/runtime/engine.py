@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from graphkiln.errors import CapacityError, ConfigError, RequestError
+from graphkiln.errors import CapacityError, ConfigError, RankFailedError, RequestError
 
 from .batch import PendingIds
 from .config import EngineConfig
@@ -262,6 +262,8 @@ class Engine:
         if chunks:
             try:
                 self.in_flight.append(self._launch(chunks, self.in_flight[-1] if self.in_flight else None))
+            except RankFailedError:  # not one request's fault: no request can be served any more
+                raise
             except Exception as error:
                 failure = error
         events += self._read_back(keep=int(bool(chunks) and failure is None))

@@ -5,13 +5,17 @@ compiled model (forward = the CompiledModel, padded to the engine's capture size
 graphs, so the CPU runs the same padded batches a GPU replays). With decode graphs, a decode step
 that fits a bucket is one replay from input ids to sampled ids; with prefill graphs (whole or
 piecewise), a prefill or mixed step that fits a token bucket is replayed up to its hidden states.
+On rank 0 of a tensor-parallel group (`peers`), every forward's batch goes to the other ranks
+first (runtime/tensor_parallel.py), whose runners `follow` it with the same forward and logits.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +32,9 @@ from .prefill_graphs import PiecewisePrefillGraphs, PrefillGraphs
 from .sampler import Sampled, SamplingBatch, sample
 from .scheduler import ScheduledChunk
 from .transfer import upload
+
+if TYPE_CHECKING:
+    from .tensor_parallel import Peers, Step
 
 Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -56,6 +63,7 @@ class ModelRunner:
         padding: Padding | None = None,
         decode_graphs: DecodeGraphs | None = None,
         prefill_graphs: PrefillGraphs | PiecewisePrefillGraphs | None = None,
+        peers: Peers | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -64,6 +72,7 @@ class ModelRunner:
         self.padding = padding
         self.decode_graphs = decode_graphs
         self.prefill_graphs = prefill_graphs
+        self.peers = peers
         self.device = kv_cache.keys.device
         self.steps_without_graph: Counter[str] = Counter()  # "decode" / "prefill"
 
@@ -85,6 +94,8 @@ class ModelRunner:
         self.decode_graphs = self.prefill_graphs = None
         self.kv_cache.release()
         self.backend = self.forward = self.model = None
+        if self.peers is not None:
+            self.peers.close()
 
     def execute(self, chunks: list[ScheduledChunk], rows: list[int] | None = None) -> torch.Tensor:
         """float32 logits of the given token rows (default: every token) of one step, without graphs
@@ -108,22 +119,35 @@ class ModelRunner:
 
     def _logits(self, batch: Batch, rows: list[int] | None, pending: PendingIds | None = None) -> torch.Tensor:
         graphs = self.prefill_graphs
-        if not batch.decode and graphs is not None and graphs.bucket(batch.num_tokens) is not None:
-            hidden = graphs.run(batch, pending)
-        else:
-            hidden = self._forward(batch, pending)
+        with self.peers.watch() if self.peers is not None else contextlib.nullcontext():
+            if not batch.decode and graphs is not None and graphs.bucket(batch.num_tokens) is not None:
+                hidden = graphs.run(batch, pending)
+            else:
+                hidden = self._forward(batch, rows, pending)
+            return self._rows_logits(hidden, rows)
+
+    def _rows_logits(self, hidden: torch.Tensor, rows: list[int] | None) -> torch.Tensor:
         if rows is not None:
             hidden = hidden.index_select(0, upload(rows, torch.int64, hidden.device))
         return self.model.compute_logits(hidden).float()
 
-    def _forward(self, batch: Batch, pending: PendingIds | None = None) -> torch.Tensor:
+    def _forward(self, batch: Batch, rows: list[int] | None, pending: PendingIds | None = None) -> torch.Tensor:
         self.steps_without_graph["decode" if batch.decode else "prefill"] += 1
-        num_tokens = batch.num_tokens
         padded = batch.padded(self.padding.size(batch)) if self.padding else batch
-        meta = build_metadata(padded.slices, self.kv_cache.block_size, padded.num_tokens, self.device)
         input_ids = upload(padded.ids, torch.int64, self.device)
         if pending is not None:
             pending.fill(input_ids)
+        if self.peers is not None:
+            self.peers.publish(padded, batch.num_tokens, rows, input_ids)
+        return self._run(padded, input_ids, batch.num_tokens)
+
+    def _run(self, padded: Batch, input_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        meta = build_metadata(padded.slices, self.kv_cache.block_size, padded.num_tokens, self.device)
         positions = upload(padded.positions, torch.int64, self.device)
         with forward_context(ForwardContext(self.backend.plan(meta))):
             return self.forward(input_ids, positions)[:num_tokens]
+
+    def follow(self, step: Step, input_ids: torch.Tensor) -> None:
+        """A tensor-parallel worker's part of rank 0's step: the same forward and logits, for their collectives."""
+        with torch.inference_mode():
+            self._rows_logits(self._run(step.batch, input_ids, step.num_tokens), step.rows)

@@ -13,6 +13,6 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   export PYTHONPATH=/tmp/site
 fi
 python3 -m pytest tests/gpu/test_attention_backends.py tests/gpu/test_linear.py tests/gpu/test_quantized_kernels.py -q -n 6 -p no:logging 2>&1 | tee "$OUT/attention.log" | tail -5
-python3 -m pytest tests/gpu/test_runtime_gpu.py tests/gpu/test_kv_cache_gpu.py tests/gpu/test_startup_gpu.py -q -p no:logging --durations=6 2>&1 | tee "$OUT/runtime.log" | tail -12
+python3 -m pytest tests/gpu/test_runtime_gpu.py tests/gpu/test_kv_cache_gpu.py tests/gpu/test_startup_gpu.py tests/gpu/test_tensor_parallel_gpu.py -q -p no:logging --durations=6 2>&1 | tee "$OUT/runtime.log" | tail -12
 python3 -m pytest tests/gpu/test_quantized.py -q -p no:logging --durations=6 2>&1 | tee "$OUT/quantized.log" | tail -12
 cat "$OUT/report.jsonl"

@@ -1,0 +1,324 @@
+"""Tensor-parallel serving on torch.distributed: rank 0 schedules and samples, the other ranks follow.
+
+On one machine rank 0 is the caller's process: it spawns the other ranks (torch.multiprocessing,
+one per GPU, or per CPU rank on gloo), and they meet through a file store. Under `torchrun` every
+process is already a rank: rank 0 returns to serve, the others follow until rank 0 closes.
+
+Each rank loads its own shard (and the compiled pieces) and builds an engine of its own with the
+KV cache rank 0 sized. Every step, rank 0 sends the padded batch and the rows it wants logits of
+to the others (on a gloo control group that waits without a timeout, so an idle server keeps its
+workers), then the input ids on the world group, and all ranks run the same forward, whose
+collectives meet inside the compiled graph. The world group's collectives time out after
+`EngineConfig.collective_timeout_s`; a rank that dies closes its sockets, so the others fail at
+their next collective: rank 0 raises RankFailedError naming the rank and stops the rest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing.process
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from graphkiln.compiler.compiled_model import CompiledModel
+from graphkiln.errors import ConfigError, RankFailedError
+from graphkiln.models.sharding import Shard
+from graphkiln.models.transformer import CausalLM
+
+from .batch import Batch
+from .config import EngineConfig
+from .engine import Engine
+
+log = logging.getLogger("graphkiln.runtime")
+
+LoadRank = Callable[[Shard], tuple[CausalLM, CompiledModel | None]]  # picklable: the spawned ranks call it
+CONTROL_TIMEOUT = timedelta(days=365)  # waiting for the next step is no failure; a dead peer still fails at once
+DEATH_GRACE_S = 5.0  # how long rank 0 waits, after a collective fails, for the failed rank's exit to show
+
+
+@dataclass(frozen=True)
+class Step:
+    """What the other ranks need to run rank 0's forward: the padded batch, its real token count, the logit rows."""
+
+    batch: Batch
+    num_tokens: int
+    rows: list[int] | None
+
+
+def torchrun_rank() -> tuple[int, int] | None:
+    """(rank, world size) when this process was started by torchrun (or set up as one of its ranks)."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return None
+
+
+class Peers:
+    """Rank 0's side of the group: sends each step to the other ranks and turns a failed step into
+    RankFailedError naming the rank that died. Closing tells the others to stop and ends the group."""
+
+    def __init__(self, size: int, control: dist.ProcessGroup, processes: dict[int, multiprocessing.process.BaseProcess],
+                 store_dir: str | None) -> None:  # fmt: skip
+        self.size = size
+        self.control = control
+        self.processes = processes
+        self.store_dir = store_dir
+        self.failure: RankFailedError | None = None
+        self.closed = False
+
+    @property
+    def pids(self) -> dict[int, int]:
+        """The process id of every rank this process started (none under torchrun)."""
+        return {rank: p.pid for rank, p in self.processes.items()}
+
+    def publish(self, batch: Batch, num_tokens: int, rows: list[int] | None, input_ids: torch.Tensor) -> None:
+        dist.broadcast_object_list([Step(batch, num_tokens, rows)], src=0, group=self.control)
+        dist.broadcast(input_ids, src=0)
+
+    @contextlib.contextmanager
+    def watch(self) -> Iterator[None]:
+        """Around one step: any failure inside it ends the group (the others would wait in a collective)."""
+        if self.failure is not None:
+            raise self.failure
+        try:
+            yield
+        except Exception as error:
+            self.failure = self._failure(error)
+            self._stop()
+            raise self.failure from error
+
+    def _failure(self, error: Exception) -> RankFailedError:
+        deadline = time.monotonic() + DEATH_GRACE_S
+        while time.monotonic() < deadline:
+            dead = {r: p for r, p in self.processes.items() if p.exitcode is not None}
+            if dead:
+                rank, process = min(dead.items())
+                return RankFailedError(
+                    f"tensor-parallel rank {rank} (pid {process.pid}) exited with code {process.exitcode} during a "
+                    f"step ({type(error).__name__}: {error}); the group of {self.size} ranks stopped: load the "
+                    "model again"
+                )
+            if not self.processes:
+                break
+            time.sleep(0.05)
+        return RankFailedError(
+            f"a tensor-parallel step failed on rank 0 ({type(error).__name__}: {error}); the group of {self.size} "
+            "ranks stopped: load the model again"
+        )
+
+    def _stop(self) -> None:
+        for process in self.processes.values():
+            if process.exitcode is None:
+                process.terminate()
+        for process in self.processes.values():
+            process.join(DEATH_GRACE_S)
+        self._end_group()
+
+    def close(self) -> None:
+        """Tell the other ranks to stop, wait for them, end the process group (once; after a failure too)."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.failure is None:
+            try:
+                dist.broadcast_object_list([None], src=0, group=self.control)
+            except Exception as error:  # a rank died while idle: it stops either way
+                log.warning("tensor-parallel ranks did not all take the stop message: %r", error)
+            for process in self.processes.values():
+                process.join(DEATH_GRACE_S)
+        self._stop()
+
+    def _end_group(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if self.store_dir is not None:
+            shutil.rmtree(self.store_dir, ignore_errors=True)
+            self.store_dir = None
+
+
+def _init_groups(
+    rank: int, size: int, store: dist.Store | None, device_type: str, timeout_s: float
+) -> dist.ProcessGroup:
+    """The world group (NCCL on CUDA, gloo on the CPU) and the gloo control group; returns the control group.
+    Without a store the group meets as torchrun says (env://)."""
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    meet = {"store": store} if store is not None else {"init_method": "env://"}
+    dist.init_process_group(backend, rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s), **meet)
+    return dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+
+
+def _joining_key(rank: int) -> str:
+    return f"graphkiln/joining/{rank}"
+
+
+def _wait_for_ranks(
+    store: dist.Store, processes: dict[int, multiprocessing.process.BaseProcess], timeout_s: float
+) -> None:
+    """Until every spawned rank says it is joining the group; one that exits first (or never says it) is a
+    RankFailedError naming it, instead of a wait for the whole timeout."""
+    deadline = time.monotonic() + timeout_s
+    waiting = dict(processes)
+    while waiting:
+        for rank, process in list(waiting.items()):
+            if store.check([_joining_key(rank)]):
+                del waiting[rank]
+            elif process.exitcode is not None:
+                raise RankFailedError(f"tensor-parallel rank {rank} (pid {process.pid}) exited with code "
+                                      f"{process.exitcode} while starting; its error is printed above")  # fmt: skip
+        if waiting and time.monotonic() > deadline:
+            raise RankFailedError(f"tensor-parallel ranks {sorted(waiting)} did not start within "
+                                  f"{timeout_s:.0f} s (EngineConfig.collective_timeout_s)")  # fmt: skip
+        time.sleep(0.02)
+
+
+def _receive(control: dist.ProcessGroup):
+    message = [None]
+    dist.broadcast_object_list(message, src=0, group=control)
+    return message[0]
+
+
+def follow(shard: Shard, load_rank: LoadRank, control: dist.ProcessGroup) -> None:
+    """A rank other than 0: load this rank's model, build its engine as rank 0 sized it, and run every step
+    rank 0 sends until it sends None."""
+    from .builder import build_engine
+
+    net, compiled = load_rank(shard)
+    config: EngineConfig | None = _receive(control)
+    if config is None:  # rank 0 failed before its engine was built
+        return
+    runner = build_engine(net, compiled, config).runner
+    dist.barrier(group=control)
+    while (step := _next_step(control)) is not None:
+        input_ids = torch.empty(step.batch.num_tokens, dtype=torch.int64, device=runner.device)
+        try:
+            dist.broadcast(input_ids, src=0)
+            runner.follow(step, input_ids)
+        except Exception as error:
+            raise RankFailedError(f"a step's collective failed: rank 0 or another rank is gone ({error})") from None
+
+
+def _next_step(control: dist.ProcessGroup) -> Step | None:
+    try:
+        return _receive(control)
+    except Exception as error:
+        raise RankFailedError(f"rank 0 is gone: waiting for its next step failed ({error})") from None
+
+
+def _spawned_rank(rank: int, size: int, store_path: str, device: str, cuda_device: str | None, threads: int,
+                  timeout_s: float, load_rank: LoadRank) -> None:  # fmt: skip
+    """The entry point of a rank spawned by rank 0 (it sees only its own GPU, as cuda:0)."""
+    if cuda_device is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = cuda_device
+    torch.set_num_threads(threads)
+    try:
+        store = dist.FileStore(store_path, size)
+        store.set(_joining_key(rank), "1")
+        control = _init_groups(rank, size, store, device, timeout_s)
+        follow(Shard(rank, size), load_rank, control)
+    except Exception as error:
+        print(f"graphkiln: tensor-parallel rank {rank} stops: {type(error).__name__}: {error}", file=sys.stderr)
+        raise SystemExit(1) from None
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _visible_cuda_devices(size: int) -> list[str]:
+    """The GPUs of this process, one per rank; fewer than `size` is a ConfigError."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = [d.strip() for d in visible.split(",") if d.strip()] if visible else []
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    devices = devices[:count] if devices else [str(i) for i in range(count)]
+    if len(devices) < size:
+        raise ConfigError(f"the artifact is compiled for tensor_parallel_size={size} but this machine shows "
+                          f"{len(devices)} CUDA device(s); run it on {size} GPUs")  # fmt: skip
+    return devices
+
+
+@dataclass
+class Group:
+    """Rank 0's membership of a started group: its shard and the Peers its engine publishes steps to."""
+
+    shard: Shard
+    peers: Peers
+
+    def ready(self, config: EngineConfig) -> None:
+        """After rank 0 built its engine: the others build theirs with `config`; returns once all have."""
+        with self.peers.watch():
+            dist.broadcast_object_list([config], src=0, group=self.peers.control)
+            dist.barrier(group=self.peers.control)
+
+
+def start_group(size: int, device: str, load_rank: LoadRank, config: EngineConfig) -> Group:
+    """Make this process rank 0 of `size` ranks and return its Group. Under torchrun the group's ranks are
+    its processes: rank 0 returns, every other rank follows rank 0's steps and then exits this program.
+    Otherwise the other ranks are spawned here, each calling `load_rank` for its shard."""
+    launched = torchrun_rank()
+    if dist.is_initialized():
+        raise ConfigError("this process already has a torch.distributed process group (an LLM with tensor "
+                          "parallel still open?); close it before loading another")  # fmt: skip
+    if launched is not None:
+        return _join_torchrun(size, device, load_rank, config, *launched)
+    cuda_devices = _visible_cuda_devices(size) if device == "cuda" else None
+    store_dir = tempfile.mkdtemp(prefix="graphkiln-tp-")
+    store_path = f"{store_dir}/store"
+    context = mp.get_context("spawn")
+    processes = {}
+    try:
+        store = dist.FileStore(store_path, size)
+        for rank in range(1, size):
+            args = (rank, size, store_path, device, cuda_devices[rank] if cuda_devices else None,
+                    torch.get_num_threads(), config.collective_timeout_s, load_rank)  # fmt: skip
+            processes[rank] = context.Process(target=_spawned_rank, args=args, daemon=True,
+                                              name=f"graphkiln-tp-rank{rank}")  # fmt: skip
+            processes[rank].start()
+        _wait_for_ranks(store, processes, config.collective_timeout_s)
+        control = _init_groups(0, size, store, device, config.collective_timeout_s)
+    except BaseException:
+        for process in processes.values():
+            process.terminate()
+        shutil.rmtree(store_dir, ignore_errors=True)
+        raise
+    return Group(Shard(0, size), Peers(size, control, processes, store_dir))
+
+
+def _join_torchrun(size: int, device: str, load_rank: LoadRank, config: EngineConfig, rank: int, world: int) -> Group:
+    if world != size:
+        raise ConfigError(f"torchrun started {world} processes but the artifact is compiled for "
+                          f"tensor_parallel_size={size}; start exactly {size} (nnodes x nproc-per-node)")  # fmt: skip
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    control = _init_groups(rank, size, None, device, config.collective_timeout_s)
+    if rank == 0:
+        return Group(Shard(0, size), Peers(size, control, {}, None))
+    try:
+        follow(Shard(rank, size), load_rank, control)
+    finally:
+        dist.destroy_process_group()
+    raise SystemExit(0)
+
+
+def parallel_engine(size: int, device: str, load_rank: LoadRank, config: EngineConfig) -> Engine:
+    """Rank 0's engine of a group of `size` ranks (see `start_group`), once every rank has built its own."""
+    from .builder import build_engine
+
+    group = start_group(size, device, load_rank, config)
+    try:
+        net, compiled = load_rank(group.shard)  # its errors are the user's to see as they are
+        engine = build_engine(net, compiled, config, group.peers)
+        kv = engine.runner.kv_cache
+        group.ready(config.replace(kv_cache_tokens=(kv.num_blocks - 1) * kv.block_size))
+    except BaseException:
+        group.peers.close()
+        raise
+    return engine

@@ -1,0 +1,296 @@
+"""Tensor parallel on the CPU: real gloo process groups of 2 ranks, float32, a 2-layer model of each family.
+
+Every LLM here starts its second rank in a process of its own, and a process holds one group at a
+time, so each test closes its LLM before the next one starts.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import graphkiln
+from artifact_helpers import ENGINE, SMALL_CONFIG_ARGS, SMALL_ENGINE, compile_cmd, popen, run, subprocess_env
+from graphkiln import CompileConfig, SamplingParams
+from graphkiln.compat import fake_process_group
+from graphkiln.compiler.capture import capture
+from graphkiln.compiler.inductor import structure_key
+from graphkiln.compiler.split import split_pieces
+from graphkiln.errors import ConfigError, RankFailedError, UnsupportedModelError
+from graphkiln.models import load_model
+from graphkiln.models.sharding import Shard
+from graphkiln.passes.manager import PassManager, default_passes
+from graphkiln.runtime.tensor_parallel import parallel_engine
+
+if TYPE_CHECKING:
+    from conftest import Checkpoint
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+TP = CompileConfig(tensor_parallel_size=2)
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+DEAD_RANK_LIMIT_S = 30  # a killed rank is noticed at the next collective: its sockets close
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    return [[(7 * i + 3) % vocab for i in range(n)] for n in (1, 9, 23)]
+
+
+def with_random_biases(checkpoint: Checkpoint, folder: Path) -> Checkpoint:
+    """The checkpoint with every bias drawn at random (transformers initializes them to zero), saved to `folder`;
+    unchanged when it has none."""
+    model = copy.deepcopy(checkpoint.model)
+    biases = [p for name, p in model.named_parameters() if name.endswith(".bias")]
+    if not biases:
+        return checkpoint
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for bias in biases:
+            bias.copy_(torch.randn(bias.shape, generator=generator) * 0.1)
+    model.save_pretrained(folder)
+    return dataclasses.replace(checkpoint, path=folder, model=model)
+
+
+def single_rank(checkpoint: Checkpoint) -> tuple[torch.Tensor, list[list[int]]]:
+    """Logits of the longest prompt and greedy tokens of every prompt, from the single-rank eager engine."""
+    with graphkiln.LLM.eager(checkpoint.path, **ENGINE) as llm:
+        ids = prompts(checkpoint.vocab_size)
+        return llm.score(ids[-1]), [o.token_ids for o in llm.generate(ids, GREEDY)]
+
+
+def check_against(llm: graphkiln.LLM, checkpoint: Checkpoint, logits: torch.Tensor, tokens: list[list[int]]) -> None:
+    ids = prompts(checkpoint.vocab_size)
+    torch.testing.assert_close(llm.score(ids[-1]), logits, atol=1e-4, rtol=0)
+    assert [o.token_ids for o in llm.generate(ids, GREEDY)] == tokens
+    streamed = [delta.token_id for delta in llm.generate_stream(ids[1], GREEDY)]
+    assert streamed == tokens[1]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_two_ranks_match_one_rank(family: str, hf_checkpoint, tmp_path: Path) -> None:
+    """Eager and compiled (compile-model, then load) on 2 ranks against the single-rank engine."""
+    checkpoint = with_random_biases(hf_checkpoint(family), tmp_path / "model")
+    logits, tokens = single_rank(checkpoint)
+    with graphkiln.LLM.eager(checkpoint.path, tensor_parallel_size=2, **ENGINE) as llm:
+        check_against(llm, checkpoint, logits, tokens)
+    assert not dist.is_initialized()
+    manifest, _ = graphkiln.compile_model(checkpoint.path, tmp_path / "art", TP, engine=SMALL_ENGINE)
+    assert manifest["config"]["tensor_parallel_size"] == 2
+    with graphkiln.load(tmp_path / "art", **ENGINE) as llm:
+        check_against(llm, checkpoint, logits, tokens)
+        assert set(llm.engine.runner.peers.pids) == {1}
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        pytest.param({"num_key_value_heads": 1, "vocab_size": 511}, id="one-kv-head-odd-vocab"),
+        pytest.param({"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True}, id="row-biases-tied"),
+    ],
+)
+def test_eager_two_ranks_match_one_rank(hf_checkpoint, overrides: dict, tmp_path: Path) -> None:
+    """1 KV head on 2 ranks: each rank holds it, and an odd vocabulary pads the last rank's rows; biases of
+    the row-parallel o and down projections are added once; tied embeddings share the vocabulary shard."""
+    checkpoint = with_random_biases(hf_checkpoint("llama", **overrides), tmp_path)
+    logits, tokens = single_rank(checkpoint)
+    with graphkiln.LLM.eager(checkpoint.path, tensor_parallel_size=2, **ENGINE) as llm:
+        check_against(llm, checkpoint, logits, tokens)
+
+
+def test_heads_not_divisible_is_refused(hf_checkpoint, tmp_path: Path) -> None:
+    checkpoint = hf_checkpoint("llama", num_attention_heads=3, num_key_value_heads=3, hidden_size=48)
+    with pytest.raises(UnsupportedModelError, match=r"num_attention_heads=3.*num_key_value_heads=3.*size=2"):
+        graphkiln.LLM.eager(checkpoint.path, tensor_parallel_size=2, **ENGINE)
+    with pytest.raises(UnsupportedModelError, match=r"num_attention_heads=3"):
+        graphkiln.compile_model(checkpoint.path, tmp_path / "art", TP)
+    assert not (tmp_path / "art").exists() and not dist.is_initialized()
+
+
+def test_shards_hold_their_slices(llama: Checkpoint) -> None:
+    """Each rank's fused q/k/v rows and o columns are its heads' rows and columns of the checkpoint."""
+    full = llama.model.model.layers[0].self_attn
+    head_dim, heads, kv_heads = 16, 4, 2
+    for rank in range(2):
+        net = load_model(llama.path, shard=Shard(rank, 2))
+        attn = net.model.layers[0].self_attn
+        q, k, v = attn.qkv_proj.weight.split([heads // 2 * head_dim] + [kv_heads // 2 * head_dim] * 2)
+        rows = slice(rank * heads // 2 * head_dim, (rank + 1) * heads // 2 * head_dim)
+        kv_rows = slice(rank * head_dim, (rank + 1) * head_dim)
+        torch.testing.assert_close(q, full.q_proj.weight[rows])
+        torch.testing.assert_close(k, full.k_proj.weight[kv_rows])
+        torch.testing.assert_close(v, full.v_proj.weight[kv_rows])
+        torch.testing.assert_close(attn.o_proj.weight, full.o_proj.weight[:, rows])
+
+
+def traced_pieces(path: Path, shard: Shard) -> tuple[list[str], list[str], list[str]]:
+    """(piece structure keys, the ops of the pieces, the ops of the attention submodules) of one rank's graph."""
+    net = load_model(path, shard=shard)
+    gm = capture(net).gm
+    PassManager(default_passes()).run_dynamo(gm)
+    split = split_pieces(gm)
+    ops = {name: [str(n.target) for n in split.gm.get_submodule(name).graph.nodes if n.op == "call_function"]
+           for name, _ in split.submodules}  # fmt: skip
+    pieces = [op for name in split.pieces for op in ops[name]]
+    attention = [op for name, attn in split.submodules if attn for op in ops[name]]
+    return [structure_key(split.gm.get_submodule(name)) for name in split.pieces], pieces, attention
+
+
+def test_collectives_stay_in_pieces_and_ranks_share_code(llama: Checkpoint) -> None:
+    """The all-reduces sit inside the compiled pieces, none in the attention submodules; both ranks trace
+    pieces of the same structure (so one compile serves both); one rank traces no collective."""
+    with fake_process_group(2):
+        keys0, ops0, attention0 = traced_pieces(llama.path, Shard(0, 2))
+        keys1, _, _ = traced_pieces(llama.path, Shard(1, 2))
+    assert keys0 == keys1
+    assert sum("all_reduce" in op for op in ops0) == 1 + 2 * 2  # the embedding, then o and down in each layer
+    assert not any("c10d" in op for op in attention0)
+    _, ops, _ = traced_pieces(llama.path, Shard())
+    assert not any("c10d" in op for op in ops)
+
+
+def test_dead_rank_fails_the_parent_naming_it(llama: Checkpoint) -> None:
+    llm = graphkiln.LLM.eager(llama.path, tensor_parallel_size=2, **ENGINE)
+    peers = llm.engine.runner.peers
+    stream = llm.generate_stream(prompts(llama.vocab_size)[1], SamplingParams(max_tokens=200, ignore_eos=True))
+    next(stream)
+    os.kill(peers.pids[1], signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(RankFailedError, match=rf"rank 1 \(pid {peers.pids[1]}\) exited with code -9"):
+        for _ in stream:
+            pass
+    assert time.monotonic() - start < DEAD_RANK_LIMIT_S
+    with pytest.raises(RankFailedError, match="rank 1"):  # the LLM stays failed, it does not hang
+        llm.generate([[1, 2, 3]], GREEDY)
+    llm.close()
+    assert not dist.is_initialized()
+
+
+def test_more_ranks_than_gpus_is_a_config_error() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has GPUs")
+    with pytest.raises(ConfigError, match="tensor_parallel_size=2 but this machine shows 0 CUDA device"):
+        parallel_engine(2, "cuda", None, graphkiln.EngineConfig())
+    assert not dist.is_initialized()
+
+
+@pytest.fixture(scope="module")
+def tiny_tp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model (tied embeddings, a tokenizer) compiled for 2 ranks by `compile-model`."""
+    out = tmp_path_factory.mktemp("tp") / "tiny-tp2"
+    result = run([*compile_cmd("tiny", "-o", out, "--tensor-parallel-size", "2", *SMALL_CONFIG_ARGS), "--quiet"])
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+def test_inspect_shows_the_ranks(tiny_tp: Path) -> None:
+    result = run([sys.executable, "-m", "graphkiln", "inspect", str(tiny_tp)])
+    assert "tensor parallel 2 rank(s)" in result.stdout, result.stderr
+
+
+def generate_cmd(out: Path) -> list[str]:
+    return ["-m", "graphkiln", "generate", str(out), "--prompt", "The kiln is hot", "--max-tokens", "8",
+            "--ignore-eos", "--kv-cache-tokens", "2048"]  # fmt: skip
+
+
+def test_another_world_size_is_one_line_exit_2(tiny_tp: Path, monkeypatch) -> None:
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    result = run([sys.executable, *generate_cmd(tiny_tp)])
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().count("\n") == 0
+    assert "torchrun started 3 processes but the artifact is compiled for tensor_parallel_size=2" in result.stderr
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_torchrun_nodes_serve_from_rank_0(tiny_tp: Path) -> None:
+    """Two torchrun invocations (node ranks 0 and 1, one process each, a localhost rendezvous) run the
+    same `graphkiln generate`: rank 0 prints what the single-rank engine generates, rank 1 follows it."""
+    with graphkiln.LLM.eager("tiny", **ENGINE) as llm:
+        expected = llm.generate(["The kiln is hot"], SamplingParams(max_tokens=8, ignore_eos=True))[0].text
+    port = free_port()
+    nodes = [popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                    "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port),
+                    *generate_cmd(tiny_tp)]) for rank in range(2)]  # fmt: skip
+    outputs = [node.communicate(timeout=300) for node in nodes]
+    for node, (stdout, stderr) in zip(nodes, outputs):
+        assert node.returncode == 0, stderr
+    assert f"'The kiln is hot' -> {expected!r}" in outputs[0][0]
+    assert "->" not in outputs[1][0]
+
+
+def _rank1_exits(path: Path, shard: Shard):
+    if shard.rank == 1:
+        os._exit(3)
+    return load_model(path, shard=shard), None
+
+
+def test_rank_dying_while_loading_is_named(llama: Checkpoint) -> None:
+    start = time.monotonic()
+    with pytest.raises(RankFailedError, match=r"rank 1 \(pid \d+\) exited with code 3"):
+        parallel_engine(2, "cpu", partial(_rank1_exits, llama.path), graphkiln.EngineConfig(**ENGINE))
+    assert time.monotonic() - start < DEAD_RANK_LIMIT_S
+    assert not dist.is_initialized()
+
+
+def test_rank_failing_to_start_is_named(llama: Checkpoint) -> None:
+    """A program read from stdin cannot be spawned again (the child re-runs the parent's main file): the
+    parent says so at once instead of waiting for the group's timeout."""
+    load = f"graphkiln.LLM.eager({str(llama.path)!r}, tensor_parallel_size=2, kv_cache_tokens=2048)"
+    script = f"import graphkiln\n{load}\n"
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, "-"], input=script, env=subprocess_env(), capture_output=True,
+                            text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 1
+    assert re.search(r"RankFailedError: tensor-parallel rank 1 \(pid \d+\) exited with code 1 while starting",
+                     result.stderr)  # fmt: skip
+    assert time.monotonic() - start < 60
+
+
+def test_server_on_two_ranks(tiny_tp: Path) -> None:
+    """`graphkiln serve` on the 2-rank artifact answers as the single-rank engine generates."""
+    from serve_helpers import serve_process
+
+    with graphkiln.LLM.eager("tiny", **ENGINE) as llm:
+        expected = llm.generate(["The kiln is hot"], SamplingParams(max_tokens=8, ignore_eos=True))[0].text
+    with serve_process(str(tiny_tp), "--kv-cache-tokens", "2048") as server, server.http() as http:
+        body = {"prompt": "The kiln is hot", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        reply = http.post("/v1/completions", json=body).json()
+    assert reply["choices"][0]["text"] == expected
+
+
+def test_rank_0_dying_stops_the_others(llama: Checkpoint, tmp_path: Path) -> None:
+    """Rank 0 killed mid-generate: the rank it started exits on its own, saying rank 0 is gone."""
+    script = tmp_path / "die.py"
+    script.write_text(
+        "import os, signal\nimport graphkiln\n\nif __name__ == '__main__':\n"
+        f"    llm = graphkiln.LLM.eager({str(llama.path)!r}, tensor_parallel_size=2, kv_cache_tokens=2048)\n"
+        "    stream = llm.generate_stream([1, 2, 3], graphkiln.SamplingParams(max_tokens=200, ignore_eos=True))\n"
+        "    next(stream)\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    start = time.monotonic()
+    env = {**subprocess_env(), "PYTHONPATH": str(Path(graphkiln.__file__).parents[1])}
+    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                            timeout=120)  # returns once the orphaned rank closed its stderr too  # fmt: skip
+    assert result.returncode == -signal.SIGKILL
+    assert "graphkiln: tensor-parallel rank 1 stops: RankFailedError: rank 0 is gone" in result.stderr
+    assert time.monotonic() - start < 60
