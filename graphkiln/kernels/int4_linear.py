@@ -24,6 +24,7 @@ from graphkiln.errors import ConfigError
 from .pdl import pdl_on
 
 MM_ROWS = 256  # above this many rows: dequantize the weight, then torch.mm
+MIN_MM_GROUP = 32  # smaller groups mean 16-wide K tiles, whose results were wrong on the H200 at 8 rows
 
 
 @triton.jit
@@ -221,6 +222,6 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
         return x.new_empty(0, qweight.shape[0])
     if m == 1:
         return int4_gemv(x, qweight, scales, zeros, group_size)
-    if m <= MM_ROWS:
+    if m <= MM_ROWS and group_size >= MIN_MM_GROUP:
         return int4_mm(x, qweight, scales, zeros, group_size)
     return torch.mm(x, dequantize(qweight, scales, zeros, group_size, x.dtype).t())

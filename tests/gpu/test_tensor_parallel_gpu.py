@@ -28,6 +28,7 @@ def test_one_rank_is_unchanged(tmp_path: Path) -> None:
     prompts = [[1, 5, 9, 200], [1, 7]]
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     with graphkiln.load(tmp_path / "art") as llm:
+        llm.wait_ready()  # every decode graph captured before the first step
         assert llm.engine.runner.peers is None and llm.engine.runner.model.shard.size == 1
         assert not any("c10d" in op for op in graph_ops(llm))
         got = [o.token_ids for o in llm.generate(prompts, params)]
