@@ -1,9 +1,12 @@
 """Choosing an attention backend.
 
-'auto' takes the first backend that serves the cache's dtype and head size: on CUDA, FlashInfer
-where the package imports (float16/bfloat16 caches, head_dim 64, 128 or 256), then Triton where
-triton imports (any head_dim up to 256, the fp8 cache included), then the SDPA reference, which
-serves everything; on the CPU, SDPA. So `auto` never refuses a model the engine can load.
+'auto' takes the first backend that serves the cache's dtype and head size: on CUDA, Triton where
+triton imports (any head_dim up to 256, the fp8 cache included), then FlashInfer where the package
+imports (float16/bfloat16 caches, head_dim 64, 128 or 256), then the SDPA reference, which serves
+everything; on the CPU, SDPA. So `auto` never refuses a model the engine can load. Triton comes
+first by measurement (`python -m bench serving`, README "Attention at serving shapes"): it is faster
+at batch 1 and at short and medium contexts, where most decode steps fall, and it loads faster;
+FlashInfer is faster at long contexts of mid-size batches, and is there to be chosen by name.
 """
 
 from __future__ import annotations
@@ -25,10 +28,10 @@ def auto_backend(device_type: str, dtype, head_dim: int, flashinfer: bool, trito
 
     if device_type != "cuda":
         return "sdpa"
-    if flashinfer and flashinfer_backend.unsupported(dtype, head_dim) is None:
-        return "flashinfer"
     if triton and triton_backend.unsupported(dtype, head_dim) is None:
         return "triton"
+    if flashinfer and flashinfer_backend.unsupported(dtype, head_dim) is None:
+        return "flashinfer"
     return "sdpa"
 
 
