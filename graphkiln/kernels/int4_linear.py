@@ -21,6 +21,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from graphkiln.errors import ConfigError
 
+from .fp8_linear import gemv_tiling as fp8_gemv_tiling
 from .pdl import pdl_on
 
 MM_ROWS = 256  # above this many rows: dequantize the weight, then torch.mm
@@ -128,16 +129,10 @@ def _int4_dequantize_kernel(q_ptr, s_ptr, z_ptr, out_ptr, N, K, G, stride_qn, st
 
 
 def gemv_tiling(n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, warps, stages) of the one-row kernel: gemv.py's slabs with four times the
-    K step, so a step still loads as many bytes (the benchmark's sweep checks them)."""
-    if n <= 8192:
-        tiles = (4, 4096, 4, 2) if k <= 2048 else (8, 2048, 4, 3) if k < 8192 else (8, 4096, 8, 2)
-    elif n <= 32768:
-        tiles = 32, 512, 4, 6
-    else:
-        tiles = 16, 1024, 4, 4
-    block_n, block_k, warps, stages = tiles
-    return block_n, min(block_k, max(triton.next_power_of_2(k), 32)), warps, stages
+    """(BLOCK_N, BLOCK_K, warps, stages) of the one-row kernel: fp8_linear's slabs with twice its K step (half
+    the bytes an element), so a step still loads as many bytes (the benchmark's sweep checks them)."""
+    block_n, block_k, warps, stages = fp8_gemv_tiling(n, k)
+    return block_n, min(2 * block_k, max(triton.next_power_of_2(k), 32)), warps, stages
 
 
 def mm_tiling(m: int, n: int, k: int, group_size: int) -> tuple[int, int, int, int, int]:
