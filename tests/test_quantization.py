@@ -296,7 +296,7 @@ def test_quantized_tiny_logits_stay_close_to_bf16(
 def test_quantized_tiny_held_out_perplexity_within_target(
     quantized: dict[str, Path], held_out_windows: list[list[int]]
 ) -> None:
-    """fp8 within 1% of bf16, int4 within 5% (issue 23's targets)."""
+    """fp8 within 1% of bf16, int4 within 5% (the quality goals of quantized weights)."""
     base = perplexity(graphkiln.LLM.eager("tiny", **ENGINE), held_out_windows)
     fp8 = perplexity(graphkiln.load(quantized["fp8"], **ENGINE), held_out_windows)
     int4 = perplexity(graphkiln.load(quantized["int4"], **ENGINE), held_out_windows)
