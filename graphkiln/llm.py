@@ -23,7 +23,8 @@ from graphkiln.models.tiny import TINY_NAME, tiny_model_dir
 from graphkiln.models.tokenizer import IncrementalDecoder, Tokenizer
 from graphkiln.runtime.builder import build_engine
 from graphkiln.runtime.config import EngineConfig, engine_config
-from graphkiln.runtime.engine import Engine, TokenLogprobs
+from graphkiln.runtime.engine import Engine
+from graphkiln.runtime.readback import TokenLogprobs
 from graphkiln.runtime.memory import resolve_device
 from graphkiln.runtime.sampling_params import SamplingParams
 from graphkiln.runtime.scheduler import Sequence as Request

@@ -15,7 +15,7 @@ import graphkiln
 from graphkiln import LLM, SamplingParams
 from graphkiln.errors import RequestError, RequestFailedError
 from graphkiln.runtime import runner
-from graphkiln.runtime.engine import LaunchedStep
+from graphkiln.runtime.readback import LaunchedStep
 from graphkiln.runtime.sampler import SamplingTensors
 
 PROMPT = "the kiln compiles a graph"

@@ -11,7 +11,7 @@ import torch
 
 import graphkiln
 from graphkiln import LLM, SamplingParams, StreamDelta
-from graphkiln.runtime.engine import LaunchedStep
+from graphkiln.runtime.readback import LaunchedStep
 
 STREAMS = [
     ("the kiln compiles a graph", SamplingParams(max_tokens=12, ignore_eos=True)),

@@ -26,7 +26,6 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 
 import torch
 
@@ -36,79 +35,15 @@ from .batch import PendingIds
 from .config import EngineConfig
 from .kv_cache import BlockAllocator
 from .preparation import Preparation
+from .readback import LaunchedStep, ReadBack, TokenEvent, token_logprobs
 from .runner import ModelRunner
-from .sampler import Sampled, SamplingBatch
+from .sampler import SamplingBatch
 from .sampling_params import MAX_LOGPROBS, SamplingParams
 from .scheduler import PENDING, ScheduledChunk, Scheduler, Sequence
 from .stats import EngineStats, GraphStats
 from .step_lock import StepLock
 
 log = logging.getLogger("graphkiln.runtime")
-
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    """A generated token's log-probability and the `top` N most likely tokens' (token id, logprob), most
-    likely first, under the model's own distribution (before temperature and filters)."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    """One new token of one request, as a step produced it."""
-
-    request_id: int
-    token_id: int
-    logprobs: TokenLogprobs | None
-    finish_reason: str | None
-
-
-@dataclass
-class LaunchedStep:
-    """A step on the device: which token of which sequence each sampled row fills."""
-
-    rows: list[tuple[Sequence, int]]
-    ids: torch.Tensor  # device [rows]
-    host: Sampled  # the host copy of what the rows need, once `ready` (pinned on CUDA)
-    ready: torch.cuda.Event | None
-
-    def live(self) -> bool:
-        return any(seq.finish_reason is None for seq, _ in self.rows)
-
-    def results(self) -> tuple[list | None, ...]:
-        """The host copy as lists (Sampled's fields), once the device has written it."""
-        if self.ready is not None:
-            self.ready.synchronize()
-        return tuple(None if t is None else t.tolist() for t in self.host)
-
-
-class ReadBack:
-    """Two sets of pinned host buffers, alternating, for the asynchronous copy of each step's sampled rows."""
-
-    def __init__(self, rows: int, top: int, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        pin = {"pin_memory": True} if self.cuda else {}
-        shapes = ((rows,), (rows,), (rows, top), (rows, top))
-        dtypes = (torch.int64, torch.float32, torch.int64, torch.float32)
-        self.buffers = [Sampled(*(torch.empty(s, dtype=d, **pin) for s, d in zip(shapes, dtypes))) for _ in range(2)]
-        self.turn = 0
-
-    def start(self, out: Sampled, logprobs: int | None) -> tuple[Sampled, torch.cuda.Event | None]:
-        """Queue the copy of the ids, of their log-probabilities if a row asks (`logprobs` not None), and of
-        the most likely tokens if a row lists any (`logprobs` > 0)."""
-        self.turn ^= 1
-        n = out.ids.shape[0]
-        wanted = (True, logprobs is not None, bool(logprobs), bool(logprobs))
-        host = Sampled(*(buffer[:n].copy_(t, non_blocking=self.cuda) if want else None
-                         for buffer, t, want in zip(self.buffers[self.turn], out, wanted)))  # fmt: skip
-        ready = None
-        if self.cuda:
-            ready = torch.cuda.Event()
-            ready.record()
-        return host, ready
 
 
 class Engine:
@@ -335,7 +270,7 @@ class Engine:
             seq.tokens[index] = token
             logprobs = None
             if seq.params.logprobs is not None:
-                logprobs = _token_logprobs(results, row, seq.params.logprobs)
+                logprobs = token_logprobs(results, row, seq.params.logprobs)
                 seq.logprobs.append(logprobs)
             if seq.first_token_time is None:
                 seq.first_token_time = now
@@ -385,12 +320,6 @@ class Engine:
         finally:
             self.allocator.free(seq.blocks)
         return torch.cat(pieces)
-
-
-def _token_logprobs(results: tuple[list, ...], row: int, n: int) -> TokenLogprobs:
-    """Row `row`'s token with its logprob and the `n` most likely tokens, from LaunchedStep.results()."""
-    ids, logprobs, top_ids, top_logprobs = results
-    return TokenLogprobs(ids[row], logprobs[row], tuple(zip(top_ids[row][:n], top_logprobs[row][:n])) if n else ())
 
 
 def _sample_rows(chunks: list[ScheduledChunk]) -> list[int]:

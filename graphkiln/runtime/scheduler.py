@@ -22,7 +22,7 @@ from .kv_cache import BlockAllocator
 from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from .engine import TokenEvent, TokenLogprobs
+    from .readback import TokenEvent, TokenLogprobs
 
 PENDING = -1  # a sampled token still on the device: its step was launched, not yet read back
 

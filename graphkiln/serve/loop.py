@@ -20,7 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from graphkiln.errors import GraphkilnError
-from graphkiln.runtime.engine import Engine, TokenEvent
+from graphkiln.runtime.engine import Engine
+from graphkiln.runtime.readback import TokenEvent
 from graphkiln.runtime.sampling_params import SamplingParams
 from graphkiln.runtime.scheduler import Sequence
 

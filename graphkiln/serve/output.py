@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from graphkiln.models.tokenizer import IncrementalDecoder
-from graphkiln.runtime.engine import TokenEvent, TokenLogprobs
+from graphkiln.runtime.readback import TokenEvent, TokenLogprobs
 
 from .loop import EngineLoop, Job, ServerStopping, Update
 

@@ -10,7 +10,7 @@ import time
 import uuid
 from collections.abc import Callable
 
-from graphkiln.runtime.engine import TokenLogprobs
+from graphkiln.runtime.readback import TokenLogprobs
 
 from .loop import Job
 from .output import ChoiceOutput, Piece
