@@ -24,6 +24,7 @@ from graphkiln.compiler.compile import CompileReport
 from graphkiln.compiler.counters import torch_compile_events
 from graphkiln.errors import ArtifactError, ConfigError, UnsupportedModelError
 from graphkiln.models.loader import load_model
+from graphkiln.models.quantized_layers import projections_quantized
 from graphkiln.models.quantized_linear import (
     dequantize_fp8,
     dequantize_int4,
@@ -316,10 +317,13 @@ def test_quantized_weights_are_stored_once_and_a_warm_load_neither_quantizes_nor
         assert f.get_tensor("model.layers.0.self_attn.qkv_proj.weight").dtype == FP8
     assert "model.layers.0.mlp.down_proj.weight_scale" in names and not any("embed" in n or "norm" in n for n in names)
     ids = list(range(5, 40))
+    quantized_before = projections_quantized()
+    assert quantized_before > 0  # the fixture's compiles quantized in this process, so the counter counts
     before = graphkiln.load(out, **ENGINE).score(ids)
     _zero_projection_weights(tiny_copy / "model.safetensors")  # same header, so the artifact still matches
     after = graphkiln.load(out, **ENGINE).score(ids)
     assert torch.equal(before, after)
+    assert projections_quantized() == quantized_before  # the two loads quantized nothing
     assert not torch.equal(graphkiln.LLM.eager(tiny_copy, **ENGINE).score(ids), graphkiln.LLM.eager("tiny", **ENGINE).score(ids))
 
 

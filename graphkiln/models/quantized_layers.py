@@ -110,10 +110,20 @@ def _check_shape(tensor: torch.Tensor, shape, where: str) -> None:
         )
 
 
+_quantized_in_process = 0
+
+
+def projections_quantized() -> int:
+    """How many projections this process has quantized (compile-model does; a warm load never should)."""
+    return _quantized_in_process
+
+
 @torch.no_grad()
 def quantize_model(model: CausalLM, cfg: ModelConfig, scheme: QuantScheme) -> None:
     """Quantize every decoder projection of a loaded model in place, one layer at a time."""
+    global _quantized_in_process
     for parent, name, in_features, parts, bias in _projections(model, cfg):
+        _quantized_in_process += 1
         linear = getattr(parent, name)
         weight = linear.weight
         with torch.device(weight.device):
