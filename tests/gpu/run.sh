@@ -12,7 +12,9 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site
 fi
-python3 -m pytest tests/gpu/test_attention_backends.py tests/gpu/test_linear.py tests/gpu/test_quantized_kernels.py -q -n 6 -p no:logging 2>&1 | tee "$OUT/attention.log" | tail -5
-python3 -m pytest tests/gpu/test_runtime_gpu.py tests/gpu/test_kv_cache_gpu.py tests/gpu/test_startup_gpu.py tests/gpu/test_tensor_parallel_gpu.py -q -p no:logging --durations=6 2>&1 | tee "$OUT/runtime.log" | tail -12
-python3 -m pytest tests/gpu/test_quantized.py -q -p no:logging --durations=6 2>&1 | tee "$OUT/quantized.log" | tail -12
+# -v: each test's outcome is in the log as it ends, so a run cut short still says what failed.
+python3 -m pytest tests/gpu/test_attention_backends.py tests/gpu/test_linear.py tests/gpu/test_quantized_kernels.py -v -n 6 -p no:logging 2>&1 | tee "$OUT/attention.log" | grep -E "FAILED|ERROR|passed|failed" | tail -15
+for tests in test_runtime_gpu.py test_kv_cache_gpu.py test_startup_gpu.py test_tensor_parallel_gpu.py test_quantized.py; do
+  python3 -m pytest "tests/gpu/$tests" -v -p no:logging --durations=3 2>&1 | tee "$OUT/${tests%.py}.log" | grep -E "FAILED|ERROR|passed|failed" | tail -12
+done
 cat "$OUT/report.jsonl"
