@@ -235,8 +235,11 @@ def _fill_weights(model: CausalLM, cfg: ModelConfig, files: dict[Path, Path], de
             dest = torch.empty(entry.shape, dtype=entry.dtype, device=device)
         else:
             dest = _destination(model, cfg, entry, part)
-        span = None if part is None else (part[1], part[2])
-        reads.append(TensorRead(entry, dest, *((span, None) if part is None or part[0] == 0 else (None, span))))
+        rows = cols = None
+        if part is not None:  # this rank's rows (dim 0) or columns (dim 1)
+            dim, start, stop = part
+            rows, cols = ((start, stop), None) if dim == 0 else (None, (start, stop))
+        reads.append(TensorRead(entry, dest, rows, cols))
         if quantized:
             staged.append((quantized, entry, dest))
     with torch.no_grad():
