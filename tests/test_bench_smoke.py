@@ -81,3 +81,15 @@ def test_startup_study_smoke(tmp_path: Path) -> None:
         assert {"import", "load", "weights", "pieces", "first_token", "ready"} <= set(phases)
         assert child["load"]["weight_bytes"] > 0 and child["start_to_first_token_s"] <= child["start_to_ready_s"]
     assert "| tiny warm |" in proc.stdout and "| tiny warm |" in (tmp_path / "startup-cpu.md").read_text()
+
+
+def test_serving_study_smoke(tmp_path: Path) -> None:
+    """`python -m bench serving --smoke`: decode rows and a long prompt on the CPU (SDPA), each with its floor."""
+    cmd = [sys.executable, "-m", "bench", "serving", "--smoke", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "serving-smoke.json").read_text())
+    assert [(r["batch"], r["prompt"]) for r in result["decode"]] == [(1, 16), (2, 64)]
+    assert all(r["backend"] == "sdpa" and r["ms_per_step"] > 0 and r["floor_ms"] > 0 for r in result["decode"])
+    assert [r["tokens"] for r in result["long"]] == [256] and result["long"][0]["tflops"] > 0
+    assert result["errors"] == {} and set(result["load_s"]) == {"sdpa"}
