@@ -3,15 +3,17 @@ engine's background preparation (on the CPU: one warm-up run per bucket) is stil
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 import graphkiln
 from artifact_helpers import ENGINE, GREEDY, PROMPTS, RESULT_PREFIX, greedy_tokens, run_python_json
-from graphkiln import EngineConfig, SamplingParams
+from graphkiln import EngineConfig
 from graphkiln.errors import ConfigError
 from graphkiln.models.tiny import tiny_model_dir
 from graphkiln.models.weights_reader import read_header
@@ -116,30 +118,37 @@ def test_a_failing_job_is_recorded_and_the_rest_still_run() -> None:
     assert isinstance(preparation.errors[0], RuntimeError)
 
 
-def test_a_waiting_background_turn_comes_before_the_next_step() -> None:
-    """A thread that steps without pause cannot starve a background turn: it gets the lock within one step."""
-    lock = StepLock()
-    steps, stop = [], threading.Event()
+@contextlib.contextmanager
+def taken_over_and_over(lock: StepLock, background: bool) -> Iterator[list[float]]:
+    """A thread that takes `lock` (as a step, or as a background turn) without pause; the times of its turns."""
+    turns, stop = [], threading.Event()
 
-    def stepping() -> None:
+    def take() -> None:
         while not stop.is_set():
-            with lock():
-                steps.append(time.perf_counter())
+            with lock(background=background):
+                turns.append(time.perf_counter())
                 time.sleep(0.002)
 
-    thread = threading.Thread(target=stepping)
+    thread = threading.Thread(target=take)
     thread.start()
     try:
         time.sleep(0.02)
+        yield turns
+    finally:
+        stop.set()
+        thread.join()
+
+
+def test_a_waiting_background_turn_comes_before_the_next_step() -> None:
+    """A thread that steps without pause cannot starve a background turn: it gets the lock within one step."""
+    lock = StepLock()
+    with taken_over_and_over(lock, background=False) as steps:
         asked = time.perf_counter()
         with lock(background=True):
             got = time.perf_counter()
             before = len(steps)
         assert len([t for t in steps[:before] if t > asked]) <= 1  # at most the step that held the lock
         assert got - asked < 1.0
-    finally:
-        stop.set()
-        thread.join()
 
 
 def test_reentrant_for_its_holder() -> None:
@@ -153,22 +162,8 @@ def test_reentrant_for_its_holder() -> None:
 def test_a_waiting_step_comes_before_the_next_background_turn() -> None:
     """Background turns back to back (a preparation's jobs) let a waiting step in after the current one."""
     lock = StepLock()
-    turns, stop = [], threading.Event()
-
-    def preparing() -> None:
-        while not stop.is_set():
-            with lock(background=True):
-                turns.append(time.perf_counter())
-                time.sleep(0.002)
-
-    thread = threading.Thread(target=preparing)
-    thread.start()
-    try:
-        time.sleep(0.02)
+    with taken_over_and_over(lock, background=True) as turns:
         asked = time.perf_counter()
         with lock():
             before = len(turns)
         assert len([t for t in turns[:before] if t > asked]) <= 1
-    finally:
-        stop.set()
-        thread.join()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -169,13 +170,13 @@ def empty_model(
     return model.eval().requires_grad_(False)
 
 
+@dataclass(frozen=True)
 class WeightSource:
     """Where `fill_model` takes an `empty_model`'s projections from: the checkpoint, quantized after
     (`scheme` applied at compile time), or an artifact's `quantized_weights` file."""
 
-    def __init__(self, scheme: QuantScheme | None, quantized_weights: Path | None) -> None:
-        self.scheme = scheme
-        self.quantized_weights = quantized_weights
+    scheme: QuantScheme | None
+    quantized_weights: Path | None
 
 
 def fill_model(model: CausalLM, model_dir: str | Path, clock: Stopwatch | None = None) -> None:
