@@ -270,14 +270,16 @@ def dequantize_blocks(weight: torch.Tensor, weight_scale: torch.Tensor, dtype: t
 @functools.cache
 def blockwise_scaled_mm(device_index: int) -> bool:
     """Whether this torch build's _scaled_mm multiplies 1 x 128 activation groups by 128 x 128 weight
-    blocks on this device (cuBLAS 12.9+ on sm90): one small product tells, at the first block-scaled
-    product of more than FEW_ROWS rows (a warm-up call before graph capture makes it)."""
+    blocks on this device (cuBLAS 12.9+ on sm90): one small product in exactly the layout fp8_linear
+    passes tells, at the first block-scaled product of more than FEW_ROWS rows (a warm-up call before
+    graph capture makes it)."""
     device = torch.device("cuda", device_index)
-    a = torch.ones(128, 128, device=device).to(FP8)
-    scale_a = torch.ones(1, 128, device=device).t()
-    scale_b = torch.ones(1, 1, device=device)
+    x = torch.ones(2 * BLOCK, 2 * BLOCK, device=device, dtype=torch.bfloat16)
+    weight = x.to(FP8)
+    weight_scale = torch.ones(2, 2, device=device)
     try:
-        torch._scaled_mm(a, a.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
+        xq, scale_a = quantize_rows(x, BLOCK)
+        scaled_mm(xq, weight.t(), scale_a, weight_scale.t(), x.dtype)
     except (RuntimeError, ValueError):
         return False
     return True

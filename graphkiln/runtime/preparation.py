@@ -60,6 +60,7 @@ class PreparedBucket:
 class Preparation:
     def __init__(self, jobs: list[Job], lock: StepLock, device: torch.device) -> None:
         self.jobs = list(jobs)
+        self.planned = len(self.jobs)  # the jobs themselves are dropped once run or stopped
         self.lock = lock
         self.device = indexed(device)  # selected by the thread the jobs run on
         self.started = time.perf_counter()
@@ -96,6 +97,7 @@ class Preparation:
                         return
                     self._run(job)
         finally:
+            self.jobs = []  # each holds its graph set: none may outlive the engine
             self.finished_at = time.perf_counter()
             self._finished.set()
 
@@ -123,7 +125,10 @@ class Preparation:
         return self._finished.wait(timeout)
 
     def stop(self) -> None:
-        """Skip the jobs not started, and wait for the running one (unless called from the job's own thread)."""
+        """Skip the jobs not started, wait for the running one (unless called from the job's own thread),
+        and drop the jobs: they hold the graph sets and their static buffers, which must not outlive the
+        engine's close."""
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
+        self.jobs = []
