@@ -271,11 +271,11 @@ def dequantize_blocks(weight: torch.Tensor, weight_scale: torch.Tensor, dtype: t
 def blockwise_scaled_mm(device_index: int) -> bool:
     """Whether this torch build's _scaled_mm multiplies 1 x 128 activation groups by 128 x 128 weight
     blocks on this device (cuBLAS 12.9+ on sm90): one small product in exactly the layout fp8_linear
-    passes tells, at the first block-scaled product of more than FEW_ROWS rows (a warm-up call before
-    graph capture makes it)."""
+    passes, with the fewest and least aligned rows it passes (FEW_ROWS + 1), tells, at the first
+    block-scaled product of more than FEW_ROWS rows (a warm-up call before graph capture makes it)."""
     device = torch.device("cuda", device_index)
-    x = torch.ones(2 * BLOCK, 2 * BLOCK, device=device, dtype=torch.bfloat16)
-    weight = x.to(FP8)
+    x = torch.ones(FEW_ROWS + 1, 2 * BLOCK, device=device, dtype=torch.bfloat16)
+    weight = torch.ones(2 * BLOCK, 2 * BLOCK, device=device).to(FP8)
     weight_scale = torch.ones(2, 2, device=device)
     try:
         xq, scale_a = quantize_rows(x, BLOCK)
