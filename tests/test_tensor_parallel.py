@@ -294,3 +294,44 @@ def test_rank_0_dying_stops_the_others(llama: Checkpoint, tmp_path: Path) -> Non
     assert result.returncode == -signal.SIGKILL
     assert "graphkiln: tensor-parallel rank 1 stops: RankFailedError: rank 0 is gone" in result.stderr
     assert time.monotonic() - start < 60
+
+
+MANY_SIZES = tuple(range(1, 25))  # 24 decode warm-ups, then prefill 16: long enough to step beside and to stop
+TINY_PROMPTS = [[1, 5, 9, 200, 17, 3], [1, 7], [1, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45]]
+
+
+def test_preparation_runs_on_every_rank(tiny_tp: Path) -> None:
+    """Both ranks run every warm-up, in rank 0's order, each reporting its own count and time; requests served
+    while they run get the tokens of the prepared engine, and the logits of the single-rank engine."""
+    with graphkiln.LLM.eager("tiny", dtype="float32", **ENGINE) as one:
+        logits = one.score(TINY_PROMPTS[2])
+        expected = [o.token_ids for o in one.generate(TINY_PROMPTS, GREEDY)]
+    with graphkiln.load(tiny_tp, decode_batch_sizes=MANY_SIZES, **ENGINE) as llm:
+        early = [o.token_ids for o in llm.generate(TINY_PROMPTS, GREEDY)]
+        first_token_at = llm.engine.first_token_at
+        assert llm.wait_ready(120)
+        assert first_token_at < llm.engine.preparation.finished_at  # served while the warm-ups still ran
+        assert [o.token_ids for o in llm.generate(TINY_PROMPTS, GREEDY)] == early == expected
+        torch.testing.assert_close(llm.score(TINY_PROMPTS[2]), logits, atol=1e-4, rtol=0)
+        prepared = llm.stats().prepared
+    jobs = [("decode-warmup", str(n)) for n in MANY_SIZES] + [("prefill-warmup", "16")]
+    assert [(p.kind, p.key) for p in prepared] == jobs
+    for done, p in enumerate(prepared, start=1):
+        assert p.error is None and [r.rank for r in p.ranks] == [0, 1]
+        assert all(r.done == done and r.seconds > 0 and r.error is None for r in p.ranks)
+
+
+def test_rank_killed_during_preparation_is_named(tiny_tp: Path) -> None:
+    llm = graphkiln.load(tiny_tp, decode_batch_sizes=MANY_SIZES, **ENGINE)
+    pid = llm.engine.runner.peers.pids[1]
+    with llm.engine.lock():  # between two warm-ups
+        assert not llm.engine.preparation.ready
+        os.kill(pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(RankFailedError, match=rf"rank 1 \(pid {pid}\) exited with code -9 during preparing"):
+        llm.wait_ready(DEAD_RANK_LIMIT_S)
+    assert time.monotonic() - start < DEAD_RANK_LIMIT_S
+    with pytest.raises(RankFailedError, match="rank 1"):  # the LLM stays failed, it does not hang
+        llm.generate([[1, 2, 3]], GREEDY)
+    llm.close()
+    assert not dist.is_initialized()
