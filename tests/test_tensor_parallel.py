@@ -34,6 +34,9 @@ from graphkiln.errors import ConfigError, RankFailedError, UnsupportedModelError
 from graphkiln.models import load_model
 from graphkiln.models.sharding import Shard
 from graphkiln.passes.manager import PassManager, default_passes
+from graphkiln.runtime.lockstep import Lockstep
+from graphkiln.runtime.preparation import Preparation
+from graphkiln.runtime.step_lock import StepLock
 from graphkiln.runtime.tensor_parallel import parallel_engine
 
 if TYPE_CHECKING:
@@ -335,3 +338,62 @@ def test_rank_killed_during_preparation_is_named(tiny_tp: Path) -> None:
         llm.generate([[1, 2, 3]], GREEDY)
     llm.close()
     assert not dist.is_initialized()
+
+
+@dataclasses.dataclass
+class SummingJob:
+    """A preparation job that runs a collective, as a warm-up or a capture's warm-up does, then fails on
+    `failing_rank` (as a capture can, after its warm-up ran)."""
+
+    kind: str
+    key: str
+    failing_rank: int | None = None
+    withdrawn: bool = False
+
+    def run(self) -> None:
+        total = torch.ones(1)
+        dist.all_reduce(total)
+        assert total.item() == 2
+        if dist.get_rank() == self.failing_rank:
+            raise RuntimeError(f"no capture for {self.key} here")
+
+    def withdraw(self) -> None:
+        self.withdrawn = True
+
+
+def summing_jobs() -> list[SummingJob]:
+    return [SummingJob("sum", "1"), SummingJob("sum", "2", failing_rank=1), SummingJob("sum", "3")]
+
+
+def _follow_summing_jobs(store_path: str) -> None:
+    from graphkiln.runtime.tensor_parallel import _init_groups, _receive
+
+    control = _init_groups(1, 2, dist.FileStore(store_path, 2), "cpu", 60)
+    preparation = Preparation(summing_jobs(), StepLock(), torch.device("cpu"), Lockstep(control))
+    while (message := _receive(control)) is not None:
+        preparation.run_one(message.kind, message.key)
+    dist.destroy_process_group()
+
+
+def test_a_job_failing_on_one_rank_is_skipped_on_all(tmp_path: Path) -> None:
+    """Rank 1's job 2 fails after its collective: rank 0, where it succeeded, withdraws it and names rank 1;
+    job 3 still runs on both ranks."""
+    from graphkiln.runtime.tensor_parallel import Peers, _init_groups
+
+    store_path = str(tmp_path / "store")
+    worker = torch.multiprocessing.get_context("spawn").Process(target=_follow_summing_jobs, args=(store_path,))
+    worker.start()
+    control = _init_groups(0, 2, dist.FileStore(store_path, 2), "cpu", 60)
+    peers = Peers(2, control, {1: worker}, None)
+    jobs = summing_jobs()
+    preparation = Preparation(list(jobs), StepLock(), torch.device("cpu"), Lockstep(control, peers))
+    preparation.start()
+    try:
+        assert preparation.wait(60)
+    finally:
+        peers.close()
+    assert worker.exitcode == 0 and not dist.is_initialized()
+    assert [job.withdrawn for job in jobs] == [False, True, False]
+    assert [p.error for p in preparation.done] == [None, "rank 1: RuntimeError: no capture for 2 here", None]
+    assert [[(r.rank, r.done, r.error is None) for r in p.ranks] for p in preparation.done] == [
+        [(0, 1, True), (1, 1, True)], [(0, 2, True), (1, 2, False)], [(0, 3, True), (1, 3, True)]]  # fmt: skip

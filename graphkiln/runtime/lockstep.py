@@ -19,9 +19,9 @@ Why a step never mixes a graph on one rank with no graph on another, although a 
 compiled pieces the eager path calls, in the same order: the shapes differ. The eager path pads a
 batch to the smallest capture size, the graph path to the smallest *ready* bucket, which can be larger
 while captures are still running; and a decode graph gathers the logits of all its rows and samples
-inside, where the eager path gathers only the rows that sample. Collectives of the same order but of
-other sizes do not meet (gloo fails, NCCL reads past the end), so the Step carries rank 0's choice and
-readiness is agreed on after every job.
+inside, where the eager path gathers only the rows that sample. Collectives in the same order but of
+other sizes do not match (gloo raises; with NCCL the result is undefined: a hang or wrong sums), so the
+Step carries rank 0's choice and readiness is agreed on after every job.
 """
 
 from __future__ import annotations
