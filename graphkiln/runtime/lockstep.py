@@ -10,8 +10,10 @@ the same shapes. Rank 0 decides and the others follow:
   builds the same jobs and runs the one named. After it every rank reports how it went (`RankReport`)
   and all receive every report; a job that failed on any rank is withdrawn on all of them, so a
   bucket is ready everywhere or nowhere. A rank that dies fails the next announcement or report on
-  rank 0 (its sockets close), which then raises RankFailedError naming it; a job that fails between
-  its collectives leaves the others waiting at most `EngineConfig.collective_timeout_s`.
+  rank 0 (its sockets close), which then raises RankFailedError naming it. A job that fails between
+  its collectives leaves the others waiting at most `EngineConfig.collective_timeout_s` and the world
+  group out of step, so after a failed job the ranks run one all-reduce on it: where that fails too,
+  the group stops (RankFailedError) rather than pair later collectives wrongly.
 - Steps: the `Step` says what rank 0 runs: the batch, the logit rows, and the bucket of the graph it
   replays (None: no graph). A worker replays exactly that graph, whatever its own readiness says.
 
@@ -26,6 +28,7 @@ Step carries rank 0's choice and readiness is agreed on after every job.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -119,11 +122,11 @@ class Lockstep:
             with self.peers.watch(f"preparing {kind} bucket {key}"):
                 dist.broadcast_object_list([Prepare(kind, key)], src=0, group=self.control)
 
-    def agree(self, report: RankReport, kind: str, key: str) -> tuple[RankReport, ...]:
-        reports: list[RankReport | None] = [None] * self.size
-        if self.peers is None:
+    def agree(self, report: RankReport, kind: str, key: str, device: torch.device) -> tuple[RankReport, ...]:
+        """Every rank's report of the job; after a failure, also checks that the world group is still in step."""
+        with self.peers.watch(f"preparing {kind} bucket {key}") if self.peers is not None else nullcontext():
+            reports: list[RankReport | None] = [None] * self.size
             dist.all_gather_object(reports, report, group=self.control)
-        else:
-            with self.peers.watch(f"preparing {kind} bucket {key}"):
-                dist.all_gather_object(reports, report, group=self.control)
+            if any(r.error is not None for r in reports):
+                dist.all_reduce(torch.zeros(1, device=device))
         return tuple(reports)

@@ -147,7 +147,7 @@ class Preparation:
         ranks: tuple[RankReport, ...] = ()
         if self.lockstep is not None:
             report = RankReport(self.lockstep.rank, len(self.done) + 1, seconds, error)
-            ranks = self.lockstep.agree(report, job.kind, job.key)
+            ranks = self.lockstep.agree(report, job.kind, job.key, self.device)
             failed = [r for r in ranks if r.error is not None]
             if failed and error is None:
                 job.withdraw()
