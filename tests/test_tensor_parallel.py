@@ -396,7 +396,8 @@ def summing_group(tmp_path: Path, before_collective: bool, timeout_s: float) -> 
     _wait_for_ranks(store, {1: worker}, 60)
     control = _init_groups(0, 2, store, "cpu", timeout_s)
     peers = Peers(2, control, {1: worker}, None)
-    preparation = Preparation(summing_jobs(before_collective), StepLock(), torch.device("cpu"), Lockstep(control, peers))
+    jobs = summing_jobs(before_collective)
+    preparation = Preparation(jobs, StepLock(), torch.device("cpu"), Lockstep(control, peers))
     preparation.start()
     try:
         yield preparation

@@ -61,7 +61,8 @@ class _StaticPrefill(ABC):
 
     def jobs(self) -> list[CaptureJob]:
         """One capture per token bucket, smallest first."""
-        return [CaptureJob(self.graphs, str(size), partial(self._capture_timed, size), size) for size in self.graphs.sizes]
+        return [CaptureJob(self.graphs, str(size), partial(self._capture_timed, size), size)
+                for size in self.graphs.sizes]  # fmt: skip
 
     def _capture_timed(self, size: int) -> None:
         with self.graphs.capturing(size):

@@ -134,13 +134,14 @@ class ModelRunner:
         with self.peers.watch() if self.peers is not None else contextlib.nullcontext():
             size = graphs.bucket(batch.num_tokens) if not batch.decode and graphs is not None else None
             if size is not None:
-                hidden = graphs.run(batch, self._published(Step(batch, batch.num_tokens, rows, size), pending), size)
+                step = None if self.peers is None else Step(batch, batch.num_tokens, rows, size)
+                hidden = graphs.run(batch, self._published(step, pending), size)
             else:
                 hidden = self._forward(batch, rows, pending)
             return self._rows_logits(hidden, rows)
 
-    def _published(self, step: Step, pending: PendingIds | None) -> InputIds | None:
-        """The step's pending ids; on rank 0 of a group, also sent to the other ranks with `step`."""
+    def _published(self, step: Step | None, pending: PendingIds | None) -> InputIds | None:
+        """The step's pending ids; on rank 0 of a group, also sent to the other ranks with `step` (None on one rank)."""
         return pending if self.peers is None else PublishedIds(step, pending, self.peers)
 
     def _rows_logits(self, hidden: torch.Tensor, rows: list[int] | None) -> torch.Tensor:
@@ -152,7 +153,8 @@ class ModelRunner:
         self.steps_without_graph["decode" if batch.decode else "prefill"] += 1
         padded = batch.padded(self.padding.size(batch)) if self.padding else batch
         input_ids = upload(padded.ids, torch.int64, self.device)
-        ids = pending if self.peers is None else self._published(Step(padded, batch.num_tokens, rows), pending)
+        step = None if self.peers is None else Step(padded, batch.num_tokens, rows)
+        ids = self._published(step, pending)
         if ids is not None:
             ids.fill(input_ids)
         return self._run(padded, input_ids, batch.num_tokens)

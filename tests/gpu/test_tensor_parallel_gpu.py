@@ -52,7 +52,8 @@ def test_one_rank_is_unchanged(tmp_path: Path) -> None:
         assert sum(stats.graphs["decode"].replays.values()) > 0 and stats.steps_without_graph.get("decode", 0) == 0
         prefill_kind = "prefill" if llm.engine.runner.backend.capturable_prefill else "prefill-piecewise"
         decode_jobs = [("decode", f"{size}/{mode}") for size in DECODE_SIZES for mode in MODES]
-        assert [(p.kind, p.key) for p in stats.prepared] == decode_jobs + [(prefill_kind, str(s)) for s in PREFILL_SIZES]
+        prefill_jobs = [(prefill_kind, str(size)) for size in PREFILL_SIZES]
+        assert [(p.kind, p.key) for p in stats.prepared] == decode_jobs + prefill_jobs
         assert all(p.error is None and p.ranks == () for p in stats.prepared)
         assert stats.graphs["decode"].graphs == len(DECODE_SIZES) * len(MODES)
         record("tp1_decode_step_ms_b1", decode_step_ms(llm))
