@@ -98,8 +98,7 @@ class Preparation:
         if job is None:
             raise RankFailedError(f"rank 0 announced {kind} bucket {key}, which this rank does not prepare "
                                   f"(it has {[(j.kind, j.key) for j in self.jobs]}): the ranks' engines differ")  # fmt: skip
-        with torch.inference_mode():
-            self._run(job)
+        self._run(job)
 
     def skip(self) -> None:
         """No jobs to run: ready at once."""
