@@ -175,7 +175,8 @@ class LLM:
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Wait until the graphs (or warm-ups) being prepared in the background are all done; False if
-        `timeout` seconds passed first. Requests need not wait for this: benchmarks do."""
+        `timeout` seconds passed first. Requests need not wait for this: benchmarks do. A tensor-parallel
+        group that failed meanwhile (a rank died) raises its RankFailedError."""
         return self.engine.wait_ready(timeout)
 
     def close(self) -> None:

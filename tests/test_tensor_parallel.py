@@ -6,6 +6,7 @@ time, so each test closes its LLM before the next one starts.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import os
@@ -15,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -34,6 +36,9 @@ from graphkiln.errors import ConfigError, RankFailedError, UnsupportedModelError
 from graphkiln.models import load_model
 from graphkiln.models.sharding import Shard
 from graphkiln.passes.manager import PassManager, default_passes
+from graphkiln.runtime.lockstep import Lockstep
+from graphkiln.runtime.preparation import Preparation
+from graphkiln.runtime.step_lock import StepLock
 from graphkiln.runtime.tensor_parallel import parallel_engine
 
 if TYPE_CHECKING:
@@ -294,3 +299,133 @@ def test_rank_0_dying_stops_the_others(llama: Checkpoint, tmp_path: Path) -> Non
     assert result.returncode == -signal.SIGKILL
     assert "graphkiln: tensor-parallel rank 1 stops: RankFailedError: rank 0 is gone" in result.stderr
     assert time.monotonic() - start < 60
+
+
+MANY_SIZES = tuple(range(1, 25))  # 24 decode warm-ups, then prefill 16: long enough to step beside and to stop
+TINY_PROMPTS = [[1, 5, 9, 200, 17, 3], [1, 7], [1, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45]]
+
+
+def test_preparation_runs_on_every_rank(tiny_tp: Path) -> None:
+    """Both ranks run every warm-up, in rank 0's order, each reporting its own count and time; requests served
+    while they run get the tokens of the prepared engine, and the logits of the single-rank engine."""
+    with graphkiln.LLM.eager("tiny", dtype="float32", **ENGINE) as one:
+        logits = one.score(TINY_PROMPTS[2])
+        expected = [o.token_ids for o in one.generate(TINY_PROMPTS, GREEDY)]
+    with graphkiln.load(tiny_tp, decode_batch_sizes=MANY_SIZES, **ENGINE) as llm:
+        early = [o.token_ids for o in llm.generate(TINY_PROMPTS, GREEDY)]
+        first_token_at = llm.engine.first_token_at
+        assert llm.wait_ready(120)
+        assert first_token_at < llm.engine.preparation.finished_at  # served while the warm-ups still ran
+        assert [o.token_ids for o in llm.generate(TINY_PROMPTS, GREEDY)] == early == expected
+        torch.testing.assert_close(llm.score(TINY_PROMPTS[2]), logits, atol=1e-4, rtol=0)
+        prepared = llm.stats().prepared
+    jobs = [("decode-warmup", str(n)) for n in MANY_SIZES] + [("prefill-warmup", "16")]
+    assert [(p.kind, p.key) for p in prepared] == jobs
+    for done, p in enumerate(prepared, start=1):
+        assert p.error is None and [r.rank for r in p.ranks] == [0, 1]
+        assert all(r.done == done and r.seconds > 0 and r.error is None for r in p.ranks)
+
+
+def test_rank_killed_during_preparation_is_named(tiny_tp: Path) -> None:
+    llm = graphkiln.load(tiny_tp, decode_batch_sizes=MANY_SIZES, **ENGINE)
+    pid = llm.engine.runner.peers.pids[1]
+    with llm.engine.lock():  # between two warm-ups
+        assert not llm.engine.preparation.ready
+        os.kill(pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(RankFailedError, match=rf"rank 1 \(pid {pid}\) exited with code -9 during preparing"):
+        llm.wait_ready(DEAD_RANK_LIMIT_S)
+    assert time.monotonic() - start < DEAD_RANK_LIMIT_S
+    with pytest.raises(RankFailedError, match="rank 1"):  # the LLM stays failed, it does not hang
+        llm.generate([[1, 2, 3]], GREEDY)
+    llm.close()
+    assert not dist.is_initialized()
+
+
+@dataclasses.dataclass
+class SummingJob:
+    """A preparation job that runs a collective, as a warm-up or a capture's warm-up does, then fails on
+    `failing_rank` (as a capture can, after its warm-up ran); or fails there before its collective."""
+
+    kind: str
+    key: str
+    failing_rank: int | None = None
+    before_collective: bool = False
+    withdrawn: bool = False
+
+    def run(self) -> None:
+        failing = dist.get_rank() == self.failing_rank
+        if failing and self.before_collective:
+            raise RuntimeError(f"failed before the collective of {self.key}")
+        total = torch.ones(1)
+        dist.all_reduce(total)
+        assert total.item() == 2
+        if failing:
+            raise RuntimeError(f"no capture for {self.key} here")
+
+    def withdraw(self) -> None:
+        self.withdrawn = True
+
+
+def summing_jobs(before_collective: bool) -> list[SummingJob]:
+    return [SummingJob("sum", "1"), SummingJob("sum", "2", 1, before_collective), SummingJob("sum", "3")]
+
+
+def _follow_summing_jobs(store_path: str, before_collective: bool, timeout_s: float) -> None:
+    from graphkiln.runtime.tensor_parallel import _init_groups, _joining_key, _receive
+
+    store = dist.FileStore(store_path, 2)
+    store.set(_joining_key(1), "1")
+    control = _init_groups(1, 2, store, "cpu", timeout_s)
+    preparation = Preparation(summing_jobs(before_collective), StepLock(), torch.device("cpu"), Lockstep(control))
+    while (message := _receive(control)) is not None:
+        preparation.run_one(message.kind, message.key)
+    dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def summing_group(tmp_path: Path, before_collective: bool, timeout_s: float) -> Iterator[Preparation]:
+    """Rank 0 here and rank 1 in a process of its own, each preparing `summing_jobs`; rank 0's started."""
+    from graphkiln.runtime.tensor_parallel import Peers, _init_groups, _wait_for_ranks
+
+    store_path = str(tmp_path / "store")
+    store = dist.FileStore(store_path, 2)
+    args = (store_path, before_collective, timeout_s)
+    worker = torch.multiprocessing.get_context("spawn").Process(target=_follow_summing_jobs, args=args)
+    worker.start()
+    _wait_for_ranks(store, {1: worker}, 60)
+    control = _init_groups(0, 2, store, "cpu", timeout_s)
+    peers = Peers(2, control, {1: worker}, None)
+    jobs = summing_jobs(before_collective)
+    preparation = Preparation(jobs, StepLock(), torch.device("cpu"), Lockstep(control, peers))
+    preparation.start()
+    try:
+        yield preparation
+    finally:
+        peers.close()
+    assert worker.exitcode is not None and not dist.is_initialized()
+
+
+def test_a_job_failing_on_one_rank_is_skipped_on_all(tmp_path: Path) -> None:
+    """Rank 1's job 2 fails after its collective: rank 0, where it succeeded, withdraws it and names rank 1;
+    job 3 still runs on both ranks."""
+    with summing_group(tmp_path, before_collective=False, timeout_s=60) as preparation:
+        assert preparation.wait(60)
+    jobs = preparation.jobs
+    assert [job.withdrawn for job in jobs] == [False, True, False]
+    assert [p.error for p in preparation.done] == [None, "rank 1: RuntimeError: no capture for 2 here", None]
+    assert [[(r.rank, r.done, r.error is None) for r in p.ranks] for p in preparation.done] == [
+        [(0, 1, True), (1, 1, True)], [(0, 2, True), (1, 2, False)], [(0, 3, True), (1, 3, True)]]  # fmt: skip
+
+
+
+def test_a_job_failing_between_collectives_stops_the_group(tmp_path: Path) -> None:
+    """Rank 1's job 2 fails before its collective: rank 0's times out, and the world group, out of step now,
+    fails its check too: the preparation stops with RankFailedError after a few timeouts, no hang."""
+    timeout_s = 2.0
+    start = time.monotonic()
+    with summing_group(tmp_path, before_collective=True, timeout_s=timeout_s) as preparation:
+        with pytest.raises(RankFailedError, match="preparing sum bucket 2"):
+            preparation.wait(60)
+    assert [p.key for p in preparation.done] == ["1"] and preparation.done[0].error is None
+    assert time.monotonic() - start < 30

@@ -10,6 +10,7 @@ prefill batch's padded rows belong to no sequence (their keys and values go to t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -55,6 +56,13 @@ def pack(chunks: list[ScheduledChunk]) -> Batch:
         positions += range(start, start + c.num_tokens)
         slices.append(SequenceSlice(c.num_tokens, start + c.num_tokens, tuple(c.seq.blocks)))
     return Batch(ids, positions, slices, is_decode(chunks))
+
+
+class InputIds(Protocol):
+    """Input ids a step's host batch does not hold: `fill` writes them into the device buffer the step reads
+    (PendingIds; on a tensor-parallel rank, ids sent to or received from rank 0: lockstep.py)."""
+
+    def fill(self, input_ids: torch.Tensor) -> None: ...
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from .engine import Engine
 from .graphs import CaptureSetup, GraphPool
 from .kv_cache import BlockAllocator
 from .kv_dtype import cache_dtype
+from .lockstep import Lockstep
 from .memory import allocate_kv_cache, kv_cache_blocks
 from .prefill_graphs import PiecewisePrefillGraphs, PrefillGraphs
 from .preparation import Job, Preparation
@@ -36,12 +37,14 @@ def build_engine(
     compiled: CompiledModel | None = None,
     config: EngineConfig | None = None,
     peers: Peers | None = None,
+    lockstep: Lockstep | None = None,
 ) -> Engine:
     """Eager when `compiled` is None; with it, compiled pieces and, on CUDA, CUDA graphs: whole for
     decode, and for prefill where the attention backend can capture it (piecewise otherwise). The
     graphs (without them, warm-up runs) are prepared as `config.capture` says: in the background
-    (the engine serves meanwhile) or before this returns. `peers`: the other ranks of a tensor-parallel
-    group, which follow every step (no CUDA graphs or warm-ups yet: each would need every rank)."""
+    (the engine serves meanwhile) or before this returns. On a rank of a tensor-parallel group they
+    are not started here: rank 0 (`peers`: the other ranks, which follow every step) starts them once
+    every rank has built its engine (`prepare`), and each rank runs them together (`lockstep`)."""
     config = config or EngineConfig()
     cfg = model.cfg
     max_context = min(cfg.max_context, config.max_seq_len or cfg.max_context)
@@ -57,7 +60,7 @@ def build_engine(
     padding = Padding(config.decode_batch_sizes, config.prefill_token_buckets) if compiled is not None else None
     runner = ModelRunner(model, kv, backend, forward=compiled, padding=padding, peers=peers)
     jobs: list[Job] = []
-    if compiled is not None and not model.shard.parallel:
+    if compiled is not None:
         max_blocks = -(-max_context // config.block_size)
         prefill_sizes = tuple(s for s in config.prefill_token_buckets if s <= config.max_num_batched_tokens)
         decode_sizes = tuple(s for s in config.decode_batch_sizes if s <= min(config.max_num_seqs, allocator.capacity))
@@ -67,17 +70,25 @@ def build_engine(
             jobs = list(warmup_jobs(runner, decode_sizes, prefill_sizes, max_blocks))
     scheduler = Scheduler(allocator, max_context, config.max_num_batched_tokens, config.max_num_seqs)
     lock = StepLock()
-    preparation = Preparation(jobs, lock, device)
-    if config.capture == "blocking":  # largest first: smaller graphs reuse the pool's memory
+    preparation = Preparation(jobs, lock, device, lockstep)
+    engine = Engine(runner, scheduler, cfg.eos_token_ids, cfg.vocab_size, config, lock, preparation)
+    if not model.shard.parallel:
+        prepare(engine, config)
+    return engine
+
+
+def prepare(engine: Engine, config: EngineConfig) -> None:
+    """Start the engine's preparation: in the background, or all of it now (largest first: smaller graphs
+    reuse the pool's memory)."""
+    preparation = engine.preparation
+    if not preparation.jobs:
+        preparation.skip()
+    elif config.capture == "blocking":
         preparation.jobs.reverse()
         preparation.run_now()
-        log.info("prepared %d buckets in %.2f s", len(jobs), sum(d.seconds for d in preparation.done))
-    engine = Engine(runner, scheduler, cfg.eos_token_ids, cfg.vocab_size, config, lock, preparation)
-    if config.capture == "background" and jobs:
+        log.info("prepared %d buckets in %.2f s", len(preparation.jobs), sum(d.seconds for d in preparation.done))
+    else:
         preparation.start()
-    elif not jobs:
-        preparation.skip()
-    return engine
 
 
 def _graphs(runner: ModelRunner, compiled: CompiledModel, config: EngineConfig, max_blocks: int,

@@ -16,7 +16,7 @@ import torch
 
 from graphkiln.models.attention import ForwardContext, forward_context
 
-from .batch import Batch, PendingIds
+from .batch import Batch, InputIds
 from .graphs import CaptureJob, CaptureSetup, GraphSet
 from .sampler import MODES, Sampled, SamplingBatch, SamplingTensors, sample
 from .static_batch import StaticBatch
@@ -51,17 +51,17 @@ class DecodeGraphs:
 
     def jobs(self) -> list[CaptureJob]:
         """One capture per bucket and sampling mode, smallest bucket first."""
-        return [CaptureJob(self.graphs, f"{size}/{mode}", partial(self._capture_one, size, mode))
+        return [CaptureJob(self.graphs, f"{size}/{mode}", partial(self._capture_one, size, mode), (size, mode))
                 for size in self.graphs.sizes for mode in MODES]  # fmt: skip
 
-    def run(self, batch: Batch, sampling: SamplingBatch, pending: PendingIds | None = None) -> Sampled:
-        """The sampled rows (ids; log-probabilities unless greedy) of a decode step that fits a bucket.
+    def run(self, batch: Batch, sampling: SamplingBatch, pending: InputIds | None, size: int) -> Sampled:
+        """The sampled rows (ids; log-probabilities unless greedy) of a decode step in bucket `size` (`bucket`).
 
-        A greedy step copies no sampling parameters. `pending` then overwrites input ids still on the device.
+        A greedy step copies no sampling parameters. `pending` then overwrites input ids still on the device
+        (or, on a tensor-parallel rank, sends them to the others or receives them: lockstep.py).
         """
         n = len(batch.slices)
         mode = sampling.mode
-        size = self.bucket(n, mode)
         with self.batch.staging_turn():
             meta = self.batch.fill("decode", batch.padded(size), size)
             if mode != "greedy":

@@ -67,15 +67,19 @@ class CaptureSetup:
 
 @dataclass(frozen=True)
 class CaptureJob:
-    """One bucket's capture: `run()` captures it and marks it ready in `graphs`."""
+    """One bucket's capture: `run()` captures it and marks `bucket` ready in `graphs`; `withdraw()` drops it."""
 
     graphs: GraphSet
     key: str
     run: Callable[[], None]
+    bucket: Hashable
 
     @property
     def kind(self) -> str:
         return self.graphs.kind
+
+    def withdraw(self) -> None:
+        self.graphs.withdraw(self.bucket)
 
 
 def capture_all(jobs: list[CaptureJob]) -> None:
@@ -95,6 +99,7 @@ class GraphSet:
         self.graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, Any]] = {}
         self.replays: Counter[Hashable] = Counter()
         self.ready: set[Hashable] = set()  # buckets whose graphs are all captured (strategies say what a key is)
+        self.bucket_keys: dict[Hashable, set[Hashable]] = {}  # the graphs each bucket's capture added
         self.stats = CaptureStats()
 
     def ready_bucket(self, count: int, key: Callable[[int], Hashable] = lambda size: size) -> int | None:
@@ -108,8 +113,10 @@ class GraphSet:
         and the bucket is ready once the block ends without raising."""
         start = time.perf_counter()
         before = reserved_after_sync()
+        keys = set(self.graphs)
         yield
         added = reserved_after_sync() - before
+        self.bucket_keys[bucket] = set(self.graphs) - keys
         self.ready.add(bucket)
         self.stats = CaptureStats(len(self.graphs), self.stats.seconds + time.perf_counter() - start,
                                   self.stats.pool_bytes + added)  # fmt: skip
@@ -134,8 +141,16 @@ class GraphSet:
         self.replays[key] += 1
         return outputs
 
+    def withdraw(self, bucket: Hashable) -> None:
+        """Make a captured bucket unready and drop its graphs (a tensor-parallel peer failed to capture it)."""
+        self.ready.discard(bucket)
+        for key in self.bucket_keys.pop(bucket, ()):
+            del self.graphs[key]
+        self.stats = CaptureStats(len(self.graphs), self.stats.seconds, self.stats.pool_bytes)
+
     def release(self) -> None:
         """Drop every graph and its outputs, so the pool's memory can go back to the device."""
         self.ready.clear()
+        self.bucket_keys.clear()
         self.graphs.clear()
         self.stats = CaptureStats()

@@ -28,7 +28,7 @@ from graphkiln.compiler.compiled_model import CompiledModel
 from graphkiln.models.attention import ForwardContext, forward_context
 
 from .attention.metadata import SequenceSlice
-from .batch import Batch, PendingIds
+from .batch import Batch, InputIds
 from .graphs import CaptureJob, CaptureSetup, GraphSet
 from .kv_cache import DUMMY_BLOCK
 from .static_batch import StaticBatch
@@ -61,7 +61,8 @@ class _StaticPrefill(ABC):
 
     def jobs(self) -> list[CaptureJob]:
         """One capture per token bucket, smallest first."""
-        return [CaptureJob(self.graphs, str(size), partial(self._capture_timed, size)) for size in self.graphs.sizes]
+        return [CaptureJob(self.graphs, str(size), partial(self._capture_timed, size), size)
+                for size in self.graphs.sizes]  # fmt: skip
 
     def _capture_timed(self, size: int) -> None:
         with self.graphs.capturing(size):
@@ -75,7 +76,7 @@ class _StaticPrefill(ABC):
     def _seq_rows(self, batch: Batch, size: int) -> int:
         """Sequence rows the attention metadata spans for `batch` in bucket `size`."""
 
-    def _load(self, batch: Batch, size: int, pending: PendingIds | None = None) -> ForwardContext:
+    def _load(self, batch: Batch, size: int, pending: InputIds | None = None) -> ForwardContext:
         """Copy a batch padded to `size` into the buffers and plan attention on them (outside any capture)."""
         with self.batch.staging_turn():
             meta = self.batch.fill("prefill", batch.padded(size), self._seq_rows(batch, size))
@@ -109,9 +110,8 @@ class PrefillGraphs(_StaticPrefill):
 
         self.graphs.capture(size, step)
 
-    def run(self, batch: Batch, pending: PendingIds | None = None) -> torch.Tensor:
-        """Hidden states [batch tokens, hidden] of a prefill (or mixed) step that fits a bucket."""
-        size = self.bucket(batch.num_tokens)
+    def run(self, batch: Batch, pending: InputIds | None, size: int) -> torch.Tensor:
+        """Hidden states [batch tokens, hidden] of a prefill (or mixed) step in bucket `size` (`bucket`)."""
         self._load(batch, size, pending)
         return self.graphs.replay(size)[: batch.num_tokens]
 
@@ -164,7 +164,6 @@ class PiecewisePrefillGraphs(_StaticPrefill):
         with torch.cuda.stream(self.graphs.pool.stream):
             self._run("capture", size, self._load(self._dummy(size), size))
 
-    def run(self, batch: Batch, pending: PendingIds | None = None) -> torch.Tensor:
-        """Hidden states [batch tokens, hidden] of a prefill (or mixed) step that fits a bucket."""
-        size = self.bucket(batch.num_tokens)
+    def run(self, batch: Batch, pending: InputIds | None, size: int) -> torch.Tensor:
+        """Hidden states [batch tokens, hidden] of a prefill (or mixed) step in bucket `size` (`bucket`)."""
         return self._run("replay", size, self._load(batch, size, pending))[: batch.num_tokens]

@@ -7,6 +7,11 @@ most used. A step whose bucket is not ready yet runs in a larger ready one or wi
 A job that raises is logged and recorded, its bucket stays unready (steps run without it), and
 the jobs after it still run. `stop()` (the engine's close) lets the running job finish and skips
 the rest.
+
+In a tensor-parallel group every rank runs the same jobs in the same order (lockstep.py): rank 0
+announces each job, every rank runs it, all exchange a `RankReport`, and a job that failed on any
+rank is withdrawn on every rank. A group that fails meanwhile (a rank died) ends the preparation:
+`wait` and `run_now` raise its RankFailedError.
 """
 
 from __future__ import annotations
@@ -21,21 +26,26 @@ from typing import Protocol
 
 import torch
 
+from graphkiln.errors import RankFailedError
 from graphkiln.models.weights_reader import indexed
 
+from .lockstep import Lockstep, RankReport
 from .step_lock import StepLock
 
 log = logging.getLogger("graphkiln.runtime")
 
 
 class Job(Protocol):
-    """One bucket's preparation: `kind` ("decode", "prefill", "decode-warmup", ...), `key` (its bucket)."""
+    """One bucket's preparation: `kind` ("decode", "prefill", "decode-warmup", ...), `key` (its bucket);
+    `withdraw()` makes the bucket unready again (another rank's job failed)."""
 
     @property
     def kind(self) -> str: ...
 
     key: str
     run: Callable[[], None]
+
+    def withdraw(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -44,24 +54,30 @@ class WarmupJob:
     key: str
     run: Callable[[], None]
 
+    def withdraw(self) -> None:
+        """Nothing to undo: a warm-up readies no bucket, it only runs the code once."""
+
 
 @dataclass(frozen=True)
 class PreparedBucket:
     """One finished job: its kind and bucket, its seconds, when it finished (seconds after the engine
-    was built) and, if it raised, the error."""
+    was built) and, if it raised (on any rank), the error."""
 
     kind: str
     key: str
     seconds: float
     done_at_s: float
     error: str | None = None
+    ranks: tuple[RankReport, ...] = ()  # tensor parallel: every rank's own report of the job, rank 0 first
 
 
 class Preparation:
-    def __init__(self, jobs: list[Job], lock: StepLock, device: torch.device) -> None:
+    def __init__(self, jobs: list[Job], lock: StepLock, device: torch.device, lockstep: Lockstep | None = None) -> None:
         self.jobs = list(jobs)
         self.planned = len(self.jobs)  # the jobs themselves are dropped once run or stopped
         self.lock = lock
+        self.lockstep = lockstep
+        self.failure: RankFailedError | None = None  # the tensor-parallel group failed: no job runs any more
         self.device = indexed(device)  # selected by the thread the jobs run on
         self.started = time.perf_counter()
         self.done: list[PreparedBucket] = []
@@ -74,6 +90,16 @@ class Preparation:
     def run_now(self) -> None:
         """Every job in this thread, in order (the caller holds nothing that a job needs)."""
         self._run_jobs(background=False)
+        if self.failure is not None:
+            raise self.failure
+
+    def run_one(self, kind: str, key: str) -> None:
+        """The job rank 0 announced, on another rank of its group (which runs nothing else meanwhile)."""
+        job = next((job for job in self.jobs if (job.kind, job.key) == (kind, key)), None)
+        if job is None:
+            raise RankFailedError(f"rank 0 announced {kind} bucket {key}, which this rank does not prepare "
+                                  f"(it has {[(j.kind, j.key) for j in self.jobs]}): the ranks' engines differ")  # fmt: skip
+        self._run(job)
 
     def skip(self) -> None:
         """No jobs to run: ready at once."""
@@ -96,12 +122,18 @@ class Preparation:
                     if self._stop.is_set():
                         return
                     self._run(job)
+        except RankFailedError as failure:  # the group stopped: no job can run on it any more
+            self.failure = failure
+            self.errors.append(failure)
+            log.error("preparation stopped: %s", failure)
         finally:
             self.jobs = []  # each holds its graph set: none may outlive the engine
             self.finished_at = time.perf_counter()
             self._finished.set()
 
     def _run(self, job: Job) -> None:
+        if self.lockstep is not None:
+            self.lockstep.announce(job.kind, job.key)
         start = time.perf_counter()
         error = None
         try:
@@ -112,8 +144,18 @@ class Preparation:
             error = f"{type(e).__name__}: {e}"
             log.error("preparing %s bucket %s failed; its steps run without it:\n%s", job.kind, job.key,
                       traceback.format_exc())  # fmt: skip
-        now = time.perf_counter()
-        self.done.append(PreparedBucket(job.kind, job.key, now - start, now - self.started, error))
+        seconds = time.perf_counter() - start
+        ranks: tuple[RankReport, ...] = ()
+        if self.lockstep is not None:
+            report = RankReport(self.lockstep.rank, len(self.done) + 1, seconds, error)
+            ranks = self.lockstep.agree(report, job.kind, job.key, self.device)
+            failed = [r for r in ranks if r.error is not None]
+            if failed and error is None:
+                job.withdraw()
+                error = "; ".join(f"rank {r.rank}: {r.error}" for r in failed)
+                log.error("preparing %s bucket %s failed on another rank (%s); its steps run without it on every rank",
+                          job.kind, job.key, error)  # fmt: skip
+        self.done.append(PreparedBucket(job.kind, job.key, seconds, time.perf_counter() - self.started, error, ranks))
 
     @property
     def ready(self) -> bool:
@@ -121,8 +163,12 @@ class Preparation:
         return self._finished.is_set()
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until every job has run; False if `timeout` seconds passed first."""
-        return self._finished.wait(timeout)
+        """Block until every job has run; False if `timeout` seconds passed first. A tensor-parallel group
+        that failed meanwhile raises its RankFailedError."""
+        finished = self._finished.wait(timeout)
+        if self.failure is not None:
+            raise self.failure
+        return finished
 
     def stop(self) -> None:
         """Skip the jobs not started, wait for the running one (unless called from the job's own thread),

@@ -6,7 +6,9 @@ graphs, so the CPU runs the same padded batches a GPU replays). With decode grap
 that fits a bucket is one replay from input ids to sampled ids; with prefill graphs (whole or
 piecewise), a prefill or mixed step that fits a token bucket is replayed up to its hidden states.
 On rank 0 of a tensor-parallel group (`peers`), every forward's batch goes to the other ranks
-first (runtime/tensor_parallel.py), whose runners `follow` it with the same forward and logits.
+first (runtime/tensor_parallel.py), with the bucket of the graph it replays, if any, and the input
+ids once they are in place; the other ranks' runners `follow` it: the same graph, or the same
+forward, and the same logits (lockstep.py says why they never differ).
 """
 
 from __future__ import annotations
@@ -19,22 +21,24 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from graphkiln.errors import ConfigError
 from graphkiln.models.attention import ForwardContext, forward_context
 from graphkiln.models.transformer import CausalLM
 
 from .attention.base import AttentionBackend
 from .attention.metadata import build_metadata
-from .batch import Batch, PendingIds, pack
+from .batch import Batch, InputIds, PendingIds, pack
 from .decode_graphs import DecodeGraphs
 from .graphs import capture_all, smallest_bucket
 from .kv_cache import KVCache
+from .lockstep import PublishedIds, ReceivedIds, Step
 from .prefill_graphs import PiecewisePrefillGraphs, PrefillGraphs
 from .sampler import Sampled, SamplingBatch, sample
 from .scheduler import ScheduledChunk
 from .transfer import upload
 
 if TYPE_CHECKING:
-    from .tensor_parallel import Peers, Step
+    from .tensor_parallel import Peers
 
 Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -82,6 +86,9 @@ class ModelRunner:
 
     def recapture(self) -> None:
         """Capture every graph again, same sizes, same pool (after kernel settings changed)."""
+        if self.peers is not None:
+            raise ConfigError("recapture() is for one rank: a tensor-parallel group captures its graphs together "
+                              "while it loads; load the model again instead")  # fmt: skip
         for strategy in self.graph_sets():
             strategy.graphs.release()
         capture_all([job for strategy in self.graph_sets() for job in strategy.jobs()])
@@ -112,19 +119,30 @@ class ModelRunner:
         batch = pack(chunks)
         with torch.inference_mode():
             graphs = self.decode_graphs
-            if batch.decode and graphs is not None and graphs.bucket(batch.num_tokens, sampling.mode) is not None:
-                return graphs.run(batch, sampling, pending)
+            size = graphs.bucket(batch.num_tokens, sampling.mode) if batch.decode and graphs is not None else None
+            if size is not None:
+                if self.peers is None:
+                    return graphs.run(batch, sampling, pending, size)
+                with self.peers.watch():
+                    published = PublishedIds(Step(batch, batch.num_tokens, None, size, sampling), pending, self.peers)
+                    return graphs.run(batch, sampling, published, size)
             logits = self._logits(batch, rows, pending)
             return sample(logits, sampling.tensors(self.device), sampling.mode)
 
     def _logits(self, batch: Batch, rows: list[int] | None, pending: PendingIds | None = None) -> torch.Tensor:
         graphs = self.prefill_graphs
         with self.peers.watch() if self.peers is not None else contextlib.nullcontext():
-            if not batch.decode and graphs is not None and graphs.bucket(batch.num_tokens) is not None:
-                hidden = graphs.run(batch, pending)
+            size = graphs.bucket(batch.num_tokens) if not batch.decode and graphs is not None else None
+            if size is not None:
+                step = None if self.peers is None else Step(batch, batch.num_tokens, rows, size)
+                hidden = graphs.run(batch, self._published(step, pending), size)
             else:
                 hidden = self._forward(batch, rows, pending)
             return self._rows_logits(hidden, rows)
+
+    def _published(self, step: Step | None, pending: PendingIds | None) -> InputIds | None:
+        """The step's pending ids; on rank 0 of a group, also sent to the other ranks with `step` (None on one rank)."""
+        return pending if self.peers is None else PublishedIds(step, pending, self.peers)
 
     def _rows_logits(self, hidden: torch.Tensor, rows: list[int] | None) -> torch.Tensor:
         if rows is not None:
@@ -135,10 +153,10 @@ class ModelRunner:
         self.steps_without_graph["decode" if batch.decode else "prefill"] += 1
         padded = batch.padded(self.padding.size(batch)) if self.padding else batch
         input_ids = upload(padded.ids, torch.int64, self.device)
-        if pending is not None:
-            pending.fill(input_ids)
-        if self.peers is not None:
-            self.peers.publish(padded, batch.num_tokens, rows, input_ids)
+        step = None if self.peers is None else Step(padded, batch.num_tokens, rows)
+        ids = self._published(step, pending)
+        if ids is not None:
+            ids.fill(input_ids)
         return self._run(padded, input_ids, batch.num_tokens)
 
     def _run(self, padded: Batch, input_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -147,7 +165,18 @@ class ModelRunner:
         with forward_context(ForwardContext(self.backend.plan(meta))):
             return self.forward(input_ids, positions)[:num_tokens]
 
-    def follow(self, step: Step, input_ids: torch.Tensor) -> None:
-        """A tensor-parallel worker's part of rank 0's step: the same forward and logits, for their collectives."""
+    def follow(self, step: Step) -> None:
+        """A tensor-parallel worker's part of rank 0's step, for their collectives: the graph rank 0 replays
+        (its bucket, whatever this rank's readiness says), or the same forward; then the same logits."""
+        ids = ReceivedIds(step.ids)
         with torch.inference_mode():
-            self._rows_logits(self._run(step.batch, input_ids, step.num_tokens), step.rows)
+            if step.graph is not None and step.batch.decode:
+                self.decode_graphs.run(step.batch, step.sampling, ids, step.graph)
+                return
+            if step.graph is not None:
+                hidden = self.prefill_graphs.run(step.batch, ids, step.graph)
+            else:
+                input_ids = torch.empty(step.ids, dtype=torch.int64, device=self.device)
+                ids.fill(input_ids)
+                hidden = self._run(step.batch, input_ids, step.num_tokens)
+            self._rows_logits(hidden, step.rows)

@@ -5,12 +5,14 @@ one per GPU, or per CPU rank on gloo), and they meet through a file store. Under
 process is already a rank: rank 0 returns to serve, the others follow until rank 0 closes.
 
 Each rank loads its own shard (and the compiled pieces) and builds an engine of its own with the
-KV cache rank 0 sized. Every step, rank 0 sends the padded batch and the rows it wants logits of
-to the others (on a gloo control group that waits without a timeout, so an idle server keeps its
-workers), then the input ids on the world group, and all ranks run the same forward, whose
-collectives meet inside the compiled graph. The world group's collectives time out after
-`EngineConfig.collective_timeout_s`; a rank that dies closes its sockets, so the others fail at
-their next collective: rank 0 raises RankFailedError naming the rank and stops the rest.
+KV cache rank 0 sized. Every step, rank 0 sends the batch, the rows it wants logits of and the
+graph it replays to the others (on a gloo control group that waits without a timeout, so an idle
+server keeps its workers), then the input ids on the world group, and all ranks run the same
+forward or graph, whose collectives meet inside the compiled code. Rank 0 drives the preparation
+(warm-ups, graph captures) the same way, job by job, once every rank has built its engine
+(lockstep.py). The world group's collectives time out after `EngineConfig.collective_timeout_s`;
+a rank that dies closes its sockets, so the others fail at their next collective: rank 0 raises
+RankFailedError naming the rank and stops the rest.
 """
 
 from __future__ import annotations
@@ -36,24 +38,15 @@ from graphkiln.errors import ConfigError, RankFailedError
 from graphkiln.models.sharding import Shard
 from graphkiln.models.transformer import CausalLM
 
-from .batch import Batch
 from .config import EngineConfig
 from .engine import Engine
+from .lockstep import Lockstep, Prepare, Step
 
 log = logging.getLogger("graphkiln.runtime")
 
 LoadRank = Callable[[Shard], tuple[CausalLM, CompiledModel | None]]  # picklable: the spawned ranks call it
 CONTROL_TIMEOUT = timedelta(days=365)  # waiting for the next step is no failure; a dead peer still fails at once
 DEATH_GRACE_S = 5.0  # how long rank 0 waits, after a collective fails, for the failed rank's exit to show
-
-
-@dataclass(frozen=True)
-class Step:
-    """What the other ranks need to run rank 0's forward: the padded batch, its real token count, the logit rows."""
-
-    batch: Batch
-    num_tokens: int
-    rows: list[int] | None
 
 
 def torchrun_rank() -> tuple[int, int] | None:
@@ -81,38 +74,40 @@ class Peers:
         """The process id of every rank this process started (none under torchrun)."""
         return {rank: p.pid for rank, p in self.processes.items()}
 
-    def publish(self, batch: Batch, num_tokens: int, rows: list[int] | None, input_ids: torch.Tensor) -> None:
-        dist.broadcast_object_list([Step(batch, num_tokens, rows)], src=0, group=self.control)
+    def publish(self, step: Step, input_ids: torch.Tensor) -> None:
+        """Send one step, then its `step.ids` input ids, to the other ranks."""
+        dist.broadcast_object_list([step], src=0, group=self.control)
         dist.broadcast(input_ids, src=0)
 
     @contextlib.contextmanager
-    def watch(self) -> Iterator[None]:
-        """Around one step: any failure inside it ends the group (the others would wait in a collective)."""
+    def watch(self, what: str = "a step") -> Iterator[None]:
+        """Around one step (or preparation job): any failure inside it ends the group (the others would wait
+        in a collective)."""
         if self.failure is not None:
             raise self.failure
         try:
             yield
         except Exception as error:
-            self.failure = self._failure(error)
+            self.failure = self._failure(error, what)
             self._stop()
             raise self.failure from error
 
-    def _failure(self, error: Exception) -> RankFailedError:
+    def _failure(self, error: Exception, what: str) -> RankFailedError:
         deadline = time.monotonic() + DEATH_GRACE_S
         while time.monotonic() < deadline:
             dead = {r: p for r, p in self.processes.items() if p.exitcode is not None}
             if dead:
                 rank, process = min(dead.items())
                 return RankFailedError(
-                    f"tensor-parallel rank {rank} (pid {process.pid}) exited with code {process.exitcode} during a "
-                    f"step ({type(error).__name__}: {error}); the group of {self.size} ranks stopped: load the "
+                    f"tensor-parallel rank {rank} (pid {process.pid}) exited with code {process.exitcode} during "
+                    f"{what} ({type(error).__name__}: {error}); the group of {self.size} ranks stopped: load the "
                     "model again"
                 )
             if not self.processes:
                 break
             time.sleep(0.05)
         return RankFailedError(
-            f"a tensor-parallel step failed on rank 0 ({type(error).__name__}: {error}); the group of {self.size} "
+            f"{what} failed on tensor-parallel rank 0 ({type(error).__name__}: {error}); the group of {self.size} "
             "ranks stopped: load the model again"
         )
 
@@ -189,25 +184,28 @@ def _receive(control: dist.ProcessGroup):
 
 def follow(shard: Shard, load_rank: LoadRank, control: dist.ProcessGroup) -> None:
     """A rank other than 0: load this rank's model, build its engine as rank 0 sized it, and run every step
-    rank 0 sends until it sends None."""
+    and preparation job rank 0 sends until it sends None."""
     from .builder import build_engine
 
     net, compiled = load_rank(shard)
     config: EngineConfig | None = _receive(control)
     if config is None:  # rank 0 failed before its engine was built
         return
-    runner = build_engine(net, compiled, config).runner
+    engine = build_engine(net, compiled, config, lockstep=Lockstep(control))
     dist.barrier(group=control)
-    while (step := _next_step(control)) is not None:
-        input_ids = torch.empty(step.batch.num_tokens, dtype=torch.int64, device=runner.device)
+    while (message := _next_message(control)) is not None:
         try:
-            dist.broadcast(input_ids, src=0)
-            runner.follow(step, input_ids)
+            if isinstance(message, Prepare):
+                engine.preparation.run_one(message.kind, message.key)
+            else:
+                engine.runner.follow(message)
+        except RankFailedError:
+            raise
         except Exception as error:
             raise RankFailedError(f"a step's collective failed: rank 0 or another rank is gone ({error})") from None
 
 
-def _next_step(control: dist.ProcessGroup) -> Step | None:
+def _next_message(control: dist.ProcessGroup) -> Step | Prepare | None:
     try:
         return _receive(control)
     except Exception as error:
@@ -309,15 +307,17 @@ def _join_torchrun(size: int, device: str, load_rank: LoadRank, config: EngineCo
 
 
 def parallel_engine(size: int, device: str, load_rank: LoadRank, config: EngineConfig) -> Engine:
-    """Rank 0's engine of a group of `size` ranks (see `start_group`), once every rank has built its own."""
-    from .builder import build_engine
+    """Rank 0's engine of a group of `size` ranks (see `start_group`), once every rank has built its own; its
+    preparation then runs on every rank, as `config.capture` says."""
+    from .builder import build_engine, prepare
 
     group = start_group(size, device, load_rank, config)
     try:
         net, compiled = load_rank(group.shard)  # its errors are the user's to see as they are
-        engine = build_engine(net, compiled, config, group.peers)
+        engine = build_engine(net, compiled, config, group.peers, Lockstep(group.peers.control, group.peers))
         kv = engine.runner.kv_cache
         group.ready(config.replace(kv_cache_tokens=(kv.num_blocks - 1) * kv.block_size))
+        prepare(engine, config)
     except BaseException:
         group.peers.close()
         raise

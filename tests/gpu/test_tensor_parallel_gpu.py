@@ -1,7 +1,12 @@
-"""Tensor parallel on one GPU: one rank pays nothing for being rank-aware; more ranks than GPUs is refused."""
+"""Tensor parallel on one GPU: one rank pays nothing for being rank-aware (its graphs are prepared as before,
+with no lockstep, no reports, no messages); more ranks than GPUs is refused. What needs 2 GPUs (NCCL
+collectives captured inside the decode graphs, every rank capturing in rank 0's order) is the last test."""
 
 from __future__ import annotations
 
+import json
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -10,9 +15,18 @@ import torch
 import graphkiln
 from graphkiln import CompileConfig, EngineConfig, SamplingParams
 from graphkiln.errors import ConfigError
+from graphkiln.runtime.sampler import MODES
 
 DECODE_SIZES = (1, 2, 4)
-ENGINE = EngineConfig(decode_batch_sizes=DECODE_SIZES, prefill_token_buckets=(16, 32), kv_cache_tokens=8192)
+PREFILL_SIZES = (16, 32)
+ENGINE = EngineConfig(decode_batch_sizes=DECODE_SIZES, prefill_token_buckets=PREFILL_SIZES, kv_cache_tokens=8192)
+REPORT = os.environ.get("GRAPHKILN_GPU_REPORT")
+
+
+def record(name: str, value) -> None:
+    if REPORT:
+        with open(REPORT, "a") as f:
+            f.write(json.dumps({name: value}) + "\n")
 
 
 def graph_ops(llm: graphkiln.LLM) -> list[str]:
@@ -22,20 +36,46 @@ def graph_ops(llm: graphkiln.LLM) -> list[str]:
 
 
 def test_one_rank_is_unchanged(tmp_path: Path) -> None:
-    """At tensor_parallel_size=1: no collective in any piece, no peers, decode graphs captured and replayed
-    for every decode step, greedy tokens as the eager engine's."""
+    """At tensor_parallel_size=1: no collective in any piece, no peers; every decode and prefill bucket captured
+    in the background, smallest first, without lockstep or rank reports; decode graphs replayed for every
+    decode step, greedy tokens as the eager engine's. Records a steady decode step's milliseconds."""
     graphkiln.compile_model("tiny", tmp_path / "art", CompileConfig(device="cuda", dtype="bfloat16"), engine=ENGINE)
     prompts = [[1, 5, 9, 200], [1, 7]]
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     with graphkiln.load(tmp_path / "art") as llm:
-        llm.wait_ready()  # every decode graph captured before the first step
+        assert llm.wait_ready(300)  # every graph captured before the first step
         assert llm.engine.runner.peers is None and llm.engine.runner.model.shard.size == 1
+        assert llm.engine.preparation.lockstep is None
         assert not any("c10d" in op for op in graph_ops(llm))
         got = [o.token_ids for o in llm.generate(prompts, params)]
         stats = llm.stats()
         assert sum(stats.graphs["decode"].replays.values()) > 0 and stats.steps_without_graph.get("decode", 0) == 0
+        prefill_kind = "prefill" if llm.engine.runner.backend.capturable_prefill else "prefill-piecewise"
+        decode_jobs = [("decode", f"{size}/{mode}") for size in DECODE_SIZES for mode in MODES]
+        prefill_jobs = [(prefill_kind, str(size)) for size in PREFILL_SIZES]
+        assert [(p.kind, p.key) for p in stats.prepared] == decode_jobs + prefill_jobs
+        assert all(p.error is None and p.ranks == () for p in stats.prepared)
+        assert stats.graphs["decode"].graphs == len(DECODE_SIZES) * len(MODES)
+        record("tp1_decode_step_ms_b1", decode_step_ms(llm))
     with graphkiln.LLM.eager("tiny", "cuda", "bfloat16", ENGINE) as eager:
         assert got == [o.token_ids for o in eager.generate(prompts, params)]
+
+
+def decode_step_ms(llm: graphkiln.LLM, steps: int = 200) -> float:
+    """Milliseconds per engine step of one greedy request decoding (graph replays, pipelined one deep)."""
+    engine = llm.engine
+    engine.add_request([1, 5, 9, 200], SamplingParams(max_tokens=steps + 20, ignore_eos=True))
+    for _ in range(10):
+        engine.step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    while engine.has_work():
+        engine.step()
+    return elapsed / steps * 1e3
 
 
 @pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has 2 GPUs")
@@ -49,7 +89,8 @@ def test_more_ranks_than_gpus_is_a_config_error(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_two_gpus_match_one(tmp_path: Path) -> None:
-    """float32 on 2 GPUs (NCCL, one spawned rank): logits and greedy tokens of the single-GPU engine."""
+    """float32 on 2 GPUs (NCCL, one spawned rank): logits and greedy tokens of the single-GPU engine, with every
+    decode and prefill graph captured on both ranks (the all-reduces inside) and replayed."""
     prompts = [[1, 5, 9, 200, 17, 3], [1, 7]]
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     with graphkiln.LLM.eager("tiny", "cuda", "float32", ENGINE) as one:
@@ -58,5 +99,10 @@ def test_two_gpus_match_one(tmp_path: Path) -> None:
     config = CompileConfig(device="cuda", dtype="float32", tensor_parallel_size=2)
     graphkiln.compile_model("tiny", tmp_path / "art", config, engine=ENGINE)
     with graphkiln.load(tmp_path / "art") as two:
+        assert two.wait_ready(300)
         torch.testing.assert_close(two.score(prompts[0]), logits, atol=1e-3, rtol=0)
         assert [o.token_ids for o in two.generate(prompts, params)] == tokens
+        stats = two.stats()
+        assert stats.prepared and all(p.error is None and [r.rank for r in p.ranks] == [0, 1] for p in stats.prepared)
+        assert sum(stats.graphs["decode"].replays.values()) > 0 and stats.steps_without_graph.get("decode", 0) == 0
+        assert any("c10d" in op for op in graph_ops(two))

@@ -1,0 +1,132 @@
+"""What keeps the ranks of a tensor-parallel group in step: the messages rank 0 sends on the control group
+(a Step before every forward, a Prepare before every preparation job) and how the input ids travel.
+
+Every forward, warm-up and graph capture runs collectives (the all-reduces and the LM head's gather
+inside the compiled pieces), so every rank must run the same one at the same time, with tensors of
+the same shapes. Rank 0 decides and the others follow:
+
+- Preparation (warm-ups on the CPU, graph captures on CUDA) runs on rank 0 in its background thread
+  under the step lock, one job at a time. Before each job rank 0 announces it (`Prepare`); every rank
+  builds the same jobs and runs the one named. After it every rank reports how it went (`RankReport`)
+  and all receive every report; a job that failed on any rank is withdrawn on all of them, so a
+  bucket is ready everywhere or nowhere. A rank that dies fails the next announcement or report on
+  rank 0 (its sockets close), which then raises RankFailedError naming it. A job that fails between
+  its collectives leaves the others waiting at most `EngineConfig.collective_timeout_s` and the world
+  group out of step, so after a failed job the ranks run one all-reduce on it: where that fails too,
+  the group stops (RankFailedError) rather than pair later collectives wrongly.
+- Steps: the `Step` says what rank 0 runs: the batch, the logit rows, and the bucket of the graph it
+  replays (None: no graph). A worker replays exactly that graph, whatever its own readiness says.
+
+Why a step never mixes a graph on one rank with no graph on another, although a graph replays the very
+compiled pieces the eager path calls, in the same order: the shapes differ. The eager path pads a
+batch to the smallest capture size, the graph path to the smallest *ready* bucket, which can be larger
+while captures are still running; and a decode graph gathers the logits of all its rows and samples
+inside, where the eager path gathers only the rows that sample. Collectives in the same order but of
+other sizes do not match (gloo raises; with NCCL the result is undefined: a hang or wrong sums), so the
+Step carries rank 0's choice and readiness is agreed on after every job.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from .batch import Batch, PendingIds
+from .sampler import SamplingBatch
+
+if TYPE_CHECKING:
+    from .tensor_parallel import Peers
+
+
+@dataclass(frozen=True)
+class Step:
+    """What the other ranks need to run rank 0's forward: the batch (padded to the ids sent when no graph
+    runs it, as scheduled when one does: the graph pads it), its real token count, the logit rows,
+    the bucket of the graph rank 0 replays (decode when the batch is, prefill otherwise; None: none)
+    and, for a decode graph, its sampling rows (the sampler runs inside it)."""
+
+    batch: Batch
+    num_tokens: int
+    rows: list[int] | None
+    graph: int | None = None
+    sampling: SamplingBatch | None = None
+
+    @property
+    def ids(self) -> int:
+        """How many input ids rank 0 sends on the world group after the Step."""
+        return self.graph if self.graph is not None else self.batch.num_tokens
+
+
+@dataclass(frozen=True)
+class Prepare:
+    """Every rank runs its preparation job `kind` / `key` now."""
+
+    kind: str
+    key: str
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """One rank's account of a preparation job: the jobs it has run so far (this one included), its
+    seconds, and the error if the job raised there."""
+
+    rank: int
+    done: int
+    seconds: float
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class PublishedIds:
+    """Rank 0's input ids of one step: filled from the previous step's output where pending, then sent
+    to the other ranks with the Step once they are in place (the buffer is the graph's, or the eager
+    forward's)."""
+
+    step: Step
+    pending: PendingIds | None
+    peers: Peers
+
+    def fill(self, input_ids: torch.Tensor) -> None:
+        if self.pending is not None:
+            self.pending.fill(input_ids)
+        self.peers.publish(self.step, input_ids[: self.step.ids])
+
+
+@dataclass(frozen=True)
+class ReceivedIds:
+    """A worker's input ids of one step: received from rank 0 straight into the buffer the step reads."""
+
+    count: int
+
+    def fill(self, input_ids: torch.Tensor) -> None:
+        dist.broadcast(input_ids[: self.count], src=0)
+
+
+class Lockstep:
+    """One rank's part in running preparation jobs together. Rank 0 (the one with `peers`) announces each
+    job before running it; after it every rank reports, and all learn every rank's report. On rank 0 a
+    failure of either is the group's: RankFailedError naming the rank, the group stopped."""
+
+    def __init__(self, control: dist.ProcessGroup, peers: Peers | None = None) -> None:
+        self.control = control
+        self.peers = peers
+        self.rank = dist.get_rank()
+        self.size = dist.get_world_size()
+
+    def announce(self, kind: str, key: str) -> None:
+        if self.peers is not None:
+            with self.peers.watch(f"preparing {kind} bucket {key}"):
+                dist.broadcast_object_list([Prepare(kind, key)], src=0, group=self.control)
+
+    def agree(self, report: RankReport, kind: str, key: str, device: torch.device) -> tuple[RankReport, ...]:
+        """Every rank's report of the job; after a failure, also checks that the world group is still in step."""
+        with self.peers.watch(f"preparing {kind} bucket {key}") if self.peers is not None else nullcontext():
+            reports: list[RankReport | None] = [None] * self.size
+            dist.all_gather_object(reports, report, group=self.control)
+            if any(r.error is not None for r in reports):
+                dist.all_reduce(torch.zeros(1, device=device))
+        return tuple(reports)
