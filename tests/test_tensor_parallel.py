@@ -384,8 +384,9 @@ def _follow_summing_jobs(store_path: str, before_collective: bool, timeout_s: fl
 
 
 @contextlib.contextmanager
-def summing_group(tmp_path: Path, before_collective: bool, timeout_s: float) -> Iterator[Preparation]:
-    """Rank 0 here and rank 1 in a process of its own, each preparing `summing_jobs`; rank 0's started."""
+def summing_group(tmp_path: Path, before_collective: bool, timeout_s: float) -> Iterator[tuple[Preparation, list]]:
+    """Rank 0 here and rank 1 in a process of its own, each preparing `summing_jobs`; rank 0's started
+    (yielded with its jobs, which the preparation drops once they have run)."""
     from graphkiln.runtime.tensor_parallel import Peers, _init_groups, _wait_for_ranks
 
     store_path = str(tmp_path / "store")
@@ -400,7 +401,7 @@ def summing_group(tmp_path: Path, before_collective: bool, timeout_s: float) -> 
     preparation = Preparation(jobs, StepLock(), torch.device("cpu"), Lockstep(control, peers))
     preparation.start()
     try:
-        yield preparation
+        yield preparation, jobs
     finally:
         peers.close()
     assert worker.exitcode is not None and not dist.is_initialized()
@@ -409,9 +410,8 @@ def summing_group(tmp_path: Path, before_collective: bool, timeout_s: float) -> 
 def test_a_job_failing_on_one_rank_is_skipped_on_all(tmp_path: Path) -> None:
     """Rank 1's job 2 fails after its collective: rank 0, where it succeeded, withdraws it and names rank 1;
     job 3 still runs on both ranks."""
-    with summing_group(tmp_path, before_collective=False, timeout_s=60) as preparation:
+    with summing_group(tmp_path, before_collective=False, timeout_s=60) as (preparation, jobs):
         assert preparation.wait(60)
-    jobs = preparation.jobs
     assert [job.withdrawn for job in jobs] == [False, True, False]
     assert [p.error for p in preparation.done] == [None, "rank 1: RuntimeError: no capture for 2 here", None]
     assert [[(r.rank, r.done, r.error is None) for r in p.ranks] for p in preparation.done] == [
@@ -424,7 +424,7 @@ def test_a_job_failing_between_collectives_stops_the_group(tmp_path: Path) -> No
     fails its check too: the preparation stops with RankFailedError after a few timeouts, no hang."""
     timeout_s = 2.0
     start = time.monotonic()
-    with summing_group(tmp_path, before_collective=True, timeout_s=timeout_s) as preparation:
+    with summing_group(tmp_path, before_collective=True, timeout_s=timeout_s) as (preparation, _):
         with pytest.raises(RankFailedError, match="preparing sum bucket 2"):
             preparation.wait(60)
     assert [p.key for p in preparation.done] == ["1"] and preparation.done[0].error is None

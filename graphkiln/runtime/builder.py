@@ -86,7 +86,7 @@ def prepare(engine: Engine, config: EngineConfig) -> None:
     elif config.capture == "blocking":
         preparation.jobs.reverse()
         preparation.run_now()
-        log.info("prepared %d buckets in %.2f s", len(preparation.jobs), sum(d.seconds for d in preparation.done))
+        log.info("prepared %d buckets in %.2f s", preparation.planned, sum(d.seconds for d in preparation.done))
     else:
         preparation.start()
 
