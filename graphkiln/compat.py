@@ -39,9 +39,6 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
-from torch._inductor.compile_fx import graph_returns_tuple
-from torch._inductor.custom_graph_pass import CustomGraphPass
-from torch.fx.experimental import _config as fx_config
 
 from graphkiln.errors import ConfigError
 
@@ -55,13 +52,39 @@ __all__ = [
 TORCH_LINEAR = torch._C._nn.linear  # what F.linear and nn.Linear appear as in a Dynamo graph
 
 
+def __getattr__(name: str):
+    """`CustomGraphPass`, imported on first use: importing any of Inductor costs a second or more, which a
+    load of an artifact pays only once it loads the compiled pieces (`import_inductor`)."""
+    if name == "CustomGraphPass":
+        from torch._inductor.custom_graph_pass import CustomGraphPass
+
+        return CustomGraphPass
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def import_inductor() -> None:
+    """Import what loading and running compiled pieces needs of Inductor (and, through it, Dynamo)."""
+    import torch._inductor.compile_fx  # noqa: F401  (the package, standalone_compile and CompiledArtifact with it)
+
+
+def graph_returns_tuple(gm: torch.fx.GraphModule) -> bool:
+    """Whether Inductor's compiled form of `gm` returns its outputs as they are (not wrapped in a tuple)."""
+    from torch._inductor.compile_fx import graph_returns_tuple as returns_tuple
+
+    return returns_tuple(gm)
+
+
 def mark_dynamic_dim(tensor: torch.Tensor, dim: int) -> None:
     """Trace `tensor`'s `dim` as a symbol from the first trace on."""
+    import torch._dynamo
+
     torch._dynamo.mark_dynamic(tensor, dim)
 
 
 def size_oblivious() -> contextlib.AbstractContextManager:
     """Trace without 0/1 specialization of dynamic sizes, so one graph serves every token count."""
+    from torch.fx.experimental import _config as fx_config
+
     return fx_config.patch(backed_size_oblivious=True)
 
 

@@ -33,7 +33,8 @@ from graphkiln.compiler.split import split_pieces
 from graphkiln.errors import ConfigError, RankFailedError, UnsupportedModelError
 from graphkiln.models import load_model
 from graphkiln.models.sharding import Shard
-from graphkiln.passes.manager import PassManager, default_passes
+from graphkiln.passes.manager import PassManager
+from graphkiln.passes.pipeline import default_passes
 from graphkiln.runtime.tensor_parallel import parallel_engine
 
 if TYPE_CHECKING:
