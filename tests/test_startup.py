@@ -58,6 +58,34 @@ print({RESULT_PREFIX!r} + json.dumps({{"load": dataclasses.asdict(stats.load), "
     assert result["tokens"] == eager_tokens
 
 
+def test_import_leaves_inductor_to_load_and_serving_imports_nothing(artifact: Path) -> None:
+    """In a fresh process: `import graphkiln` and its API names import no part of Inductor or Dynamo (nor
+    transformers); `load` imports Inductor itself (its "inductor" stage, while the weights are read) and still
+    not transformers (the artifact keeps a tokenizer snapshot); after `load` returns, the background warm-ups
+    and the first requests import nothing more."""
+    heavy = ("torch._inductor", "torch._dynamo", "transformers", "huggingface_hub")
+    code = f"""
+import json, sys, torch
+torch.set_num_threads(1)
+import graphkiln
+graphkiln.load, graphkiln.SamplingParams, graphkiln.LLM, graphkiln.EngineConfig, graphkiln.CompileConfig
+imported = set(sys.modules)
+llm = graphkiln.load({str(artifact)!r}, **{ENGINE!r})
+loaded = set(sys.modules)
+llm.generate({PROMPTS!r}, graphkiln.{GREEDY!r})
+assert llm.wait_ready(120)
+heavy = {heavy!r}
+print({RESULT_PREFIX!r} + json.dumps({{"at_import": sorted(m for m in imported if m.startswith(heavy)),
+      "at_load": [m for m in heavy if m in loaded],
+      "after_load": sorted(set(sys.modules) - loaded), "stages": list(llm.stats().load.stages)}}))
+"""
+    result = run_python_json(code)
+    assert result["at_import"] == []
+    assert result["at_load"] == ["torch._inductor", "torch._dynamo"]  # Inductor's standalone artifacts need both
+    assert "inductor" in result["stages"]
+    assert result["after_load"] == []
+
+
 def test_a_request_is_served_while_preparation_runs(artifact: Path) -> None:
     """Steps and warm-ups take turns: the request arrives before the preparation is done, every step runs,
     preparation advances between them, and the tokens are those of an engine prepared before serving."""
@@ -167,3 +195,27 @@ def test_a_waiting_step_comes_before_the_next_background_turn() -> None:
         with lock():
             before = len(turns)
         assert len([t for t in turns[:before] if t > asked]) <= 1
+
+
+def test_steps_held_up_by_a_background_turn_are_counted() -> None:
+    """A step that finds the lock free is not counted; a step that waits behind a background turn is, with its
+    wait."""
+    lock = StepLock()
+    with lock():
+        pass
+    taken, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with lock(background=True):
+            taken.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    taken.wait(10)
+    threading.Timer(0.1, release.set).start()
+    with lock():
+        pass
+    holder.join()
+    waits = lock.step_waits
+    assert waits.count == 1 and 0.09 <= waits.longest_s == waits.total_s < 10

@@ -27,6 +27,7 @@ import torch
 from graphkiln.compat import fake_process_group, import_inductor, private_inductor_cache, require_depyf
 from graphkiln.errors import ArtifactError, ConfigError
 from graphkiln.models import load_model, resolve_dtype
+from graphkiln.models.linear import import_kernels
 from graphkiln.models.loader import empty_model, fill_model
 from graphkiln.models.weights_reader import indexed
 from graphkiln.models.config import ModelConfig
@@ -370,6 +371,7 @@ def read_artifact(
             with clock.stage("inductor"):
                 import_inductor()
             with clock.stage("pieces"):
+                import_kernels(device)
                 tensors = dict(model.named_parameters(remove_duplicate=False))
                 tensors.update(model.named_buffers(remove_duplicate=False))
                 compiled = load_compiled(manifest["compiled"], manifest["files"], out, tensors)

@@ -97,6 +97,7 @@ class Engine:
             steps_without_graph=dict(runner.steps_without_graph),
             prepared=tuple(self.preparation.done),
             ready=self.preparation.ready,
+            step_waits=self.lock.step_waits,
         )
 
     def wait_ready(self, timeout: float | None = None) -> bool:

@@ -3,14 +3,27 @@
 Re-entrant for its holder (a step may drain, a score steps). Turns alternate while both sides
 ask: a background turn that asks gets the lock before the next step, and a step that waited gets
 it before the next background turn. So a loop that steps without pause cannot starve the
-captures, and a step waits for at most one capture.
+captures, and a step waits for at most one capture. The lock keeps how long steps waited for it
+(`step_waits`): the stall a request felt behind a capture.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StepWaits:
+    """Steps (and the engine's other calls: scores, stats reads) that found the lock taken, by a capture, a
+    warm-up or another thread's step: how many, their seconds waiting in all, and the longest wait."""
+
+    count: int = 0
+    total_s: float = 0.0
+    longest_s: float = 0.0
 
 
 class StepLock:
@@ -22,6 +35,7 @@ class StepLock:
         self._background_waiting = 0
         self._steps_waiting = 0
         self._step_turn = False  # a background turn just ended while a step waited: that step goes next
+        self.step_waits = StepWaits()
 
     @contextlib.contextmanager
     def __call__(self, background: bool = False) -> Iterator[None]:
@@ -41,10 +55,13 @@ class StepLock:
                 self._background_waiting += 1
             else:
                 self._steps_waiting += 1
+            asked = time.perf_counter()
+            waited = False
             try:
                 while self._owner is not None or (
                     self._step_turn if background else self._background_waiting and not self._step_turn
                 ):
+                    waited = True
                     self._cond.wait()
             finally:
                 if background:
@@ -54,6 +71,12 @@ class StepLock:
             self._owner, self._depth, self._background = me, 1, background
             if not background:
                 self._step_turn = False
+                if waited:
+                    self._count_wait(time.perf_counter() - asked)
+
+    def _count_wait(self, seconds: float) -> None:
+        w = self.step_waits
+        self.step_waits = StepWaits(w.count + 1, w.total_s + seconds, max(w.longest_s, seconds))
 
     def _release(self) -> None:
         with self._cond:
