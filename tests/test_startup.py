@@ -60,28 +60,37 @@ print({RESULT_PREFIX!r} + json.dumps({{"load": dataclasses.asdict(stats.load), "
 
 def test_import_leaves_inductor_to_load_and_serving_imports_nothing(artifact: Path) -> None:
     """In a fresh process: `import graphkiln` and its API names import no part of Inductor or Dynamo (nor
-    transformers); `load` imports Inductor itself (its "inductor" stage, while the weights are read) and still
-    not transformers (the artifact keeps a tokenizer snapshot); after `load` returns, the background warm-ups
-    and the first requests import nothing more."""
-    heavy = ("torch._inductor", "torch._dynamo", "transformers", "huggingface_hub")
+    transformers), and neither does building the model a load reads the weights into (not even sympy, so the
+    read starts at once); `load` imports Inductor itself (its "inductor" stage, while the weights are read)
+    and still not transformers (the artifact keeps a tokenizer snapshot); after `load` returns, the
+    background warm-ups and the first requests import nothing more."""
+    heavy = ("torch._inductor", "torch._dynamo", "sympy", "transformers", "huggingface_hub")
     code = f"""
 import json, sys, torch
+from pathlib import Path
 torch.set_num_threads(1)
 import graphkiln
 graphkiln.load, graphkiln.SamplingParams, graphkiln.LLM, graphkiln.EngineConfig, graphkiln.CompileConfig
-imported = set(sys.modules)
-llm = graphkiln.load({str(artifact)!r}, **{ENGINE!r})
+heavy = {heavy!r}
+at_import = [m for m in heavy if m in sys.modules]
+from graphkiln.compiler.artifact_dir import recorded_config
+from graphkiln.compiler.manifest import read_manifest
+from graphkiln.models.loader import empty_model
+from graphkiln.models.tiny import tiny_model_dir
+artifact = Path({str(artifact)!r})
+empty_model(tiny_model_dir(), cfg=recorded_config(read_manifest(artifact), artifact))
+at_model = [m for m in heavy if m in sys.modules]
+llm = graphkiln.load(artifact, **{ENGINE!r})
 loaded = set(sys.modules)
 llm.generate({PROMPTS!r}, graphkiln.{GREEDY!r})
 assert llm.wait_ready(120)
-heavy = {heavy!r}
-print({RESULT_PREFIX!r} + json.dumps({{"at_import": sorted(m for m in imported if m.startswith(heavy)),
-      "at_load": [m for m in heavy if m in loaded],
-      "after_load": sorted(set(sys.modules) - loaded), "stages": list(llm.stats().load.stages)}}))
+print({RESULT_PREFIX!r} + json.dumps({{"at_import": at_import, "at_model": at_model,
+      "at_load": [m for m in heavy if m in loaded], "after_load": sorted(set(sys.modules) - loaded),
+      "stages": list(llm.stats().load.stages)}}))
 """
     result = run_python_json(code)
-    assert result["at_import"] == []
-    assert result["at_load"] == ["torch._inductor", "torch._dynamo"]  # Inductor's standalone artifacts need both
+    assert result["at_import"] == [] and result["at_model"] == []
+    assert result["at_load"] == ["torch._inductor", "torch._dynamo", "sympy"]  # what Inductor's artifacts need
     assert "inductor" in result["stages"]
     assert result["after_load"] == []
 
