@@ -54,7 +54,7 @@ class EngineStats:
     prepared: tuple[PreparedBucket, ...] = ()  # graphs captured (or sizes warmed up) so far, in order
     ready: bool = True  # every one of them is done
     load: LoadStats | None = None
-    step_waits: StepWaits = field(default_factory=StepWaits)  # steps held up by a capture (or another step)
+    step_waits: StepWaits = field(default_factory=StepWaits)  # steps held up by a capture (or another call)
 
     @property
     def graphs_captured(self) -> int:

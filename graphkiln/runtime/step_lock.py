@@ -3,8 +3,9 @@
 Re-entrant for its holder (a step may drain, a score steps). Turns alternate while both sides
 ask: a background turn that asks gets the lock before the next step, and a step that waited gets
 it before the next background turn. So a loop that steps without pause cannot starve the
-captures, and a step waits for at most one capture. The lock keeps how long steps waited for it
-(`step_waits`): the stall a request felt behind a capture.
+captures, and a step waits for at most one capture. Taking the lock gives the seconds this taker
+waited for it (0 when it was free), which the engine keeps for its steps (`StepWaits`): the stall a
+request felt behind a capture.
 """
 
 from __future__ import annotations
@@ -18,12 +19,15 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class StepWaits:
-    """Steps (and the engine's other calls: scores, stats reads) that found the lock taken, by a capture, a
-    warm-up or another thread's step: how many, their seconds waiting in all, and the longest wait."""
+    """Steps that found the lock taken, by a capture, a warm-up or another thread's call: how many, their
+    seconds waiting in all, and the longest wait."""
 
     count: int = 0
     total_s: float = 0.0
     longest_s: float = 0.0
+
+    def add(self, seconds: float) -> StepWaits:
+        return StepWaits(self.count + 1, self.total_s + seconds, max(self.longest_s, seconds))
 
 
 class StepLock:
@@ -35,22 +39,22 @@ class StepLock:
         self._background_waiting = 0
         self._steps_waiting = 0
         self._step_turn = False  # a background turn just ended while a step waited: that step goes next
-        self.step_waits = StepWaits()
 
     @contextlib.contextmanager
-    def __call__(self, background: bool = False) -> Iterator[None]:
-        self._acquire(background)
+    def __call__(self, background: bool = False) -> Iterator[float]:
+        """Hold the lock for the block; the block gets the seconds it waited for it (0.0 if it was free)."""
+        waited = self._acquire(background)
         try:
-            yield
+            yield waited
         finally:
             self._release()
 
-    def _acquire(self, background: bool) -> None:
+    def _acquire(self, background: bool) -> float:
         me = threading.get_ident()
         with self._cond:
             if self._owner == me:
                 self._depth += 1
-                return
+                return 0.0
             if background:
                 self._background_waiting += 1
             else:
@@ -71,12 +75,7 @@ class StepLock:
             self._owner, self._depth, self._background = me, 1, background
             if not background:
                 self._step_turn = False
-                if waited:
-                    self._count_wait(time.perf_counter() - asked)
-
-    def _count_wait(self, seconds: float) -> None:
-        w = self.step_waits
-        self.step_waits = StepWaits(w.count + 1, w.total_s + seconds, max(w.longest_s, seconds))
+            return time.perf_counter() - asked if waited else 0.0
 
     def _release(self) -> None:
         with self._cond:
