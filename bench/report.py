@@ -240,15 +240,16 @@ def _model_markdown(results: dict, name: str, mres: dict, dtype: str) -> list[st
                                  "warm"], rb) + [""]
     if startup := start_rows(rows):
         lines += ["start-up in a fresh process, seconds (to the first token):", ""]
-        lines += markdown_table(["row", "import", "CUDA init", "compile", "load", "of it: weights", "pieces",
-                                 "rest", "first token", "total", "capture (background)"], startup) + [""]
+        lines += markdown_table(["row", "import torch", "import API", "CUDA init", "compile", "load", "of it: weights",
+                                 "import Inductor", "pieces", "rest", "first token", "total", "capture (background)"],
+                                startup) + [""]  # fmt: skip
     return lines + [f"- {x}" for x in _notes(rows)] + [""]
 
 
 def start_rows(rows: dict) -> list[list[str]]:
-    """The phases of each start-up child: import (from process start), CUDA init, compile (cold), load
-    (graphkiln's split into weights, pieces and the rest), first token, total; then graphkiln's graph
-    capture, which runs in the background after load."""
+    """The phases of each start-up child: import torch (from process start), import of the API (graphkiln's or
+    transformers'), CUDA init, compile (cold), load (graphkiln's split into weights, the Inductor import, pieces
+    and the rest), first token, total; then graphkiln's graph capture, which runs in the background after load."""
     out = []
     for key, which in (("transformers_eager", None), ("graphkiln_compiled", "cold"), ("graphkiln_compiled", "warm")):
         start = (rows.get(key) or {}).get("start") or {}
@@ -257,7 +258,8 @@ def start_rows(rows: dict) -> list[list[str]]:
             continue
         p = child["phases_s"]
         out.append([f"{ROWS[key]}{' ' + which if which else ''}"] + [fmt(p.get(k)) for k in (
-            "import", "cuda_init", "compile", "load", "weights", "pieces", "load_rest", "first_token")]
+            "import_torch", "import_api", "cuda_init", "compile", "load", "weights", "inductor", "pieces", "load_rest",
+            "first_token")]
                    + [fmt(child.get("start_to_first_token_s")), fmt(p.get("capture"))])
     return out
 

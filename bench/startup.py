@@ -6,15 +6,26 @@
 The parent notes the time before it spawns the child; the child prints, after CHILD_PREFIX, one
 JSON line with the wall-clock time at each mark. The phases between marks, from process start:
 
-  import       Python start, `import torch` and graphkiln's API (or transformers' Llama)
-  cuda_init    the CUDA context (done by hand, so it is not counted in the load)
-  compile      cold only: `compile_model` (its stage seconds in `compile_timings`)
-  load         `graphkiln.load` (transformers: `from_pretrained`), split for graphkiln by
-               LLM.stats().load into weights (read to the device), pieces (compiled pieces
-               loaded) and the rest (checks, tokenizer, KV cache)
-  first_token  generate(max_tokens=1) of a random prompt, right after load: graphs are still
-               being captured in the background
-  ready        graphkiln: until every graph is captured (LLM.wait_ready())
+  import_torch      Python start and `import torch`
+  import_api        graphkiln's API (or transformers' Llama): no Inductor, which `load` imports
+  cuda_init         the CUDA context (done by hand, so it is not counted in the load)
+  compile           cold only: `compile_model` (its stage seconds in `compile_timings`)
+  load              `graphkiln.load` (transformers: `from_pretrained`), split for graphkiln by
+                    LLM.stats().load into weights (read to the device, on a thread of its own),
+                    inductor (importing it: torch's cost), pieces (compiled pieces loaded) and the
+                    rest (checks, tokenizer, KV cache, and the weights' read left after the pieces)
+  first_token       generate(max_tokens=1) of a random prompt, right after load: graphs are still
+                    being captured in the background; `first_token_wait` is how long its steps
+                    waited behind a capture (EngineStats.step_waits)
+  ready             graphkiln: until every graph is captured (LLM.wait_ready())
+
+`second_request` (graphkiln; not a phase of the start) is the same request with the prompt reversed,
+sent once the first has its token (its own wait behind a capture: `second_request_wait_s`):
+what the first request paid beyond it, and beyond its wait, is first-call work (kernels loaded on first
+launch, libraries initialised, lazy imports).
+
+The child also lists the modules imported after `load` returned (`imported_after_load`): lazy imports
+that the first request or the background captures paid for.
 
 Before any start-up is timed, `ensure_bytecode` writes the .pyc files the installed packages lack,
 as `pip install` does: without them every fresh process compiles torch's sources again.
@@ -61,10 +72,10 @@ def run_child(spec: dict, env_extra: dict, timeout: float | None) -> dict:
         raise RuntimeError(f"start-up child {spec['mode']} exited {proc.returncode}: {tail}")
     res = json.loads(lines[-1][len(CHILD_PREFIX):])
     marks = res.pop("marks")
-    order = [(k, marks[k]) for k in ("imported", "cuda_ready", "compiled", "loaded", "first_token", "ready")
-             if k in marks]  # fmt: skip
-    names = {"imported": "import", "cuda_ready": "cuda_init", "compiled": "compile", "loaded": "load",
-             "first_token": "first_token", "ready": "ready"}
+    order = [(k, marks[k]) for k in ("torch_imported", "imported", "cuda_ready", "compiled", "loaded", "first_token",
+                                     "ready") if k in marks]  # fmt: skip
+    names = {"torch_imported": "import_torch", "imported": "import_api", "cuda_ready": "cuda_init",
+             "compiled": "compile", "loaded": "load", "first_token": "first_token", "ready": "ready"}
     phases, previous = {}, t0
     for key, at in order:
         phases[names[key]] = at - previous
@@ -72,8 +83,11 @@ def run_child(spec: dict, env_extra: dict, timeout: float | None) -> dict:
     if "load" in res:  # graphkiln: the load split by LLM.stats().load
         stages = res["load"]["stages"]
         phases["weights"] = stages.get("weights", 0.0)
+        phases["inductor"] = stages.get("inductor", 0.0)
         phases["pieces"] = stages.get("pieces", 0.0)
-        phases["load_rest"] = phases["load"] - phases["weights"] - phases["pieces"]
+        phases["load_rest"] = phases["load"] - phases["inductor"] - phases["pieces"]
+        phases["first_token_wait"] = res["first_token_wait_s"]
+        phases["second_request"] = res["second_request_s"]
         phases["capture"] = res["capture_s"]
     res["phases_s"] = phases
     res["start_to_first_token_s"] = marks["first_token"] - t0
@@ -88,6 +102,8 @@ def child_main(spec: dict) -> None:
     marks: dict[str, float] = {}
     res: dict = {"mode": spec["mode"]}
     import torch
+
+    marks["torch_imported"] = time.time()
 
     device, prompt = spec["device"], spec["prompt"]
     if spec["mode"] == "hf_start":
@@ -125,11 +141,20 @@ def child_main(spec: dict) -> None:
 
         llm = graphkiln.load(spec["artifact"], **spec["engine"])
         marks["loaded"] = time.time()
-        llm.generate([prompt], graphkiln.SamplingParams(max_tokens=1, ignore_eos=True))
+        loaded = set(sys.modules)
+        one_token = graphkiln.SamplingParams(max_tokens=1, ignore_eos=True)
+        llm.generate([prompt], one_token)
         marks["first_token"] = time.time()
+        first_waits = llm.stats().step_waits  # this read may wait for a capture: it is not a step
+        asked = time.time()
+        llm.generate([prompt[::-1]], one_token)
+        res["second_request_s"] = time.time() - asked
         llm.wait_ready()
         marks["ready"] = time.time()
+        res["imported_after_load"] = sorted(set(sys.modules) - loaded)
         stats = llm.stats()
+        res["first_token_wait_s"] = first_waits.total_s
+        res["second_request_wait_s"] = stats.step_waits.total_s - first_waits.total_s
         res["capture_s"] = sum(g.capture_s for g in stats.graphs.values())
         res["graphs"] = stats.graphs_captured
         res["load"] = {**dataclasses.asdict(stats.load), "weights_GBps": stats.load.weights_gb_per_s}
@@ -143,13 +168,15 @@ def child_main(spec: dict) -> None:
 
 # The start-up study: `python -m bench startup`.
 
-COLUMNS = ("import", "cuda_init", "compile", "load", "weights", "pieces", "load_rest", "first_token")
+COLUMNS = ("import_torch", "import_api", "cuda_init", "compile", "load", "weights", "inductor", "pieces",
+           "load_rest", "first_token", "first_token_wait", "second_request")  # fmt: skip
 
 
 def breakdown_table(rows: list[tuple[str, dict]]) -> str:
     """One markdown table: per start, the phases from process start to the first token, then graphs ready."""
-    header = ["start", "import", "CUDA init", "compile", "load", "of it: weights", "GB/s", "pieces", "rest",
-              "first token", "start→1st token", "capture (background)", "start→ready"]
+    header = ["start", "import torch", "import graphkiln", "CUDA init", "compile", "load", "of it: weights", "GB/s",
+              "import Inductor", "pieces", "rest", "first token", "of it: waited", "2nd request", "start→1st token",
+              "capture (background)", "start→ready"]  # fmt: skip
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name, child in rows:
         if "error" in child:
@@ -158,7 +185,7 @@ def breakdown_table(rows: list[tuple[str, dict]]) -> str:
         p = child["phases_s"]
         cells = [p.get(k) for k in COLUMNS]
         rate = (child.get("load") or {}).get("weights_GBps")
-        cells = cells[:5] + [rate] + cells[5:] + [child.get("start_to_first_token_s"), p.get("capture"),
+        cells = cells[:6] + [rate] + cells[6:] + [child.get("start_to_first_token_s"), p.get("capture"),
                                                    child.get("start_to_ready_s")]  # fmt: skip
         lines.append(f"| {name} | " + " | ".join("" if c is None else f"{c:.2f}" for c in cells) + " |")
     return "\n".join(lines)

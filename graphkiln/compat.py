@@ -4,8 +4,12 @@ Every private torch name graphkiln uses is reached through here (rooms import th
 never `torch._...` themselves):
 
 - Dynamo capture: `mark_dynamic_dim`, `size_oblivious()`, `dynamo_counters()`.
+- `to_empty(module, device)`: `Module.to_empty` through `Module._apply`, without torch's meta reference.
 - Inductor: `standalone_compile`, `load_artifact`, `graph_returns_tuple`, `CustomGraphPass`,
-  `is_op_overload`, and the ATen-level `TORCH_LINEAR` a Dynamo graph calls for nn.Linear.
+  `is_op_overload`, and the ATen-level `TORCH_LINEAR` a Dynamo graph calls for nn.Linear. Inductor
+  and Dynamo are imported where they are used, never by importing this module: importing them costs
+  more than a second, which `import graphkiln` does not pay and a load pays in `import_inductor`
+  while the weights are read.
 - `depyf_debug(dir, log)`: depyf's `prepare_debug`, imported lazily (only dumps need depyf), with
   what depyf prints and warns kept in `log` instead of on the terminal. On torch 2.13
   `PyCodeCache.load_by_key_path` gained the keyword-only `set_sys_modules`, which depyf 0.20's
@@ -39,29 +43,59 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
-from torch._inductor.compile_fx import graph_returns_tuple
-from torch._inductor.custom_graph_pass import CustomGraphPass
-from torch.fx.experimental import _config as fx_config
 
 from graphkiln.errors import ConfigError
 
 __all__ = [
     "CustomGraphPass", "TORCH_LINEAR", "all_gather_last_dim", "all_reduce_sum", "artifact_cache", "depyf_debug",
-    "dynamo_counters", "fake_process_group", "graph_returns_tuple", "inductor_output_code",
+    "dynamo_counters", "fake_process_group", "graph_returns_tuple", "import_inductor", "inductor_output_code",
     "install_cpu_kernels", "is_op_overload", "load_artifact", "mark_dynamic_dim", "private_inductor_cache",
-    "require_depyf", "size_oblivious", "standalone_compile",
+    "require_depyf", "size_oblivious", "standalone_compile", "to_empty",
 ]  # fmt: skip
 
 TORCH_LINEAR = torch._C._nn.linear  # what F.linear and nn.Linear appear as in a Dynamo graph
 
 
+def __getattr__(name: str):
+    """`CustomGraphPass`, imported on first use: importing any of Inductor costs a second or more, which a
+    load of an artifact pays only once it loads the compiled pieces (`import_inductor`)."""
+    if name == "CustomGraphPass":
+        from torch._inductor.custom_graph_pass import CustomGraphPass
+
+        return CustomGraphPass
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def import_inductor() -> None:
+    """Import what loading and running compiled pieces needs of Inductor (and, through it, Dynamo)."""
+    import torch._inductor.compile_fx  # noqa: F401  (the package, standalone_compile and CompiledArtifact with it)
+
+
+def graph_returns_tuple(gm: torch.fx.GraphModule) -> bool:
+    """Whether Inductor's compiled form of `gm` returns its outputs as they are (not wrapped in a tuple)."""
+    from torch._inductor.compile_fx import graph_returns_tuple as returns_tuple
+
+    return returns_tuple(gm)
+
+
+def to_empty(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """`module.to_empty(device=device)`, each tensor allocated with its shape and strides, without the Python
+    reference torch runs for `empty_like` of a meta tensor: it imports symbolic shapes and sympy (tenths of
+    a second, which Inductor's import pays later anyway) before a load can start reading the weights."""
+    return module._apply(lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device))
+
+
 def mark_dynamic_dim(tensor: torch.Tensor, dim: int) -> None:
     """Trace `tensor`'s `dim` as a symbol from the first trace on."""
+    import torch._dynamo
+
     torch._dynamo.mark_dynamic(tensor, dim)
 
 
 def size_oblivious() -> contextlib.AbstractContextManager:
     """Trace without 0/1 specialization of dynamic sizes, so one graph serves every token count."""
+    from torch.fx.experimental import _config as fx_config
+
     return fx_config.patch(backed_size_oblivious=True)
 
 

@@ -78,7 +78,8 @@ def test_startup_study_smoke(tmp_path: Path) -> None:
         assert child["compile_events_after_load"]["dynamo_graphs"] == 0
         assert child["compile_events_after_load"]["inductor_compiles"] == 0
         phases = child["phases_s"]
-        assert {"import", "load", "weights", "pieces", "first_token", "ready"} <= set(phases)
+        assert {"import_torch", "import_api", "load", "weights", "inductor", "pieces", "first_token", "ready"} <= set(phases)
+        assert phases["inductor"] > 0 and child["imported_after_load"] == []
         assert child["load"]["weight_bytes"] > 0 and child["start_to_first_token_s"] <= child["start_to_ready_s"]
     assert "| tiny warm |" in proc.stdout and "| tiny warm |" in (tmp_path / "startup-cpu.md").read_text()
 

@@ -29,7 +29,8 @@ from graphkiln.passes.attention_split import AttentionSplit, boundaries
 from graphkiln.passes.base import GraphPass, PostGradPass, content_hash
 from graphkiln.passes.boundary_recompute import BoundaryRecompute, BoundaryRecomputeConfig
 from graphkiln.passes.linear_op import LinearOp
-from graphkiln.passes.manager import PassManager, default_passes
+from graphkiln.passes.manager import PassManager
+from graphkiln.passes.pipeline import default_passes
 from graphkiln.passes.silu_mul_linear import SiluMulLinear
 
 DYNAMO_NAMES = ["boundary_recompute", "silu_mul_linear", "attention_split"]
@@ -190,7 +191,8 @@ def test_uuid_changes_with_enabled_passes_and_pass_config():
 
 
 def test_uuid_is_stable_across_processes_and_folder_moves(tmp_path):
-    code = "from graphkiln.passes.manager import PassManager, default_passes as d; print(PassManager(d()).uuid())"
+    code = ("from graphkiln.passes.manager import PassManager; from graphkiln.passes.pipeline import default_passes; "
+            "print(PassManager(default_passes()).uuid())")
     other = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True,
                            env={**os.environ, "PYTHONHASHSEED": "1"})
     assert other.stdout.strip() == PassManager(default_passes()).uuid()

@@ -21,7 +21,7 @@ from graphkiln.runtime.preparation import Preparation, WarmupJob
 from graphkiln.runtime.step_lock import StepLock
 
 MANY_SIZES = tuple(range(1, 97))  # 96 decode warm-ups (and prefill 16..64): long enough to step beside
-STAGES = ["checks", "weights", "pieces", "tokenizer", "engine"]
+STAGES = ["checks", "weights", "tokenizer", "inductor", "pieces", "engine"]
 
 
 def test_fresh_warm_load_breakdown_without_tracing_or_compiling(artifact: Path, eager_tokens: list[list[int]]) -> None:
@@ -45,8 +45,8 @@ print({RESULT_PREFIX!r} + json.dumps({{"load": dataclasses.asdict(stats.load), "
     stages = load["stages"]
     assert sorted(stages) == sorted(STAGES) and list(stages)[0] == "checks" and list(stages)[-1] == "engine"
     assert all(seconds >= 0 for seconds in stages.values())
-    overlap = min(stages["weights"], stages["pieces"])  # the weights are read while the pieces load
-    assert 0 < load["import_s"] and sum(stages.values()) - overlap <= load["load_s"]
+    besides_weights = sum(seconds for name, seconds in stages.items() if name != "weights")  # weights overlap them
+    assert 0 < load["import_s"] and besides_weights <= load["load_s"] and stages["weights"] <= load["load_s"]
     entries = read_header(tiny_model_dir() / "model.safetensors")
     assert load["weight_bytes"] == sum(e.end - e.start for name, e in entries.items() if name != "lm_head.weight")
     assert load["load_s"] <= load["first_token_s"] and load["load_s"] <= load["prepare_s"]
@@ -56,6 +56,43 @@ print({RESULT_PREFIX!r} + json.dumps({{"load": dataclasses.asdict(stats.load), "
     decode = [("decode-warmup", n) for n in (1, 2, 4)]
     assert kinds == decode + [("prefill-warmup", n) for n in (16, 32) if n <= 4]  # prefill buckets above 4: left out
     assert result["tokens"] == eager_tokens
+
+
+def test_import_leaves_inductor_to_load_and_serving_imports_nothing(artifact: Path) -> None:
+    """In a fresh process: `import graphkiln` and its API names import no part of Inductor or Dynamo (nor
+    transformers), and neither does building the model a load reads the weights into (not even sympy, so the
+    read starts at once); `load` imports Inductor itself (its "inductor" stage, while the weights are read)
+    and still not transformers (the artifact keeps a tokenizer snapshot); after `load` returns, the
+    background warm-ups and the first requests import nothing more."""
+    heavy = ("torch._inductor", "torch._dynamo", "sympy", "transformers", "huggingface_hub")
+    code = f"""
+import json, sys, torch
+from pathlib import Path
+torch.set_num_threads(1)
+import graphkiln
+graphkiln.load, graphkiln.SamplingParams, graphkiln.LLM, graphkiln.EngineConfig, graphkiln.CompileConfig
+heavy = {heavy!r}
+at_import = [m for m in heavy if m in sys.modules]
+from graphkiln.compiler.artifact_dir import recorded_config
+from graphkiln.compiler.manifest import read_manifest
+from graphkiln.models.loader import empty_model
+from graphkiln.models.tiny import tiny_model_dir
+artifact = Path({str(artifact)!r})
+empty_model(tiny_model_dir(), cfg=recorded_config(read_manifest(artifact), artifact))
+at_model = [m for m in heavy if m in sys.modules]
+llm = graphkiln.load(artifact, **{ENGINE!r})
+loaded = set(sys.modules)
+llm.generate({PROMPTS!r}, graphkiln.{GREEDY!r})
+assert llm.wait_ready(120)
+print({RESULT_PREFIX!r} + json.dumps({{"at_import": at_import, "at_model": at_model,
+      "at_load": [m for m in heavy if m in loaded], "after_load": sorted(set(sys.modules) - loaded),
+      "stages": list(llm.stats().load.stages)}}))
+"""
+    result = run_python_json(code)
+    assert result["at_import"] == [] and result["at_model"] == []
+    assert result["at_load"] == ["torch._inductor", "torch._dynamo", "sympy"]  # what Inductor's artifacts need
+    assert "inductor" in result["stages"]
+    assert result["after_load"] == []
 
 
 def test_a_request_is_served_while_preparation_runs(artifact: Path) -> None:
@@ -167,3 +204,25 @@ def test_a_waiting_step_comes_before_the_next_background_turn() -> None:
         with lock():
             before = len(turns)
         assert len([t for t in turns[:before] if t > asked]) <= 1
+
+
+def test_a_taker_held_up_by_a_background_turn_gets_its_wait() -> None:
+    """A taker that finds the lock free waited 0 s; one that waits behind a background turn gets its wait."""
+    lock = StepLock()
+    with lock() as waited:
+        assert waited == 0.0
+    taken, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with lock(background=True):
+            taken.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    taken.wait(10)
+    threading.Timer(0.1, release.set).start()
+    with lock() as waited:
+        pass
+    holder.join()
+    assert 0.09 <= waited < 10

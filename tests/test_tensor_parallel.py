@@ -35,7 +35,8 @@ from graphkiln.compiler.split import split_pieces
 from graphkiln.errors import ConfigError, RankFailedError, UnsupportedModelError
 from graphkiln.models import load_model
 from graphkiln.models.sharding import Shard
-from graphkiln.passes.manager import PassManager, default_passes
+from graphkiln.passes.manager import PassManager
+from graphkiln.passes.pipeline import default_passes
 from graphkiln.runtime.lockstep import Lockstep
 from graphkiln.runtime.preparation import Preparation
 from graphkiln.runtime.step_lock import StepLock

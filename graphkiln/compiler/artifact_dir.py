@@ -24,9 +24,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from graphkiln.compat import fake_process_group, private_inductor_cache, require_depyf
+from graphkiln.compat import fake_process_group, import_inductor, private_inductor_cache, require_depyf
 from graphkiln.errors import ArtifactError, ConfigError
 from graphkiln.models import load_model, resolve_dtype
+from graphkiln.models.linear import import_kernels
 from graphkiln.models.loader import empty_model, fill_model
 from graphkiln.models.weights_reader import indexed
 from graphkiln.models.config import ModelConfig
@@ -38,7 +39,7 @@ from graphkiln.models.sharding import Shard
 from graphkiln.models.transformer import CausalLM
 from graphkiln.passes.base import Pass
 from graphkiln.passes.dump import check_dump_dir
-from graphkiln.passes.manager import check_disabled, default_passes
+from graphkiln.passes.pipeline import check_disabled, default_passes
 from graphkiln.timing import Stopwatch
 
 from .artifacts import CPU_KERNELS, QUANTIZED_FILE, TOKENIZER_FILE, load_compiled, save_compiled
@@ -348,9 +349,10 @@ def read_artifact(
 ) -> tuple[CausalLM, CompiledModel, Tokenizer | None, dict]:
     """Check, then load weights (`shard`: one tensor-parallel rank's), compiled pieces and the tokenizer: no
     Dynamo trace, no Inductor compile, and no transformers import where the artifact keeps a tokenizer snapshot.
-    The weights are read on a thread of their own while the pieces load (they bind the parameters, not their
-    values). `clock` gets the stages checks, weights (with the count weight_bytes), pieces (the two overlap)
-    and tokenizer."""
+    The weights are read on a thread of their own while the tokenizer and Inductor are imported and the pieces
+    load (they bind the parameters, not their values). `clock` gets the stages checks, weights (with the count
+    weight_bytes), tokenizer, inductor (importing it, which is torch's cost) and pieces; weights overlap the
+    three after them."""
     out = out.resolve()
     clock = clock or Stopwatch()
     with _locked(out, shared=True):
@@ -362,15 +364,18 @@ def read_artifact(
         device = torch.device(config["device"])
         quantized = out / QUANTIZED_FILE if config.get("quantization") else None
         model = empty_model(model_dir, device, config["dtype"], model_config, scheme, quantized, shard)
-        with ThreadPoolExecutor(1, thread_name_prefix="graphkiln-fill") as pool:  # weights beside the pieces
+        with ThreadPoolExecutor(1, thread_name_prefix="graphkiln-fill") as pool:  # weights beside the rest
             weights = pool.submit(_fill_on, indexed(device), model, model_dir, clock)
+            with clock.stage("tokenizer"):
+                tokenizer = read_tokenizer(manifest, out, model_dir)
+            with clock.stage("inductor"):
+                import_inductor()
             with clock.stage("pieces"):
+                import_kernels(device)
                 tensors = dict(model.named_parameters(remove_duplicate=False))
                 tensors.update(model.named_buffers(remove_duplicate=False))
                 compiled = load_compiled(manifest["compiled"], manifest["files"], out, tensors)
             weights.result()
-        with clock.stage("tokenizer"):
-            tokenizer = read_tokenizer(manifest, out, model_dir)
         return model, compiled, tokenizer, manifest
 
 

@@ -9,12 +9,13 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from graphkiln.compat import depyf_debug, require_depyf
 from graphkiln.models.transformer import CausalLM
 from graphkiln.passes.base import Pass, PassRecord, format_records
 from graphkiln.passes.dump import Dump
-from graphkiln.passes.manager import PassManager, default_passes
+from graphkiln.passes.pipeline import default_passes
 
 from .capture import capture
 from .compiled_model import CompiledModel
@@ -22,6 +23,9 @@ from .config import CompileConfig
 from .counters import Counters
 from .inductor import InductorCompiler, structure_key
 from .split import split_pieces
+
+if TYPE_CHECKING:
+    from graphkiln.passes.manager import PassManager
 
 log = logging.getLogger("graphkiln.compiler")
 
@@ -56,6 +60,8 @@ def compile_module(
     model: CausalLM, config: CompileConfig, graph_passes: Sequence[Pass] = (), progress: Progress = _silent
 ) -> tuple[CompiledModel, CompileReport]:
     """`graph_passes` run after the built-in Dynamo-graph passes, before the split; all obey disabled_passes."""
+    from graphkiln.passes.manager import PassManager  # Inductor's CustomGraphPass: loading an artifact never needs it
+
     dump = Dump(config.dump_dir) if config.dump_dir else None
     manager = PassManager(default_passes(graph_passes), config.disabled_passes, dump.graph if dump else None)
     if dump is None:

@@ -12,14 +12,18 @@ import contextlib
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from graphkiln.errors import ConfigError
 
-from graphkiln.compat import CustomGraphPass, graph_returns_tuple, inductor_output_code, is_op_overload, standalone_compile
+from graphkiln.compat import graph_returns_tuple, inductor_output_code, is_op_overload, standalone_compile
 
 from .counters import Counters
+
+if TYPE_CHECKING:
+    from graphkiln.compat import CustomGraphPass
 
 POST_GRAD_PASS = "post_grad_custom_post_pass"
 OnCode = Callable[[str, str, str], None]  # (piece key, variant, Inductor output code)
@@ -152,7 +156,7 @@ class InductorCompiler:
 
     def hash(self) -> str:
         """torch version, Inductor options and the pass manager's uuid: what decides the compiled code."""
-        options = {k: v.uuid() if isinstance(v, CustomGraphPass) else v for k, v in self.options.items()}
+        options = {k: v.uuid() if k == POST_GRAD_PASS else v for k, v in self.options.items()}
         text = f"{torch.__version__}|{sorted(options.items())}"
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 

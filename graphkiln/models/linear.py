@@ -58,3 +58,10 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
 @silu_mul_linear.register_fake
 def _(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return gate_up.new_empty(gate_up.shape[0], weight.shape[0])
+
+
+def import_kernels(device: torch.device) -> None:
+    """Import the Triton kernels these ops call on `device` now (CUDA; they are imported where they first run
+    otherwise, triton being optional): a load does it, so a request's first step does not."""
+    if device.type == "cuda":
+        import graphkiln.kernels.gemv  # noqa: F401

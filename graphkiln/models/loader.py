@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from graphkiln.compat import to_empty
 from graphkiln.errors import ConfigError, ModelFileError, WeightMismatchError
 from graphkiln.timing import Stopwatch
 
@@ -157,7 +158,7 @@ def empty_model(
     model = model.to(dtype=dtype)
     if scheme is not None and (scheme.from_checkpoint or quantized_weights is not None):
         install_quantized(model, cfg, scheme, dtype)
-    model = model.to_empty(device=device)
+    model = to_empty(model, device)
     reset_input_scales(model)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

@@ -90,13 +90,22 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class Embedding(nn.Embedding):
+    """nn.Embedding that draws no initial values on the meta device, where a model is built before its
+    weights are read: a meta `normal_` runs torch's Python reference, which imports Dynamo."""
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
+
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, shard: Shard) -> None:
         super().__init__()
         if shard.parallel:
             self.embed_tokens = VocabParallelEmbedding(cfg, shard)
         else:
-            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         local = local_config(cfg, shard.size)
         self.layers = nn.ModuleList(DecoderLayer(local, i, shard) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

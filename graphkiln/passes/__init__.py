@@ -1,6 +1,6 @@
 """passes: FX and Inductor graph passes, the pass manager and its uuid, pass-debugging dumps.
 
-Pipeline (`manager.default_passes`), each switchable with `CompileConfig.disabled_passes`:
+Pipeline (`pipeline.default_passes`), each switchable with `CompileConfig.disabled_passes`:
 
 1. `boundary_recompute`: recomputes the rope gather in every piece instead of carrying it across cuts.
 2. `silu_mul_linear`: `down_proj(silu(gate) * up)` becomes one graphkiln::silu_mul_linear call,

@@ -19,24 +19,15 @@ from pathlib import Path
 import torch
 
 from graphkiln.compat import CustomGraphPass
-
 from graphkiln.errors import ConfigError
 
-from .attention_split import AttentionSplit
 from .base import DYNAMO, POST_GRAD, GraphPass, Pass, PassRecord, PostGradPass, content_hash
-from .boundary_recompute import BoundaryRecompute
-from .linear_op import LinearOp
-from .silu_mul_linear import SiluMulLinear
+from .pipeline import check_disabled
 
 log = logging.getLogger("graphkiln.passes")
 
 # (number, pass name, "before"|"after", graph) -> None: writes one dump file
 GraphDump = Callable[[int, str, str, torch.fx.GraphModule | torch.fx.Graph], None]
-
-
-def default_passes(extra: Sequence[Pass] = ()) -> list[Pass]:
-    """Built-in passes in pipeline order; `extra` Dynamo-graph passes run just before the split."""
-    return [BoundaryRecompute(), SiluMulLinear(), *extra, AttentionSplit(), LinearOp()]
 
 
 def _ops(target: torch.fx.GraphModule | torch.fx.Graph) -> Counter:
@@ -45,17 +36,6 @@ def _ops(target: torch.fx.GraphModule | torch.fx.Graph) -> Counter:
     if isinstance(target, torch.fx.GraphModule):
         graphs = [m.graph for m in target.modules() if isinstance(m, torch.fx.GraphModule)]
     return Counter((n.op, str(n.target), n.name) for g in graphs for n in g.nodes if n.op.startswith("call"))
-
-
-def check_disabled(passes: Sequence[Pass], disabled: Iterable[str]) -> frozenset[str]:
-    """`disabled` as a set, or a ConfigError naming the unknown names and the known passes."""
-    known = [p.name for p in passes]
-    unknown = sorted(set(disabled) - set(known))
-    if unknown:
-        raise ConfigError(
-            f"CompileConfig.disabled_passes: unknown pass {', '.join(unknown)}; known: {', '.join(known)}"
-        )
-    return frozenset(disabled)
 
 
 class PassManager(CustomGraphPass):

@@ -41,7 +41,7 @@ from .sampler import SamplingBatch
 from .sampling_params import MAX_LOGPROBS, SamplingParams
 from .scheduler import PENDING, ScheduledChunk, Scheduler, Sequence
 from .stats import EngineStats, GraphStats
-from .step_lock import StepLock
+from .step_lock import StepLock, StepWaits
 
 log = logging.getLogger("graphkiln.runtime")
 
@@ -64,6 +64,7 @@ class Engine:
             preparation.skip()
         self.preparation = preparation
         self.first_token_at: float | None = None  # time.perf_counter() when the first token was read back
+        self.step_waits = StepWaits()  # steps held up by a capture or warm-up (or another thread's call)
         self.scheduler = scheduler
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -97,6 +98,7 @@ class Engine:
             steps_without_graph=dict(runner.steps_without_graph),
             prepared=tuple(self.preparation.done),
             ready=self.preparation.ready,
+            step_waits=self.step_waits,
         )
 
     def wait_ready(self, timeout: float | None = None) -> bool:
@@ -187,7 +189,9 @@ class Engine:
 
     def step(self) -> list[TokenEvent]:
         """Launch the next step (if any is scheduled), then return the tokens of the one before it."""
-        with self.lock():
+        with self.lock() as waited_s:
+            if waited_s:
+                self.step_waits = self.step_waits.add(waited_s)
             return self._step()
 
     def _step(self) -> list[TokenEvent]:

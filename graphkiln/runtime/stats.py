@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from .config import EngineConfig
 from .graphs import GraphSet
 from .preparation import PreparedBucket
+from .step_lock import StepWaits
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class EngineStats:
     prepared: tuple[PreparedBucket, ...] = ()  # graphs captured (or sizes warmed up) so far, in order
     ready: bool = True  # every one of them is done
     load: LoadStats | None = None
+    step_waits: StepWaits = field(default_factory=StepWaits)  # steps held up by a capture (or another call)
 
     @property
     def graphs_captured(self) -> int:

@@ -3,14 +3,31 @@
 Re-entrant for its holder (a step may drain, a score steps). Turns alternate while both sides
 ask: a background turn that asks gets the lock before the next step, and a step that waited gets
 it before the next background turn. So a loop that steps without pause cannot starve the
-captures, and a step waits for at most one capture.
+captures, and a step waits for at most one capture. Taking the lock gives the seconds this taker
+waited for it (0 when it was free), which the engine keeps for its steps (`StepWaits`): the stall a
+request felt behind a capture.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StepWaits:
+    """Steps that found the lock taken, by a capture, a warm-up or another thread's call: how many, their
+    seconds waiting in all, and the longest wait."""
+
+    count: int = 0
+    total_s: float = 0.0
+    longest_s: float = 0.0
+
+    def add(self, seconds: float) -> StepWaits:
+        return StepWaits(self.count + 1, self.total_s + seconds, max(self.longest_s, seconds))
 
 
 class StepLock:
@@ -24,27 +41,31 @@ class StepLock:
         self._step_turn = False  # a background turn just ended while a step waited: that step goes next
 
     @contextlib.contextmanager
-    def __call__(self, background: bool = False) -> Iterator[None]:
-        self._acquire(background)
+    def __call__(self, background: bool = False) -> Iterator[float]:
+        """Hold the lock for the block; the block gets the seconds it waited for it (0.0 if it was free)."""
+        waited = self._acquire(background)
         try:
-            yield
+            yield waited
         finally:
             self._release()
 
-    def _acquire(self, background: bool) -> None:
+    def _acquire(self, background: bool) -> float:
         me = threading.get_ident()
         with self._cond:
             if self._owner == me:
                 self._depth += 1
-                return
+                return 0.0
             if background:
                 self._background_waiting += 1
             else:
                 self._steps_waiting += 1
+            asked = time.perf_counter()
+            waited = False
             try:
                 while self._owner is not None or (
                     self._step_turn if background else self._background_waiting and not self._step_turn
                 ):
+                    waited = True
                     self._cond.wait()
             finally:
                 if background:
@@ -54,6 +75,7 @@ class StepLock:
             self._owner, self._depth, self._background = me, 1, background
             if not background:
                 self._step_turn = False
+            return time.perf_counter() - asked if waited else 0.0
 
     def _release(self) -> None:
         with self._cond:

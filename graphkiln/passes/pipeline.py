@@ -1,0 +1,33 @@
+"""The built-in passes in pipeline order, and the check of `CompileConfig.disabled_passes` against them.
+
+Apart from the pass manager (manager.py), which is Inductor's `CustomGraphPass` and so imports Inductor:
+loading an artifact checks its passes' uuids against these without importing Inductor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from graphkiln.errors import ConfigError
+
+from .attention_split import AttentionSplit
+from .base import Pass
+from .boundary_recompute import BoundaryRecompute
+from .linear_op import LinearOp
+from .silu_mul_linear import SiluMulLinear
+
+
+def default_passes(extra: Sequence[Pass] = ()) -> list[Pass]:
+    """Built-in passes in pipeline order; `extra` Dynamo-graph passes run just before the split."""
+    return [BoundaryRecompute(), SiluMulLinear(), *extra, AttentionSplit(), LinearOp()]
+
+
+def check_disabled(passes: Sequence[Pass], disabled: Iterable[str]) -> frozenset[str]:
+    """`disabled` as a set, or a ConfigError naming the unknown names and the known passes."""
+    known = [p.name for p in passes]
+    unknown = sorted(set(disabled) - set(known))
+    if unknown:
+        raise ConfigError(
+            f"CompileConfig.disabled_passes: unknown pass {', '.join(unknown)}; known: {', '.join(known)}"
+        )
+    return frozenset(disabled)
