@@ -57,7 +57,8 @@ def compile_module(
 ) -> tuple[CompiledModel, CompileReport]:
     """`graph_passes` run after the built-in Dynamo-graph passes, before the split; all obey disabled_passes."""
     dump = Dump(config.dump_dir) if config.dump_dir else None
-    manager = PassManager(default_passes(graph_passes), config.disabled_passes, dump.graph if dump else None)
+    manager = PassManager(default_passes(graph_passes), config.disabled_passes, dump.graph if dump else None,
+                          config.enabled_passes)
     if dump is None:
         return _compile(model, config, manager, progress, None)
     require_depyf()

@@ -25,6 +25,7 @@ from graphkiln.errors import ConfigError
 from .attention_split import AttentionSplit
 from .base import DYNAMO, POST_GRAD, GraphPass, Pass, PassRecord, PostGradPass, content_hash
 from .boundary_recompute import BoundaryRecompute
+from .fp8_activation_quant import Fp8ActivationQuant
 from .linear_op import LinearOp
 from .silu_mul_linear import SiluMulLinear
 
@@ -36,7 +37,7 @@ GraphDump = Callable[[int, str, str, torch.fx.GraphModule | torch.fx.Graph], Non
 
 def default_passes(extra: Sequence[Pass] = ()) -> list[Pass]:
     """Built-in passes in pipeline order; `extra` Dynamo-graph passes run just before the split."""
-    return [BoundaryRecompute(), SiluMulLinear(), *extra, AttentionSplit(), LinearOp()]
+    return [BoundaryRecompute(), SiluMulLinear(), *extra, AttentionSplit(), LinearOp(), Fp8ActivationQuant()]
 
 
 def _ops(target: torch.fx.GraphModule | torch.fx.Graph) -> Counter:
@@ -47,25 +48,34 @@ def _ops(target: torch.fx.GraphModule | torch.fx.Graph) -> Counter:
     return Counter((n.op, str(n.target), n.name) for g in graphs for n in g.nodes if n.op.startswith("call"))
 
 
-def check_disabled(passes: Sequence[Pass], disabled: Iterable[str]) -> frozenset[str]:
-    """`disabled` as a set, or a ConfigError naming the unknown names and the known passes."""
+def check_disabled(passes: Sequence[Pass], disabled: Iterable[str], field: str = "disabled_passes") -> frozenset[str]:
+    """`disabled` (or the names in CompileConfig's `field`) as a set, or a ConfigError naming the unknown
+    names and the known passes."""
     known = [p.name for p in passes]
     unknown = sorted(set(disabled) - set(known))
     if unknown:
-        raise ConfigError(
-            f"CompileConfig.disabled_passes: unknown pass {', '.join(unknown)}; known: {', '.join(known)}"
-        )
+        raise ConfigError(f"CompileConfig.{field}: unknown pass {', '.join(unknown)}; known: {', '.join(known)}")
     return frozenset(disabled)
 
 
-class PassManager(CustomGraphPass):
-    """Ordered passes; `disabled` names are registered but never run. Unknown names are a ConfigError."""
+def passes_off(passes: Sequence[Pass], disabled: Iterable[str], enabled: Iterable[str] = ()) -> frozenset[str]:
+    """The passes that do not run: those `disabled` names, and those off by default that `enabled` does not name."""
+    on = check_disabled(passes, enabled, "enabled_passes")
+    return check_disabled(passes, disabled) | {p.name for p in passes if not p.default_enabled and p.name not in on}
 
-    def __init__(self, passes: Sequence[Pass], disabled: Iterable[str] = (), dump: GraphDump | None = None) -> None:
+
+class PassManager(CustomGraphPass):
+    """Ordered passes; `disabled` names, and passes off by default unless `enabled` names them, are registered
+    but never run. Unknown names are a ConfigError."""
+
+    def __init__(
+        self, passes: Sequence[Pass], disabled: Iterable[str] = (), dump: GraphDump | None = None,
+        enabled: Iterable[str] = (),
+    ) -> None:
         self.passes: list[Pass] = []
         for p in passes:
             self.register(p)
-        self.disabled = check_disabled(self.passes, disabled)
+        self.disabled = passes_off(self.passes, disabled, enabled)
         self.dump = dump
         self.records = {p.name: PassRecord(p.name, p.stage, p.uuid(), p.name not in self.disabled) for p in self.passes}
 
