@@ -78,7 +78,7 @@ def fed_by_norm_or_silu_mul(x: torch.fx.Node) -> bool:
 
 def _rewritable(node: torch.fx.Node) -> bool:
     """A dynamic per-token, per-channel fp8_linear of a static row count above FEW_ROWS, fed by a norm or SiLU-mul."""
-    if node.target is not FP8_LINEAR:
+    if node.target is not FP8_LINEAR or len(node.args) != 4:
         return False
     x, weight, weight_scale, input_scale = node.args
     rows = x.meta["val"].shape[0]
