@@ -132,8 +132,8 @@ def main(a: argparse.Namespace) -> int:
     study = Study.of("quality", a)
     count, length = (SMOKE_PROMPTS, SMOKE_TOKENS) if study.smoke else (PROMPTS, PROMPT_TOKENS)
     windows = held_out_windows()[:SMOKE_WINDOWS] if study.smoke else held_out_windows()
-    results: dict = {"model": "tiny" if study.smoke else study.model, "dtype": study.dtype_name, "prompts": count, "prompt_tokens": length,
-                     "held_out_tokens": sum(len(w) - 1 for w in windows)}
+    results: dict = {"model": "tiny" if study.smoke else study.model, "dtype": study.dtype_name, "prompts": count,
+                     "prompt_tokens": length, "held_out_tokens": sum(len(w) - 1 for w in windows)}
     with study.scratch() as work:
         model_dir = tiny_model_dir() if study.smoke else save_model(study.model, work / study.model, study.device,
                                                                      study.dtype, study.layers)

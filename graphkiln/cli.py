@@ -288,7 +288,8 @@ def _serve_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="warning",
                         help="uvicorn's log level (info: one line per request)")
     _engine_parser(parser.add_argument_group("engine options (default: what the artifact records)"))
-    parser.set_defaults(handler=run_serve, specialize_sizes=(), disable_pass=[], enable_pass=[], dump_dir=None, tensor_parallel_size=1)
+    parser.set_defaults(handler=run_serve, specialize_sizes=(), disable_pass=[], enable_pass=[], dump_dir=None,
+                        tensor_parallel_size=1)
 
 
 def main(argv: list[str] | None = None) -> int:
