@@ -219,35 +219,42 @@ def test_fp8_scaled_mm_on_per_token_quantized_rows_matches_fp8_linear(rows):
     assert ((y.float() - picked.float()).norm() / picked.float().norm()).item() < 1e-2
 
 
-def _fp8_tiny(enabled: tuple[str, ...], tokens: int, cuda_graphs: bool) -> tuple[LLM, dict]:
-    """The tiny model in fp8 on CUDA, compiled in this process with one compile specialized to `tokens`."""
+def _fp8_tiny(enabled: tuple[str, ...], tokens: int, cuda_graphs: bool) -> tuple[LLM, dict, int]:
+    """The tiny model in fp8 on CUDA, compiled in this process with one compile specialized to `tokens`:
+    (engine, each enabled pass's matches, the kernels Inductor generated)."""
+    from graphkiln.compat import inductor_output_code
     from graphkiln.compiler.compile import compile_module
     from graphkiln.models import load_model
     from graphkiln.models.tiny import tiny_model_dir
+    from graphkiln.passes.dump import kernel_counts
     from graphkiln.runtime.builder import build_engine
 
     net = load_model(tiny_model_dir(), "cuda", "bfloat16", quantization="fp8")
     config = CompileConfig(device="cuda", dtype="bfloat16", quantization="fp8", specialize_sizes=(tokens,),
                            enabled_passes=enabled)
-    with torch._inductor.config.patch(fx_graph_cache=False):  # the post-grad pass runs (and counts) on a miss
+    # a cache miss: the post-grad pass runs (and counts), and every piece's output code is seen
+    with torch._inductor.config.patch(fx_graph_cache=False), inductor_output_code() as codes:
         compiled, report = compile_module(net, config)
     engine = graphkiln.EngineConfig(kv_cache_tokens=8192, decode_batch_sizes=(1,), prefill_token_buckets=(tokens,),
                                     cuda_graphs=cuda_graphs, attention_backend="triton", capture="blocking")
-    return LLM(build_engine(net, compiled, engine), None), {r.name: r.matches for r in report.passes if r.enabled}
+    matches = {r.name: r.matches for r in report.passes if r.enabled}
+    return LLM(build_engine(net, compiled, engine), None), matches, sum(kernel_counts(c)["kernels"] for c in codes)
 
 
 def test_fp8_activation_quant_prefill_on_cuda_stays_within_fp8_rounding_inside_cuda_graphs():
-    """The pass on the fp8 tiny model: the specialized prefill compile is rewritten (Inductor's Triton kernels
-    quantize to fp8), its logits are as close to the bf16 model's as fp8_linear's are, and its prefill CUDA
-    graph generates the tokens the engine without graphs does."""
+    """The pass on the fp8 tiny model: the specialized prefill compile is rewritten (Inductor's own Triton
+    kernels quantize to fp8, no kernel added), its logits are as close to the bf16 model's as fp8_linear's
+    are, and its prefill CUDA graph generates the tokens the engine without graphs does."""
     tokens = 64
     ids = list(range(100, 100 + tokens))
     reference = LLM.eager("tiny", device="cuda", dtype="bfloat16", kv_cache_tokens=8192,
                           attention_backend="triton").score(ids)
-    off, off_matches = _fp8_tiny((), tokens, cuda_graphs=False)
-    on, on_matches = _fp8_tiny(("fp8_activation_quant",), tokens, cuda_graphs=False)
-    graphed, _ = _fp8_tiny(("fp8_activation_quant",), tokens, cuda_graphs=True)
+    off, off_matches, off_kernels = _fp8_tiny((), tokens, cuda_graphs=False)
+    on, on_matches, on_kernels = _fp8_tiny(("fp8_activation_quant",), tokens, cuda_graphs=False)
+    graphed, _, _ = _fp8_tiny(("fp8_activation_quant",), tokens, cuda_graphs=True)
     assert "fp8_activation_quant" not in off_matches and on_matches["fp8_activation_quant"] == 6
+    record("fp8_activation_quant_tiny_inductor_kernels", {"pass_off": off_kernels, "pass_on": on_kernels})
+    assert on_kernels == off_kernels  # the quantization joined the norm and SiLU-mul kernels: none added
 
     def error(logits):
         return ((logits - reference).norm() / reference.norm()).item()
