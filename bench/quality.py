@@ -76,7 +76,9 @@ def compiled_engine(model_dir: Path, study: Study, quantization: str | None):
     config = graphkiln.CompileConfig(device=study.device, dtype=study.dtype_name, quantization=quantization)
     compiled, _ = compile_module(net, config)
     engine = graphkiln.EngineConfig(cuda_graphs=False, kv_cache_tokens=4096, decode_batch_sizes=(1,))
-    return graphkiln.LLM(build_engine(net, compiled, engine), None)
+    llm = graphkiln.LLM(build_engine(net, compiled, engine), None)
+    llm.wait_ready()  # the warm-up runs before any scoring
+    return llm
 
 
 def engines(model_dir: Path, study: Study) -> dict:
