@@ -1,6 +1,8 @@
 """What each optional graph pass buys (a few minutes, 1B).
 
     python -m bench passes --out $OUT [--model 8b --layers 4]
+    python -m bench passes --fp8-activation-quant --model 8b --out $OUT
+
 
 The bench's model is compiled in this process (`compile_module`) with every pass, with each
 optional pass switched off in turn, and with every pass again (the spread between the two is the
@@ -8,6 +10,13 @@ noise). Per configuration: Inductor compiles, tensors crossing the piece boundar
 compiled model's split graph), the kernels of one decode step at batch 1 (torch.profiler over
 graph replays), the decode replay at batch 1 and 64, and the time to first token of a 1024-token
 prompt. On the CPU (--smoke) engine steps are timed instead of replays and no kernels are counted.
+
+--fp8-activation-quant: the model quantized to fp8 (`--quantization fp8`), compiled with the pass
+fp8_activation_quant off, on, and off again, each with one compile specialized to the prefill
+bucket (--prefill, default 4096 tokens, where the pass applies); the same columns, decode at
+batch 1 and 64 and the prefill of one --prefill-token prompt, and the pass's rewrites (counted where
+Inductor compiled afresh: a warm Inductor cache runs no post-grad pass). Written to
+passes-fp8-activation-quant.json.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from .models import decode_timer, decoding, save_model, stop
 from .report import text_table
 
 OPTIONAL = ("boundary_recompute", "silu_mul_linear", "linear_op")
+FP8_PASS = "fp8_activation_quant"  # off by default: measured on and off on the fp8 model
 COLUMNS = ["config", "inductor_compiles", "boundary_tensors", "decode_kernels_b1", "decode_ms_b1", "decode_ms_b64",
            "prefill_ms"]
 
@@ -34,21 +44,25 @@ def boundary_tensors(compiled) -> int:
     return sum(1 for n in graph.nodes if n.op == "call_module" for a in n.all_input_nodes if a in produced)
 
 
-def measure(study: Study, model_dir: Path, disabled: tuple[str, ...], batches: tuple[int, int], prefill: int) -> dict:
+def measure(study: Study, model_dir: Path, batches: tuple[int, int], prefill: int, **compile_options) -> dict:
+    """One configuration's row; `compile_options` are CompileConfig fields (disabled_passes, quantization, ...)."""
     import graphkiln
     from graphkiln.compiler.compile import compile_module
     from graphkiln.models import load_model
     from graphkiln.runtime.builder import build_engine
 
-    net = load_model(model_dir, study.device, study.dtype_name)
-    compiled, report = compile_module(net, graphkiln.CompileConfig(device=study.device, dtype=study.dtype_name,
-                                                                   disabled_passes=disabled))
+    net = load_model(model_dir, study.device, study.dtype_name, quantization=compile_options.get("quantization"))
+    config = graphkiln.CompileConfig(device=study.device, dtype=study.dtype_name, **compile_options)
+    compiled, report = compile_module(net, config)
     engine = graphkiln.EngineConfig(decode_batch_sizes=batches, prefill_token_buckets=(prefill,),
+                                    max_num_batched_tokens=max(2048, prefill),
                                     kv_cache_tokens=8192 if study.smoke else 65536)
     llm = graphkiln.LLM(build_engine(net, compiled, engine), None, report.counters.as_dict())
     llm.wait_ready()
-    row = {"disabled": list(disabled), "compile_s": report.timings["total"],
-           "inductor_compiles": report.counters.inductor_compiles, "boundary_tensors": boundary_tensors(compiled)}
+    row = {"disabled": list(config.disabled_passes), "enabled": list(config.enabled_passes),
+           "compile_s": report.timings["total"], "inductor_compiles": report.counters.inductor_compiles,
+           "boundary_tensors": boundary_tensors(compiled),
+           "pass_matches": {r.name: r.matches for r in report.passes if r.enabled}}
     prompt = 16 if study.smoke else 128
     for b in batches:
         seqs = decoding(llm, b, 200, prompt)
@@ -67,28 +81,41 @@ def measure(study: Study, model_dir: Path, disabled: tuple[str, ...], batches: t
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_study_arguments(p)
+    p.add_argument("--fp8-activation-quant", action="store_true",
+                   help="the fp8 model with the pass fp8_activation_quant off, on and off again")
+    p.add_argument("--prefill", type=int, default=None,
+                   help="prefill tokens (default 1024; 4096 with --fp8-activation-quant; smoke 48)")
 
 
 def main(a: argparse.Namespace) -> int:
     import torch
 
     study = Study.of("passes", a)
-    batches, prefill = ((1, 2), 48) if study.smoke else ((1, 64), 1024)
+    batches, prefill = ((1, 2), 48) if study.smoke else ((1, 64), 4096 if a.fp8_activation_quant else 1024)
+    prefill = a.prefill or prefill
     if study.cuda:  # the profiler's own first-use setup, outside every measurement
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]):
             torch.ones(1, device="cuda").add_(1)
     else:
         log("CPU smoke: engine steps timed instead of graph replays; no kernels counted")
-    configs = {"all passes": (), **{f"no {name}": (name,) for name in OPTIONAL}, "all passes (again)": ()}
+    configs = {"all passes": {}, **{f"no {name}": {"disabled_passes": (name,)} for name in OPTIONAL},
+               "all passes (again)": {}}
+    suffix = ""
+    if a.fp8_activation_quant:
+        fp8 = {"quantization": "fp8", "specialize_sizes": (prefill,)}
+        configs = {"fp8, pass off": fp8, "fp8, pass on": {**fp8, "enabled_passes": (FP8_PASS,)},
+                   "fp8, pass off (again)": fp8}
+        suffix = "fp8-activation-quant"
     results = {}
     with study.scratch() as work:
         model_dir = save_model(study.model, work / "model", study.device, study.dtype, study.layers)
-        for name, disabled in configs.items():
-            results[name] = {"config": name, **measure(study, model_dir, disabled, batches, prefill)}
+        for name, options in configs.items():
+            results[name] = {"config": name, **measure(study, model_dir, batches, prefill, **options)}
+            results[name]["fp8_rewrites"] = results[name]["pass_matches"].get(FP8_PASS, 0)
             numbers = {k: v for k, v in results[name].items() if isinstance(v, (int, float))}
             log(f"{name}: " + ", ".join(f"{k} {v:.4g}" for k, v in numbers.items()))
-            study.save({"configs": results})
-    columns = [c.replace("b64", f"b{batches[1]}") for c in COLUMNS]
+            study.save({"configs": results, "prefill_tokens": prefill}, suffix)
+    columns = [c.replace("b64", f"b{batches[1]}") for c in COLUMNS] + (["fp8_rewrites"] if suffix else [])
     print(text_table(list(results.values()), columns))
-    log(f"wrote {study.save({'configs': results})}")
+    log(f"wrote {study.save({'configs': results, 'prefill_tokens': prefill}, suffix)}")
     return 0

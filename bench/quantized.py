@@ -11,6 +11,8 @@ counts, with sweeps of the few-row kernels' tiles. A few minutes on the 8b shape
   int4        int4_linear (groups of 128, what it picks), and the GEMV, the tiled kernel, dequantize + mm;
               for reference torch's tinygemm (aten._weight_int4pack_mm, torchao's int4 layout on CUDA)
               on the same weights repacked into its layout
+  --quality   instead: each format's logits against the unquantized model's and the tiny model's held-out
+              perplexity per format (bench/quality.py)
   --sweep     at 1 row every GEMV tiling of SWEEP_GEMV; at 8 to 64 rows every tiling of SWEEP_ROWS (one
               format a command keeps it under 10 minutes; written to quantized-sweep-<formats>.json)
 
@@ -182,11 +184,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS,
                    help="quantized formats (default all)")
     p.add_argument("--sweep", action="store_true", help="tilings of the few-row kernels at 1 to 64 rows (GPU)")
+    p.add_argument("--quality", action="store_true",
+                   help="logits of each format against the unquantized model over 64 prompts, and the tiny model's "
+                        "held-out perplexity per format (bench/quality.py), instead of the products")
 
 
 def main(a: argparse.Namespace) -> int:
     import torch
 
+    if a.quality:
+        from .quality import main as quality
+
+        return quality(a)
     study = Study.of("quantized", a)
     device = study.device
     models, row_counts = (["smoke"], [1, 8]) if study.smoke else (a.models, a.rows)

@@ -60,6 +60,8 @@ def _compile_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--specialize-sizes", type=_sizes, default=(), metavar="1,2,4,...",
                         help="token counts that get one more Inductor compile each, with the token dim fixed")
     parser.add_argument("--disable-pass", action="append", default=[], metavar="NAME")
+    parser.add_argument("--enable-pass", action="append", default=[], metavar="NAME",
+                        help="turn on a pass that is off by default (fp8_activation_quant)")
     parser.add_argument("--quantization", choices=("fp8", "int4"), default=None,
                         help="quantize the decoder's linear layers at compile time (fp8: per-channel weights, "
                              "per-token activations; int4: weight-only, groups of 128)")
@@ -118,6 +120,7 @@ def _config(args):
         "dtype": args.dtype or ("bfloat16" if device == "cuda" else "float32"),
         "specialize_sizes": args.specialize_sizes,
         "disabled_passes": tuple(args.disable_pass),
+        "enabled_passes": tuple(args.enable_pass),
         "dump_dir": str(args.dump_dir) if args.dump_dir else None,
         "quantization": args.quantization,
         "tensor_parallel_size": args.tensor_parallel_size,
@@ -285,7 +288,8 @@ def _serve_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="warning",
                         help="uvicorn's log level (info: one line per request)")
     _engine_parser(parser.add_argument_group("engine options (default: what the artifact records)"))
-    parser.set_defaults(handler=run_serve, specialize_sizes=(), disable_pass=[], dump_dir=None, tensor_parallel_size=1)
+    parser.set_defaults(handler=run_serve, specialize_sizes=(), disable_pass=[], enable_pass=[], dump_dir=None,
+                        tensor_parallel_size=1)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -64,6 +64,25 @@ def test_quantized_study_smoke(tmp_path: Path) -> None:
     rows = json.loads((tmp_path / "quantized.json").read_text())["shapes"]
     assert {(r["name"], r["m"]) for r in rows} == {(n, m) for n in ("qkv", "o", "gate_up", "down") for m in (1, 8)}
     assert all(r["format"] == "bf16" and r["cublas_us"] > 0 and r["floor_us"] > 0 for r in rows)
+
+
+def test_quantized_quality_smoke(tmp_path: Path) -> None:
+    """`bench quantized --quality --smoke`: the tiny model's fp8 and int4 logits against the unquantized ones and
+    its held-out perplexity per format, compiled on the CPU; fp8 stays closer to the unquantized model than int4."""
+    cmd = [sys.executable, "-m", "bench", "quantized", "--quality", "--smoke", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((tmp_path / "quality-smoke.json").read_text())
+    logits, ppl = results["logits"], results["perplexity"]
+    for fmt, worst in (("fp8", 0.1), ("int4", 0.2)):
+        assert 0 < logits[fmt]["median_relative_l2"] <= logits[fmt]["worst_relative_l2"] < worst, logits
+        assert 0.8 < logits[fmt]["top1_agreement"] < 1, logits
+    assert logits["fp8"]["median_relative_l2"] < logits["int4"]["median_relative_l2"]
+    # a few windows only: the formats land on either side of the unquantized model (the full set is in
+    # tests/test_quantization.py), but within the issue's 1% and 5%
+    assert abs(ppl["fp8"] / ppl["unquantized"] - 1) < 0.01 and abs(ppl["int4"] / ppl["unquantized"] - 1) < 0.05
+    markdown = (tmp_path / "quality-smoke.md").read_text()
+    assert "| fp8 |" in markdown and "| int4 |" in markdown and "tiny perplexity" in markdown
 def test_startup_study_smoke(tmp_path: Path) -> None:
     """`python -m bench startup --smoke`: the tiny model's warm starts in fresh processes, one breakdown table."""
     cmd = [sys.executable, "-m", "bench", "startup", "--smoke", "--out", str(tmp_path)]

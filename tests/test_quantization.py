@@ -4,10 +4,8 @@ their dequantized weights, and compile-time fp8/int4 artifacts of the trained ti
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import struct
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,6 +16,7 @@ from safetensors import safe_open
 
 import graphkiln
 from artifact_helpers import ENGINE, RESULT_PREFIX, SMALL_ENGINE, run_python_json
+from bench import quality
 from graphkiln import CompileConfig, cli
 from graphkiln.compiler.artifacts import QUANTIZED_FILE
 from graphkiln.compiler.compile import CompileReport
@@ -42,7 +41,6 @@ from quant_helpers import BLOCK_FP8_CONFIG, FP8, compressed_tensors_config, writ
 if TYPE_CHECKING:
     from conftest import Checkpoint, CheckpointFactory
 
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
 QWEN3_BLOCKS = dict(hidden_size=192, intermediate_size=384, num_attention_heads=2, num_key_value_heads=2, head_dim=64)
 
 
@@ -252,27 +250,7 @@ def test_quantized_graph_calls_the_quantized_ops_and_the_linear_passes_leave_the
 
 @pytest.fixture(scope="module")
 def held_out_windows() -> list[list[int]]:
-    """The tiny model's held-out documents, as tools/train_tiny.py measures its perplexity on them."""
-    sys.path.insert(0, str(TOOLS))
-    try:
-        import train_tiny
-        from tokenizers import Tokenizer
-    finally:
-        sys.path.remove(str(TOOLS))
-    splits, _ = train_tiny.build_corpus(None)
-    docs = train_tiny.encode(Tokenizer.from_file(str(tiny_model_dir() / "tokenizer.json")), splits["held_out"])
-    seq_len = 256
-    windows = [d[i : i + seq_len + 1] for d in docs for i in range(0, max(1, len(d) - 1), seq_len)]
-    return [w for w in windows if len(w) > 1]
-
-
-def perplexity(llm: graphkiln.LLM, windows: list[list[int]]) -> float:
-    nll, count = 0.0, 0
-    for w in windows:
-        logits = llm.score(w)
-        nll += torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(w[1:]), reduction="sum").item()
-        count += len(w) - 1
-    return math.exp(nll / count)
+    return quality.held_out_windows()
 
 
 @pytest.mark.slow
@@ -298,9 +276,9 @@ def test_quantized_tiny_held_out_perplexity_within_target(
     quantized: dict[str, Path], held_out_windows: list[list[int]]
 ) -> None:
     """fp8 within 1% of bf16, int4 within 5% (the quality goals of quantized weights)."""
-    base = perplexity(graphkiln.LLM.eager("tiny", **ENGINE), held_out_windows)
-    fp8 = perplexity(graphkiln.load(quantized["fp8"], **ENGINE), held_out_windows)
-    int4 = perplexity(graphkiln.load(quantized["int4"], **ENGINE), held_out_windows)
+    base = quality.perplexity(graphkiln.LLM.eager("tiny", **ENGINE), held_out_windows)
+    fp8 = quality.perplexity(graphkiln.load(quantized["fp8"], **ENGINE), held_out_windows)
+    int4 = quality.perplexity(graphkiln.load(quantized["int4"], **ENGINE), held_out_windows)
     print(f"held-out perplexity: bf16 {base:.3f}, fp8 {fp8:.3f} ({fp8 / base - 1:+.2%}), int4 {int4:.3f} ({int4 / base - 1:+.2%})")
     assert base < fp8 < base * 1.01 and base < int4 < base * 1.05
 

@@ -39,7 +39,7 @@ from graphkiln.models.sharding import Shard
 from graphkiln.models.transformer import CausalLM
 from graphkiln.passes.base import Pass
 from graphkiln.passes.dump import check_dump_dir
-from graphkiln.passes.pipeline import check_disabled, default_passes
+from graphkiln.passes.pipeline import default_passes, passes_off
 from graphkiln.timing import Stopwatch
 
 from .artifacts import CPU_KERNELS, QUANTIZED_FILE, TOKENIZER_FILE, load_compiled, save_compiled
@@ -181,7 +181,7 @@ def write_artifact(
     check_device(config.device)
     model_scheme(model_dir, config.quantization)  # an unsupported or conflicting scheme, before anything is written
     check_paths(out, model_dir, config)
-    check_disabled(default_passes(graph_passes), config.disabled_passes)
+    passes_off(default_passes(graph_passes), config.disabled_passes, config.enabled_passes)
     if config.dump_dir:
         require_depyf()
     _claim(out, force)  # before the lock file and OUT's parents are created; again under the lock

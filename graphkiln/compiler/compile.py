@@ -63,7 +63,8 @@ def compile_module(
     from graphkiln.passes.manager import PassManager  # Inductor's CustomGraphPass: loading an artifact never needs it
 
     dump = Dump(config.dump_dir) if config.dump_dir else None
-    manager = PassManager(default_passes(graph_passes), config.disabled_passes, dump.graph if dump else None)
+    manager = PassManager(default_passes(graph_passes), config.disabled_passes, dump.graph if dump else None,
+                          config.enabled_passes)
     if dump is None:
         return _compile(model, config, manager, progress, None)
     require_depyf()

@@ -31,13 +31,14 @@ class CompileConfig:
     dtype: str = "float32"
     specialize_sizes: tuple[int, ...] = ()
     disabled_passes: tuple[str, ...] = ()
+    enabled_passes: tuple[str, ...] = ()  # passes that are off by default, turned on
     dump_dir: str | None = None
     tensor_parallel_size: int = 1
     inductor_options: dict = field(default_factory=dict, hash=False, compare=False)
     quantization: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("specialize_sizes", "disabled_passes"):
+        for name in ("specialize_sizes", "disabled_passes", "enabled_passes"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.device not in DEVICES:
             raise ConfigError(f"CompileConfig.device={self.device!r}; use one of {DEVICES}")
@@ -46,6 +47,8 @@ class CompileConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"CompileConfig.quantization={self.quantization!r}; use one of {QUANTIZATIONS} or None")
         check_sizes("CompileConfig.specialize_sizes", self.specialize_sizes, allow_empty=True)
+        if both := sorted(set(self.disabled_passes) & set(self.enabled_passes)):
+            raise ConfigError(f"CompileConfig: {', '.join(both)} both in disabled_passes and enabled_passes; keep one")
         if not is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
             raise ConfigError(
                 f"CompileConfig.tensor_parallel_size={self.tensor_parallel_size!r}: use a positive integer"

@@ -25,13 +25,13 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from graphkiln.errors import ConfigError
 
+from .few_rows import FEW_ROWS
 from .gemv import _k_mask
 from .pdl import pdl_on
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 BLOCK = 128  # the side of a weight-scale block
-FEW_ROWS = 16  # up to this many rows the weight-streaming kernels run; above, torch._scaled_mm
 
 
 @triton.jit

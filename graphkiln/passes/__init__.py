@@ -8,6 +8,9 @@ Pipeline (`pipeline.default_passes`), each switchable with `CompileConfig.disabl
 3. `attention_split`: cuts the graph at every graphkiln::attention call into pieces.
 4. `linear_op` (post-grad): routes weight products through graphkiln::linear, whose one-row
    Triton GEMV reads the narrow projections faster than cuBLAS (see models/linear.py).
+5. `fp8_activation_quant` (post-grad, off unless `CompileConfig.enabled_passes` names it): in
+   compiles specialized to more than FEW_ROWS tokens, the per-token fp8 quantization of an
+   RMSNorm's or SiLU-mul's output joins that Inductor kernel, feeding graphkiln::fp8_scaled_mm.
 
 Post-grad passes (`base.PostGradPass`) run inside Inductor through the one `PassManager`. The
 other fusions worth a pass in this decoder are already Inductor's: the residual add joins the

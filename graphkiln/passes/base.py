@@ -46,10 +46,12 @@ def source_files(cls: type) -> list[str]:
 
 
 class Pass(ABC):
-    """A named graph rewrite; `config` (a frozen dataclass or None) is part of its uuid."""
+    """A named graph rewrite; `config` (a frozen dataclass or None) is part of its uuid. A pass whose
+    `default_enabled` is False runs only when `CompileConfig.enabled_passes` names it."""
 
     name: ClassVar[str]
     stage: ClassVar[str]
+    default_enabled: ClassVar[bool] = True
     config: Any = None
 
     def uuid(self) -> str | None:

@@ -22,7 +22,7 @@ from graphkiln.compat import CustomGraphPass
 from graphkiln.errors import ConfigError
 
 from .base import DYNAMO, POST_GRAD, GraphPass, Pass, PassRecord, PostGradPass, content_hash
-from .pipeline import check_disabled
+from .pipeline import passes_off
 
 log = logging.getLogger("graphkiln.passes")
 
@@ -39,13 +39,17 @@ def _ops(target: torch.fx.GraphModule | torch.fx.Graph) -> Counter:
 
 
 class PassManager(CustomGraphPass):
-    """Ordered passes; `disabled` names are registered but never run. Unknown names are a ConfigError."""
+    """Ordered passes; `disabled` names, and passes off by default unless `enabled` names them, are registered
+    but never run. Unknown names are a ConfigError."""
 
-    def __init__(self, passes: Sequence[Pass], disabled: Iterable[str] = (), dump: GraphDump | None = None) -> None:
+    def __init__(
+        self, passes: Sequence[Pass], disabled: Iterable[str] = (), dump: GraphDump | None = None,
+        enabled: Iterable[str] = (),
+    ) -> None:
         self.passes: list[Pass] = []
         for p in passes:
             self.register(p)
-        self.disabled = check_disabled(self.passes, disabled)
+        self.disabled = passes_off(self.passes, disabled, enabled)
         self.dump = dump
         self.records = {p.name: PassRecord(p.name, p.stage, p.uuid(), p.name not in self.disabled) for p in self.passes}
 

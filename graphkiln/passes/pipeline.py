@@ -1,4 +1,5 @@
-"""The built-in passes in pipeline order, and the check of `CompileConfig.disabled_passes` against them.
+"""The built-in passes in pipeline order, and the checks of `CompileConfig.disabled_passes` and
+`enabled_passes` against them.
 
 Apart from the pass manager (manager.py), which is Inductor's `CustomGraphPass` and so imports Inductor:
 loading an artifact checks its passes' uuids against these without importing Inductor.
@@ -13,21 +14,27 @@ from graphkiln.errors import ConfigError
 from .attention_split import AttentionSplit
 from .base import Pass
 from .boundary_recompute import BoundaryRecompute
+from .fp8_activation_quant import Fp8ActivationQuant
 from .linear_op import LinearOp
 from .silu_mul_linear import SiluMulLinear
 
 
 def default_passes(extra: Sequence[Pass] = ()) -> list[Pass]:
     """Built-in passes in pipeline order; `extra` Dynamo-graph passes run just before the split."""
-    return [BoundaryRecompute(), SiluMulLinear(), *extra, AttentionSplit(), LinearOp()]
+    return [BoundaryRecompute(), SiluMulLinear(), *extra, AttentionSplit(), LinearOp(), Fp8ActivationQuant()]
 
 
-def check_disabled(passes: Sequence[Pass], disabled: Iterable[str]) -> frozenset[str]:
-    """`disabled` as a set, or a ConfigError naming the unknown names and the known passes."""
+def check_disabled(passes: Sequence[Pass], disabled: Iterable[str], field: str = "disabled_passes") -> frozenset[str]:
+    """`disabled` (or the names in CompileConfig's `field`) as a set, or a ConfigError naming the unknown
+    names and the known passes."""
     known = [p.name for p in passes]
     unknown = sorted(set(disabled) - set(known))
     if unknown:
-        raise ConfigError(
-            f"CompileConfig.disabled_passes: unknown pass {', '.join(unknown)}; known: {', '.join(known)}"
-        )
+        raise ConfigError(f"CompileConfig.{field}: unknown pass {', '.join(unknown)}; known: {', '.join(known)}")
     return frozenset(disabled)
+
+
+def passes_off(passes: Sequence[Pass], disabled: Iterable[str], enabled: Iterable[str] = ()) -> frozenset[str]:
+    """The passes that do not run: those `disabled` names, and those off by default that `enabled` does not name."""
+    on = check_disabled(passes, enabled, "enabled_passes")
+    return check_disabled(passes, disabled) | {p.name for p in passes if not p.default_enabled and p.name not in on}

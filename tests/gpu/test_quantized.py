@@ -202,3 +202,68 @@ def test_llama_1b_shaped_quality_against_bf16_over_64_prompts(scheme, tmp_path):
     result = {"mean_relative_error": sum(errors) / len(errors), "max_relative_error": max(errors), "top1": agree / total}
     record(f"quantized_{scheme}_1b_2layer_vs_bf16_64_prompts", result)
     assert result["max_relative_error"] < (0.1 if scheme == "fp8" else 0.25), result
+
+
+@pytest.mark.parametrize("rows", [17, 128, 4096])
+def test_fp8_scaled_mm_on_per_token_quantized_rows_matches_fp8_linear(rows):
+    """graphkiln::fp8_scaled_mm (torch._scaled_mm) on activations quantized by the ATen ops that
+    fp8_activation_quant writes, against fp8_linear (which quantizes them in its own kernel) and float32."""
+    from graphkiln.models.fp8_scaled_mm import fp8_scaled_mm, quantize_per_token
+
+    n, k = 6144, 4096
+    x = _inputs(rows, k, rows)
+    weight, scale = quantize_fp8(torch.randn(n, k, device="cuda") * k**-0.5)
+    y = fp8_scaled_mm(*quantize_per_token(x), weight, scale, torch.bfloat16)
+    _close(y, _fp8_reference(x, weight, scale[:, None]), rows)
+    picked = fp8_linear(x, weight, scale, None)
+    assert ((y.float() - picked.float()).norm() / picked.float().norm()).item() < 1e-2
+
+
+def _fp8_tiny(enabled: tuple[str, ...], tokens: int, cuda_graphs: bool) -> tuple[LLM, dict, int]:
+    """The tiny model in fp8 on CUDA, compiled in this process with one compile specialized to `tokens`:
+    (engine, each enabled pass's matches, the kernels Inductor generated)."""
+    from graphkiln.compat import inductor_output_code
+    from graphkiln.compiler.compile import compile_module
+    from graphkiln.models import load_model
+    from graphkiln.models.tiny import tiny_model_dir
+    from graphkiln.passes.dump import kernel_counts
+    from graphkiln.runtime.builder import build_engine
+
+    net = load_model(tiny_model_dir(), "cuda", "bfloat16", quantization="fp8")
+    config = CompileConfig(device="cuda", dtype="bfloat16", quantization="fp8", specialize_sizes=(tokens,),
+                           enabled_passes=enabled)
+    # a cache miss: the post-grad pass runs (and counts), and every piece's output code is seen
+    with torch._inductor.config.patch(fx_graph_cache=False), inductor_output_code() as codes:
+        compiled, report = compile_module(net, config)
+    engine = graphkiln.EngineConfig(kv_cache_tokens=8192, decode_batch_sizes=(1,), prefill_token_buckets=(tokens,),
+                                    cuda_graphs=cuda_graphs, attention_backend="triton", capture="blocking")
+    matches = {r.name: r.matches for r in report.passes if r.enabled}
+    return LLM(build_engine(net, compiled, engine), None), matches, sum(kernel_counts(c)["kernels"] for c in codes)
+
+
+def test_fp8_activation_quant_prefill_on_cuda_stays_within_fp8_rounding_inside_cuda_graphs():
+    """The pass on the fp8 tiny model: the specialized prefill compile is rewritten (Inductor's own Triton
+    kernels quantize to fp8, no kernel added), its logits are as close to the bf16 model's as fp8_linear's
+    are, and its prefill CUDA graph generates the tokens the engine without graphs does."""
+    tokens = 64
+    ids = list(range(100, 100 + tokens))
+    reference = LLM.eager("tiny", device="cuda", dtype="bfloat16", kv_cache_tokens=8192,
+                          attention_backend="triton").score(ids)
+    off, off_matches, off_kernels = _fp8_tiny((), tokens, cuda_graphs=False)
+    on, on_matches, on_kernels = _fp8_tiny(("fp8_activation_quant",), tokens, cuda_graphs=False)
+    graphed, _, _ = _fp8_tiny(("fp8_activation_quant",), tokens, cuda_graphs=True)
+    assert "fp8_activation_quant" not in off_matches and on_matches["fp8_activation_quant"] == 6
+    record("fp8_activation_quant_tiny_inductor_kernels", {"pass_off": off_kernels, "pass_on": on_kernels})
+    assert on_kernels == off_kernels  # the quantization joined the norm and SiLU-mul kernels: none added
+
+    def error(logits):
+        return ((logits - reference).norm() / reference.norm()).item()
+
+    want, got = off.score(ids), on.score(ids)
+    record("fp8_activation_quant_tiny_vs_bf16", {"pass_off": error(want), "pass_on": error(got),
+                                                 "on_vs_off": ((got - want).norm() / want.norm()).item()})
+    assert error(got) < 1.5 * error(want) + 0.01, (error(got), error(want))
+    assert (got.argmax(-1) == reference.argmax(-1)).float().mean().item() >= 0.85
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    assert graphed.generate([ids], params)[0].token_ids == on.generate([ids], params)[0].token_ids
+    assert tokens in graphed.stats().graphs["prefill"].replayed_sizes

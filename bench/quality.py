@@ -1,0 +1,156 @@
+"""What quantized weights cost in quality: each format's logits against the unquantized model's, and the
+trained `tiny` model's held-out perplexity per format (`python -m bench quantized --quality`).
+
+    python -m bench quantized --quality --model 1b|8b --out $OUT [--layers N]
+
+The bench's random-weight model (bench/models.py) is compiled in this process once unquantized and
+once per format (fp8, int4), all three loaded at once. Each of PROMPTS random prompts of
+PROMPT_TOKENS tokens is scored (`LLM.score`) by every engine; per format: the relative L2 error
+of its logits against the unquantized ones (median and worst prompt) and top-1 agreement (the
+fraction of positions whose argmax matches). Then the `tiny` model, compiled the same way, gives
+its held-out perplexity per format (the documents tools/train_tiny.py held out). On the CPU
+(--smoke) the logits come from `tiny` too, over a few short prompts, in float32, and the perplexity
+from the first few held-out windows.
+Written to <out>/quality-<model>.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+from .common import REPO, Study, log, random_prompts
+from .models import save_model
+from .report import markdown_table, text_table
+
+FORMATS = ("fp8", "int4")
+PROMPTS, PROMPT_TOKENS = 64, 256
+SMOKE_PROMPTS, SMOKE_TOKENS, SMOKE_WINDOWS = 4, 64, 6
+HELD_OUT_SEQ_LEN = 256
+
+
+def held_out_windows(seq_len: int = HELD_OUT_SEQ_LEN) -> list[list[int]]:
+    """The tiny model's held-out documents as <s> ids </s>, cut into windows of seq_len + 1 tokens
+    overlapping by one, as tools/train_tiny.py measures its perplexity on them."""
+    from tokenizers import Tokenizer
+
+    from graphkiln.models.tiny import tiny_model_dir
+
+    tools = str(REPO / "tools")
+    sys.path.insert(0, tools)
+    try:
+        import train_tiny
+    finally:
+        sys.path.remove(tools)
+    splits, _ = train_tiny.build_corpus(None)
+    docs = train_tiny.encode(Tokenizer.from_file(str(tiny_model_dir() / "tokenizer.json")), splits["held_out"])
+    windows = [d[i : i + seq_len + 1] for d in docs for i in range(0, max(1, len(d) - 1), seq_len)]
+    return [w for w in windows if len(w) > 1]
+
+
+def perplexity(llm, windows: list[list[int]]) -> float:
+    """exp of the mean next-token negative log-likelihood over every window."""
+    import torch
+    import torch.nn.functional as F
+
+    nll, count = 0.0, 0
+    for w in windows:
+        logits = llm.score(w)
+        nll += F.cross_entropy(logits[:-1], torch.tensor(w[1:]), reduction="sum").item()
+        count += len(w) - 1
+    return math.exp(nll / count)
+
+
+def compiled_engine(model_dir: Path, study: Study, quantization: str | None):
+    """The model compiled in this process (no artifact written), quantized as asked, with a small engine."""
+    import graphkiln
+    from graphkiln.compiler.compile import compile_module
+    from graphkiln.models import load_model
+    from graphkiln.runtime.builder import build_engine
+
+    net = load_model(model_dir, study.device, study.dtype_name, quantization=quantization)
+    config = graphkiln.CompileConfig(device=study.device, dtype=study.dtype_name, quantization=quantization)
+    compiled, _ = compile_module(net, config)
+    engine = graphkiln.EngineConfig(cuda_graphs=False, kv_cache_tokens=4096, decode_batch_sizes=(1,))
+    llm = graphkiln.LLM(build_engine(net, compiled, engine), None)
+    llm.wait_ready()  # the warm-up runs before any scoring
+    return llm
+
+
+def engines(model_dir: Path, study: Study) -> dict:
+    """'unquantized' and every format, compiled and loaded."""
+    out = {}
+    for fmt in (None, *FORMATS):
+        out[fmt or "unquantized"] = compiled_engine(model_dir, study, fmt)
+        log(f"{model_dir.name}: {fmt or 'unquantized'} compiled and loaded")
+    return out
+
+
+def logit_quality(llms: dict, prompts: list[list[int]]) -> dict:
+    """Per format: relative L2 error of its logits against the unquantized ones (median, worst prompt) and
+    the fraction of positions whose argmax agrees."""
+    errors: dict[str, list[float]] = {fmt: [] for fmt in FORMATS}
+    agree = dict.fromkeys(FORMATS, 0)
+    for ids in prompts:
+        ref = llms["unquantized"].score(ids)
+        for fmt in FORMATS:
+            ours = llms[fmt].score(ids)
+            errors[fmt].append(((ours - ref).norm() / ref.norm()).item())
+            agree[fmt] += int((ours.argmax(-1) == ref.argmax(-1)).sum())
+    positions = sum(map(len, prompts))
+    return {fmt: {"median_relative_l2": statistics.median(errors[fmt]), "worst_relative_l2": max(errors[fmt]),
+                  "top1_agreement": agree[fmt] / positions} for fmt in FORMATS}
+
+
+def close_all(llms: dict) -> None:
+    for llm in llms.values():
+        llm.close()
+    llms.clear()
+
+
+def to_markdown(results: dict) -> str:
+    meta = results["meta"]
+    lines = [f"# Quantized weights: quality against the unquantized model ({meta['device_name']}, {meta['date']})",
+             "", f"commit `{meta['git_commit']}`; torch {meta['torch']}; {results['prompts']} random prompts of "
+             f"{results['prompt_tokens']} tokens on the {results['model']} model ({results['dtype']}); held-out "
+             f"perplexity of the trained tiny model over {results['held_out_tokens']} tokens.", ""]
+    base = results["perplexity"]["unquantized"]
+    body = [["unquantized", "—", "—", "—", f"{base:.3f}"]]
+    for fmt in FORMATS:
+        q, ppl = results["logits"][fmt], results["perplexity"][fmt]
+        body.append([fmt, f"{q['median_relative_l2']:.4f}", f"{q['worst_relative_l2']:.4f}",
+                     f"{q['top1_agreement']:.3f}", f"{ppl:.3f} ({ppl / base - 1:+.2%})"])
+    header = ["format", "logits rel. L2 error (median)", "(worst prompt)", "top-1 agreement", "tiny perplexity"]
+    return "\n".join(lines + markdown_table(header, body)) + "\n"
+
+
+def main(a: argparse.Namespace) -> int:
+    from graphkiln.models.tiny import tiny_model_dir
+
+    study = Study.of("quality", a)
+    count, length = (SMOKE_PROMPTS, SMOKE_TOKENS) if study.smoke else (PROMPTS, PROMPT_TOKENS)
+    windows = held_out_windows()[:SMOKE_WINDOWS] if study.smoke else held_out_windows()
+    results: dict = {"model": "tiny" if study.smoke else study.model, "dtype": study.dtype_name, "prompts": count,
+                     "prompt_tokens": length, "held_out_tokens": sum(len(w) - 1 for w in windows)}
+    with study.scratch() as work:
+        model_dir = tiny_model_dir() if study.smoke else save_model(study.model, work / study.model, study.device,
+                                                                     study.dtype, study.layers)
+        llms = engines(model_dir, study)
+        vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+        prompts = random_prompts(count, length, vocab, seed=0)
+        results["logits"] = logit_quality(llms, prompts)
+        if not study.smoke:
+            close_all(llms)
+            llms = engines(tiny_model_dir(), study)
+        results["perplexity"] = {name: perplexity(llm, windows) for name, llm in llms.items()}
+        close_all(llms)
+    rows = [{"format": fmt, **results["logits"][fmt], "perplexity": results["perplexity"][fmt]} for fmt in FORMATS]
+    print(text_table(rows, ["format", "median_relative_l2", "worst_relative_l2", "top1_agreement", "perplexity"]))
+    path = study.save(results, study.model)
+    path.with_suffix(".md").write_text(to_markdown(json.loads(path.read_text())))
+    log(f"wrote {path} and {path.with_suffix('.md').name}")
+    return 0

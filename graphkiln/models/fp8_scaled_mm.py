@@ -1,0 +1,41 @@
+"""`graphkiln::fp8_scaled_mm(xq, x_scale, weight, weight_scale, out_dtype)`: the product of activations
+already quantized to fp8 per token and an fp8 weight with per-output-channel scales.
+
+The pass `passes/fp8_activation_quant.py` writes the per-token quantization as ATen ops in
+Inductor's graph (so it joins the kernel that computes x) and calls this op on the result, in
+place of graphkiln::fp8_linear, which quantizes x itself. On CUDA the product is torch._scaled_mm;
+elsewhere (torch._scaled_mm is CUDA-only) a float32 reference on the dequantized operands.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .quantized_linear import FP8, FP8_MAX, MIN_SCALE, dequantize_fp8
+
+
+@torch.library.custom_op("graphkiln::fp8_scaled_mm", mutates_args=())
+def fp8_scaled_mm(
+    xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """xq [M, K] float8_e4m3fn times x_scale [M, 1] float32, @ (weight [N, K] float8_e4m3fn times
+    weight_scale [N] float32)^T -> [M, N] in out_dtype."""
+    if xq.is_cuda:  # triton is optional: the kernel module is imported only where it runs
+        from graphkiln.kernels.fp8_linear import scaled_mm
+
+        scale_b = weight_scale.reshape(1, -1)
+        return scaled_mm(xq.contiguous(), weight.t(), x_scale.contiguous(), scale_b, out_dtype)
+    return torch.mm(xq.float() * x_scale, dequantize_fp8(weight, weight_scale).t()).to(out_dtype)
+
+
+@fp8_scaled_mm.register_fake
+def _(xq, x_scale, weight, weight_scale, out_dtype) -> torch.Tensor:
+    return xq.new_empty(xq.shape[0], weight.shape[0], dtype=out_dtype)
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (float8_e4m3fn [M, K], float32 scales [M, 1]): each row's largest magnitude maps to 448,
+    as fp8_linear's kernel quantizes activations. The pass writes these ops into Inductor's graph."""
+    xf = x.float()
+    scale = (xf.abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
+    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
