@@ -11,8 +11,10 @@ counts, with sweeps of the few-row kernels' tiles. A few minutes on the 8b shape
   int4        int4_linear (groups of 128, what it picks), and the GEMV, the tiled kernel, dequantize + mm;
               for reference torch's tinygemm (aten._weight_int4pack_mm, torchao's int4 layout on CUDA)
               on the same weights repacked into its layout
-  --sweep     at 1 row every GEMV tiling of SWEEP_GEMV; at 8 to 64 rows every tiling of SWEEP_ROWS (one
-              format a command keeps it under 10 minutes; written to quantized-sweep-<formats>.json)
+  --sweep     at 1 row every GEMV tiling of SWEEP_GEMV; at 2 to 64 rows every tiling of SWEEP_ROWS, each
+              with every split of K in SPLITS; the five fastest, the rule's own tiles (`*_tiling`) and
+              its time are kept per shape and row count (quantized-sweep-<formats>.json), and the
+              best per shape printed at the end, one line each
 
 The floor of a format is its weight bytes (with scales and zero points) and the activation and output
 bytes, over the copy rate measured in the same run. Each product is timed inside a CUDA graph that
@@ -23,7 +25,6 @@ cycles over enough weight copies (600 MiB) that every call reads its weight from
 from __future__ import annotations
 
 import argparse
-import itertools
 
 from .common import Study, add_study_arguments, log
 from .measure import copy_rate
@@ -33,11 +34,13 @@ from .report import text_table
 
 FORMATS = ("fp8", "fp8-block", "int4")
 GROUP = 128
+SPLITS = (1, 2, 4, 8)  # K splits tried with every tiling (split K is a run-time argument: no extra compiles)
 SWEEP_GEMV = {  # format -> (BLOCK_N, BLOCK_K, warps, stages) tried at 1 row
-    "fp8": list(itertools.product((4, 8, 16, 32), (256, 512, 1024, 2048), (4, 8), (2, 4))),
-    "int4": list(itertools.product((4, 8, 16, 32), (512, 1024, 2048, 4096), (4, 8), (2, 4))),
+    "fp8": [(n, k, 4, 3) for n in (8, 16, 32) for k in (512, 1024, 2048)],
+    "int4": [(n, k, 4, 3) for n in (8, 16, 32) for k in (1024, 2048, 4096)],
 }
-SWEEP_ROWS = list(itertools.product((16, 32, 64, 128), (64, 128), (4, 8), (3, 5)))  # (BLOCK_N, BLOCK_K, warps, stages)
+# (BLOCK_N, BLOCK_K, warps, stages) tried at 2 to 64 rows; BLOCK_M: the rows up to a power of two, 16 at least
+SWEEP_ROWS = [(n, k, 4, stages) for n in (32, 64, 128) for k, stages in ((128, 4), (64, 6))]
 
 
 def weight_bytes(fmt: str, n: int, k: int) -> int:
@@ -144,34 +147,69 @@ def blockwise_scaled_mm(x, weight, scale):
     return scaled_mm(q, weight.t(), scale_a, scale.t(), x.dtype)
 
 
-def sweep(fmt: str, x, rows: int, weights: list, calls: int) -> list:
-    """The five fastest tilings of the few-row kernel at this row count: [(us, tiles), ...]."""
-    from triton.runtime.errors import OutOfResources
+def sweep_tilings(fmt: str, rows: int) -> list[tuple]:
+    """Every tiling the sweep tries for this format at this row count, in the form its kernel's `tiles` takes."""
+    if rows == 1:
+        return [(n, k, split, warps, stages) for n, k, warps, stages in SWEEP_GEMV[fmt] for split in SPLITS]
+    block_m = max(16, min(64, 1 << (rows - 1).bit_length()))
+    return [(block_m, n, k, split, warps, stages) for n, k, warps, stages in SWEEP_ROWS for split in SPLITS]
 
+
+def tiled(fmt: str, x, rows: int, tiles: tuple | None):
+    """The few-row kernel of this format at this row count with `tiles` (None: its rule's), as fn(weight args)."""
     if fmt == "int4":
         from graphkiln.kernels import int4_linear as i4
 
-        if rows == 1:
-            tried = {t: (lambda q, s, z, t=t: i4.int4_gemv(x, q, s, z, GROUP, tiles=t)) for t in SWEEP_GEMV["int4"]}
-        else:
-            block_m = max(16, min(64, 1 << (rows - 1).bit_length()))
-            tried = {(block_m, *t): (lambda q, s, z, t=(block_m, *t): i4.int4_mm(x, q, s, z, GROUP, tiles=t))
-                     for t in SWEEP_ROWS}
-    else:
-        from graphkiln.kernels import fp8_linear as f
+        kernel = i4.int4_gemv if rows == 1 else i4.int4_mm
+        return lambda q, s, z: kernel(x, q, s, z, GROUP, tiles=tiles)
+    from graphkiln.kernels import fp8_linear as f
 
-        if rows == 1:
-            tried = {t: (lambda w, s, t=t: f.fp8_gemv(x, w, s, tiles=t)) for t in SWEEP_GEMV["fp8"]}
-        else:
-            block_m = max(16, min(64, 1 << (rows - 1).bit_length()))
-            tried = {(block_m, *t): (lambda w, s, t=(block_m, *t): f.fp8_rows(x, w, s, tiles=t)) for t in SWEEP_ROWS}
+    kernel = f.fp8_gemv if rows == 1 else f.fp8_rows
+    return lambda w, s: kernel(x, w, s, tiles=tiles)
+
+
+def rule_tiles(fmt: str, rows: int, n: int, k: int, device) -> tuple:
+    """The tiles the kernels' rule picks for this shape."""
+    from graphkiln.kernels import fp8_linear as f
+    from graphkiln.kernels import int4_linear as i4
+    from graphkiln.kernels.split_k import multiprocessors
+
+    sms = multiprocessors(device)
+    if fmt == "int4":
+        return i4.gemv_tiling(n, k, sms) if rows == 1 else i4.mm_tiling(rows, n, k, GROUP, sms)
+    return f.gemv_tiling(n, k, sms) if rows == 1 else f.rows_tiling(rows, n, k, sms)
+
+
+def sweep(fmt: str, x, rows: int, weights: list, calls: int) -> dict:
+    """The rule's tiles and time and the five fastest tilings of the few-row kernel at this row count:
+    {"rule": [us, tiles], "top5": [[us, tiles], ...]}."""
+    from triton.runtime.errors import OutOfResources
+
+    n, k = weights[0][0].shape[0], x.shape[1]
+    rule = rule_tiles(fmt, rows, n, k, x.device)
     timed = []
-    for tiles, fn in tried.items():
+    for tiles in dict.fromkeys([rule, *sweep_tilings(fmt, rows)]):
+        fn = tiled(fmt, x, rows, tiles)
         try:
             timed.append((per_call_us(lambda w, fn=fn: fn(*w), weights, calls, "cuda"), tiles))
         except OutOfResources:
             continue
-    return sorted(timed)[:5]
+    rule_us = next((us for us, tiles in timed if tiles == rule), None)
+    return {"rule": [rule_us, rule], "top5": sorted(timed)[:5]}
+
+
+def sweep_summary(shapes: list[dict]) -> str:
+    """One line per swept shape and row count: the floor, the rule's time and tiles, the best time and tiles."""
+    lines = []
+    for r in shapes:
+        if "sweep" not in r:
+            continue
+        rule_us, rule = r["sweep"]["rule"]
+        best_us, best = r["sweep"]["top5"][0]
+        rule_text = f"{rule_us:6.1f} us ({r['floor_us'] / rule_us:4.0%})" if rule_us else "   did not fit"
+        lines.append(f"{r['format']:9} {r['name']:8} m={r['m']:<3} floor {r['floor_us']:6.1f} | rule {rule_text} "
+                     f"{tuple(rule)} | best {best_us:6.1f} us ({r['floor_us'] / best_us:4.0%}) {tuple(best)}")
+    return "\n".join(lines)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -215,7 +253,7 @@ def main(a: argparse.Namespace) -> int:
                         row[f"{variant}_us"] = per_call_us(lambda w, fn=fn: fn(*w), weights, calls, device)
                         row[f"{variant}_of_floor"] = floor_us / row[f"{variant}_us"]
                     if a.sweep and study.cuda and fmt != "bf16" and m <= 64:
-                        row["sweep_top5"] = sweep(fmt.removesuffix("-block"), x, m, weights, calls)
+                        row["sweep"] = sweep(fmt.removesuffix("-block"), x, m, weights, calls)
                     results["shapes"].append(row)
                     log(f"{model:5} {name:8} {fmt:9} m={m:<5} floor {floor_us:8.1f} us | " + " | ".join(
                         f"{v.removesuffix('_us')} {row[v]:8.1f} us ({row[v.replace('_us', '_of_floor')]:.0%})"
@@ -226,5 +264,7 @@ def main(a: argparse.Namespace) -> int:
     columns = ["model", "name", "format", "m", "floor_us"] + sorted(
         {k for r in results["shapes"] for k in r if k.endswith("_us")} - {"floor_us"})
     print(text_table(results["shapes"], columns))
+    if a.sweep:
+        print(sweep_summary(results["shapes"]))
     log(f"wrote {study.save(results, ('sweep-' + '-'.join(a.formats)) if a.sweep else '')}")
     return 0

@@ -59,12 +59,13 @@ def multiprocessors(device: torch.device) -> int:
 def split_count(programs: int, k: int, block_k: int, partial_bytes: int, weight_bytes: int, sms: int) -> int:
     """The fewest K splits (a power of two) that bring `programs` (slabs x row tiles) to RESIDENT per
     multiprocessor, with each split at least MIN_SPLIT_K inputs (and one K step) and all the partials
-    (`partial_bytes` a split) within 1/PARTIAL_SHARE of the weight bytes."""
+    (`partial_bytes` a split) within 1/PARTIAL_SHARE of the weight bytes; fewer where the K steps do not
+    share evenly among them (`k_steps`)."""
     most = max(1, min(k // max(MIN_SPLIT_K, block_k), weight_bytes // (PARTIAL_SHARE * partial_bytes)))
     splits = 1
     while programs * splits < RESIDENT * sms and 2 * splits <= most:
         splits *= 2
-    return splits
+    return k_steps(k, splits, block_k)[0]
 
 
 def k_steps(k: int, splits: int, block_k: int) -> tuple[int, int]:
