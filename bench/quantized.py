@@ -11,10 +11,10 @@ counts, with sweeps of the few-row kernels' tiles. A few minutes on the 8b shape
   int4        int4_linear (groups of 128, what it picks), and the GEMV, the tiled kernel, dequantize + mm;
               for reference torch's tinygemm (aten._weight_int4pack_mm, torchao's int4 layout on CUDA)
               on the same weights repacked into its layout
-  --sweep     at 1 row every GEMV tiling of SWEEP_GEMV; at 2 to 64 rows every tiling of SWEEP_ROWS, each
-              with every split of K in SPLITS; the five fastest, the rule's own tiles (`*_tiling`) and
-              its time are kept per shape and row count (quantized-sweep-<formats>.json), and the
-              best per shape printed at the end, one line each
+  --sweep     at 1 row every GEMV tiling of SWEEP_GEMV; at 2 to 64 rows every tiling of SWEEP_ROWS (with
+              and without swapping the dot's operands), each with every split of K in SPLITS; the five
+              fastest, the rule's own tiles (`*_tiling`) and its time are kept per shape and row count
+              (quantized-sweep-<formats>.json), and the best per shape printed at the end, one line each
 
 The floor of a format is its weight bytes (with scales and zero points) and the activation and output
 bytes, over the copy rate measured in the same run. Each product is timed inside a CUDA graph that
@@ -39,8 +39,10 @@ SWEEP_GEMV = {  # format -> (BLOCK_N, BLOCK_K, warps, stages) tried at 1 row
     "fp8": [(n, k, 4, 3) for n in (8, 16, 32) for k in (512, 1024, 2048)],
     "int4": [(n, k, 4, 3) for n in (8, 16, 32) for k in (1024, 2048, 4096)],
 }
-# (BLOCK_N, BLOCK_K, warps, stages) tried at 2 to 64 rows; BLOCK_M: the rows up to a power of two, 16 at least
-SWEEP_ROWS = [(n, k, 4, stages) for n in (32, 64, 128) for k, stages in ((128, 4), (64, 6))]
+# (BLOCK_N, BLOCK_K, swap_ab, warps, stages) tried at 2 to 64 rows; BLOCK_M: the rows up to a power of two, 16 at
+# least; swapped, the weight rows are the tall side of the tensor-core tile, so slabs of 64 and more
+SWEEP_ROWS = [(n, k, swap, 4, stages) for swap, slabs in ((False, (32, 64, 128)), (True, (64, 128))) for n in slabs
+              for k, stages in ((128, 4), (64, 6))]
 
 
 def weight_bytes(fmt: str, n: int, k: int) -> int:
@@ -152,7 +154,7 @@ def sweep_tilings(fmt: str, rows: int) -> list[tuple]:
     if rows == 1:
         return [(n, k, split, warps, stages) for n, k, warps, stages in SWEEP_GEMV[fmt] for split in SPLITS]
     block_m = max(16, min(64, 1 << (rows - 1).bit_length()))
-    return [(block_m, n, k, split, warps, stages) for n, k, warps, stages in SWEEP_ROWS for split in SPLITS]
+    return [(block_m, n, k, swap, split, warps, stages) for n, k, swap, warps, stages in SWEEP_ROWS for split in SPLITS]
 
 
 def tiled(fmt: str, x, rows: int, tiles: tuple | None):
@@ -181,21 +183,22 @@ def rule_tiles(fmt: str, rows: int, n: int, k: int, device) -> tuple:
 
 
 def sweep(fmt: str, x, rows: int, weights: list, calls: int) -> dict:
-    """The rule's tiles and time and the five fastest tilings of the few-row kernel at this row count:
-    {"rule": [us, tiles], "top5": [[us, tiles], ...]}."""
+    """The rule's tiles and time, the five fastest tilings of the few-row kernel at this row count, and those
+    that did not compile or fit: {"rule": [us, tiles], "top5": [[us, tiles], ...], "failed": [[tiles, why]]}."""
+    from triton.compiler.errors import CompilationError
     from triton.runtime.errors import OutOfResources
 
     n, k = weights[0][0].shape[0], x.shape[1]
     rule = rule_tiles(fmt, rows, n, k, x.device)
-    timed = []
+    timed, failed = [], []
     for tiles in dict.fromkeys([rule, *sweep_tilings(fmt, rows)]):
         fn = tiled(fmt, x, rows, tiles)
         try:
             timed.append((per_call_us(lambda w, fn=fn: fn(*w), weights, calls, "cuda"), tiles))
-        except OutOfResources:
-            continue
+        except (OutOfResources, CompilationError) as e:
+            failed.append((tiles, type(e).__name__))
     rule_us = next((us for us, tiles in timed if tiles == rule), None)
-    return {"rule": [rule_us, rule], "top5": sorted(timed)[:5]}
+    return {"rule": [rule_us, rule], "top5": sorted(timed)[:5], "failed": failed}
 
 
 def sweep_summary(shapes: list[dict]) -> str:

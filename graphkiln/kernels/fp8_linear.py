@@ -90,9 +90,41 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, STEPS, stride_wn, strid
 
 
 @triton.jit
+def _zero_tile(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
+    """The float32 accumulator of a BLOCK_M x BLOCK_N output tile, transposed with SWAP_AB."""
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def _dot_tile(acc, x, w, SWAP_AB: tl.constexpr):
+    """acc + x [BLOCK_M, BLOCK_K] @ w [BLOCK_N, BLOCK_K]^T; with SWAP_AB the transposed product acc + w @ x^T,
+    where the weight rows fill the tall side of the tensor-core tile and the few activation rows its narrow
+    one (and the converted weight stays in registers as the left operand)."""
+    if SWAP_AB:
+        out = tl.dot(w, tl.trans(x), acc)
+    else:
+        out = tl.dot(x, tl.trans(w), acc)
+    return out
+
+
+@triton.jit
+def _output_tile(acc, SWAP_AB: tl.constexpr):
+    """The accumulator as [BLOCK_M, BLOCK_N]."""
+    if SWAP_AB:
+        out = tl.trans(acc)
+    else:
+        out = acc
+    return out
+
+
+@triton.jit
 def _fp8_rows_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, STEPS, stride_xm, stride_wn, stride_sn, stride_os,
                      stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     BLOCK_SCALES: tl.constexpr, PDL: tl.constexpr):
+                     SWAP_AB: tl.constexpr, BLOCK_SCALES: tl.constexpr, PDL: tl.constexpr):
     """out[split, M, N] tile by tile over a split of K (STEPS steps of BLOCK_K): each fp8 weight tile converted
     to x's dtype (times its block's scale) in registers and multiplied on tensor cores; BLOCK_K divides 128,
     so a step sits in one scale block."""
@@ -109,7 +141,7 @@ def _fp8_rows_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, STEPS, stride_xm, st
     col_mask = cols < N
     x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :]
     w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = _zero_tile(BLOCK_M, BLOCK_N, SWAP_AB)
     if PDL:  # x is the previous kernel's output
         gdc_wait()
     for step in range(STEPS):
@@ -120,7 +152,8 @@ def _fp8_rows_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, STEPS, stride_xm, st
         w = w.to(tl.float32)  # exact; fp8 goes to half precision through float32 on every target
         if BLOCK_SCALES:
             w = w * tl.load(s_ptr + (cols // 128) * stride_sn + k // 128, mask=col_mask, other=0.0)[:, None]
-        acc = tl.dot(x, tl.trans(w.to(x_ptr.dtype.element_ty)), acc)
+        acc = _dot_tile(acc, x, w.to(x_ptr.dtype.element_ty), SWAP_AB)
+    acc = _output_tile(acc, SWAP_AB)
     if not BLOCK_SCALES:
         acc = acc * tl.load(s_ptr + cols, mask=col_mask, other=0.0)[None, :]
     out_ptrs = out_ptr + split * stride_os + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
@@ -172,17 +205,17 @@ def gemv_tiling(n: int, k: int, sms: int = 132) -> tuple[int, int, int, int, int
     return block_n, block_k, splits, warps, stages
 
 
-def rows_tiling(m: int, n: int, k: int, sms: int = 132) -> tuple[int, int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, splits, warps, stages) of the tensor-core kernel; BLOCK_K divides 128. Up
-    to 64 rows one row tile covers them; 64-wide slabs (x is read again for every slab), with K split so
-    that every multiprocessor streams."""
+def rows_tiling(m: int, n: int, k: int, sms: int = 132) -> tuple[int, int, int, bool, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, swap_ab, splits, warps, stages) of the tensor-core kernel; BLOCK_K divides
+    128. Up to 64 rows one row tile covers them; 64-wide slabs (x is read again for every slab), with K split
+    so that every multiprocessor streams."""
     if m <= 64:
         block_m, block_n, block_k, warps, stages = max(16, triton.next_power_of_2(m)), 64, 128, 4, 4
     else:
         block_m, block_n, block_k, warps, stages = 64, 128, 64, 4, 4
     programs = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     splits = split_count(programs, k, block_k, 4 * m * n, n * k, sms)
-    return block_m, block_n, block_k, splits, warps, stages
+    return block_m, block_n, block_k, False, splits, warps, stages
 
 
 def _block_scales(weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
@@ -229,18 +262,20 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
 
 
 def fp8_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-             tiles: tuple[int, int, int, int, int, int] | None = None) -> torch.Tensor:
+             tiles: tuple[int, int, int, bool, int, int, int] | None = None) -> torch.Tensor:
     """x [M, K] @ dequantized weight^T with the tensor-core kernel; `tiles` defaults to `rows_tiling`."""
     m, k = x.shape
     n = weight.shape[0]
-    block_m, block_n, block_k, splits, warps, stages = tiles or rows_tiling(m, n, k, multiprocessors(x.device))
+    block_m, block_n, block_k, swap_ab, splits, warps, stages = tiles or rows_tiling(m, n, k,
+                                                                                     multiprocessors(x.device))
     splits, steps = k_steps(k, splits, block_k)
     out = output(m, n, splits, x.dtype, x.device)
     launch_pdl = pdl_on(x.device)
     _fp8_rows_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m), splits)](
         x, weight, weight_scale, out, m, n, k, steps, x.stride(0), weight.stride(0), weight_scale.stride(0),
-        m * n, n, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_SCALES=weight_scale.dim() == 2,
-        PDL=launch_pdl, num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,
+        m * n, n, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SWAP_AB=swap_ab,
+        BLOCK_SCALES=weight_scale.dim() == 2, PDL=launch_pdl, num_warps=warps, num_stages=stages,
+        launch_pdl=launch_pdl,
     )
     return finish(out, x.dtype)
 

@@ -23,6 +23,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from graphkiln.errors import ConfigError
 
+from .fp8_linear import _dot_tile, _output_tile, _zero_tile
 from .fp8_linear import gemv_tiling as fp8_gemv_tiling
 from .pdl import pdl_on
 from .split_k import finish, k_steps, multiprocessors, output, split_count
@@ -95,7 +96,7 @@ def _dequantize_tile(q_ptr, s_ptr, z_ptr, cols, col_mask, k, js, K, G, stride_qn
 @triton.jit
 def _int4_mm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, M, N, K, STEPS, G, stride_xm, stride_qn, stride_sn,
                     stride_zn, stride_os, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                    BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr, PDL: tl.constexpr):
     """out[split, M, N] tile by tile over a split of K (STEPS steps of BLOCK_K), each int4 weight tile
     dequantized to x's dtype in registers for a dot."""
     pid_n = tl.program_id(0)
@@ -111,7 +112,7 @@ def _int4_mm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, M, N, K, STEPS, G, stri
     row_mask = rows < M
     col_mask = cols < N
     x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = _zero_tile(BLOCK_M, BLOCK_N, SWAP_AB)
     if PDL:  # x is the previous kernel's output
         gdc_wait()
     for step in range(STEPS):
@@ -119,7 +120,8 @@ def _int4_mm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, M, N, K, STEPS, G, stri
         w = _dequantize_tile(q_ptr, s_ptr, z_ptr, cols, col_mask, k, js, K, G, stride_qn, stride_sn, stride_zn,
                              BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty)
         x = tl.load(x_ptrs + k, mask=row_mask[:, None] & ((k + ks) < K)[None, :], other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc)
+        acc = _dot_tile(acc, x, w, SWAP_AB)
+    acc = _output_tile(acc, SWAP_AB)
     out_ptrs = out_ptr + split * stride_os + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
@@ -148,8 +150,9 @@ def gemv_tiling(n: int, k: int, sms: int = 132) -> tuple[int, int, int, int, int
     return block_n, block_k, splits, warps, stages
 
 
-def mm_tiling(m: int, n: int, k: int, group_size: int, sms: int = 132) -> tuple[int, int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, splits, warps, stages) of the tiled kernel; BLOCK_K divides the group size.
+def mm_tiling(m: int, n: int, k: int, group_size: int, sms: int = 132) -> tuple[int, int, int, bool, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, swap_ab, splits, warps, stages) of the tiled kernel; BLOCK_K divides the group
+    size.
     Up to 64 rows one row tile covers them; 64-wide slabs (x is read again for every slab), with K split so
     that every multiprocessor streams."""
     if m <= 64:
@@ -158,7 +161,7 @@ def mm_tiling(m: int, n: int, k: int, group_size: int, sms: int = 132) -> tuple[
         block_m, block_n, block_k, warps, stages = 64, 128, min(group_size, 64), 4, 4
     programs = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     splits = split_count(programs, k, block_k, 4 * m * n, n * k // 2, sms)
-    return block_m, block_n, block_k, splits, warps, stages
+    return block_m, block_n, block_k, False, splits, warps, stages
 
 
 def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> None:
@@ -196,19 +199,19 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
 
 
 def int4_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-            tiles: tuple[int, int, int, int, int, int] | None = None) -> torch.Tensor:
+            tiles: tuple[int, int, int, bool, int, int, int] | None = None) -> torch.Tensor:
     """x [M, K] @ w^T with the tiled kernel; `tiles` defaults to `mm_tiling`."""
     m, k = x.shape
     n = qweight.shape[0]
-    block_m, block_n, block_k, splits, warps, stages = tiles or mm_tiling(m, n, k, group_size,
-                                                                          multiprocessors(x.device))
+    block_m, block_n, block_k, swap_ab, splits, warps, stages = tiles or mm_tiling(m, n, k, group_size,
+                                                                                   multiprocessors(x.device))
     splits, steps = k_steps(k, splits, block_k)
     out = output(m, n, splits, x.dtype, x.device)
     launch_pdl = pdl_on(x.device)
     _int4_mm_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m), splits)](
         x, qweight, scales, zeros, out, m, n, k, steps, group_size, x.stride(0), qweight.stride(0),
         scales.stride(0), zeros.stride(0), m * n, n, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        PDL=launch_pdl, num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,
+        SWAP_AB=swap_ab, PDL=launch_pdl, num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,
     )
     return finish(out, x.dtype)
 

@@ -132,42 +132,50 @@ def test_int4_linear_other_group_sizes(group, rows):
 SPLIT_SHAPES = {"ragged": (1000, 3000), "odd-blocks": (200, 1160), "8b-down": (4096, 14336)}
 
 
-def with_splits(tiles: tuple, splits: int) -> tuple:
-    """A kernel's tiles with the split count (the third from the end) replaced."""
+ROWS_AND_SWAPS = [(1, False), (5, False), (5, True), (64, False), (64, True)]  # swap_ab: tensor-core kernels only
+
+
+def with_splits(tiles: tuple, splits: int, swap_ab: bool) -> tuple:
+    """A kernel's tiles with the split count (the third from the end) replaced, and for the tensor-core kernels
+    (BLOCK_M first, seven tiles) whether the dot's operands swap (the fourth)."""
+    if len(tiles) == 7:
+        tiles = (*tiles[:3], swap_ab, *tiles[4:])
     return (*tiles[:-3], splits, *tiles[-2:])
 
 
 @pytest.mark.parametrize("splits", SPLITS)
 @pytest.mark.parametrize("blocks", [False, True], ids=["per-channel", "block"])
-@pytest.mark.parametrize("rows", [1, 5, 64])
+@pytest.mark.parametrize("rows,swap_ab", ROWS_AND_SWAPS)
 @pytest.mark.parametrize("shape", SPLIT_SHAPES.values(), ids=SPLIT_SHAPES.keys())
-def test_fp8_kernels_match_float32_with_every_split_of_k(shape, rows, blocks, splits):
+def test_fp8_kernels_match_float32_with_every_split_of_k(shape, rows, swap_ab, blocks, splits):
     """Each split's partial product, summed in the second kernel: the float32 product up to the output rounding."""
     n, k = shape
     weight, scale, reference_weight = fp8_weight(n, k, blocks)
     x = activation(rows, k)
     sms = multiprocessors(x.device)
     if rows == 1:
-        y = fp8_kernels.fp8_gemv(x, weight, scale, tiles=with_splits(fp8_kernels.gemv_tiling(n, k, sms), splits))
+        tiles = with_splits(fp8_kernels.gemv_tiling(n, k, sms), splits, swap_ab)
+        y = fp8_kernels.fp8_gemv(x, weight, scale, tiles=tiles)
     else:
-        y = fp8_kernels.fp8_rows(x, weight, scale, tiles=with_splits(fp8_kernels.rows_tiling(rows, n, k, sms), splits))
+        tiles = with_splits(fp8_kernels.rows_tiling(rows, n, k, sms), splits, swap_ab)
+        y = fp8_kernels.fp8_rows(x, weight, scale, tiles=tiles)
     assert y.shape == (rows, n) and y.dtype == torch.bfloat16
     assert relative_error(y, x.float() @ reference_weight.t()) < 0.005
 
 
 @pytest.mark.parametrize("splits", SPLITS)
-@pytest.mark.parametrize("rows", [1, 5, 64])
+@pytest.mark.parametrize("rows,swap_ab", ROWS_AND_SWAPS)
 @pytest.mark.parametrize("shape", [(1000, 2944), (200, 1152), (4096, 14336)], ids=["ragged", "odd-tiles", "8b-down"])
-def test_int4_kernels_match_float32_with_every_split_of_k(shape, rows, splits):
+def test_int4_kernels_match_float32_with_every_split_of_k(shape, rows, swap_ab, splits):
     n, k = shape
     qweight, scales, zeros, reference_weight = int4_weight(n, k)
     x = activation(rows, k)
     sms = multiprocessors(x.device)
     if rows == 1:
-        tiles = with_splits(int4_kernels.gemv_tiling(n, k, sms), splits)
+        tiles = with_splits(int4_kernels.gemv_tiling(n, k, sms), splits, swap_ab)
         y = int4_kernels.int4_gemv(x, qweight, scales, zeros, 128, tiles=tiles)
     else:
-        tiles = with_splits(int4_kernels.mm_tiling(rows, n, k, 128, sms), splits)
+        tiles = with_splits(int4_kernels.mm_tiling(rows, n, k, 128, sms), splits, swap_ab)
         y = int4_kernels.int4_mm(x, qweight, scales, zeros, 128, tiles=tiles)
     assert y.shape == (rows, n) and y.dtype == torch.bfloat16
     assert relative_error(y, x.float() @ reference_weight.t()) < 0.008
@@ -185,7 +193,7 @@ def test_decode_tilings_put_enough_programs_on_every_multiprocessor(shape, rows)
         shapes = [(t[0], t[1], t[2]) for t in tilings]
     else:
         tilings = [fp8_kernels.rows_tiling(rows, n, k, sms), int4_kernels.mm_tiling(rows, n, k, 128, sms)]
-        shapes = [(t[1], t[2], t[3]) for t in tilings]
+        shapes = [(t[1], t[2], t[4]) for t in tilings]
     for block_n, block_k, splits in shapes:
         finest = k // (2 * splits) < max(MIN_SPLIT_K, block_k) or k_steps(k, 2 * splits, block_k)[0] == splits
         assert -(-n // block_n) * splits >= RESIDENT * sms or finest, (block_n, block_k, splits)
