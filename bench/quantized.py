@@ -35,14 +35,13 @@ from .report import text_table
 FORMATS = ("fp8", "fp8-block", "int4")
 GROUP = 128
 SPLITS = (1, 2, 4, 8)  # K splits tried with every tiling (split K is a run-time argument: no extra compiles)
-SWEEP_GEMV = {  # format -> (BLOCK_N, BLOCK_K, warps, stages) tried at 1 row
-    "fp8": [(n, k, 4, 3) for n in (8, 16, 32) for k in (512, 1024, 2048)],
-    "int4": [(n, k, 4, 3) for n in (8, 16, 32) for k in (1024, 2048, 4096)],
+SWEEP_GEMV = {  # format -> (BLOCK_N, BLOCK_K, warps, stages) tried at 1 row; one stage: loads not pipelined
+    "fp8": [(n, k, 4, stages) for n in (8, 16, 32) for k in (512, 1024, 2048) for stages in (1, 4)],
+    "int4": [(n, k, 4, stages) for n in (8, 16, 32) for k in (1024, 2048, 4096) for stages in (1, 4)],
 }
 # (BLOCK_N, BLOCK_K, swap_ab, warps, stages) tried at 2 to 64 rows; BLOCK_M: the rows up to a power of two, 16 at
-# least; swapped, the weight rows are the tall side of the tensor-core tile, so slabs of 64 and more
-SWEEP_ROWS = [(n, k, swap, 4, stages) for swap, slabs in ((False, (32, 64, 128)), (True, (64, 128))) for n in slabs
-              for k, stages in ((128, 4), (64, 6))]
+# least (K splits make up for wide slabs' fewer programs; swapped, the weight rows fill the tile's tall side)
+SWEEP_ROWS = [(n, k, swap, 4, stages) for swap in (False, True) for n in (64, 128) for k, stages in ((128, 4), (64, 6))]
 
 
 def weight_bytes(fmt: str, n: int, k: int) -> int:

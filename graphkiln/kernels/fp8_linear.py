@@ -57,7 +57,7 @@ def _gemv_step(acc, w, k, ks, k_mask, cols, col_mask, x_ptr, s_ptr, K, stride_sn
 @triton.jit
 def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, STEPS, stride_wn, stride_sn, stride_os,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr, ACC_K: tl.constexpr,
-                     EVEN_K: tl.constexpr, BLOCK_SCALES: tl.constexpr, PDL: tl.constexpr):
+                     EVEN_K: tl.constexpr, BLOCK_SCALES: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
     """out[split, 0, N] for one row x[0, K]: one program per slab of BLOCK_N weight rows and split of K (STEPS
     steps of BLOCK_K); the accumulator is [BLOCK_N, BLOCK_K] (per-channel scales) or one column per SUB-wide
     chunk (block scales)."""
@@ -77,7 +77,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, STEPS, stride_wn, strid
         gdc_wait()
     acc = _gemv_step(acc, w, k_start, ks, k_mask, cols, col_mask, x_ptr, s_ptr, K, stride_sn, BLOCK_N,
                      BLOCK_K // SUB, SUB, BLOCK_SCALES)
-    for step in range(1, STEPS):
+    for step in tl.range(1, STEPS, num_stages=STAGES):  # the loop attribute pipelines loads without a dot
         k = k_start + step * BLOCK_K
         k_mask = _k_mask(ks, k, K, EVEN_K)
         w = tl.load(w_ptrs + k, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
@@ -255,7 +255,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     _fp8_gemv_kernel[(triton.cdiv(n, block_n), splits)](
         x, weight, weight_scale, out, n, k, steps, weight.stride(0), weight_scale.stride(0), n, BLOCK_N=block_n,
         BLOCK_K=block_k, SUB=sub, ACC_K=block_k // sub if block_scales else block_k, EVEN_K=k % block_k == 0,
-        BLOCK_SCALES=block_scales, PDL=launch_pdl,
+        BLOCK_SCALES=block_scales, STAGES=stages, PDL=launch_pdl,
         num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,
     )
     return finish(out, x.dtype)

@@ -24,6 +24,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from graphkiln.errors import ConfigError
 
 from .fp8_linear import _dot_tile, _output_tile, _zero_tile
+from .gemv import _k_mask
 from .fp8_linear import gemv_tiling as fp8_gemv_tiling
 from .pdl import pdl_on
 from .split_k import finish, k_steps, multiprocessors, output, split_count
@@ -33,25 +34,34 @@ MIN_MM_GROUP = 32  # smaller groups mean 16-wide K tiles, whose results were wro
 
 
 @triton.jit
-def _int4_gemv_step(acc, b, k, js, k_mask, cols, col_mask, x_ptr, s_ptr, z_ptr, K, stride_sn, stride_zn, G,
-                    BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, HALF_SUB: tl.constexpr):
-    """acc [BLOCK_N, CHUNKS] + this K step: each chunk of 2 * HALF_SUB inputs lies inside one group."""
-    x_even = tl.load(x_ptr + k + 2 * js, mask=k_mask, other=0.0).to(tl.float32)
-    x_odd = tl.load(x_ptr + k + 2 * js + 1, mask=k_mask, other=0.0).to(tl.float32)
-    qx = (b & 15).to(tl.float32) * x_even[None, :] + (b >> 4).to(tl.float32) * x_odd[None, :]
-    qx = tl.sum(tl.reshape(qx, (BLOCK_N, CHUNKS, HALF_SUB)), axis=2)
-    xs = tl.sum(tl.reshape(x_even + x_odd, (CHUNKS, HALF_SUB)), axis=1)
-    chunk_k = k + tl.arange(0, CHUNKS) * (2 * HALF_SUB)
+def _group_params(s_ptr, z_ptr, cols, col_mask, k, K, G, stride_sn, stride_zn, CHUNKS: tl.constexpr,
+                  SUB: tl.constexpr):
+    """The scales and zero points (float32, [BLOCK_N, CHUNKS]) of the K step at k, one per SUB-wide chunk. The
+    kernels load them a step ahead: too narrow for the pipeliner's copies, they would stall every step."""
+    chunk_k = k + tl.arange(0, CHUNKS) * SUB
     mask = col_mask[:, None] & (chunk_k < K)[None, :]
     s = tl.load(s_ptr + cols[:, None] * stride_sn + (chunk_k // G)[None, :], mask=mask, other=0.0).to(tl.float32)
     z = tl.load(z_ptr + cols[:, None] * stride_zn + (chunk_k // G)[None, :], mask=mask, other=0.0).to(tl.float32)
+    return s, z
+
+
+@triton.jit
+def _int4_gemv_step(acc, b, s, z, k, ks, x_ptr, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    CHUNKS: tl.constexpr, EVEN_K: tl.constexpr):
+    """acc [BLOCK_N, CHUNKS] + this K step: each chunk of BLOCK_K / CHUNKS inputs lies inside one group. x is
+    loaded whole (one contiguous load the pipeliner can take) and split into the even and odd inputs."""
+    x = tl.load(x_ptr + k + ks, mask=_k_mask(ks, k, K, EVEN_K), other=0.0).to(tl.float32)
+    x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_K // 2, 2)))
+    qx = (b & 15).to(tl.float32) * x_even[None, :] + (b >> 4).to(tl.float32) * x_odd[None, :]
+    qx = tl.sum(tl.reshape(qx, (BLOCK_N, CHUNKS, BLOCK_K // 2 // CHUNKS)), axis=2)
+    xs = tl.sum(tl.reshape(x_even + x_odd, (CHUNKS, BLOCK_K // 2 // CHUNKS)), axis=1)
     return acc + s * (qx - z * xs[None, :])
 
 
 @triton.jit
 def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, N, K, STEPS, G, stride_qn, stride_sn, stride_zn,
                       stride_os, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
-                      EVEN_K: tl.constexpr, PDL: tl.constexpr):
+                      EVEN_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
     """out[split, 0, N] for one row x[0, K]: one program per slab of BLOCK_N weight rows and split of K (STEPS
     steps of BLOCK_K inputs, BLOCK_K / 2 bytes a row), accumulated per SUB-wide chunk (SUB divides G)."""
     pid = tl.program_id(0)
@@ -60,34 +70,38 @@ def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, N, K, STEPS, G, strid
         gdc_launch_dependents()
     k_start = split * STEPS * BLOCK_K
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
     js = tl.arange(0, BLOCK_K // 2)
     col_mask = cols < N
     q_ptrs = q_ptr + cols[:, None].to(tl.int64) * stride_qn + js[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_K // SUB), dtype=tl.float32)
     k_mask = js < BLOCK_K // 2 if EVEN_K else k_start + 2 * js < K
     b = tl.load(q_ptrs + k_start // 2, mask=col_mask[:, None] & k_mask[None, :], other=0)  # the weight: no wait
+    s, z = _group_params(s_ptr, z_ptr, cols, col_mask, k_start, K, G, stride_sn, stride_zn, BLOCK_K // SUB, SUB)
     if PDL:  # x is: wait for the previous kernel to finish and its writes to land
         gdc_wait()
-    acc = _int4_gemv_step(acc, b, k_start, js, k_mask, cols, col_mask, x_ptr, s_ptr, z_ptr, K, stride_sn, stride_zn,
-                          G, BLOCK_N, BLOCK_K // SUB, SUB // 2)
-    for step in range(1, STEPS):
+    s_next, z_next = _group_params(s_ptr, z_ptr, cols, col_mask, k_start + BLOCK_K, K, G, stride_sn, stride_zn,
+                                   BLOCK_K // SUB, SUB)
+    acc = _int4_gemv_step(acc, b, s, z, k_start, ks, x_ptr, K, BLOCK_N, BLOCK_K, BLOCK_K // SUB, EVEN_K)
+    for step in tl.range(1, STEPS, num_stages=STAGES):  # the loop attribute pipelines loads without a dot
         k = k_start + step * BLOCK_K
+        s, z = s_next, z_next
+        s_next, z_next = _group_params(s_ptr, z_ptr, cols, col_mask, k + BLOCK_K, K, G, stride_sn, stride_zn,
+                                       BLOCK_K // SUB, SUB)
         k_mask = js < BLOCK_K // 2 if EVEN_K else k + 2 * js < K
         b = tl.load(q_ptrs + k // 2, mask=col_mask[:, None] & k_mask[None, :], other=0)
-        acc = _int4_gemv_step(acc, b, k, js, k_mask, cols, col_mask, x_ptr, s_ptr, z_ptr, K, stride_sn, stride_zn,
-                              G, BLOCK_N, BLOCK_K // SUB, SUB // 2)
+        acc = _int4_gemv_step(acc, b, s, z, k, ks, x_ptr, K, BLOCK_N, BLOCK_K, BLOCK_K // SUB, EVEN_K)
     tl.store(out_ptr + split * stride_os + cols, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=col_mask)
 
 
 @triton.jit
-def _dequantize_tile(q_ptr, s_ptr, z_ptr, cols, col_mask, k, js, K, G, stride_qn, stride_sn, stride_zn,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, dtype: tl.constexpr):
-    """The weight tile [BLOCK_N, BLOCK_K] at (cols, k) in `dtype`; BLOCK_K divides G, so one group a row."""
+def _dequantize_tile(q_ptr, s, z, cols, col_mask, k, js, K, stride_qn, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, dtype: tl.constexpr):
+    """The weight tile [BLOCK_N, BLOCK_K] at (cols, k) in `dtype`, with its rows' scales and zero points s, z
+    ([BLOCK_N, 1] float32); BLOCK_K divides G, so one group a row."""
     k_mask = k + 2 * js < K
     b = tl.load(q_ptr + cols[:, None].to(tl.int64) * stride_qn + k // 2 + js[None, :],
                 mask=col_mask[:, None] & k_mask[None, :], other=0)
-    s = tl.load(s_ptr + cols * stride_sn + k // G, mask=col_mask, other=0.0).to(tl.float32)[:, None]
-    z = tl.load(z_ptr + cols * stride_zn + k // G, mask=col_mask, other=0.0).to(tl.float32)[:, None]
     low = ((b & 15).to(tl.float32) - z) * s
     high = ((b >> 4).to(tl.float32) - z) * s
     return tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_K)).to(dtype)
@@ -113,12 +127,16 @@ def _int4_mm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, M, N, K, STEPS, G, stri
     col_mask = cols < N
     x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :]
     acc = _zero_tile(BLOCK_M, BLOCK_N, SWAP_AB)
+    s, z = _group_params(s_ptr, z_ptr, cols, col_mask, k_start, K, G, stride_sn, stride_zn, 1, BLOCK_K)
     if PDL:  # x is the previous kernel's output
         gdc_wait()
     for step in range(STEPS):
         k = k_start + step * BLOCK_K
-        w = _dequantize_tile(q_ptr, s_ptr, z_ptr, cols, col_mask, k, js, K, G, stride_qn, stride_sn, stride_zn,
-                             BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty)
+        s_next, z_next = _group_params(s_ptr, z_ptr, cols, col_mask, k + BLOCK_K, K, G, stride_sn, stride_zn, 1,
+                                       BLOCK_K)
+        w = _dequantize_tile(q_ptr, s, z, cols, col_mask, k, js, K, stride_qn, BLOCK_N, BLOCK_K,
+                             x_ptr.dtype.element_ty)
+        s, z = s_next, z_next
         x = tl.load(x_ptrs + k, mask=row_mask[:, None] & ((k + ks) < K)[None, :], other=0.0)
         acc = _dot_tile(acc, x, w, SWAP_AB)
     acc = _output_tile(acc, SWAP_AB)
@@ -133,8 +151,9 @@ def _int4_dequantize_kernel(q_ptr, s_ptr, z_ptr, out_ptr, N, K, G, stride_qn, st
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.program_id(1) * BLOCK_K
     col_mask = cols < N
-    w = _dequantize_tile(q_ptr, s_ptr, z_ptr, cols, col_mask, k, tl.arange(0, BLOCK_K // 2), K, G, stride_qn,
-                         stride_sn, stride_zn, BLOCK_N, BLOCK_K, out_ptr.dtype.element_ty)
+    s, z = _group_params(s_ptr, z_ptr, cols, col_mask, k, K, G, stride_sn, stride_zn, 1, BLOCK_K)
+    w = _dequantize_tile(q_ptr, s, z, cols, col_mask, k, tl.arange(0, BLOCK_K // 2), K, stride_qn, BLOCK_N, BLOCK_K,
+                         out_ptr.dtype.element_ty)
     ks = k + tl.arange(0, BLOCK_K)
     tl.store(out_ptr + cols[:, None].to(tl.int64) * stride_on + ks[None, :], w,
              mask=col_mask[:, None] & (ks < K)[None, :])
@@ -193,7 +212,7 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     _int4_gemv_kernel[(triton.cdiv(n, block_n), splits)](
         x, qweight, scales, zeros, out, n, k, steps, group_size, qweight.stride(0), scales.stride(0),
         zeros.stride(0), n, BLOCK_N=block_n, BLOCK_K=block_k, SUB=min(block_k, group_size), EVEN_K=k % block_k == 0,
-        PDL=launch_pdl, num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,
+        STAGES=stages, PDL=launch_pdl, num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,
     )
     return finish(out, x.dtype)
 
