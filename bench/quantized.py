@@ -36,8 +36,8 @@ FORMATS = ("fp8", "fp8-block", "int4")
 GROUP = 128
 SPLITS = (1, 2, 4, 8)  # K splits tried with every tiling (split K is a run-time argument: no extra compiles)
 SWEEP_GEMV = {  # format -> (BLOCK_N, BLOCK_K, warps, stages) tried at 1 row; one stage: loads not pipelined
-    "fp8": [(n, k, 4, stages) for n in (8, 16, 32) for k in (512, 1024, 2048) for stages in (1, 4)],
-    "int4": [(n, k, 4, stages) for n in (8, 16, 32) for k in (1024, 2048, 4096) for stages in (1, 4)],
+    "fp8": [(n, k, 4, 4) for n in (8, 16, 32) for k in (512, 1024, 2048)] + [(n, 1024, 4, 1) for n in (8, 16, 32)],
+    "int4": [(n, k, 4, 4) for n in (8, 16, 32) for k in (1024, 2048, 4096)] + [(n, 2048, 4, 1) for n in (8, 16, 32)],
 }
 # (BLOCK_N, BLOCK_K, swap_ab, warps, stages) tried at 2 to 64 rows; BLOCK_M: the rows up to a power of two, 16 at
 # least (K splits make up for wide slabs' fewer programs; swapped, the weight rows fill the tile's tall side)
@@ -207,7 +207,7 @@ def sweep_summary(shapes: list[dict]) -> str:
         if "sweep" not in r:
             continue
         rule_us, rule = r["sweep"]["rule"]
-        best_us, best = r["sweep"]["top5"][0]
+        best_us, best = r["sweep"]["top5"][0] if r["sweep"]["top5"] else (float("inf"), ())
         rule_text = f"{rule_us:6.1f} us ({r['floor_us'] / rule_us:4.0%})" if rule_us else "   did not fit"
         lines.append(f"{r['format']:9} {r['name']:8} m={r['m']:<3} floor {r['floor_us']:6.1f} | rule {rule_text} "
                      f"{tuple(rule)} | best {best_us:6.1f} us ({r['floor_us'] / best_us:4.0%}) {tuple(best)}")
@@ -237,6 +237,7 @@ def main(a: argparse.Namespace) -> int:
     rate = copy_rate(device, (64 << 20) if study.smoke else (1 << 30))
     results: dict = {"copy_Bps": rate, "group_size": GROUP, "shapes": []}
     log(f"copy {rate / 1e12:.3f} TB/s")
+    suffix = ("sweep-" + "-".join(a.formats)) if a.sweep else ""
     for model in models:
         for name, (n, k) in projections(model).items():
             if name == "lm_head":  # kept in bf16 by every format
@@ -260,6 +261,9 @@ def main(a: argparse.Namespace) -> int:
                     log(f"{model:5} {name:8} {fmt:9} m={m:<5} floor {floor_us:8.1f} us | " + " | ".join(
                         f"{v.removesuffix('_us')} {row[v]:8.1f} us ({row[v.replace('_us', '_of_floor')]:.0%})"
                         for v in row if v.endswith("_us") and v != "floor_us"))
+                    if "sweep" in row:
+                        log(sweep_summary([row]))
+                study.save(results, suffix)  # after every weight: a run stopped early keeps what it measured
                 del weights, tinygemm
                 if study.cuda:
                     torch.cuda.empty_cache()
@@ -268,5 +272,5 @@ def main(a: argparse.Namespace) -> int:
     print(text_table(results["shapes"], columns))
     if a.sweep:
         print(sweep_summary(results["shapes"]))
-    log(f"wrote {study.save(results, ('sweep-' + '-'.join(a.formats)) if a.sweep else '')}")
+    log(f"wrote {study.save(results, suffix)}")
     return 0
