@@ -194,8 +194,8 @@ def sweep(fmt: str, x, rows: int, weights: list, calls: int) -> dict:
         fn = tiled(fmt, x, rows, tiles)
         try:
             timed.append((per_call_us(lambda w, fn=fn: fn(*w), weights, calls, "cuda"), tiles))
-        except (OutOfResources, CompilationError) as e:
-            failed.append((tiles, type(e).__name__))
+        except (OutOfResources, CompilationError, RuntimeError) as e:  # RuntimeError: a failed compiler pass
+            failed.append((tiles, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"))
     rule_us = next((us for us, tiles in timed if tiles == rule), None)
     return {"rule": [rule_us, rule], "top5": sorted(timed)[:5], "failed": failed}
 
@@ -233,6 +233,12 @@ def main(a: argparse.Namespace) -> int:
     formats = ["bf16"] + (list(a.formats) if study.cuda else [])
     if not study.cuda:
         log("CPU smoke: bf16 torch.mm only; the fp8 and int4 kernels need CUDA")
+    kernel_errors: tuple = ()
+    if study.cuda:
+        from triton.compiler.errors import CompilationError
+        from triton.runtime.errors import OutOfResources
+
+        kernel_errors = (CompilationError, OutOfResources, RuntimeError)  # RuntimeError: a failed compiler pass
     torch.manual_seed(0)
     rate = copy_rate(device, (64 << 20) if study.smoke else (1 << 30))
     results: dict = {"copy_Bps": rate, "group_size": GROUP, "shapes": []}
@@ -253,8 +259,13 @@ def main(a: argparse.Namespace) -> int:
                     floor_us = (nbytes + 2 * m * (n + k)) / rate * 1e6
                     row = {"model": model, "name": name, "format": fmt, "m": m, "n": n, "k": k, "floor_us": floor_us}
                     for variant, fn in candidates(fmt, x, m, tinygemm).items():
-                        row[f"{variant}_us"] = per_call_us(lambda w, fn=fn: fn(*w), weights, calls, device)
-                        row[f"{variant}_of_floor"] = floor_us / row[f"{variant}_us"]
+                        try:
+                            us = per_call_us(lambda w, fn=fn: fn(*w), weights, calls, device)
+                        except kernel_errors as e:  # one kernel that does not build leaves the others measured
+                            row[f"{variant}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                            log(f"{name} {fmt} m={m} {variant}: {row[f'{variant}_error']}")
+                            continue
+                        row[f"{variant}_us"], row[f"{variant}_of_floor"] = us, floor_us / us
                     if a.sweep and study.cuda and fmt != "bf16" and m <= 64:
                         row["sweep"] = sweep(fmt.removesuffix("-block"), x, m, weights, calls)
                     results["shapes"].append(row)
