@@ -54,7 +54,7 @@ def _gemv_step(acc, w, k, ks, k_mask, cols, col_mask, x_ptr, s_ptr, K, stride_sn
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["STEPS"])  # a loop bound: one build for every split
 def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, STEPS, stride_wn, stride_sn, stride_os,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr, ACC_K: tl.constexpr,
                      EVEN_K: tl.constexpr, BLOCK_SCALES: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
@@ -121,7 +121,7 @@ def _output_tile(acc, SWAP_AB: tl.constexpr):
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "STEPS", "stride_os"])  # one build for every row count and split
 def _fp8_rows_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, STEPS, stride_xm, stride_wn, stride_sn, stride_os,
                      stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      SWAP_AB: tl.constexpr, BLOCK_SCALES: tl.constexpr, PDL: tl.constexpr):

@@ -58,7 +58,7 @@ def _int4_gemv_step(acc, b, s, z, k, ks, x_ptr, K, BLOCK_N: tl.constexpr, BLOCK_
     return acc + s * (qx - z * xs[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["STEPS"])  # a loop bound: one build for every split
 def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, N, K, STEPS, G, stride_qn, stride_sn, stride_zn,
                       stride_os, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
                       EVEN_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
@@ -107,7 +107,7 @@ def _dequantize_tile(q_ptr, s, z, cols, col_mask, k, js, K, stride_qn, BLOCK_N: 
     return tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_K)).to(dtype)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "STEPS", "stride_os"])  # one build for every row count and split
 def _int4_mm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, M, N, K, STEPS, G, stride_xm, stride_qn, stride_sn,
                     stride_zn, stride_os, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr, PDL: tl.constexpr):

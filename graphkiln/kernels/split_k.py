@@ -28,7 +28,7 @@ PARTIAL_SHARE = 4  # the float32 partials are at most 1/PARTIAL_SHARE of the wei
 SUM_BLOCK = 1024
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["total", "splits"])
 def _sum_splits_kernel(p_ptr, y_ptr, total, splits, PDL: tl.constexpr, BLOCK: tl.constexpr):
     """y[i] = sum over s of p[s, i], s in order, in y's dtype."""
     if PDL:
