@@ -8,10 +8,9 @@ sums q * x and x, and adds scale * (sum(q * x) - zero * sum(x)), so the inner lo
 per weight and the bytes read are a quarter of bf16's. More rows: a tiled kernel that dequantizes
 each weight tile in registers for tensor-core dots. Both split K at decode sizes so that every
 multiprocessor has loads in flight (split_k.py: partials summed in a second kernel, the same result
-on every call). Past MM_ROWS rows (prefill), the weight is
-dequantized once to x's dtype and multiplied by torch.mm, where writing and reading that weight is a
-small part of a compute-bound product (`python -m bench quantized` times both ways). Kernels only,
-no host sync: capturable.
+on every call). Past MM_ROWS rows (prefill), the weight is dequantized once to x's dtype and
+multiplied by torch.mm, where writing and reading that weight is a small part of a compute-bound
+product (`python -m bench quantized` times both ways). Kernels only, no host sync: capturable.
 """
 
 from __future__ import annotations
@@ -24,8 +23,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from graphkiln.errors import ConfigError
 
 from .fp8_linear import _dot_tile, _output_tile, _zero_tile
-from .gemv import _k_mask
 from .fp8_linear import gemv_tiling as fp8_gemv_tiling
+from .gemv import _k_mask
 from .pdl import pdl_on
 from .split_k import finish, k_steps, multiprocessors, output, split_count
 
