@@ -17,13 +17,15 @@ from graphkiln.kernels.int4_linear import int4_linear  # noqa: E402
 from graphkiln.kernels.split_k import MIN_SPLIT_K, RESIDENT, k_steps, multiprocessors  # noqa: E402
 
 ROWS = [1, 2, 8, 16, 33, 64, 128, 1024]
-SPLITS = [1, 2, 3, 8]
+SPLITS = [1, 2, 3, 8]  # K splits forced on the few-row kernels (fewer where the K steps do not share evenly)
+ROWS_AND_SWAPS = [(1, False), (5, False), (5, True), (64, False), (64, True)]  # swap_ab: tensor-core kernels only
 MODEL_SHAPES = {  # (N, K) of q/k/v fused, o, gate/up fused, down
     "1b-qkv": (3072, 2048), "1b-o": (2048, 2048), "1b-gate_up": (16384, 2048), "1b-down": (2048, 8192),
     "8b-qkv": (6144, 4096), "8b-o": (4096, 4096), "8b-gate_up": (28672, 4096), "8b-down": (4096, 14336),
 }
 FP8_SHAPES = {**MODEL_SHAPES, "ragged": (1000, 3000), "tiny": (37, 100), "odd-blocks": (200, 1160)}
 INT4_SHAPES = {**MODEL_SHAPES, "ragged": (1000, 2944), "tiny": (37, 384), "odd-tiles": (200, 1152)}
+SPLIT_SHAPES = {"ragged": (1000, 3000), "odd-blocks": (200, 1160), "8b-down": (4096, 14336)}
 
 
 def relative_error(y: torch.Tensor, expected: torch.Tensor) -> float:
@@ -127,12 +129,6 @@ def test_int4_linear_other_group_sizes(group, rows):
     x = activation(rows, k, torch.float16)
     y = int4_linear(x, qweight, scales, zeros, group)
     assert relative_error(y, x.float() @ reference_weight.t()) < 0.008
-
-
-SPLIT_SHAPES = {"ragged": (1000, 3000), "odd-blocks": (200, 1160), "8b-down": (4096, 14336)}
-
-
-ROWS_AND_SWAPS = [(1, False), (5, False), (5, True), (64, False), (64, True)]  # swap_ab: tensor-core kernels only
 
 
 def with_splits(tiles: tuple, splits: int, swap_ab: bool) -> tuple:
