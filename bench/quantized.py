@@ -13,8 +13,10 @@ counts, with sweeps of the few-row kernels' tiles. A few minutes on the 8b shape
               on the same weights repacked into its layout
   --quality   instead: each format's logits against the unquantized model's and the tiny model's held-out
               perplexity per format (bench/quality.py)
-  --sweep     at 1 row every GEMV tiling of SWEEP_GEMV; at 8 to 64 rows every tiling of SWEEP_ROWS (one
-              format a command keeps it under 10 minutes; written to quantized-sweep-<formats>.json)
+  --sweep     at 1 row every GEMV tiling of SWEEP_GEMV; at 2 to 64 rows every tiling of SWEEP_ROWS (with
+              and without swapping the dot's operands), each with every split of K in SPLITS; the five
+              fastest, the rule's own tiles (`*_tiling`) and its time are kept per shape and row count
+              (quantized-sweep-<formats>.json), and the best per shape printed at the end, one line each
 
 The floor of a format is its weight bytes (with scales and zero points) and the activation and output
 bytes, over the copy rate measured in the same run. Each product is timed inside a CUDA graph that
@@ -25,7 +27,6 @@ cycles over enough weight copies (600 MiB) that every call reads its weight from
 from __future__ import annotations
 
 import argparse
-import itertools
 
 from .common import Study, add_study_arguments, log
 from .measure import copy_rate
@@ -35,11 +36,14 @@ from .report import text_table
 
 FORMATS = ("fp8", "fp8-block", "int4")
 GROUP = 128
-SWEEP_GEMV = {  # format -> (BLOCK_N, BLOCK_K, warps, stages) tried at 1 row
-    "fp8": list(itertools.product((4, 8, 16, 32), (256, 512, 1024, 2048), (4, 8), (2, 4))),
-    "int4": list(itertools.product((4, 8, 16, 32), (512, 1024, 2048, 4096), (4, 8), (2, 4))),
+SPLITS = (1, 2, 4, 8)  # K splits tried with every tiling (split K is a run-time argument: no extra compiles)
+SWEEP_GEMV = {  # format -> (BLOCK_N, BLOCK_K, warps, stages) tried at 1 row; one stage: loads not pipelined
+    "fp8": [(n, k, 4, 4) for n in (8, 16, 32) for k in (512, 1024, 2048)] + [(n, 1024, 4, 1) for n in (8, 16, 32)],
+    "int4": [(n, k, 4, 4) for n in (8, 16, 32) for k in (1024, 2048, 4096)] + [(n, 2048, 4, 1) for n in (8, 16, 32)],
 }
-SWEEP_ROWS = list(itertools.product((16, 32, 64, 128), (64, 128), (4, 8), (3, 5)))  # (BLOCK_N, BLOCK_K, warps, stages)
+# (BLOCK_N, BLOCK_K, swap_ab, warps, stages) tried at 2 to 64 rows; BLOCK_M: the rows up to a power of two, 16 at
+# least (K splits make up for wide slabs' fewer programs; swapped, the weight rows fill the tile's tall side)
+SWEEP_ROWS = [(n, k, swap, 4, stages) for swap in (False, True) for n in (64, 128) for k, stages in ((128, 4), (64, 6))]
 
 
 def weight_bytes(fmt: str, n: int, k: int) -> int:
@@ -110,7 +114,7 @@ def candidates(fmt: str, x, rows: int, tinygemm: dict | None = None) -> dict:
         if fmt == "fp8":
             out["scaled_mm"] = lambda w, s: rowwise_scaled_mm(x, w, s)
         else:
-            if rows > f.FEW_ROWS and f.blockwise_scaled_mm(x.device.index or 0):  # as fp8_linear uses it
+            if rows > f.MM_ROWS and f.blockwise_scaled_mm(x.device.index or 0):  # as fp8_linear uses it
                 out["scaled_mm"] = lambda w, s: blockwise_scaled_mm(x, w, s)
             out["dequant_mm"] = lambda w, s: torch.mm(x, f.dequantize_blocks(w, s, x.dtype).t())
         return out
@@ -146,34 +150,70 @@ def blockwise_scaled_mm(x, weight, scale):
     return scaled_mm(q, weight.t(), scale_a, scale.t(), x.dtype)
 
 
-def sweep(fmt: str, x, rows: int, weights: list, calls: int) -> list:
-    """The five fastest tilings of the few-row kernel at this row count: [(us, tiles), ...]."""
-    from triton.runtime.errors import OutOfResources
+def sweep_tilings(fmt: str, rows: int) -> list[tuple]:
+    """Every tiling the sweep tries for this format at this row count, in the form its kernel's `tiles` takes."""
+    if rows == 1:
+        return [(n, k, split, warps, stages) for n, k, warps, stages in SWEEP_GEMV[fmt] for split in SPLITS]
+    block_m = max(16, min(64, 1 << (rows - 1).bit_length()))
+    return [(block_m, n, k, swap, split, warps, stages) for n, k, swap, warps, stages in SWEEP_ROWS for split in SPLITS]
 
+
+def tiled(fmt: str, x, rows: int, tiles: tuple | None):
+    """The few-row kernel of this format at this row count with `tiles` (None: its rule's), as fn(weight args)."""
     if fmt == "int4":
         from graphkiln.kernels import int4_linear as i4
 
-        if rows == 1:
-            tried = {t: (lambda q, s, z, t=t: i4.int4_gemv(x, q, s, z, GROUP, tiles=t)) for t in SWEEP_GEMV["int4"]}
-        else:
-            block_m = max(16, min(64, 1 << (rows - 1).bit_length()))
-            tried = {(block_m, *t): (lambda q, s, z, t=(block_m, *t): i4.int4_mm(x, q, s, z, GROUP, tiles=t))
-                     for t in SWEEP_ROWS}
-    else:
-        from graphkiln.kernels import fp8_linear as f
+        kernel = i4.int4_gemv if rows == 1 else i4.int4_mm
+        return lambda q, s, z: kernel(x, q, s, z, GROUP, tiles=tiles)
+    from graphkiln.kernels import fp8_linear as f
 
-        if rows == 1:
-            tried = {t: (lambda w, s, t=t: f.fp8_gemv(x, w, s, tiles=t)) for t in SWEEP_GEMV["fp8"]}
-        else:
-            block_m = max(16, min(64, 1 << (rows - 1).bit_length()))
-            tried = {(block_m, *t): (lambda w, s, t=(block_m, *t): f.fp8_rows(x, w, s, tiles=t)) for t in SWEEP_ROWS}
-    timed = []
-    for tiles, fn in tried.items():
+    kernel = f.fp8_gemv if rows == 1 else f.fp8_rows
+    return lambda w, s: kernel(x, w, s, tiles=tiles)
+
+
+def rule_tiles(fmt: str, rows: int, n: int, k: int, device) -> tuple:
+    """The tiles the kernels' rule picks for this shape."""
+    from graphkiln.kernels import fp8_linear as f
+    from graphkiln.kernels import int4_linear as i4
+    from graphkiln.kernels.split_k import multiprocessors
+
+    sms = multiprocessors(device)
+    if fmt == "int4":
+        return i4.gemv_tiling(n, k, sms) if rows == 1 else i4.mm_tiling(rows, n, k, GROUP, sms)
+    return f.gemv_tiling(n, k, sms) if rows == 1 else f.rows_tiling(rows, n, k, sms)
+
+
+def sweep(fmt: str, x, rows: int, weights: list, calls: int) -> dict:
+    """The rule's tiles and time, the five fastest tilings of the few-row kernel at this row count, and those
+    that did not compile or fit: {"rule": [us, tiles], "top5": [[us, tiles], ...], "failed": [[tiles, why]]}."""
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
+
+    n, k = weights[0][0].shape[0], x.shape[1]
+    rule = rule_tiles(fmt, rows, n, k, x.device)
+    timed, failed = [], []
+    for tiles in dict.fromkeys([rule, *sweep_tilings(fmt, rows)]):
+        fn = tiled(fmt, x, rows, tiles)
         try:
             timed.append((per_call_us(lambda w, fn=fn: fn(*w), weights, calls, "cuda"), tiles))
-        except OutOfResources:
+        except (OutOfResources, CompilationError, RuntimeError) as e:  # RuntimeError: a failed compiler pass
+            failed.append((tiles, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"))
+    rule_us = next((us for us, tiles in timed if tiles == rule), None)
+    return {"rule": [rule_us, rule], "top5": sorted(timed)[:5], "failed": failed}
+
+
+def sweep_summary(shapes: list[dict]) -> str:
+    """One line per swept shape and row count: the floor, the rule's time and tiles, the best time and tiles."""
+    lines = []
+    for r in shapes:
+        if "sweep" not in r:
             continue
-    return sorted(timed)[:5]
+        rule_us, rule = r["sweep"]["rule"]
+        best_us, best = r["sweep"]["top5"][0] if r["sweep"]["top5"] else (float("inf"), ())
+        rule_text = f"{rule_us:6.1f} us ({r['floor_us'] / rule_us:4.0%})" if rule_us else "   did not fit"
+        lines.append(f"{r['format']:9} {r['name']:8} m={r['m']:<3} floor {r['floor_us']:6.1f} | rule {rule_text} "
+                     f"{tuple(rule)} | best {best_us:6.1f} us ({r['floor_us'] / best_us:4.0%}) {tuple(best)}")
+    return "\n".join(lines)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -202,10 +242,17 @@ def main(a: argparse.Namespace) -> int:
     formats = ["bf16"] + (list(a.formats) if study.cuda else [])
     if not study.cuda:
         log("CPU smoke: bf16 torch.mm only; the fp8 and int4 kernels need CUDA")
+    kernel_errors: tuple = ()
+    if study.cuda:
+        from triton.compiler.errors import CompilationError
+        from triton.runtime.errors import OutOfResources
+
+        kernel_errors = (CompilationError, OutOfResources, RuntimeError)  # RuntimeError: a failed compiler pass
     torch.manual_seed(0)
     rate = copy_rate(device, (64 << 20) if study.smoke else (1 << 30))
     results: dict = {"copy_Bps": rate, "group_size": GROUP, "shapes": []}
     log(f"copy {rate / 1e12:.3f} TB/s")
+    suffix = ("sweep-" + "-".join(a.formats)) if a.sweep else ""
     for model in models:
         for name, (n, k) in projections(model).items():
             if name == "lm_head":  # kept in bf16 by every format
@@ -221,19 +268,29 @@ def main(a: argparse.Namespace) -> int:
                     floor_us = (nbytes + 2 * m * (n + k)) / rate * 1e6
                     row = {"model": model, "name": name, "format": fmt, "m": m, "n": n, "k": k, "floor_us": floor_us}
                     for variant, fn in candidates(fmt, x, m, tinygemm).items():
-                        row[f"{variant}_us"] = per_call_us(lambda w, fn=fn: fn(*w), weights, calls, device)
-                        row[f"{variant}_of_floor"] = floor_us / row[f"{variant}_us"]
+                        try:
+                            us = per_call_us(lambda w, fn=fn: fn(*w), weights, calls, device)
+                        except kernel_errors as e:  # one kernel that does not build leaves the others measured
+                            row[f"{variant}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                            log(f"{name} {fmt} m={m} {variant}: {row[f'{variant}_error']}")
+                            continue
+                        row[f"{variant}_us"], row[f"{variant}_of_floor"] = us, floor_us / us
                     if a.sweep and study.cuda and fmt != "bf16" and m <= 64:
-                        row["sweep_top5"] = sweep(fmt.removesuffix("-block"), x, m, weights, calls)
+                        row["sweep"] = sweep(fmt.removesuffix("-block"), x, m, weights, calls)
                     results["shapes"].append(row)
                     log(f"{model:5} {name:8} {fmt:9} m={m:<5} floor {floor_us:8.1f} us | " + " | ".join(
                         f"{v.removesuffix('_us')} {row[v]:8.1f} us ({row[v.replace('_us', '_of_floor')]:.0%})"
                         for v in row if v.endswith("_us") and v != "floor_us"))
+                    if "sweep" in row:
+                        log(sweep_summary([row]))
+                study.save(results, suffix)  # after every weight: a run stopped early keeps what it measured
                 del weights, tinygemm
                 if study.cuda:
                     torch.cuda.empty_cache()
     columns = ["model", "name", "format", "m", "floor_us"] + sorted(
         {k for r in results["shapes"] for k in r if k.endswith("_us")} - {"floor_us"})
     print(text_table(results["shapes"], columns))
-    log(f"wrote {study.save(results, ('sweep-' + '-'.join(a.formats)) if a.sweep else '')}")
+    if a.sweep:
+        print(sweep_summary(results["shapes"]))
+    log(f"wrote {study.save(results, suffix)}")
     return 0

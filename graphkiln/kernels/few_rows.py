@@ -1,5 +1,5 @@
-"""FEW_ROWS: up to this many rows fp8_linear streams the weight against the unquantized activations
+"""MM_ROWS: up to this many rows fp8_linear streams the weight against the unquantized activations
 (kernels/fp8_linear.py); above, it quantizes them and multiplies on fp8 tensor cores. Kept apart from
 the Triton kernels so that the graph passes read it on machines without Triton."""
 
-FEW_ROWS = 16
+MM_ROWS = 64

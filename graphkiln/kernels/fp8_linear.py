@@ -6,7 +6,9 @@ dequantized weight is the fp8 value times its scale.
 Few rows (decode): the product is a pass over the weight, so the weight streams in as fp8, is
 converted in registers and multiplied by the unquantized activation; nothing is quantized and the
 bytes read are half of bf16's. One row: the GEMV layout of gemv.py (a slab of weight rows per
-program over all of K); 2 to FEW_ROWS rows: the same slabs through tensor-core dots.
+program over a range of K); 2 to MM_ROWS rows: the same slabs through tensor-core dots. Both split
+K so that every multiprocessor has loads in flight (split_k.py: partials summed in a second kernel,
+the same result on every call).
 More rows (prefill): the activation is quantized to fp8 (per token for per-channel weights, per
 1 x 128 group for block weights; with `input_scale`, by that static per-tensor scale) and the
 product runs on fp8 tensor cores in torch._scaled_mm; block weights where that torch build has no
@@ -25,9 +27,10 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from graphkiln.errors import ConfigError
 
-from .few_rows import FEW_ROWS
+from .few_rows import MM_ROWS
 from .gemv import _k_mask
 from .pdl import pdl_on
+from .split_k import finish, k_steps, multiprocessors, output, split_count
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -51,27 +54,31 @@ def _gemv_step(acc, w, k, ks, k_mask, cols, col_mask, x_ptr, s_ptr, K, stride_sn
     return out
 
 
-@triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_wn, stride_sn, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, SUB: tl.constexpr, ACC_K: tl.constexpr, EVEN_K: tl.constexpr,
-                     BLOCK_SCALES: tl.constexpr, PDL: tl.constexpr):
-    """y[0, N] for one row x[0, K]: one program per slab of BLOCK_N weight rows over all of K; the
-    accumulator is [BLOCK_N, BLOCK_K] (per-channel scales) or one column per SUB-wide chunk (block)."""
+@triton.jit(do_not_specialize=["STEPS"])  # a loop bound: one build for every split
+def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, STEPS, stride_wn, stride_sn, stride_os,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr, ACC_K: tl.constexpr,
+                     EVEN_K: tl.constexpr, BLOCK_SCALES: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+    """out[split, 0, N] for one row x[0, K]: one program per slab of BLOCK_N weight rows and split of K (STEPS
+    steps of BLOCK_K); the accumulator is [BLOCK_N, BLOCK_K] (per-channel scales) or one column per SUB-wide
+    chunk (block scales)."""
     pid = tl.program_id(0)
+    split = tl.program_id(1)
     if PDL:  # the next kernel may start once every program has begun
         gdc_launch_dependents()
+    k_start = split * STEPS * BLOCK_K
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     col_mask = cols < N
     w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
     acc = tl.zeros((BLOCK_N, ACC_K), dtype=tl.float32)
-    k_mask = _k_mask(ks, 0, K, EVEN_K)
-    w = tl.load(w_ptrs, mask=col_mask[:, None] & k_mask[None, :], other=0.0)  # no earlier kernel's output
+    k_mask = _k_mask(ks, k_start, K, EVEN_K)
+    w = tl.load(w_ptrs + k_start, mask=col_mask[:, None] & k_mask[None, :], other=0.0)  # the weight: no wait
     if PDL:  # x is: wait for the previous kernel to finish and its writes to land
         gdc_wait()
-    acc = _gemv_step(acc, w, 0, ks, k_mask, cols, col_mask, x_ptr, s_ptr, K, stride_sn, BLOCK_N,
-                         BLOCK_K // SUB, SUB, BLOCK_SCALES)
-    for k in range(BLOCK_K, K, BLOCK_K):
+    acc = _gemv_step(acc, w, k_start, ks, k_mask, cols, col_mask, x_ptr, s_ptr, K, stride_sn, BLOCK_N,
+                     BLOCK_K // SUB, SUB, BLOCK_SCALES)
+    for step in tl.range(1, STEPS, num_stages=STAGES):  # the loop attribute pipelines loads without a dot
+        k = k_start + step * BLOCK_K
         k_mask = _k_mask(ks, k, K, EVEN_K)
         w = tl.load(w_ptrs + k, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
         acc = _gemv_step(acc, w, k, ks, k_mask, cols, col_mask, x_ptr, s_ptr, K, stride_sn, BLOCK_N,
@@ -79,19 +86,54 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_wn, stride_sn, BLO
     y = tl.sum(acc, axis=1)
     if not BLOCK_SCALES:
         y = y * tl.load(s_ptr + cols, mask=col_mask, other=0.0)
-    tl.store(y_ptr + cols, y.to(y_ptr.dtype.element_ty), mask=col_mask)
+    tl.store(out_ptr + split * stride_os + cols, y.to(out_ptr.dtype.element_ty), mask=col_mask)
 
 
 @triton.jit
-def _fp8_rows_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     BLOCK_SCALES: tl.constexpr, PDL: tl.constexpr):
-    """y[M, N] tile by tile: each fp8 weight tile converted to x's dtype (times its block's scale) in
-    registers and multiplied on tensor cores; BLOCK_K divides 128, so a step sits in one scale block."""
+def _zero_tile(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
+    """The float32 accumulator of a BLOCK_M x BLOCK_N output tile, transposed with SWAP_AB."""
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def _dot_tile(acc, x, w, SWAP_AB: tl.constexpr):
+    """acc + x [BLOCK_M, BLOCK_K] @ w [BLOCK_N, BLOCK_K]^T; with SWAP_AB the transposed product acc + w @ x^T,
+    where the weight rows fill the tall side of the tensor-core tile and the few activation rows its narrow
+    one (and the converted weight stays in registers as the left operand)."""
+    if SWAP_AB:
+        out = tl.dot(w, tl.trans(x), acc)
+    else:
+        out = tl.dot(x, tl.trans(w), acc)
+    return out
+
+
+@triton.jit
+def _output_tile(acc, SWAP_AB: tl.constexpr):
+    """The accumulator as [BLOCK_M, BLOCK_N]."""
+    if SWAP_AB:
+        out = tl.trans(acc)
+    else:
+        out = acc
+    return out
+
+
+@triton.jit(do_not_specialize=["M", "STEPS", "stride_os"])  # one build for every row count and split
+def _fp8_rows_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, STEPS, stride_xm, stride_wn, stride_sn, stride_os,
+                     stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     SWAP_AB: tl.constexpr, BLOCK_SCALES: tl.constexpr, PDL: tl.constexpr):
+    """out[split, M, N] tile by tile over a split of K (STEPS steps of BLOCK_K): each fp8 weight tile converted
+    to x's dtype (times its block's scale) in registers and multiplied on tensor cores; BLOCK_K divides 128,
+    so a step sits in one scale block."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
+    split = tl.program_id(2)
     if PDL:
         gdc_launch_dependents()
+    k_start = split * STEPS * BLOCK_K
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
@@ -99,21 +141,23 @@ def _fp8_rows_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, 
     col_mask = cols < N
     x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :]
     w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = _zero_tile(BLOCK_M, BLOCK_N, SWAP_AB)
     if PDL:  # x is the previous kernel's output
         gdc_wait()
-    for k in range(0, K, BLOCK_K):
+    for step in range(STEPS):
+        k = k_start + step * BLOCK_K
         k_mask = (k + ks) < K
         w = tl.load(w_ptrs + k, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
         x = tl.load(x_ptrs + k, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w = w.to(tl.float32)  # exact; fp8 goes to half precision through float32 on every target
         if BLOCK_SCALES:
             w = w * tl.load(s_ptr + (cols // 128) * stride_sn + k // 128, mask=col_mask, other=0.0)[:, None]
-        acc = tl.dot(x, tl.trans(w.to(x_ptr.dtype.element_ty)), acc)
+        acc = _dot_tile(acc, x, w.to(x_ptr.dtype.element_ty), SWAP_AB)
+    acc = _output_tile(acc, SWAP_AB)
     if not BLOCK_SCALES:
         acc = acc * tl.load(s_ptr + cols, mask=col_mask, other=0.0)[None, :]
-    y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_ym + cols[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+    out_ptrs = out_ptr + split * stride_os + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
 @triton.jit
@@ -145,9 +189,10 @@ def _dequantize_blocks_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn,
     tl.store(out_ptr + cols[:, None].to(tl.int64) * stride_on + ks[None, :], out, mask=mask)
 
 
-def gemv_tiling(n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, warps, stages) of the one-row kernel: gemv.py's slabs with twice the K step,
-    so a step still loads as many bytes (the benchmark's sweep checks them)."""
+def gemv_tiling(n: int, k: int, sms: int = 132) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, splits, warps, stages) of the one-row kernel: gemv.py's slabs with twice the K step,
+    so a step still loads as many bytes, and K split where the slabs alone leave multiprocessors idle (the
+    benchmark's sweep checks them). `sms`: the device's multiprocessors."""
     if n <= 8192:
         tiles = (4, 4096, 4, 2) if k <= 2048 else (8, 1024, 4, 3) if k < 8192 else (8, 2048, 8, 2)
     elif n <= 32768:
@@ -155,21 +200,22 @@ def gemv_tiling(n: int, k: int) -> tuple[int, int, int, int]:
     else:
         tiles = 16, 512, 4, 4
     block_n, block_k, warps, stages = tiles
-    return block_n, min(block_k, max(triton.next_power_of_2(k), 16)), warps, stages
+    block_k = min(block_k, max(triton.next_power_of_2(k), 16))
+    splits = split_count(triton.cdiv(n, block_n), k, block_k, 4 * n, n * k, sms)
+    return block_n, block_k, splits, warps, stages
 
 
-def rows_tiling(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the tensor-core kernel; BLOCK_K divides 128. Up to 64
-    rows one row tile covers them, and slabs narrow with N so that every multiprocessor streams."""
+def rows_tiling(m: int, n: int, k: int, sms: int = 132) -> tuple[int, int, int, bool, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, swap_ab, splits, warps, stages) of the tensor-core kernel; BLOCK_K divides
+    128. Up to 64 rows one row tile covers them; 64-wide slabs (x is read again for every slab), with K split
+    so that every multiprocessor streams."""
     if m <= 64:
-        return max(16, triton.next_power_of_2(m)), slab_width(n), 128, 4, 4
-    return 64, 128, 64, 4, 4
-
-
-def slab_width(n: int) -> int:
-    """Weight rows per program at few rows: about two programs per multiprocessor on the 4096- to
-    28672-wide projections."""
-    return 16 if n <= 4096 else 32 if n <= 8192 else 64
+        block_m, block_n, block_k, warps, stages = max(16, triton.next_power_of_2(m)), 64, 128, 4, 4
+    else:
+        block_m, block_n, block_k, warps, stages = 64, 128, 64, 4, 4
+    programs = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
+    splits = split_count(programs, k, block_k, 4 * m * n, n * k, sms)
+    return block_m, block_n, block_k, False, splits, warps, stages
 
 
 def _block_scales(weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
@@ -197,37 +243,41 @@ def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) ->
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-             tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+             tiles: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """x [1, K] @ dequantized weight^T with the one-row kernel; `tiles` defaults to `gemv_tiling`."""
     n, k = weight.shape
-    block_n, block_k, warps, stages = tiles or gemv_tiling(n, k)
+    block_n, block_k, splits, warps, stages = tiles or gemv_tiling(n, k, multiprocessors(x.device))
+    splits, steps = k_steps(k, splits, block_k)
     block_scales = weight_scale.dim() == 2
     sub = min(block_k, BLOCK)
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    out = output(1, n, splits, x.dtype, x.device)
     launch_pdl = pdl_on(x.device)
-    _fp8_gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, weight_scale, y, n, k, weight.stride(0), weight_scale.stride(0), BLOCK_N=block_n,
+    _fp8_gemv_kernel[(triton.cdiv(n, block_n), splits)](
+        x, weight, weight_scale, out, n, k, steps, weight.stride(0), weight_scale.stride(0), n, BLOCK_N=block_n,
         BLOCK_K=block_k, SUB=sub, ACC_K=block_k // sub if block_scales else block_k, EVEN_K=k % block_k == 0,
-        BLOCK_SCALES=block_scales, PDL=launch_pdl,
+        BLOCK_SCALES=block_scales, STAGES=stages, PDL=launch_pdl,
         num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,
     )
-    return y
+    return finish(out, x.dtype)
 
 
 def fp8_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-             tiles: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+             tiles: tuple[int, int, int, bool, int, int, int] | None = None) -> torch.Tensor:
     """x [M, K] @ dequantized weight^T with the tensor-core kernel; `tiles` defaults to `rows_tiling`."""
     m, k = x.shape
     n = weight.shape[0]
-    block_m, block_n, block_k, warps, stages = tiles or rows_tiling(m, n, k)
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    block_m, block_n, block_k, swap_ab, splits, warps, stages = tiles or rows_tiling(m, n, k,
+                                                                                     multiprocessors(x.device))
+    splits, steps = k_steps(k, splits, block_k)
+    out = output(m, n, splits, x.dtype, x.device)
     launch_pdl = pdl_on(x.device)
-    _fp8_rows_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
-        x, weight, weight_scale, y, m, n, k, x.stride(0), weight.stride(0), weight_scale.stride(0), y.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_SCALES=weight_scale.dim() == 2, PDL=launch_pdl,
-        num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,
+    _fp8_rows_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m), splits)](
+        x, weight, weight_scale, out, m, n, k, steps, x.stride(0), weight.stride(0), weight_scale.stride(0),
+        m * n, n, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SWAP_AB=swap_ab,
+        BLOCK_SCALES=weight_scale.dim() == 2, PDL=launch_pdl, num_warps=warps, num_stages=stages,
+        launch_pdl=launch_pdl,
     )
-    return y
+    return finish(out, x.dtype)
 
 
 def quantize_rows(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -271,10 +321,10 @@ def dequantize_blocks(weight: torch.Tensor, weight_scale: torch.Tensor, dtype: t
 def blockwise_scaled_mm(device_index: int) -> bool:
     """Whether this torch build's _scaled_mm multiplies 1 x 128 activation groups by 128 x 128 weight
     blocks on this device (cuBLAS 12.9+ on sm90): one small product in exactly the layout fp8_linear
-    passes, with the fewest and least aligned rows it passes (FEW_ROWS + 1), tells, at the first
-    block-scaled product of more than FEW_ROWS rows (a warm-up call before graph capture makes it)."""
+    passes, with the fewest and least aligned rows it passes (MM_ROWS + 1), tells, at the first
+    block-scaled product of more than MM_ROWS rows (a warm-up call before graph capture makes it)."""
     device = torch.device("cuda", device_index)
-    x = torch.ones(FEW_ROWS + 1, 2 * BLOCK, device=device, dtype=torch.bfloat16)
+    x = torch.ones(MM_ROWS + 1, 2 * BLOCK, device=device, dtype=torch.bfloat16)
     weight = torch.ones(2 * BLOCK, 2 * BLOCK, device=device).to(FP8)
     weight_scale = torch.ones(2, 2, device=device)
     try:
@@ -309,7 +359,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 
     weight_scale: float32 [N] per output channel or [ceil(N/128), ceil(K/128)] per block. input_scale:
     a static per-tensor activation scale (float32, one element) used where the activation is quantized
-    (more than FEW_ROWS rows); without it activations are scaled per token or per 1 x 128 group."""
+    (more than MM_ROWS rows); without it activations are scaled per token or per 1 x 128 group."""
     _check(x, weight, weight_scale)
     block_scales = _block_scales(weight, weight_scale)
     x, weight_scale = x if x.stride(1) == 1 else x.contiguous(), weight_scale.contiguous()
@@ -319,8 +369,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         return x.new_empty(0, n)
     if m == 1:
         return fp8_gemv(x, weight, weight_scale)
-    if m <= FEW_ROWS or not scaled_mm_fits(x, weight, block_scales):
-        if block_scales and m > FEW_ROWS:  # no fp8 tensor-core product fits: cuBLAS on the dequantized weight
+    if m <= MM_ROWS or not scaled_mm_fits(x, weight, block_scales):
+        if block_scales and m > MM_ROWS:  # no fp8 tensor-core product fits: cuBLAS on the dequantized weight
             return torch.mm(x, dequantize_blocks(weight, weight_scale, x.dtype).t())
         return fp8_rows(x, weight, weight_scale)
     if block_scales:

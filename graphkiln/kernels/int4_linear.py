@@ -6,10 +6,11 @@ are [N, K/G] (any float dtype, or integer zeros).
 One row (decode at batch 1): a GEMV in gemv.py's layout that never builds the weight: per group it
 sums q * x and x, and adds scale * (sum(q * x) - zero * sum(x)), so the inner loop is one multiply-add
 per weight and the bytes read are a quarter of bf16's. More rows: a tiled kernel that dequantizes
-each weight tile in registers for tensor-core dots; past MM_ROWS rows (prefill), the weight is
-dequantized once to x's dtype and multiplied by torch.mm, where writing and reading that weight is a
-small part of a compute-bound product (`python -m bench quantized` times both ways). Kernels only,
-no host sync: capturable.
+each weight tile in registers for tensor-core dots. Both split K at decode sizes so that every
+multiprocessor has loads in flight (split_k.py: partials summed in a second kernel, the same result
+on every call). Past MM_ROWS rows (prefill), the weight is dequantized once to x's dtype and
+multiplied by torch.mm, where writing and reading that weight is a small part of a compute-bound
+product (`python -m bench quantized` times both ways). Kernels only, no host sync: capturable.
 """
 
 from __future__ import annotations
@@ -21,80 +22,102 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from graphkiln.errors import ConfigError
 
+from .fp8_linear import _dot_tile, _output_tile, _zero_tile
 from .fp8_linear import gemv_tiling as fp8_gemv_tiling
+from .gemv import _k_mask
 from .pdl import pdl_on
+from .split_k import finish, k_steps, multiprocessors, output, split_count
 
 MM_ROWS = 256  # above this many rows: dequantize the weight, then torch.mm
 MIN_MM_GROUP = 32  # smaller groups mean 16-wide K tiles, whose results were wrong on the H200 at 8 rows
 
 
 @triton.jit
-def _int4_gemv_step(acc, b, k, js, k_mask, cols, col_mask, x_ptr, s_ptr, z_ptr, K, stride_sn, stride_zn, G,
-                    BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, HALF_SUB: tl.constexpr):
-    """acc [BLOCK_N, CHUNKS] + this K step: each chunk of 2 * HALF_SUB inputs lies inside one group."""
-    x_even = tl.load(x_ptr + k + 2 * js, mask=k_mask, other=0.0).to(tl.float32)
-    x_odd = tl.load(x_ptr + k + 2 * js + 1, mask=k_mask, other=0.0).to(tl.float32)
-    qx = (b & 15).to(tl.float32) * x_even[None, :] + (b >> 4).to(tl.float32) * x_odd[None, :]
-    qx = tl.sum(tl.reshape(qx, (BLOCK_N, CHUNKS, HALF_SUB)), axis=2)
-    xs = tl.sum(tl.reshape(x_even + x_odd, (CHUNKS, HALF_SUB)), axis=1)
-    chunk_k = k + tl.arange(0, CHUNKS) * (2 * HALF_SUB)
+def _group_params(s_ptr, z_ptr, cols, col_mask, k, K, G, stride_sn, stride_zn, CHUNKS: tl.constexpr,
+                  SUB: tl.constexpr):
+    """The scales and zero points (float32, [BLOCK_N, CHUNKS]) of the K step at k, one per SUB-wide chunk. The
+    kernels load them a step ahead: too narrow for the pipeliner's copies, they would stall every step."""
+    chunk_k = k + tl.arange(0, CHUNKS) * SUB
     mask = col_mask[:, None] & (chunk_k < K)[None, :]
     s = tl.load(s_ptr + cols[:, None] * stride_sn + (chunk_k // G)[None, :], mask=mask, other=0.0).to(tl.float32)
     z = tl.load(z_ptr + cols[:, None] * stride_zn + (chunk_k // G)[None, :], mask=mask, other=0.0).to(tl.float32)
-    return acc + s * (qx - z * xs[None, :])
+    return s, z
 
 
 @triton.jit
-def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, N, K, G, stride_qn, stride_sn, stride_zn,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr, EVEN_K: tl.constexpr,
-                      PDL: tl.constexpr):
-    """y[0, N] for one row x[0, K]: one program per slab of BLOCK_N weight rows over all of K, BLOCK_K
-    inputs (BLOCK_K / 2 bytes a row) a step, accumulated per SUB-wide chunk (SUB divides G)."""
+def _int4_gemv_step(acc, b, s, z, k, ks, x_ptr, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    CHUNKS: tl.constexpr, EVEN_K: tl.constexpr):
+    """acc [BLOCK_N, CHUNKS] + this K step: each chunk of BLOCK_K / CHUNKS inputs lies inside one group. x is
+    loaded whole (one contiguous load the pipeliner can take) and split into the even and odd inputs."""
+    x = tl.load(x_ptr + k + ks, mask=_k_mask(ks, k, K, EVEN_K), other=0.0).to(tl.float32)
+    x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_K // 2, 2)))
+    qx = (b & 15).to(tl.float32) * x_even[None, :] + (b >> 4).to(tl.float32) * x_odd[None, :]
+    qx = tl.sum(tl.reshape(qx, (BLOCK_N, CHUNKS, BLOCK_K // 2 // CHUNKS)), axis=2)
+    xs = tl.sum(tl.reshape(x_even + x_odd, (CHUNKS, BLOCK_K // 2 // CHUNKS)), axis=1)
+    return acc + s * (qx - z * xs[None, :])
+
+
+@triton.jit(do_not_specialize=["STEPS"])  # a loop bound: one build for every split
+def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, N, K, STEPS, G, stride_qn, stride_sn, stride_zn,
+                      stride_os, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
+                      EVEN_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+    """out[split, 0, N] for one row x[0, K]: one program per slab of BLOCK_N weight rows and split of K (STEPS
+    steps of BLOCK_K inputs, BLOCK_K / 2 bytes a row), accumulated per SUB-wide chunk (SUB divides G)."""
     pid = tl.program_id(0)
+    split = tl.program_id(1)
     if PDL:  # the next kernel may start once every program has begun
         gdc_launch_dependents()
+    k_start = split * STEPS * BLOCK_K
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
     js = tl.arange(0, BLOCK_K // 2)
     col_mask = cols < N
     q_ptrs = q_ptr + cols[:, None].to(tl.int64) * stride_qn + js[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_K // SUB), dtype=tl.float32)
-    k_mask = js < BLOCK_K // 2 if EVEN_K else 2 * js < K
-    b = tl.load(q_ptrs, mask=col_mask[:, None] & k_mask[None, :], other=0)  # no earlier kernel's output
+    k_mask = js < BLOCK_K // 2 if EVEN_K else k_start + 2 * js < K
+    b = tl.load(q_ptrs + k_start // 2, mask=col_mask[:, None] & k_mask[None, :], other=0)  # the weight: no wait
+    s, z = _group_params(s_ptr, z_ptr, cols, col_mask, k_start, K, G, stride_sn, stride_zn, BLOCK_K // SUB, SUB)
     if PDL:  # x is: wait for the previous kernel to finish and its writes to land
         gdc_wait()
-    acc = _int4_gemv_step(acc, b, 0, js, k_mask, cols, col_mask, x_ptr, s_ptr, z_ptr, K, stride_sn, stride_zn, G,
-                          BLOCK_N, BLOCK_K // SUB, SUB // 2)
-    for k in range(BLOCK_K, K, BLOCK_K):
+    s_next, z_next = _group_params(s_ptr, z_ptr, cols, col_mask, k_start + BLOCK_K, K, G, stride_sn, stride_zn,
+                                   BLOCK_K // SUB, SUB)
+    acc = _int4_gemv_step(acc, b, s, z, k_start, ks, x_ptr, K, BLOCK_N, BLOCK_K, BLOCK_K // SUB, EVEN_K)
+    for step in tl.range(1, STEPS, num_stages=STAGES):  # the loop attribute pipelines loads without a dot
+        k = k_start + step * BLOCK_K
+        s, z = s_next, z_next
+        s_next, z_next = _group_params(s_ptr, z_ptr, cols, col_mask, k + BLOCK_K, K, G, stride_sn, stride_zn,
+                                       BLOCK_K // SUB, SUB)
         k_mask = js < BLOCK_K // 2 if EVEN_K else k + 2 * js < K
         b = tl.load(q_ptrs + k // 2, mask=col_mask[:, None] & k_mask[None, :], other=0)
-        acc = _int4_gemv_step(acc, b, k, js, k_mask, cols, col_mask, x_ptr, s_ptr, z_ptr, K, stride_sn, stride_zn,
-                              G, BLOCK_N, BLOCK_K // SUB, SUB // 2)
-    tl.store(y_ptr + cols, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=col_mask)
+        acc = _int4_gemv_step(acc, b, s, z, k, ks, x_ptr, K, BLOCK_N, BLOCK_K, BLOCK_K // SUB, EVEN_K)
+    tl.store(out_ptr + split * stride_os + cols, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=col_mask)
 
 
 @triton.jit
-def _dequantize_tile(q_ptr, s_ptr, z_ptr, cols, col_mask, k, js, K, G, stride_qn, stride_sn, stride_zn,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, dtype: tl.constexpr):
-    """The weight tile [BLOCK_N, BLOCK_K] at (cols, k) in `dtype`; BLOCK_K divides G, so one group a row."""
+def _dequantize_tile(q_ptr, s, z, cols, col_mask, k, js, K, stride_qn, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, dtype: tl.constexpr):
+    """The weight tile [BLOCK_N, BLOCK_K] at (cols, k) in `dtype`, with its rows' scales and zero points s, z
+    ([BLOCK_N, 1] float32); BLOCK_K divides G, so one group a row."""
     k_mask = k + 2 * js < K
     b = tl.load(q_ptr + cols[:, None].to(tl.int64) * stride_qn + k // 2 + js[None, :],
                 mask=col_mask[:, None] & k_mask[None, :], other=0)
-    s = tl.load(s_ptr + cols * stride_sn + k // G, mask=col_mask, other=0.0).to(tl.float32)[:, None]
-    z = tl.load(z_ptr + cols * stride_zn + k // G, mask=col_mask, other=0.0).to(tl.float32)[:, None]
     low = ((b & 15).to(tl.float32) - z) * s
     high = ((b >> 4).to(tl.float32) - z) * s
     return tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_K)).to(dtype)
 
 
-@triton.jit
-def _int4_mm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, M, N, K, G, stride_xm, stride_qn, stride_sn, stride_zn,
-                    stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    PDL: tl.constexpr):
-    """y[M, N] tile by tile, each int4 weight tile dequantized to x's dtype in registers for a dot."""
+@triton.jit(do_not_specialize=["M", "STEPS", "stride_os"])  # one build for every row count and split
+def _int4_mm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, M, N, K, STEPS, G, stride_xm, stride_qn, stride_sn,
+                    stride_zn, stride_os, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr, PDL: tl.constexpr):
+    """out[split, M, N] tile by tile over a split of K (STEPS steps of BLOCK_K), each int4 weight tile
+    dequantized to x's dtype in registers for a dot."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
+    split = tl.program_id(2)
     if PDL:
         gdc_launch_dependents()
+    k_start = split * STEPS * BLOCK_K
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
@@ -102,16 +125,22 @@ def _int4_mm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, M, N, K, G, stride_xm, st
     row_mask = rows < M
     col_mask = cols < N
     x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = _zero_tile(BLOCK_M, BLOCK_N, SWAP_AB)
+    s, z = _group_params(s_ptr, z_ptr, cols, col_mask, k_start, K, G, stride_sn, stride_zn, 1, BLOCK_K)
     if PDL:  # x is the previous kernel's output
         gdc_wait()
-    for k in range(0, K, BLOCK_K):
-        w = _dequantize_tile(q_ptr, s_ptr, z_ptr, cols, col_mask, k, js, K, G, stride_qn, stride_sn, stride_zn,
-                             BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty)
+    for step in range(STEPS):
+        k = k_start + step * BLOCK_K
+        s_next, z_next = _group_params(s_ptr, z_ptr, cols, col_mask, k + BLOCK_K, K, G, stride_sn, stride_zn, 1,
+                                       BLOCK_K)
+        w = _dequantize_tile(q_ptr, s, z, cols, col_mask, k, js, K, stride_qn, BLOCK_N, BLOCK_K,
+                             x_ptr.dtype.element_ty)
+        s, z = s_next, z_next
         x = tl.load(x_ptrs + k, mask=row_mask[:, None] & ((k + ks) < K)[None, :], other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc)
-    y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_ym + cols[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+        acc = _dot_tile(acc, x, w, SWAP_AB)
+    acc = _output_tile(acc, SWAP_AB)
+    out_ptrs = out_ptr + split * stride_os + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
 @triton.jit
@@ -121,27 +150,36 @@ def _int4_dequantize_kernel(q_ptr, s_ptr, z_ptr, out_ptr, N, K, G, stride_qn, st
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.program_id(1) * BLOCK_K
     col_mask = cols < N
-    w = _dequantize_tile(q_ptr, s_ptr, z_ptr, cols, col_mask, k, tl.arange(0, BLOCK_K // 2), K, G, stride_qn,
-                         stride_sn, stride_zn, BLOCK_N, BLOCK_K, out_ptr.dtype.element_ty)
+    s, z = _group_params(s_ptr, z_ptr, cols, col_mask, k, K, G, stride_sn, stride_zn, 1, BLOCK_K)
+    w = _dequantize_tile(q_ptr, s, z, cols, col_mask, k, tl.arange(0, BLOCK_K // 2), K, stride_qn, BLOCK_N, BLOCK_K,
+                         out_ptr.dtype.element_ty)
     ks = k + tl.arange(0, BLOCK_K)
     tl.store(out_ptr + cols[:, None].to(tl.int64) * stride_on + ks[None, :], w,
              mask=col_mask[:, None] & (ks < K)[None, :])
 
 
-def gemv_tiling(n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, warps, stages) of the one-row kernel: fp8_linear's slabs with twice its K step (half
-    the bytes an element), so a step still loads as many bytes (the benchmark's sweep checks them)."""
-    block_n, block_k, warps, stages = fp8_gemv_tiling(n, k)
-    return block_n, min(2 * block_k, max(triton.next_power_of_2(k), 32)), warps, stages
+def gemv_tiling(n: int, k: int, sms: int = 132) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, splits, warps, stages) of the one-row kernel: fp8_linear's slabs with twice its K step
+    (half the bytes an element), so a step still loads as many bytes, and K split where the slabs alone leave
+    multiprocessors idle (the benchmark's sweep checks them)."""
+    block_n, block_k, _, warps, stages = fp8_gemv_tiling(n, k, sms)
+    block_k = min(2 * block_k, max(triton.next_power_of_2(k), 32))
+    splits = split_count(triton.cdiv(n, block_n), k, block_k, 4 * n, n * k // 2, sms)
+    return block_n, block_k, splits, warps, stages
 
 
-def mm_tiling(m: int, n: int, k: int, group_size: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the tiled kernel; BLOCK_K divides the group size. Up
-    to 64 rows one row tile covers them, and slabs narrow with N so that every multiprocessor streams."""
+def mm_tiling(m: int, n: int, k: int, group_size: int, sms: int = 132) -> tuple[int, int, int, bool, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, swap_ab, splits, warps, stages) of the tiled kernel; BLOCK_K divides the group
+    size.
+    Up to 64 rows one row tile covers them; 64-wide slabs (x is read again for every slab), with K split so
+    that every multiprocessor streams."""
     if m <= 64:
-        block_n = 16 if n <= 4096 else 32 if n <= 8192 else 64
-        return max(16, triton.next_power_of_2(m)), block_n, min(group_size, 128), 4, 4
-    return 64, 128, min(group_size, 64), 4, 4
+        block_m, block_n, block_k, warps, stages = max(16, triton.next_power_of_2(m)), 64, min(group_size, 128), 4, 4
+    else:
+        block_m, block_n, block_k, warps, stages = 64, 128, min(group_size, 64), 4, 4
+    programs = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
+    splits = split_count(programs, k, block_k, 4 * m * n, n * k // 2, sms)
+    return block_m, block_n, block_k, False, splits, warps, stages
 
 
 def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> None:
@@ -163,34 +201,37 @@ def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: 
 
 
 def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-              tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+              tiles: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """x [1, K] @ w^T with the one-row kernel; `tiles` defaults to `gemv_tiling`."""
     n, k = qweight.shape[0], x.shape[1]
-    block_n, block_k, warps, stages = tiles or gemv_tiling(n, k)
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    block_n, block_k, splits, warps, stages = tiles or gemv_tiling(n, k, multiprocessors(x.device))
+    splits, steps = k_steps(k, splits, block_k)
+    out = output(1, n, splits, x.dtype, x.device)
     launch_pdl = pdl_on(x.device)
-    _int4_gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, qweight, scales, zeros, y, n, k, group_size, qweight.stride(0), scales.stride(0), zeros.stride(0),
-        BLOCK_N=block_n, BLOCK_K=block_k, SUB=min(block_k, group_size), EVEN_K=k % block_k == 0, PDL=launch_pdl,
-        num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,
+    _int4_gemv_kernel[(triton.cdiv(n, block_n), splits)](
+        x, qweight, scales, zeros, out, n, k, steps, group_size, qweight.stride(0), scales.stride(0),
+        zeros.stride(0), n, BLOCK_N=block_n, BLOCK_K=block_k, SUB=min(block_k, group_size), EVEN_K=k % block_k == 0,
+        STAGES=stages, PDL=launch_pdl, num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,
     )
-    return y
+    return finish(out, x.dtype)
 
 
 def int4_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-            tiles: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+            tiles: tuple[int, int, int, bool, int, int, int] | None = None) -> torch.Tensor:
     """x [M, K] @ w^T with the tiled kernel; `tiles` defaults to `mm_tiling`."""
     m, k = x.shape
     n = qweight.shape[0]
-    block_m, block_n, block_k, warps, stages = tiles or mm_tiling(m, n, k, group_size)
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    block_m, block_n, block_k, swap_ab, splits, warps, stages = tiles or mm_tiling(m, n, k, group_size,
+                                                                                   multiprocessors(x.device))
+    splits, steps = k_steps(k, splits, block_k)
+    out = output(m, n, splits, x.dtype, x.device)
     launch_pdl = pdl_on(x.device)
-    _int4_mm_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
-        x, qweight, scales, zeros, y, m, n, k, group_size, x.stride(0), qweight.stride(0), scales.stride(0),
-        zeros.stride(0), y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PDL=launch_pdl,
-        num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,
+    _int4_mm_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m), splits)](
+        x, qweight, scales, zeros, out, m, n, k, steps, group_size, x.stride(0), qweight.stride(0),
+        scales.stride(0), zeros.stride(0), m * n, n, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        SWAP_AB=swap_ab, PDL=launch_pdl, num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,
     )
-    return y
+    return finish(out, x.dtype)
 
 
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,

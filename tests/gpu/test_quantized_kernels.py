@@ -1,5 +1,6 @@
 """The fp8 and int4 weight kernels against float32 products of the dequantized weight, at decode and
-prefill row counts, on the bench models' projections and ragged shapes, and inside CUDA graphs."""
+prefill row counts, on the bench models' projections and ragged shapes, with every split of K, and
+inside CUDA graphs."""
 
 import functools
 
@@ -9,16 +10,22 @@ import torch
 pytest.importorskip("triton")
 
 from graphkiln.errors import ConfigError  # noqa: E402
-from graphkiln.kernels.fp8_linear import FEW_ROWS, FP8, fp8_linear, quantize_rows, scaled_mm_fits  # noqa: E402
+from graphkiln.kernels import fp8_linear as fp8_kernels  # noqa: E402
+from graphkiln.kernels import int4_linear as int4_kernels  # noqa: E402
+from graphkiln.kernels.fp8_linear import FP8, MM_ROWS, fp8_linear, quantize_rows, scaled_mm_fits  # noqa: E402
 from graphkiln.kernels.int4_linear import int4_linear  # noqa: E402
+from graphkiln.kernels.split_k import MIN_SPLIT_K, RESIDENT, k_steps, multiprocessors  # noqa: E402
 
-ROWS = [1, 2, 8, 16, 17, 128, 1024]  # 17: the fewest rows fp8 quantizes
+ROWS = [1, 2, 8, 16, 33, 64, 65, 128, 1024]  # 65: the fewest rows fp8 quantizes
+SPLITS = [1, 2, 3, 8]  # K splits forced on the few-row kernels (fewer where the K steps do not share evenly)
+ROWS_AND_SWAPS = [(1, False), (5, False), (5, True), (64, False), (64, True)]  # swap_ab: tensor-core kernels only
 MODEL_SHAPES = {  # (N, K) of q/k/v fused, o, gate/up fused, down
     "1b-qkv": (3072, 2048), "1b-o": (2048, 2048), "1b-gate_up": (16384, 2048), "1b-down": (2048, 8192),
     "8b-qkv": (6144, 4096), "8b-o": (4096, 4096), "8b-gate_up": (28672, 4096), "8b-down": (4096, 14336),
 }
 FP8_SHAPES = {**MODEL_SHAPES, "ragged": (1000, 3000), "tiny": (37, 100), "odd-blocks": (200, 1160)}
 INT4_SHAPES = {**MODEL_SHAPES, "ragged": (1000, 2944), "tiny": (37, 384), "odd-tiles": (200, 1152)}
+SPLIT_SHAPES = {"ragged": (1000, 3000), "odd-blocks": (200, 1160), "8b-down": (4096, 14336)}
 
 
 def relative_error(y: torch.Tensor, expected: torch.Tensor) -> float:
@@ -74,7 +81,7 @@ def test_fp8_linear_matches_float32(shape, rows, blocks):
     y = fp8_linear(x, weight, scale)
     expected = x.float() @ reference_weight.t()
     assert y.shape == (rows, n) and y.dtype == torch.bfloat16
-    quantized_activation = rows > FEW_ROWS and scaled_mm_fits(x, weight, blocks)
+    quantized_activation = rows > MM_ROWS and scaled_mm_fits(x, weight, blocks)
     assert relative_error(y, expected) < (0.05 if quantized_activation else 0.005)
 
 
@@ -86,7 +93,7 @@ def test_fp8_linear_float16_and_static_input_scale(rows):
     input_scale = (x.float().abs().amax() / 448).reshape(1)
     y = fp8_linear(x, weight, scale, input_scale)
     assert y.dtype == torch.float16  # the static scale quantizes only where the activation is quantized
-    assert relative_error(y, x.float() @ reference_weight.t()) < (0.06 if rows > FEW_ROWS else 0.005)
+    assert relative_error(y, x.float() @ reference_weight.t()) < (0.06 if rows > MM_ROWS else 0.005)
 
 
 @pytest.mark.parametrize("group", [None, 128])
@@ -124,6 +131,70 @@ def test_int4_linear_other_group_sizes(group, rows):
     assert relative_error(y, x.float() @ reference_weight.t()) < 0.008
 
 
+def with_splits(tiles: tuple, splits: int, swap_ab: bool) -> tuple:
+    """A kernel's tiles with the split count (the third from the end) replaced, and for the tensor-core kernels
+    (BLOCK_M first, seven tiles) whether the dot's operands swap (the fourth)."""
+    if len(tiles) == 7:
+        tiles = (*tiles[:3], swap_ab, *tiles[4:])
+    return (*tiles[:-3], splits, *tiles[-2:])
+
+
+@pytest.mark.parametrize("splits", SPLITS)
+@pytest.mark.parametrize("blocks", [False, True], ids=["per-channel", "block"])
+@pytest.mark.parametrize("rows,swap_ab", ROWS_AND_SWAPS)
+@pytest.mark.parametrize("shape", SPLIT_SHAPES.values(), ids=SPLIT_SHAPES.keys())
+def test_fp8_kernels_match_float32_with_every_split_of_k(shape, rows, swap_ab, blocks, splits):
+    """Each split's partial product, summed in the second kernel: the float32 product up to the output rounding."""
+    n, k = shape
+    weight, scale, reference_weight = fp8_weight(n, k, blocks)
+    x = activation(rows, k)
+    sms = multiprocessors(x.device)
+    if rows == 1:
+        tiles = with_splits(fp8_kernels.gemv_tiling(n, k, sms), splits, swap_ab)
+        y = fp8_kernels.fp8_gemv(x, weight, scale, tiles=tiles)
+    else:
+        tiles = with_splits(fp8_kernels.rows_tiling(rows, n, k, sms), splits, swap_ab)
+        y = fp8_kernels.fp8_rows(x, weight, scale, tiles=tiles)
+    assert y.shape == (rows, n) and y.dtype == torch.bfloat16
+    assert relative_error(y, x.float() @ reference_weight.t()) < 0.005
+
+
+@pytest.mark.parametrize("splits", SPLITS)
+@pytest.mark.parametrize("rows,swap_ab", ROWS_AND_SWAPS)
+@pytest.mark.parametrize("shape", [(1000, 2944), (200, 1152), (4096, 14336)], ids=["ragged", "odd-tiles", "8b-down"])
+def test_int4_kernels_match_float32_with_every_split_of_k(shape, rows, swap_ab, splits):
+    n, k = shape
+    qweight, scales, zeros, reference_weight = int4_weight(n, k)
+    x = activation(rows, k)
+    sms = multiprocessors(x.device)
+    if rows == 1:
+        tiles = with_splits(int4_kernels.gemv_tiling(n, k, sms), splits, swap_ab)
+        y = int4_kernels.int4_gemv(x, qweight, scales, zeros, 128, tiles=tiles)
+    else:
+        tiles = with_splits(int4_kernels.mm_tiling(rows, n, k, 128, sms), splits, swap_ab)
+        y = int4_kernels.int4_mm(x, qweight, scales, zeros, 128, tiles=tiles)
+    assert y.shape == (rows, n) and y.dtype == torch.bfloat16
+    assert relative_error(y, x.float() @ reference_weight.t()) < 0.008
+
+
+@pytest.mark.parametrize("rows", [1, 2, 8])
+@pytest.mark.parametrize("shape", MODEL_SHAPES.values(), ids=MODEL_SHAPES.keys())
+def test_decode_tilings_put_enough_programs_on_every_multiprocessor(shape, rows):
+    """The rule's tiles at batch 1 to 8: slabs x K splits reach RESIDENT programs a multiprocessor, unless K
+    cannot be split further (twice the splits would cover fewer than MIN_SPLIT_K inputs or share unevenly)."""
+    n, k = shape
+    sms = multiprocessors(torch.device("cuda"))
+    if rows == 1:
+        tilings = [fp8_kernels.gemv_tiling(n, k, sms), int4_kernels.gemv_tiling(n, k, sms)]
+        shapes = [(t[0], t[1], t[2]) for t in tilings]
+    else:
+        tilings = [fp8_kernels.rows_tiling(rows, n, k, sms), int4_kernels.mm_tiling(rows, n, k, 128, sms)]
+        shapes = [(t[1], t[2], t[4]) for t in tilings]
+    for block_n, block_k, splits in shapes:
+        finest = k // (2 * splits) < max(MIN_SPLIT_K, block_k) or k_steps(k, 2 * splits, block_k)[0] == splits
+        assert -(-n // block_n) * splits >= RESIDENT * sms or finest, (block_n, block_k, splits)
+
+
 def captured(fn, x: torch.Tensor):
     """fn(x) captured in a CUDA graph after a warm-up: (static input, static output, replay)."""
     static_x = x.clone()
@@ -138,10 +209,11 @@ def captured(fn, x: torch.Tensor):
     return static_x, static_y, graph.replay
 
 
-@pytest.mark.parametrize("rows", [1, 8, 1024])
+@pytest.mark.parametrize("rows", [1, 8, 32, 64, 1024])
 @pytest.mark.parametrize("kind", ["fp8-per-channel", "fp8-block", "int4"])
 def test_kernels_replay_in_a_cuda_graph(kind, rows):
-    """Captured once, replayed on new activations: the eager result of those activations, bit for bit."""
+    """Captured once, replayed on new activations: the eager result of those activations, bit for bit (the
+    split-K partials are summed in a fixed order, so the replay cannot differ)."""
     n, k = 6144, 4096
     if kind == "int4":
         qweight, scales, zeros, _ = int4_weight(n, k)
