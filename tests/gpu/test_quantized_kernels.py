@@ -16,7 +16,7 @@ from graphkiln.kernels.fp8_linear import FP8, MM_ROWS, fp8_linear, quantize_rows
 from graphkiln.kernels.int4_linear import int4_linear  # noqa: E402
 from graphkiln.kernels.split_k import MIN_SPLIT_K, RESIDENT, k_steps, multiprocessors  # noqa: E402
 
-ROWS = [1, 2, 8, 16, 33, 64, 65, 128, 1024]  # 65: the fewest rows fp8 quantizes
+ROWS = [1, 2, 8, 16, 17, 33, 64, 128, 1024]  # 17: the fewest rows fp8 quantizes
 SPLITS = [1, 2, 3, 8]  # K splits forced on the few-row kernels (fewer where the K steps do not share evenly)
 ROWS_AND_SWAPS = [(1, False), (5, False), (5, True), (64, False), (64, True)]  # swap_ab: tensor-core kernels only
 MODEL_SHAPES = {  # (N, K) of q/k/v fused, o, gate/up fused, down
