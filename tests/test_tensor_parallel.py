@@ -6,7 +6,6 @@ time, so each test closes its LLM before the next one starts.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import os
@@ -16,7 +15,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -37,9 +35,6 @@ from graphkiln.models import load_model
 from graphkiln.models.sharding import Shard
 from graphkiln.passes.manager import PassManager
 from graphkiln.passes.pipeline import default_passes
-from graphkiln.runtime.lockstep import Lockstep
-from graphkiln.runtime.preparation import Preparation
-from graphkiln.runtime.step_lock import StepLock
 from graphkiln.runtime.tensor_parallel import parallel_engine
 
 if TYPE_CHECKING:
@@ -341,92 +336,3 @@ def test_rank_killed_during_preparation_is_named(tiny_tp: Path) -> None:
         llm.generate([[1, 2, 3]], GREEDY)
     llm.close()
     assert not dist.is_initialized()
-
-
-@dataclasses.dataclass
-class SummingJob:
-    """A preparation job that runs a collective, as a warm-up or a capture's warm-up does, then fails on
-    `failing_rank` (as a capture can, after its warm-up ran); or fails there before its collective."""
-
-    kind: str
-    key: str
-    failing_rank: int | None = None
-    before_collective: bool = False
-    withdrawn: bool = False
-
-    def run(self) -> None:
-        failing = dist.get_rank() == self.failing_rank
-        if failing and self.before_collective:
-            raise RuntimeError(f"failed before the collective of {self.key}")
-        total = torch.ones(1)
-        dist.all_reduce(total)
-        assert total.item() == 2
-        if failing:
-            raise RuntimeError(f"no capture for {self.key} here")
-
-    def withdraw(self) -> None:
-        self.withdrawn = True
-
-
-def summing_jobs(before_collective: bool) -> list[SummingJob]:
-    return [SummingJob("sum", "1"), SummingJob("sum", "2", 1, before_collective), SummingJob("sum", "3")]
-
-
-def _follow_summing_jobs(store_path: str, before_collective: bool, timeout_s: float) -> None:
-    from graphkiln.runtime.tensor_parallel import _init_groups, _joining_key, _receive
-
-    store = dist.FileStore(store_path, 2)
-    store.set(_joining_key(1), "1")
-    control = _init_groups(1, 2, store, "cpu", timeout_s)
-    preparation = Preparation(summing_jobs(before_collective), StepLock(), torch.device("cpu"), Lockstep(control))
-    while (message := _receive(control)) is not None:
-        preparation.run_one(message.kind, message.key)
-    dist.destroy_process_group()
-
-
-@contextlib.contextmanager
-def summing_group(tmp_path: Path, before_collective: bool, timeout_s: float) -> Iterator[tuple[Preparation, list]]:
-    """Rank 0 here and rank 1 in a process of its own, each preparing `summing_jobs`; rank 0's started
-    (yielded with its jobs, which the preparation drops once they have run)."""
-    from graphkiln.runtime.tensor_parallel import Peers, _init_groups, _wait_for_ranks
-
-    store_path = str(tmp_path / "store")
-    store = dist.FileStore(store_path, 2)
-    args = (store_path, before_collective, timeout_s)
-    worker = torch.multiprocessing.get_context("spawn").Process(target=_follow_summing_jobs, args=args)
-    worker.start()
-    _wait_for_ranks(store, {1: worker}, 60)
-    control = _init_groups(0, 2, store, "cpu", timeout_s)
-    peers = Peers(2, control, {1: worker}, None)
-    jobs = summing_jobs(before_collective)
-    preparation = Preparation(jobs, StepLock(), torch.device("cpu"), Lockstep(control, peers))
-    preparation.start()
-    try:
-        yield preparation, jobs
-    finally:
-        peers.close()
-    assert worker.exitcode is not None and not dist.is_initialized()
-
-
-def test_a_job_failing_on_one_rank_is_skipped_on_all(tmp_path: Path) -> None:
-    """Rank 1's job 2 fails after its collective: rank 0, where it succeeded, withdraws it and names rank 1;
-    job 3 still runs on both ranks."""
-    with summing_group(tmp_path, before_collective=False, timeout_s=60) as (preparation, jobs):
-        assert preparation.wait(60)
-    assert [job.withdrawn for job in jobs] == [False, True, False]
-    assert [p.error for p in preparation.done] == [None, "rank 1: RuntimeError: no capture for 2 here", None]
-    assert [[(r.rank, r.done, r.error is None) for r in p.ranks] for p in preparation.done] == [
-        [(0, 1, True), (1, 1, True)], [(0, 2, True), (1, 2, False)], [(0, 3, True), (1, 3, True)]]  # fmt: skip
-
-
-
-def test_a_job_failing_between_collectives_stops_the_group(tmp_path: Path) -> None:
-    """Rank 1's job 2 fails before its collective: rank 0's times out, and the world group, out of step now,
-    fails its check too: the preparation stops with RankFailedError after a few timeouts, no hang."""
-    timeout_s = 2.0
-    start = time.monotonic()
-    with summing_group(tmp_path, before_collective=True, timeout_s=timeout_s) as (preparation, _):
-        with pytest.raises(RankFailedError, match="preparing sum bucket 2"):
-            preparation.wait(60)
-    assert [p.key for p in preparation.done] == ["1"] and preparation.done[0].error is None
-    assert time.monotonic() - start < 30
