@@ -159,6 +159,9 @@ def child_main(spec: dict) -> None:
         res["graphs"] = stats.graphs_captured
         res["load"] = {**dataclasses.asdict(stats.load), "weights_GBps": stats.load.weights_gb_per_s}
         res["prepare_errors"] = [p.error for p in stats.prepared if p.error]
+        slowest = sorted(stats.prepared, key=lambda p: p.seconds, reverse=True)[:8]
+        res["slowest_jobs"] = [{"kind": p.kind, "key": p.key, "seconds": p.seconds, "done_at_s": p.done_at_s}
+                               for p in slowest]  # a step waits behind at most one of these  # fmt: skip
         res["steps_without_graph"] = stats.steps_without_graph
         res["compile_events_after_load"] = torch_compile_events()
         res["transformers_imported"] = "transformers" in sys.modules
@@ -223,8 +226,9 @@ def main(a: argparse.Namespace) -> int:
                 label = f"{name} {which}" + (" (again)" if i and whiches[i - 1] == which else "")
                 try:
                     child = run_child({**spec, "mode": f"gk_{which}"}, caches, timeout=a.timeout_s)
+                    slowest = ", ".join(f"{j['kind']} {j['key']} {j['seconds']:.3f} s" for j in child.get("slowest_jobs", [])[:3])
                     log(f"{label}: first token at {child['start_to_first_token_s']:.2f} s, ready at "
-                        f"{child.get('start_to_ready_s', 0):.2f} s")
+                        f"{child.get('start_to_ready_s', 0):.2f} s; slowest preparation jobs: {slowest or 'none'}")
                 except Exception as e:  # noqa: BLE001  (kept in the JSON and the table)
                     child = {"error": f"{type(e).__name__}: {e}"[:2000]}
                     log(f"{label} failed: {child['error']}")
