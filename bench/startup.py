@@ -226,7 +226,8 @@ def main(a: argparse.Namespace) -> int:
                 label = f"{name} {which}" + (" (again)" if i and whiches[i - 1] == which else "")
                 try:
                     child = run_child({**spec, "mode": f"gk_{which}"}, caches, timeout=a.timeout_s)
-                    slowest = ", ".join(f"{j['kind']} {j['key']} {j['seconds']:.3f} s" for j in child.get("slowest_jobs", [])[:3])
+                    jobs = child.get("slowest_jobs", [])[:3]
+                    slowest = ", ".join(f"{j['kind']} {j['key']} {j['seconds']:.3f} s" for j in jobs)
                     log(f"{label}: first token at {child['start_to_first_token_s']:.2f} s, ready at "
                         f"{child.get('start_to_ready_s', 0):.2f} s; slowest preparation jobs: {slowest or 'none'}")
                 except Exception as e:  # noqa: BLE001  (kept in the JSON and the table)
