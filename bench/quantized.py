@@ -114,7 +114,7 @@ def candidates(fmt: str, x, rows: int, tinygemm: dict | None = None) -> dict:
         if fmt == "fp8":
             out["scaled_mm"] = lambda w, s: rowwise_scaled_mm(x, w, s)
         else:
-            if rows > f.MM_ROWS and f.blockwise_scaled_mm(x.device.index or 0):  # as fp8_linear uses it
+            if rows > f.FEW_ROWS and f.blockwise_scaled_mm(x.device.index or 0):  # as fp8_linear uses it
                 out["scaled_mm"] = lambda w, s: blockwise_scaled_mm(x, w, s)
             out["dequant_mm"] = lambda w, s: torch.mm(x, f.dequantize_blocks(w, s, x.dtype).t())
         return out

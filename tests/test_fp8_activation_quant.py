@@ -1,4 +1,4 @@
-"""fp8_activation_quant: off unless named, rewrites only the compiles specialized above MM_ROWS tokens, Inductor
+"""fp8_activation_quant: off unless named, rewrites only the compiles specialized above FEW_ROWS tokens, Inductor
 fuses the quantization into the RMSNorm and SiLU-mul kernels, and the rewritten engine's logits stay within fp8
 rounding of the unrewritten one's; graphkiln::fp8_scaled_mm's CPU reference against fp8_linear's."""
 
@@ -15,7 +15,7 @@ import graphkiln
 from graphkiln import CompileConfig, EngineConfig
 from graphkiln.compiler.compile import compile_module
 from graphkiln.errors import ConfigError
-from graphkiln.kernels.few_rows import MM_ROWS
+from graphkiln.kernels.few_rows import FEW_ROWS
 from graphkiln.models import load_model
 from graphkiln.models.fp8_scaled_mm import fp8_scaled_mm, quantize_per_token
 from graphkiln.models.quantized_linear import fp8_linear, quantize_fp8
@@ -26,7 +26,7 @@ from graphkiln.passes.pipeline import default_passes
 from graphkiln.runtime.builder import build_engine
 
 PASS = "fp8_activation_quant"
-TOKENS = 80  # a prefill size above MM_ROWS, compiled specialized
+TOKENS = 80  # a prefill size above FEW_ROWS, compiled specialized
 
 
 def test_the_pass_is_off_unless_named_and_names_are_checked() -> None:
@@ -39,9 +39,9 @@ def test_the_pass_is_off_unless_named_and_names_are_checked() -> None:
         CompileConfig(disabled_passes=(PASS,), enabled_passes=(PASS,))
 
 
-@pytest.mark.parametrize("rows", [MM_ROWS + 1, 128])
+@pytest.mark.parametrize("rows", [FEW_ROWS + 1, 128])
 def test_fp8_scaled_mm_of_per_token_quantized_rows_is_fp8_linear(rows: int) -> None:
-    """The op on the pass's quantization equals fp8_linear, which quantizes x the same way above MM_ROWS rows,
+    """The op on the pass's quantization equals fp8_linear, which quantizes x the same way above FEW_ROWS rows,
     and both stay within fp8 rounding of the float32 product."""
     gen = torch.Generator().manual_seed(rows)
     x = (torch.randn(rows, 96, generator=gen) * torch.logspace(-2, 2, rows)[:, None]).to(torch.bfloat16)

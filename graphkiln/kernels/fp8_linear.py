@@ -6,7 +6,7 @@ dequantized weight is the fp8 value times its scale.
 Few rows (decode): the product is a pass over the weight, so the weight streams in as fp8, is
 converted in registers and multiplied by the unquantized activation; nothing is quantized and the
 bytes read are half of bf16's. One row: the GEMV layout of gemv.py (a slab of weight rows per
-program over a range of K); 2 to MM_ROWS rows: the same slabs through tensor-core dots. Both split
+program over a range of K); 2 to FEW_ROWS rows: the same slabs through tensor-core dots. Both split
 K so that every multiprocessor has loads in flight (split_k.py: partials summed in a second kernel,
 the same result on every call).
 More rows (prefill): the activation is quantized to fp8 (per token for per-channel weights, per
@@ -27,7 +27,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from graphkiln.errors import ConfigError
 
-from .few_rows import MM_ROWS
+from .few_rows import FEW_ROWS
 from .gemv import _k_mask
 from .pdl import pdl_on
 from .split_k import finish, k_steps, multiprocessors, output, split_count
@@ -321,10 +321,10 @@ def dequantize_blocks(weight: torch.Tensor, weight_scale: torch.Tensor, dtype: t
 def blockwise_scaled_mm(device_index: int) -> bool:
     """Whether this torch build's _scaled_mm multiplies 1 x 128 activation groups by 128 x 128 weight
     blocks on this device (cuBLAS 12.9+ on sm90): one small product in exactly the layout fp8_linear
-    passes, with the fewest and least aligned rows it passes (MM_ROWS + 1), tells, at the first
-    block-scaled product of more than MM_ROWS rows (a warm-up call before graph capture makes it)."""
+    passes, with the fewest and least aligned rows it passes (FEW_ROWS + 1), tells, at the first
+    block-scaled product of more than FEW_ROWS rows (a warm-up call before graph capture makes it)."""
     device = torch.device("cuda", device_index)
-    x = torch.ones(MM_ROWS + 1, 2 * BLOCK, device=device, dtype=torch.bfloat16)
+    x = torch.ones(FEW_ROWS + 1, 2 * BLOCK, device=device, dtype=torch.bfloat16)
     weight = torch.ones(2 * BLOCK, 2 * BLOCK, device=device).to(FP8)
     weight_scale = torch.ones(2, 2, device=device)
     try:
@@ -359,7 +359,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 
     weight_scale: float32 [N] per output channel or [ceil(N/128), ceil(K/128)] per block. input_scale:
     a static per-tensor activation scale (float32, one element) used where the activation is quantized
-    (more than MM_ROWS rows); without it activations are scaled per token or per 1 x 128 group."""
+    (more than FEW_ROWS rows); without it activations are scaled per token or per 1 x 128 group."""
     _check(x, weight, weight_scale)
     block_scales = _block_scales(weight, weight_scale)
     x, weight_scale = x if x.stride(1) == 1 else x.contiguous(), weight_scale.contiguous()
@@ -369,8 +369,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         return x.new_empty(0, n)
     if m == 1:
         return fp8_gemv(x, weight, weight_scale)
-    if m <= MM_ROWS or not scaled_mm_fits(x, weight, block_scales):
-        if block_scales and m > MM_ROWS:  # no fp8 tensor-core product fits: cuBLAS on the dequantized weight
+    if m <= FEW_ROWS or not scaled_mm_fits(x, weight, block_scales):
+        if block_scales and m > FEW_ROWS:  # no fp8 tensor-core product fits: cuBLAS on the dequantized weight
             return torch.mm(x, dequantize_blocks(weight, weight_scale, x.dtype).t())
         return fp8_rows(x, weight, weight_scale)
     if block_scales:

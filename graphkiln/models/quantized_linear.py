@@ -8,7 +8,7 @@ scales) at run time, or with one static scale when `input_scale` [1] is given.
 * scales[n, g] with g = k // group_size, q in 0..15 packed two to a byte, the low nibble first.
 
 On CUDA both ops call the Triton kernels of `graphkiln.kernels`; elsewhere they dequantize to
-float32 and multiply, quantizing the activations as the CUDA path does above MM_ROWS rows
+float32 and multiply, quantizing the activations as the CUDA path does above FEW_ROWS rows
 (kernels/few_rows.py) at every row count, so CPU results are the CUDA path's quantized form: at
 most one fp8 rounding of the activations away from its few-row results. The ops are opaque to Inductor and to the linear passes.
 """

@@ -9,7 +9,7 @@ Pipeline (`pipeline.default_passes`), each switchable with `CompileConfig.disabl
 4. `linear_op` (post-grad): routes weight products through graphkiln::linear, whose one-row
    Triton GEMV reads the narrow projections faster than cuBLAS (see models/linear.py).
 5. `fp8_activation_quant` (post-grad, off unless `CompileConfig.enabled_passes` names it): in
-   compiles specialized to more than MM_ROWS tokens, the per-token fp8 quantization of an
+   compiles specialized to more than FEW_ROWS tokens, the per-token fp8 quantization of an
    RMSNorm's or SiLU-mul's output joins that Inductor kernel, feeding graphkiln::fp8_scaled_mm.
 
 Post-grad passes (`base.PostGradPass`) run inside Inductor through the one `PassManager`. The

@@ -1,15 +1,15 @@
 """fp8_activation_quant: the per-token fp8 quantization of a projection's input joins the kernel that computes it.
 
 A post-grad pass, off by default (`CompileConfig(enabled_passes=("fp8_activation_quant",))`). Above
-MM_ROWS rows graphkiln::fp8_linear quantizes its input per token in a Triton kernel of its own
+FEW_ROWS rows graphkiln::fp8_linear quantizes its input per token in a Triton kernel of its own
 before torch._scaled_mm: one more launch, and one more read and write of x, right after the
 RMSNorm or SiLU-and-mul kernel Inductor generated to write x. Where x comes from an RMSNorm or a
 SiLU-and-mul, this pass writes that quantization as ATen ops (row amax, scale, clamp, cast to
 float8_e4m3fn) and calls graphkiln::fp8_scaled_mm (models/fp8_scaled_mm.py) on the result, so
 Inductor fuses the quantization into the norm or activation kernel.
 
-fp8_linear chooses by row count at run time: up to MM_ROWS rows it streams the weight against x
-unquantized. So the rewrite applies only where the rows are known to be more than MM_ROWS: in
+fp8_linear chooses by row count at run time: up to FEW_ROWS rows it streams the weight against x
+unquantized. So the rewrite applies only where the rows are known to be more than FEW_ROWS: in
 compiles specialized to such a token count (`CompileConfig.specialize_sizes`, e.g. a prefill
 bucket); the dynamic compile, which decode runs, is left as it is. Only per-channel weight scales
 with dynamic activations are rewritten (what `--quantization fp8` produces), with K and N multiples
@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 import graphkiln.models.fp8_scaled_mm  # noqa: F401  (registers graphkiln::fp8_scaled_mm)
-from graphkiln.kernels.few_rows import MM_ROWS
+from graphkiln.kernels.few_rows import FEW_ROWS
 from graphkiln.models.quantized_linear import FP8, FP8_MAX, MIN_SCALE
 
 from .base import PostGradPass
@@ -77,14 +77,14 @@ def fed_by_norm_or_silu_mul(x: torch.fx.Node) -> bool:
 
 
 def _rewritable(node: torch.fx.Node) -> bool:
-    """A dynamic per-token, per-channel fp8_linear of a static row count above MM_ROWS, fed by a norm or SiLU-mul."""
+    """A dynamic per-token, per-channel fp8_linear of a static row count above FEW_ROWS, fed by a norm or SiLU-mul."""
     if node.target is not FP8_LINEAR or len(node.args) != 4:
         return False
     x, weight, weight_scale, input_scale = node.args
     rows = x.meta["val"].shape[0]
     n, k = weight.meta["val"].shape
     return (input_scale is None and weight_scale.meta["val"].dim() == 1 and isinstance(rows, int)
-            and rows > MM_ROWS and n % 16 == 0 and k % 16 == 0 and fed_by_norm_or_silu_mul(x))
+            and rows > FEW_ROWS and n % 16 == 0 and k % 16 == 0 and fed_by_norm_or_silu_mul(x))
 
 
 def _call(graph: torch.fx.Graph, target, *args) -> torch.fx.Node:

@@ -12,7 +12,7 @@ pytest.importorskip("triton")
 from graphkiln.errors import ConfigError  # noqa: E402
 from graphkiln.kernels import fp8_linear as fp8_kernels  # noqa: E402
 from graphkiln.kernels import int4_linear as int4_kernels  # noqa: E402
-from graphkiln.kernels.fp8_linear import FP8, MM_ROWS, fp8_linear, quantize_rows, scaled_mm_fits  # noqa: E402
+from graphkiln.kernels.fp8_linear import FP8, FEW_ROWS, fp8_linear, quantize_rows, scaled_mm_fits  # noqa: E402
 from graphkiln.kernels.int4_linear import int4_linear  # noqa: E402
 from graphkiln.kernels.split_k import MIN_SPLIT_K, RESIDENT, k_steps, multiprocessors  # noqa: E402
 
@@ -81,7 +81,7 @@ def test_fp8_linear_matches_float32(shape, rows, blocks):
     y = fp8_linear(x, weight, scale)
     expected = x.float() @ reference_weight.t()
     assert y.shape == (rows, n) and y.dtype == torch.bfloat16
-    quantized_activation = rows > MM_ROWS and scaled_mm_fits(x, weight, blocks)
+    quantized_activation = rows > FEW_ROWS and scaled_mm_fits(x, weight, blocks)
     assert relative_error(y, expected) < (0.05 if quantized_activation else 0.005)
 
 
@@ -93,7 +93,7 @@ def test_fp8_linear_float16_and_static_input_scale(rows):
     input_scale = (x.float().abs().amax() / 448).reshape(1)
     y = fp8_linear(x, weight, scale, input_scale)
     assert y.dtype == torch.float16  # the static scale quantizes only where the activation is quantized
-    assert relative_error(y, x.float() @ reference_weight.t()) < (0.06 if rows > MM_ROWS else 0.005)
+    assert relative_error(y, x.float() @ reference_weight.t()) < (0.06 if rows > FEW_ROWS else 0.005)
 
 
 @pytest.mark.parametrize("group", [None, 128])
