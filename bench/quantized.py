@@ -5,16 +5,17 @@ counts, with sweeps of the few-row kernels' tiles. A few minutes on the 8b shape
 
   bf16        cuBLAS (torch.mm); at 1 row the Triton GEMV behind graphkiln::linear
   fp8         fp8_linear with per-channel scales (what it picks), and each candidate: the one-row GEMV,
-              the few-row tensor-core kernel, per-token quantization + torch._scaled_mm (rowwise)
-  fp8-block   the same with 128 x 128 block scales; candidates: the GEMV, the few-row kernel, 1 x 128
+              the fp8 tensor-core kernel quantizing x in registers (mma), per-token quantization +
+              torch._scaled_mm (rowwise)
+  fp8-block   the same with 128 x 128 block scales; candidates: the GEMV, the mma kernel, 1 x 128
               quantization + block-scaled _scaled_mm (where this torch has it), dequantize + torch.mm
   int4        int4_linear (groups of 128, what it picks), and the GEMV, the tiled kernel, dequantize + mm;
               for reference torch's tinygemm (aten._weight_int4pack_mm, torchao's int4 layout on CUDA)
               on the same weights repacked into its layout
   --quality   instead: each format's logits against the unquantized model's and the tiny model's held-out
               perplexity per format (bench/quality.py)
-  --sweep     at 1 row every GEMV tiling of SWEEP_GEMV; at 2 to 64 rows every tiling of SWEEP_ROWS (with
-              and without swapping the dot's operands), each with every split of K in SPLITS; the five
+  --sweep     at 1 row every GEMV tiling of SWEEP_GEMV; at 2 to 64 rows every tiling of SWEEP_MMA (fp8) or
+              SWEEP_ROWS (int4, with and without swapping the dot's operands), each with every split of K in SPLITS; the five
               fastest, the rule's own tiles (`*_tiling`) and its time are kept per shape and row count
               (quantized-sweep-<formats>.json), and the best per shape printed at the end, one line each
 
@@ -44,6 +45,8 @@ SWEEP_GEMV = {  # format -> (BLOCK_N, BLOCK_K, warps, stages) tried at 1 row; on
 # (BLOCK_N, BLOCK_K, swap_ab, warps, stages) tried at 2 to 64 rows; BLOCK_M: the rows up to a power of two, 16 at
 # least (K splits make up for wide slabs' fewer programs; swapped, the weight rows fill the tile's tall side)
 SWEEP_ROWS = [(n, k, swap, 4, stages) for swap in (False, True) for n in (64, 128) for k, stages in ((128, 4), (64, 6))]
+# (BLOCK_N, BLOCK_K, warps, stages) of the fp8 tensor-core kernel (fp8_mma.py) tried at 2 to 64 rows
+SWEEP_MMA = [(n, k, warps, stages) for n in (64, 128) for k in (64, 128) for warps, stages in ((4, 3), (4, 5), (8, 4))]
 
 
 def weight_bytes(fmt: str, n: int, k: int) -> int:
@@ -105,12 +108,13 @@ def candidates(fmt: str, x, rows: int, tinygemm: dict | None = None) -> dict:
         return out
     if fmt.startswith("fp8"):
         from graphkiln.kernels import fp8_linear as f
+        from graphkiln.kernels.fp8_mma import fp8_mma
 
         out = {"picked": lambda w, s: f.fp8_linear(x, w, s)}
         if rows == 1:
             out["gemv"] = lambda w, s: f.fp8_gemv(x, w, s)
-        if rows <= 64:
-            out["rows_kernel"] = lambda w, s: f.fp8_rows(x, w, s)
+        if rows <= 256:
+            out["mma"] = lambda w, s: fp8_mma(x, w, s)
         if fmt == "fp8":
             out["scaled_mm"] = lambda w, s: rowwise_scaled_mm(x, w, s)
         else:
@@ -152,6 +156,9 @@ def blockwise_scaled_mm(x, weight, scale):
 
 def sweep_tilings(fmt: str, rows: int) -> list[tuple]:
     """Every tiling the sweep tries for this format at this row count, in the form its kernel's `tiles` takes."""
+    if fmt == "fp8" and rows > 1:
+        block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
+        return [(block_m, n, k, split, warps, stages) for n, k, warps, stages in SWEEP_MMA for split in SPLITS]
     if rows == 1:
         return [(n, k, split, warps, stages) for n, k, warps, stages in SWEEP_GEMV[fmt] for split in SPLITS]
     block_m = max(16, min(64, 1 << (rows - 1).bit_length()))
@@ -165,9 +172,10 @@ def tiled(fmt: str, x, rows: int, tiles: tuple | None):
 
         kernel = i4.int4_gemv if rows == 1 else i4.int4_mm
         return lambda q, s, z: kernel(x, q, s, z, GROUP, tiles=tiles)
-    from graphkiln.kernels import fp8_linear as f
+    from graphkiln.kernels.fp8_linear import fp8_gemv
+    from graphkiln.kernels.fp8_mma import fp8_mma
 
-    kernel = f.fp8_gemv if rows == 1 else f.fp8_rows
+    kernel = fp8_gemv if rows == 1 else fp8_mma
     return lambda w, s: kernel(x, w, s, tiles=tiles)
 
 
@@ -175,12 +183,13 @@ def rule_tiles(fmt: str, rows: int, n: int, k: int, device) -> tuple:
     """The tiles the kernels' rule picks for this shape."""
     from graphkiln.kernels import fp8_linear as f
     from graphkiln.kernels import int4_linear as i4
+    from graphkiln.kernels.fp8_mma import mma_tiling
     from graphkiln.kernels.split_k import multiprocessors
 
     sms = multiprocessors(device)
     if fmt == "int4":
         return i4.gemv_tiling(n, k, sms) if rows == 1 else i4.mm_tiling(rows, n, k, GROUP, sms)
-    return f.gemv_tiling(n, k, sms) if rows == 1 else f.rows_tiling(rows, n, k, sms)
+    return f.gemv_tiling(n, k, sms) if rows == 1 else mma_tiling(rows, n, k, sms)
 
 
 def sweep(fmt: str, x, rows: int, weights: list, calls: int) -> dict:

@@ -3,12 +3,12 @@
 Weight scales are per output channel ([N]) or per 128 x 128 block ([ceil(N/128), ceil(K/128)]); the
 dequantized weight is the fp8 value times its scale.
 
-Few rows (decode): the product is a pass over the weight, so the weight streams in as fp8, is
-converted in registers and multiplied by the unquantized activation; nothing is quantized and the
-bytes read are half of bf16's. One row: the GEMV layout of gemv.py (a slab of weight rows per
-program over a range of K); 2 to FEW_ROWS rows: the same slabs through tensor-core dots. Both split
-K so that every multiprocessor has loads in flight (split_k.py: partials summed in a second kernel,
-the same result on every call).
+Few rows (decode): the product is a pass over the weight, and the bytes read are half of bf16's.
+One row: the GEMV layout of gemv.py (a slab of weight rows per program over a range of K), the
+weight converted in registers and multiplied by the unquantized activation. 2 to FEW_ROWS rows:
+fp8_mma.py, the fp8 weight straight into fp8 tensor cores and the activation quantized in
+registers per 1 x 128 group. Both split K so that every multiprocessor has loads in flight
+(split_k.py: partials summed in a second kernel, the same result on every call).
 More rows (prefill): the activation is quantized to fp8 (per token for per-channel weights, per
 1 x 128 group for block weights; with `input_scale`, by that static per-tensor scale) and the
 product runs on fp8 tensor cores in torch._scaled_mm; block weights where that torch build has no
@@ -28,6 +28,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from graphkiln.errors import ConfigError
 
 from .few_rows import FEW_ROWS
+from .fp8_mma import fp8_mma
 from .gemv import _k_mask
 from .pdl import pdl_on
 from .split_k import finish, k_steps, multiprocessors, output, split_count
@@ -90,77 +91,6 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, STEPS, stride_wn, strid
 
 
 @triton.jit
-def _zero_tile(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
-    """The float32 accumulator of a BLOCK_M x BLOCK_N output tile, transposed with SWAP_AB."""
-    if SWAP_AB:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    return acc
-
-
-@triton.jit
-def _dot_tile(acc, x, w, SWAP_AB: tl.constexpr):
-    """acc + x [BLOCK_M, BLOCK_K] @ w [BLOCK_N, BLOCK_K]^T; with SWAP_AB the transposed product acc + w @ x^T,
-    where the weight rows fill the tall side of the tensor-core tile and the few activation rows its narrow
-    one (and the converted weight stays in registers as the left operand)."""
-    if SWAP_AB:
-        out = tl.dot(w, tl.trans(x), acc)
-    else:
-        out = tl.dot(x, tl.trans(w), acc)
-    return out
-
-
-@triton.jit
-def _output_tile(acc, SWAP_AB: tl.constexpr):
-    """The accumulator as [BLOCK_M, BLOCK_N]."""
-    if SWAP_AB:
-        out = tl.trans(acc)
-    else:
-        out = acc
-    return out
-
-
-@triton.jit(do_not_specialize=["M", "STEPS", "stride_os"])  # one build for every row count and split
-def _fp8_rows_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, STEPS, stride_xm, stride_wn, stride_sn, stride_os,
-                     stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     SWAP_AB: tl.constexpr, BLOCK_SCALES: tl.constexpr, PDL: tl.constexpr):
-    """out[split, M, N] tile by tile over a split of K (STEPS steps of BLOCK_K): each fp8 weight tile converted
-    to x's dtype (times its block's scale) in registers and multiplied on tensor cores; BLOCK_K divides 128,
-    so a step sits in one scale block."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    split = tl.program_id(2)
-    if PDL:
-        gdc_launch_dependents()
-    k_start = split * STEPS * BLOCK_K
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
-    row_mask = rows < M
-    col_mask = cols < N
-    x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :]
-    w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
-    acc = _zero_tile(BLOCK_M, BLOCK_N, SWAP_AB)
-    if PDL:  # x is the previous kernel's output
-        gdc_wait()
-    for step in range(STEPS):
-        k = k_start + step * BLOCK_K
-        k_mask = (k + ks) < K
-        w = tl.load(w_ptrs + k, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-        x = tl.load(x_ptrs + k, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        w = w.to(tl.float32)  # exact; fp8 goes to half precision through float32 on every target
-        if BLOCK_SCALES:
-            w = w * tl.load(s_ptr + (cols // 128) * stride_sn + k // 128, mask=col_mask, other=0.0)[:, None]
-        acc = _dot_tile(acc, x, w.to(x_ptr.dtype.element_ty), SWAP_AB)
-    acc = _output_tile(acc, SWAP_AB)
-    if not BLOCK_SCALES:
-        acc = acc * tl.load(s_ptr + cols, mask=col_mask, other=0.0)[None, :]
-    out_ptrs = out_ptr + split * stride_os + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
-
-
-@triton.jit
 def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm, stride_sg,
                             GROUP: tl.constexpr, BLOCK: tl.constexpr):
     """One group of one row of x to fp8 by its absolute maximum: q = x / s, s = amax / 448."""
@@ -205,19 +135,6 @@ def gemv_tiling(n: int, k: int, sms: int = 132) -> tuple[int, int, int, int, int
     return block_n, block_k, splits, warps, stages
 
 
-def rows_tiling(m: int, n: int, k: int, sms: int = 132) -> tuple[int, int, int, bool, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, swap_ab, splits, warps, stages) of the tensor-core kernel; BLOCK_K divides
-    128. Up to 64 rows one row tile covers them; 64-wide slabs (x is read again for every slab), with K split
-    so that every multiprocessor streams."""
-    if m <= 64:
-        block_m, block_n, block_k, warps, stages = max(16, triton.next_power_of_2(m)), 64, 128, 4, 4
-    else:
-        block_m, block_n, block_k, warps, stages = 64, 128, 64, 4, 4
-    programs = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
-    splits = split_count(programs, k, block_k, 4 * m * n, n * k, sms)
-    return block_m, block_n, block_k, False, splits, warps, stages
-
-
 def _block_scales(weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
     """True for 128 x 128 block scales, False for per-output-channel ones; any other shape is refused."""
     n, k = weight.shape
@@ -257,25 +174,6 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
         BLOCK_K=block_k, SUB=sub, ACC_K=block_k // sub if block_scales else block_k, EVEN_K=k % block_k == 0,
         BLOCK_SCALES=block_scales, STAGES=stages, PDL=launch_pdl,
         num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,
-    )
-    return finish(out, x.dtype)
-
-
-def fp8_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-             tiles: tuple[int, int, int, bool, int, int, int] | None = None) -> torch.Tensor:
-    """x [M, K] @ dequantized weight^T with the tensor-core kernel; `tiles` defaults to `rows_tiling`."""
-    m, k = x.shape
-    n = weight.shape[0]
-    block_m, block_n, block_k, swap_ab, splits, warps, stages = tiles or rows_tiling(m, n, k,
-                                                                                     multiprocessors(x.device))
-    splits, steps = k_steps(k, splits, block_k)
-    out = output(m, n, splits, x.dtype, x.device)
-    launch_pdl = pdl_on(x.device)
-    _fp8_rows_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m), splits)](
-        x, weight, weight_scale, out, m, n, k, steps, x.stride(0), weight.stride(0), weight_scale.stride(0),
-        m * n, n, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SWAP_AB=swap_ab,
-        BLOCK_SCALES=weight_scale.dim() == 2, PDL=launch_pdl, num_warps=warps, num_stages=stages,
-        launch_pdl=launch_pdl,
     )
     return finish(out, x.dtype)
 
@@ -358,8 +256,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     """x [M, K] (bfloat16/float16) @ dequantized fp8 weight [N, K]^T -> [M, N] in x's dtype.
 
     weight_scale: float32 [N] per output channel or [ceil(N/128), ceil(K/128)] per block. input_scale:
-    a static per-tensor activation scale (float32, one element) used where the activation is quantized
-    (more than FEW_ROWS rows); without it activations are scaled per token or per 1 x 128 group."""
+    a static per-tensor activation scale (float32, one element) used where a kernel of its own quantizes the
+    activation (more than FEW_ROWS rows); without it activations are scaled per token or per 1 x 128 group.
+    One row is multiplied unquantized; 2 to FEW_ROWS rows are quantized per 1 x 128 group in registers."""
     _check(x, weight, weight_scale)
     block_scales = _block_scales(weight, weight_scale)
     x, weight_scale = x if x.stride(1) == 1 else x.contiguous(), weight_scale.contiguous()
@@ -369,10 +268,12 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         return x.new_empty(0, n)
     if m == 1:
         return fp8_gemv(x, weight, weight_scale)
-    if m <= FEW_ROWS or not scaled_mm_fits(x, weight, block_scales):
-        if block_scales and m > FEW_ROWS:  # no fp8 tensor-core product fits: cuBLAS on the dequantized weight
+    if m <= FEW_ROWS:
+        return fp8_mma(x, weight, weight_scale)
+    if not scaled_mm_fits(x, weight, block_scales):
+        if block_scales:  # no block-scaled _scaled_mm: cuBLAS on the dequantized weight
             return torch.mm(x, dequantize_blocks(weight, weight_scale, x.dtype).t())
-        return fp8_rows(x, weight, weight_scale)
+        return fp8_mma(x, weight, weight_scale)
     if block_scales:
         if input_scale is None:
             xq, scale_a = quantize_rows(x, BLOCK)

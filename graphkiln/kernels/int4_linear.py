@@ -22,7 +22,6 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from graphkiln.errors import ConfigError
 
-from .fp8_linear import _dot_tile, _output_tile, _zero_tile
 from .fp8_linear import gemv_tiling as fp8_gemv_tiling
 from .gemv import _k_mask
 from .pdl import pdl_on
@@ -104,6 +103,38 @@ def _dequantize_tile(q_ptr, s, z, cols, col_mask, k, js, K, stride_qn, BLOCK_N: 
     low = ((b & 15).to(tl.float32) - z) * s
     high = ((b >> 4).to(tl.float32) - z) * s
     return tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_K)).to(dtype)
+
+
+@triton.jit
+def _zero_tile(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
+    """The float32 accumulator of a BLOCK_M x BLOCK_N output tile, transposed with SWAP_AB."""
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def _dot_tile(acc, x, w, SWAP_AB: tl.constexpr):
+    """acc + x [BLOCK_M, BLOCK_K] @ w [BLOCK_N, BLOCK_K]^T; with SWAP_AB the transposed product acc + w @ x^T,
+    where the weight rows fill the tall side of the tensor-core tile and the few activation rows its narrow
+    one (and the converted weight stays in registers as the left operand)."""
+    if SWAP_AB:
+        out = tl.dot(w, tl.trans(x), acc)
+    else:
+        out = tl.dot(x, tl.trans(w), acc)
+    return out
+
+
+@triton.jit
+def _output_tile(acc, SWAP_AB: tl.constexpr):
+    """The accumulator as [BLOCK_M, BLOCK_N]."""
+    if SWAP_AB:
+        out = tl.trans(acc)
+    else:
+        out = acc
+    return out
 
 
 @triton.jit(do_not_specialize=["M", "STEPS", "stride_os"])  # one build for every row count and split

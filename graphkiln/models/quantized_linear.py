@@ -9,8 +9,9 @@ scales) at run time, or with one static scale when `input_scale` [1] is given.
 
 On CUDA both ops call the Triton kernels of `graphkiln.kernels`; elsewhere they dequantize to
 float32 and multiply, quantizing the activations as the CUDA path does above FEW_ROWS rows
-(kernels/few_rows.py) at every row count, so CPU results are the CUDA path's quantized form: at
-most one fp8 rounding of the activations away from its few-row results. The ops are opaque to Inductor and to the linear passes.
+(kernels/few_rows.py) at every row count. Up to FEW_ROWS rows the CUDA kernel quantizes them per
+1 x 128 group instead, a finer grouping of the same one fp8 rounding. The ops are opaque to Inductor
+and to the linear passes.
 """
 
 from __future__ import annotations

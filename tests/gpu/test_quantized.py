@@ -39,9 +39,9 @@ def _fp8_reference(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor)
 
 
 def _close(y: torch.Tensor, want: torch.Tensor, rows: int, tol: float = 5e-2) -> None:
-    """Against the unquantized activations: few rows stream the weight against x as it is, more rows round x
-    through fp8 first (up to 2^-4 of each element, random in sign, so a few percent of the largest output),
-    then one bf16 rounding of the output. A wrong scale or a misread block is off by far more."""
+    """Against the unquantized activations: past one row x is rounded through fp8 first (per 1 x 128 group up
+    to FEW_ROWS rows, per token or group above: up to 2^-4 of each element, random in sign, so a few percent of
+    the largest output), then one bf16 rounding of the output. A wrong scale or a misread block is off by far more."""
     assert y.shape == want.shape and y.dtype == torch.bfloat16
     assert (y.float() - want).abs().max() <= tol * want.abs().max(), f"{rows} rows"
 

@@ -1,0 +1,97 @@
+"""Few-row fp8 weight products on fp8 tensor cores: y [M, N] = x [M, K] @ (weight [N, K] times its scales)^T.
+
+The weight goes into the tensor cores as the fp8 it is stored in. Converting it to a wider type in
+registers, as a GEMV does, costs instructions per weight element, and fp8 packs twice the elements
+of bf16 into each byte: at decode sizes such a kernel is bound by its instruction issue before the
+memory system runs out of bytes. Here the activation is converted instead, and it is M rows against
+N weight rows: each program scales every BLOCK_K-wide slice of its rows of x by that slice's
+absolute maximum (scale = amax / 448) and rounds it to fp8 in registers. That is a 1 x BLOCK_K group
+per scale, finer than one scale per token, and it needs no kernel launch of its own.
+
+The product is computed transposed, weight rows on the tall side of the tensor-core tile and the
+few activation rows (padded to 16) on the narrow one, so one tile streams BLOCK_N weight rows; each
+K step's fp32 partial is scaled by its activation groups' scales (and, for 128 x 128 block scales,
+by the weight block's) before it is added up. K is split across programs as in split_k.py.
+Weight scales are per output channel ([N]) or per 128 x 128 block; BLOCK_K divides 128, so a step
+sits in one block. Only kernels are launched, so the product can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from .pdl import pdl_on
+from .split_k import finish, k_steps, multiprocessors, output, split_count
+
+FP8_MAX = 448.0
+
+
+@triton.jit(do_not_specialize=["M", "STEPS", "stride_os"])  # one build for every row count and split
+def _fp8_mma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, STEPS, stride_xm, stride_wn, stride_sn, stride_os,
+                    stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    BLOCK_SCALES: tl.constexpr, PDL: tl.constexpr):
+    """out[split, M, N] for one BLOCK_N slab of weight rows and one BLOCK_M tile of x rows over a split of K
+    (STEPS steps of BLOCK_K)."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    split = tl.program_id(2)
+    if PDL:  # the next kernel may start once every program has begun
+        gdc_launch_dependents()
+    k_start = split * STEPS * BLOCK_K
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    row_mask = rows < M
+    col_mask = cols < N
+    x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :]
+    w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if PDL:  # x is the previous kernel's output
+        gdc_wait()
+    for step in range(STEPS):
+        k = k_start + step * BLOCK_K
+        k_mask = (k + ks) < K
+        w = tl.load(w_ptrs + k, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+        x = tl.load(x_ptrs + k, mask=row_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        x_scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-30) / 448.0
+        xq = (x / x_scale[:, None]).to(tl.float8e4nv)
+        part = tl.dot(w, tl.trans(xq)) * x_scale[None, :]
+        if BLOCK_SCALES:
+            part = part * tl.load(s_ptr + (cols // 128) * stride_sn + k // 128, mask=col_mask, other=0.0)[:, None]
+        acc += part
+    if not BLOCK_SCALES:
+        acc = acc * tl.load(s_ptr + cols, mask=col_mask, other=0.0)[:, None]
+    out_ptrs = out_ptr + split * stride_os + rows[None, :].to(tl.int64) * stride_om + cols[:, None]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=col_mask[:, None] & row_mask[None, :])
+
+
+def mma_tiling(m: int, n: int, k: int, sms: int = 132) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, splits, warps, stages): the rows in one tile up to 64 (16 at least, the
+    narrow side of a tensor-core tile), 64-row weight slabs in 128-wide K steps (one fp8 tensor-core tile of
+    one warp group), K split until every multiprocessor streams (split_k.split_count)."""
+    block_m = min(64, max(16, triton.next_power_of_2(m)))
+    block_n, block_k, warps, stages = 64, 128, 4, 4
+    programs = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
+    splits = split_count(programs, k, block_k, 4 * m * n, n * k, sms)
+    return block_m, block_n, block_k, splits, warps, stages
+
+
+def fp8_mma(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+            tiles: tuple[int, int, int, int, int, int] | None = None) -> torch.Tensor:
+    """x [M, K] (bfloat16/float16, unit stride along K) @ dequantized fp8 weight [N, K]^T in x's dtype;
+    weight_scale float32 [N] or [ceil(N/128), ceil(K/128)] (contiguous); `tiles` defaults to `mma_tiling`."""
+    m, k = x.shape
+    n = weight.shape[0]
+    block_m, block_n, block_k, splits, warps, stages = tiles or mma_tiling(m, n, k, multiprocessors(x.device))
+    splits, steps = k_steps(k, splits, block_k)
+    out = output(m, n, splits, x.dtype, x.device)
+    launch_pdl = pdl_on(x.device)
+    _fp8_mma_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m), splits)](
+        x, weight, weight_scale, out, m, n, k, steps, x.stride(0), weight.stride(0), weight_scale.stride(0),
+        m * n, n, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_SCALES=weight_scale.dim() == 2,
+        PDL=launch_pdl, num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,
+    )
+    return finish(out, x.dtype)
