@@ -8,8 +8,8 @@ SiLU-and-mul, this pass writes that quantization as ATen ops (row amax, scale, c
 float8_e4m3fn) and calls graphkiln::fp8_scaled_mm (models/fp8_scaled_mm.py) on the result, so
 Inductor fuses the quantization into the norm or activation kernel.
 
-fp8_linear chooses by row count at run time: up to FEW_ROWS rows it streams the weight against x
-unquantized. So the rewrite applies only where the rows are known to be more than FEW_ROWS: in
+fp8_linear chooses by row count at run time: up to FEW_ROWS rows its own kernels take x unquantized
+(and round it per 1 x 128 group in registers, or not at all). So the rewrite applies only where the rows are known to be more than FEW_ROWS: in
 compiles specialized to such a token count (`CompileConfig.specialize_sizes`, e.g. a prefill
 bucket); the dynamic compile, which decode runs, is left as it is. Only per-channel weight scales
 with dynamic activations are rewritten (what `--quantization fp8` produces), with K and N multiples
