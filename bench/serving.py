@@ -7,8 +7,8 @@
 One compiled artifact, loaded once per backend with `max_seq_len` raised so every prompt and its
 new tokens fit. Decode, per `BATCHxPROMPT` shape: the prompts are prefilled, a few warm-up steps
 run, then the time of --steps engine steps (the host's part included, as a server pays it) gives
-ms per step; the floor is (weight bytes read + KV bytes read at the steps' mean context) / the
-measured copy rate. Long prompts: one request of each --long length with max_tokens=1 (chunked
+ms per step; the floor is (weight bytes read + KV bytes read at the steps' mean context, in the
+cache's dtype) / the measured copy rate. Long prompts: one request of each --long length with max_tokens=1 (chunked
 over --prefill-chunk-token steps); its rate counts the weight products and the causal attention's
 FLOPs against the measured bf16 matmul rate. The load time of each backend is recorded too.
 """
@@ -115,6 +115,9 @@ def main(a: argparse.Namespace) -> int:
     if a.kv_cache_dtype:
         engine_options["kv_cache_dtype"] = a.kv_cache_dtype
         result["kv_cache_dtype"] = a.kv_cache_dtype
+    if a.kv_cache_dtype == "fp8_e4m3":  # one byte an element and a float32 scale per token and KV head
+        mb["kv_bytes_per_token"] = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * (
+            shape["head_dim"] + 4)
     with study.scratch() as work:
         save_model(study.model, work / "model", study.device, study.dtype, study.layers, max_position=max_position)
         config = graphkiln.CompileConfig(device=study.device, dtype=study.dtype_name)
