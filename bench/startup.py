@@ -165,6 +165,7 @@ def child_main(spec: dict) -> None:
         res["steps_without_graph"] = stats.steps_without_graph
         res["compile_events_after_load"] = torch_compile_events()
         res["transformers_imported"] = "transformers" in sys.modules
+        res["flashinfer_imported"] = "flashinfer" in sys.modules
     res["marks"] = marks
     print(CHILD_PREFIX + json.dumps(res), flush=True)
 

@@ -18,7 +18,7 @@ from graphkiln import CompileConfig, SamplingParams
 from graphkiln.models.weights_reader import TensorRead, WeightsReader, read_header
 
 REPORT = os.environ.get("GRAPHKILN_GPU_REPORT")
-ENGINE = dict(kv_cache_tokens=16384, attention_backend="triton")  # the default 13 decode sizes and 9 prefill buckets
+ENGINE = dict(kv_cache_tokens=16384, attention_backend="auto")  # the default 13 decode sizes and 9 prefill buckets
 
 
 def record(name: str, value) -> None:
@@ -54,7 +54,8 @@ print(json.dumps({{"tokens": tokens, "ready_at_first_step": ready_at_first_step,
     "errors": [p.error for p in stats.prepared if p.error], "prepared": len(stats.prepared),
     "longest_job_s": max(p.seconds for p in stats.prepared), "graphs": stats.graphs_captured,
     "pool_bytes": stats.graph_pool_bytes, "step_waits": dataclasses.asdict(stats.step_waits),
-    "imported_after_load": imported, "without_graph": stats.steps_without_graph}}))
+    "imported_after_load": imported, "without_graph": stats.steps_without_graph,
+    "flashinfer_imported": "flashinfer" in sys.modules, "backend": engine.runner.backend.name}}))
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -70,6 +71,8 @@ print(json.dumps({{"tokens": tokens, "ready_at_first_step": ready_at_first_step,
     assert result["events"] == result["events_after_load"]
     # load imports what the steps and captures run (Inductor, our kernels): nothing of ours is left to a step
     assert [m for m in result["imported_after_load"] if m.startswith("graphkiln")] == []
+    # auto takes Triton and leaves FlashInfer unimported, installed or not
+    assert result["backend"] == "triton" and not result["flashinfer_imported"]
     captured = graphkiln.load(out, capture="blocking", **ENGINE)
     # Captured smallest first in the background, largest first when blocking: what that costs in pool memory.
     record("startup_pool_bytes", {"background": result["pool_bytes"], "blocking": captured.stats().graph_pool_bytes})

@@ -36,12 +36,17 @@ def auto_backend(device_type: str, dtype, head_dim: int, flashinfer: bool, trito
 
 
 def _auto(kv_cache: KVCache) -> str:
+    """auto_backend for this cache. FlashInfer is imported (about a second of its own modules) only to learn
+    whether it can stand in where Triton cannot serve the cache."""
+    from . import triton_backend
     from .flashinfer_backend import flashinfer_importable
 
     keys = kv_cache.keys
     cuda = keys.device.type == "cuda"
-    return auto_backend(keys.device.type, keys.dtype, keys.shape[-1], cuda and flashinfer_importable(),
-                        cuda and importlib.util.find_spec("triton") is not None)  # fmt: skip
+    triton = cuda and importlib.util.find_spec("triton") is not None
+    triton_serves = triton and triton_backend.unsupported(keys.dtype, keys.shape[-1]) is None
+    flashinfer = cuda and not triton_serves and flashinfer_importable()
+    return auto_backend(keys.device.type, keys.dtype, keys.shape[-1], flashinfer, triton)
 
 
 def select_backend(name: str, kv_cache: KVCache) -> AttentionBackend:
