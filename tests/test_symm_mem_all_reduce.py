@@ -120,6 +120,19 @@ def test_a_reduction_other_than_sum_is_left() -> None:
 
 
 @pytest.mark.slow
+def test_inductor_lowers_the_rewrite_up_to_the_symmetric_buffer_which_needs_cuda() -> None:
+    """On the CPU Inductor takes the rewritten graph as far as the wrapper's allocation of the symmetric buffer
+    (the `empty` became a comm buffer), which it writes for a CUDA device only: why the CPU is refused."""
+    manager = PassManager(default_passes(), enabled=[NAME])
+    layer_with_linear = torch.compile(lambda x, residual, w, gamma: layer(x, residual, w.t(), gamma), fullgraph=True,
+                                      dynamic=False, options={"post_grad_custom_post_pass": manager})  # fmt: skip
+    args = [torch.randn(s, dtype=torch.bfloat16) for s in ((4, 32), (4, 64), (64, 32), (64,))]
+    with fake_process_group(2), pytest.raises(Exception, match="Comm buffer requires a valid CUDA device"):
+        layer_with_linear(*args)
+    assert manager.records[NAME].matches == 1 and manager.records["linear_op"].matches == 1
+
+
+@pytest.mark.slow
 def test_the_default_compile_keeps_nccl_all_reduces(tmp_path: Path) -> None:
     """tiny at 2 ranks, one specialized size: the pass is registered but never runs, the manifest does not list
     it, and every compiled piece still calls the functional all-reduce."""
