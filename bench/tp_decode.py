@@ -133,7 +133,8 @@ def main(a: argparse.Namespace) -> int:
                 except Exception as e:  # the next rows still run; the error is in the JSON
                     rows[name] = {"config": name, "error": error_text(e)}
             said = {k: v for k, v in rows[name].items() if isinstance(v, float) or k in ("skipped", "error")}
-            log(f"{name}: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k}: {v}" for k, v in said.items()))
+            log(f"{name}: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k}: {v}"
+                                        for k, v in said.items()))  # fmt: skip
             study.save({**results, "rows": {k: _saved(v) for k, v in rows.items()}})
     columns = ["config", *(f"decode_ms_b{b}" for b in batches), *(f"x_floor_b{b}" for b in batches),
                *(f"prefill_ms_{n}" for n in prefills), "pass_rewrites", "token_agreement", "max_logit_diff"]
