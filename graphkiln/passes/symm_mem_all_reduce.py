@@ -24,6 +24,8 @@ any input. A comm buffer needs a size known at compile time (`realize_as_comm_bu
 symbolic one), so the dynamic compile keeps NCCL; and the kernel is built for float32 and bfloat16
 only. `fx_passes/micro_pipeline_tp.py` fuses all-gather + matmul and matmul + reduce-scatter, never
 an all-reduce. The runtime keeps NVLink multicast off for the ranks (`compat.symm_mem_multicast_off`).
+A persistent buffer, and its rendezvous with the peers, last as long as the process: an artifact
+compiled with this pass is loaded once per process.
 """
 
 from __future__ import annotations
