@@ -51,6 +51,7 @@ def test_refused_on_the_command_line_in_one_line(tmp_path: Path) -> None:
     result = run(compile_cmd("tiny", "-o", tmp_path / "art", "--tensor-parallel-size", "2", "--enable-pass", NAME))
     assert result.returncode == 2, result.stderr
     assert "symm_mem_all_reduce, which cannot apply with device='cpu'" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "art").exists()
 
 

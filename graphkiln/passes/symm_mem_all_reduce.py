@@ -8,8 +8,8 @@ artifacts of 2+ tensor-parallel ranks in float32 or bfloat16. In compiles specia
 makes that buffer a symmetric-memory buffer (`comm_lowering.py`: `_maybe_realize_symm_mem`, a persistent
 `empty_strided_p2p` per compiled buffer), and the op is one kernel: it copies x into this rank's buffer,
 waits for every rank at a barrier on the signal pads, reads and sums every peer's buffer over NVLink
-(P2P loads, no multicast), and meets the others at a second barrier before the buffer is reused. No
-NCCL launch, no proxy thread. The residual add and the RMSNorm after it stay the one Inductor kernel
+(P2P loads, no multicast), and meets the others at a second barrier before the buffer is reused: no
+NCCL kernel. The residual add and the RMSNorm after it stay the one Inductor kernel
 they were after NCCL's all-reduce: PyTorch has no kernel that reduces, adds and normalizes in one
 (vLLM and SGLang take FlashInfer's for that), so this is the all-reduce half of that fusion.
 

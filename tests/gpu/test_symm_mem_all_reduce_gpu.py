@@ -38,7 +38,7 @@ def test_only_the_specialized_compiles_use_symmetric_memory(tmp_path: Path) -> N
     with inductor_output_code() as codes:
         manifest, report = graphkiln.compile_model("tiny", tmp_path / "art", tp2_config("bfloat16", (NAME,)),
                                                    engine=ENGINE)
-    assert NAME in [p["name"] for p in manifest["passes"]] and manifest["config"]["enabled_passes"] == [NAME]
+    assert NAME in [p["name"] for p in manifest["passes"]] and list(manifest["config"]["enabled_passes"]) == [NAME]
     rewritten = [code for code in codes if ONE_SHOT in code]
     nccl = [code for code in codes if "_c10d_functional.all_reduce" in code]
     assert rewritten and nccl and not any(ONE_SHOT in code for code in nccl)
@@ -76,7 +76,8 @@ def test_one_rank_group_runs_the_one_shot_all_reduce(tmp_path: Path) -> None:
         args = inputs()
         with inductor_output_code() as codes:
             got = rewritten(*args)
-        assert on.records[NAME].matches == 1 and any(ONE_SHOT in code for code in codes)
+        assert any(ONE_SHOT in code for code in codes)
+        assert on.records[NAME].runs == 0 or on.records[NAME].matches == 1  # runs only where Inductor's cache missed
         torch.testing.assert_close(got, plain(*args), rtol=0, atol=0)
 
         static = inputs()
