@@ -26,6 +26,12 @@ never `torch._...` themselves):
   (`torch.distributed._functional_collectives`) on the default process group, which a Dynamo
   trace keeps as `_c10d_functional` ops; `fake_process_group(size)`, torch's fake backend, so
   compile-model traces and compiles a rank's graph in one process with no peers.
+- Symmetric memory: `functional_all_reduce_ops()` (the `_c10d_functional` all-reduce and its wait, as a
+  post-grad graph holds them), `one_shot_all_reduce_copy()` (`symm_mem`'s one-shot all-reduce of a
+  local input through a symmetric buffer), `symmetric_empty()` (a tensor in symmetric memory, as
+  Inductor allocates the pass's buffers; for the benchmark of the kernel alone), and
+  `symm_mem_multicast_off()`, which sets `TORCH_SYMM_MEM_DISABLE_MULTICAST=1`, read by the
+  symmetric-memory rendezvous, so no rank ever creates an NVLink multicast object.
 - `inductor_output_code()`: collects the wrapper code (with every C++/Triton kernel inline) of
   each graph Inductor compiles or loads from its cache, through `GraphLowering.save_output_code`,
   the hook torch's own `run_and_get_code` uses; present and called on cache hits in 2.11-2.13.
@@ -48,9 +54,10 @@ from graphkiln.errors import ConfigError
 
 __all__ = [
     "CustomGraphPass", "TORCH_LINEAR", "all_gather_last_dim", "all_reduce_sum", "artifact_cache", "depyf_debug",
-    "dynamo_counters", "fake_process_group", "graph_returns_tuple", "import_inductor", "inductor_output_code",
-    "install_cpu_kernels", "is_op_overload", "load_artifact", "mark_dynamic_dim", "private_inductor_cache",
-    "require_depyf", "size_oblivious", "standalone_compile", "to_empty",
+    "dynamo_counters", "fake_process_group", "functional_all_reduce_ops", "graph_returns_tuple", "import_inductor",
+    "inductor_output_code", "install_cpu_kernels", "is_op_overload", "load_artifact", "mark_dynamic_dim",
+    "one_shot_all_reduce_copy", "private_inductor_cache", "require_depyf", "size_oblivious", "standalone_compile",
+    "symm_mem_multicast_off", "symmetric_empty", "to_empty",
 ]  # fmt: skip
 
 TORCH_LINEAR = torch._C._nn.linear  # what F.linear and nn.Linear appear as in a Dynamo graph
@@ -264,3 +271,34 @@ def fake_process_group(size: int) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+def functional_all_reduce_ops() -> tuple:
+    """(all_reduce, wait_tensor): the `_c10d_functional` overloads a post-grad graph calls for a functional
+    all-reduce and for waiting on its result."""
+    ops = torch.ops._c10d_functional
+    return ops.all_reduce.default, ops.wait_tensor.default
+
+
+def one_shot_all_reduce_copy():
+    """`symm_mem::one_shot_all_reduce_copy(symm_buffer, local_input, reduce_op, group_name) -> Tensor`."""
+    return torch.ops.symm_mem.one_shot_all_reduce_copy.default
+
+
+def symmetric_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialized tensor in symmetric memory; the first symm_mem op on it meets the other ranks' buffers."""
+    from torch.distributed import _symmetric_memory
+
+    return _symmetric_memory.empty(shape, dtype=dtype, device=device)
+
+
+SYMM_MEM_MULTICAST = "TORCH_SYMM_MEM_DISABLE_MULTICAST"
+
+
+def symm_mem_multicast_off() -> None:
+    """Keep this process, and the ranks it starts, from creating NVLink multicast objects when symmetric memory
+    meets its peers: a value other than "1" is replaced (with a warning)."""
+    if os.environ.get(SYMM_MEM_MULTICAST, "1") != "1":
+        warnings.warn(f"{SYMM_MEM_MULTICAST}={os.environ[SYMM_MEM_MULTICAST]!r} replaced by '1': graphkiln never "
+                      "uses NVLink multicast", stacklevel=2)  # fmt: skip
+    os.environ[SYMM_MEM_MULTICAST] = "1"

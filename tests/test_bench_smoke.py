@@ -116,3 +116,17 @@ def test_serving_study_smoke(tmp_path: Path) -> None:
     assert all(r["backend"] == "sdpa" and r["ms_per_step"] > 0 and r["floor_ms"] > 0 for r in result["decode"])
     assert [r["tokens"] for r in result["long"]] == [256] and result["long"][0]["tflops"] > 0
     assert result["errors"] == {} and set(result["load_s"]) == {"sdpa"}
+
+
+def test_tp_decode_study_smoke(tmp_path: Path) -> None:
+    """`python -m bench tp-decode --smoke`: the tiny shapes on 2 gloo ranks, decode and prefill timed, tokens and
+    logits compared; the symm_mem_all_reduce row is skipped on the CPU, saying why."""
+    cmd = [sys.executable, "-m", "bench", "tp-decode", "--smoke", "--configs", "tp2,tp2-symm-mem", "--batches", "1",
+           "--prefill", "16", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "tp-decode.json").read_text())["rows"]
+    assert rows["tp2-symm-mem"] == {"config": "tp2-symm-mem", "skipped": "needs CUDA and 2 GPUs"}
+    tp2 = rows["tp2"]
+    assert tp2["ranks"] == 2 and tp2["decode_ms_b1"] > 0 and tp2["prefill_ms_16"] > 0 and tp2["x_floor_b1"] > 0
+    assert tp2["token_agreement"] == 1.0 and tp2["max_logit_diff"] == 0.0 and len(tp2["tokens"]) == 4

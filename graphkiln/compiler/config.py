@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from graphkiln.errors import ConfigError
 from graphkiln.checks import check_sizes, is_int
+from graphkiln.passes import symm_mem_all_reduce
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "float16", "bfloat16")
@@ -58,6 +59,9 @@ class CompileConfig:
                 f"CompileConfig.quantization={self.quantization!r} with tensor_parallel_size="
                 f"{self.tensor_parallel_size}: quantized weights are not sharded yet; use one of the two"
             )
+        if symm_mem_all_reduce.NAME in self.enabled_passes:
+            symm_mem_all_reduce.check_compile_config(self.device, self.dtype, self.tensor_parallel_size,
+                                                     self.specialize_sizes)
         if self.dump_dir is not None:
             object.__setattr__(self, "dump_dir", str(self.dump_dir))
         try:  # recorded in the manifest, to recompile a stale artifact with the same options

@@ -11,6 +11,9 @@ Pipeline (`pipeline.default_passes`), each switchable with `CompileConfig.disabl
 5. `fp8_activation_quant` (post-grad, off unless `CompileConfig.enabled_passes` names it): in
    compiles specialized to more than FEW_ROWS tokens, the per-token fp8 quantization of an
    RMSNorm's or SiLU-mul's output joins that Inductor kernel, feeding graphkiln::fp8_scaled_mm.
+6. `symm_mem_all_reduce` (post-grad, off unless named; CUDA, 2+ ranks): in compiles specialized to a
+   token count, an all-reduce of at most 128 KiB becomes PyTorch's symmetric-memory one-shot kernel
+   instead of NCCL's; the residual add + RMSNorm after it stay one Inductor kernel.
 
 Post-grad passes (`base.PostGradPass`) run inside Inductor through the one `PassManager`. The
 other fusions worth a pass in this decoder are already Inductor's: the residual add joins the

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from graphkiln.compat import symm_mem_multicast_off
 from graphkiln.compiler.compiled_model import CompiledModel
 from graphkiln.errors import ConfigError, RankFailedError
 from graphkiln.models.sharding import Shard
@@ -260,7 +261,10 @@ class Group:
 def start_group(size: int, device: str, load_rank: LoadRank, config: EngineConfig) -> Group:
     """Make this process rank 0 of `size` ranks and return its Group. Under torchrun the group's ranks are
     its processes: rank 0 returns, every other rank follows rank 0's steps and then exits this program.
-    Otherwise the other ranks are spawned here, each calling `load_rank` for its shard."""
+    Otherwise the other ranks are spawned here, each calling `load_rank` for its shard. On CUDA, symmetric
+    memory (the symm_mem_all_reduce pass) never sets up NVLink multicast, here or in the spawned ranks."""
+    if device == "cuda":
+        symm_mem_multicast_off()
     launched = torchrun_rank()
     if dist.is_initialized():
         raise ConfigError("this process already has a torch.distributed process group (an LLM with tensor "
