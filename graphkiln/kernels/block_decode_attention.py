@@ -23,9 +23,10 @@ split 0, programmatic dependent launch (the first block loads before waiting for
 Splits cover whole blocks. Blocks of cached rows only take the unmasked path; a split's first
 block and the sequence's last block take the masked one (the new row, positions past the end).
 
-Not served here (the row kernel serves them; `block_decode_unsupported` says why): fp8 caches,
-blocks of fewer than 16 rows or more than 256, rows whose head stride is not a multiple of 16
-bytes, caches not contiguous across blocks.
+Not served here (the row kernel serves them; runtime/attention/block_decode.py says why): fp8
+caches, blocks of fewer than 16 rows (tl.dot's smallest tile) or more than 256 (the copy engine's
+largest box), rows whose head stride is not a multiple of 16 bytes (what a descriptor's strides
+must be), caches not contiguous across blocks.
 """
 
 from __future__ import annotations
@@ -40,30 +41,13 @@ from .decode_attention import merge_splits
 from .kv_format import head_pad, lanes
 from .pdl import pdl_on
 
-MIN_BLOCK_ROWS = 16  # tl.dot's smallest dimension: a block is one tile of keys
-MAX_BOX = 256  # the copy engine's largest box dimension
-
-
-def block_decode_unsupported(cache: torch.Tensor) -> str | None:
-    """Why a layer's cache [num_blocks, block_size, Hkv, D] cannot be read by block copies, or None."""
-    _, block_size, _, head_dim = cache.shape
-    if cache.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        return f"cache dtype {cache.dtype} (the row kernel reads it)"
-    if not MIN_BLOCK_ROWS <= block_size <= MAX_BOX:
-        return f"block_size {block_size} (block copies need {MIN_BLOCK_ROWS} to {MAX_BOX} rows)"
-    if (head_dim * cache.element_size()) % 16:
-        return f"head_dim {head_dim}: a head's row of {head_dim * cache.element_size()} bytes is not a multiple of 16"
-    if cache.stride(3) != 1 or cache.stride(0) != block_size * cache.stride(1) or cache.stride(2) != head_dim:
-        return "a cache that is not contiguous"
-    return None
-
-
 def cache_descriptor(cache: torch.Tensor, heads: int) -> TensorDescriptor:
     """One layer's cache as [num_blocks * block_size, Hkv, D], read in boxes of a block's rows of `heads`
     KV heads, head lanes padded to a power of two (zeros past D)."""
     num_blocks, block_size, num_kv_heads, head_dim = cache.shape
-    return TensorDescriptor(cache, [num_blocks * block_size, num_kv_heads, head_dim], [cache.stride(1), head_dim, 1],
-                            [block_size, heads, head_pad(head_dim)])
+    shape = [num_blocks * block_size, num_kv_heads, head_dim]
+    box = [block_size, heads, head_pad(head_dim)]
+    return TensorDescriptor(cache, shape, [cache.stride(1), cache.stride(2), 1], box)
 
 
 @triton.jit

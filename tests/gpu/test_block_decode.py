@@ -1,7 +1,8 @@
 """The block decode kernel (decode_kernel='blocks': whole cache blocks by tensor-descriptor copies) on the GPU.
 
 Against the float32 reference of test_attention_backends.py, read from the same paged cache: GQA
-groups 1, 4 and 8 at head_dim 64 and 128, head sizes that are not powers of two (their padded
+groups 1, 4 and 8 at head_dim 64 and 128 (and 3 and 7; 5 KV heads, whose last tile of 4 reads
+past the heads: zeros), head sizes that are not powers of two (their padded
 lanes lie outside the descriptor and arrive as zeros), float16 and float32, ragged lengths from 1
 (block boundaries, padded rows, long contexts), every split count the plan or the bench may pick
 and every heads-a-program, the step's new key and value stored, the split counters back to zero,
@@ -33,7 +34,7 @@ HEADS = [
     (torch.bfloat16, 8, 8, 64), (torch.bfloat16, 32, 8, 64), (torch.bfloat16, 64, 8, 64),
     (torch.bfloat16, 8, 8, 128), (torch.bfloat16, 32, 8, 128), (torch.bfloat16, 32, 4, 128),
     (torch.float16, 32, 8, 128), (torch.bfloat16, 16, 2, 256), (torch.bfloat16, 28, 4, 128),
-    (torch.float32, 8, 2, 64),
+    (torch.bfloat16, 15, 5, 64), (torch.float32, 8, 2, 64),
 ]
 ODD_HEADS = [(torch.bfloat16, 32, 8, 80), (torch.bfloat16, 8, 2, 48), (torch.bfloat16, 16, 4, 96),
              (torch.float16, 16, 2, 112)]
@@ -121,7 +122,8 @@ def test_a_compiled_engine_decodes_with_it_inside_its_graphs() -> None:
     graphed = engines(parts, decode_kernel="blocks")[2]
     assert graphed.engine.runner.backend.decode_kernel == "blocks"
     rng = random.Random(0)
-    prompts = [[rng.randrange(3, 4096) for _ in range(rng.choice([1, 15, 16, 17, 40]))] for _ in range(DECODE_SIZES[-1])]
+    lengths = [rng.choice([1, 15, 16, 17, 40]) for _ in range(DECODE_SIZES[-1])]
+    prompts = [[rng.randrange(3, 4096) for _ in range(n)] for n in lengths]
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     for batch in (1, 3, 8):
         want = [o.token_ids for o in eager.generate(prompts[:batch], params)]

@@ -32,6 +32,8 @@ MIN_SPLIT_BLOCKS = 8
 MAX_SPLITS = 64
 BOX_BYTES = 512  # one block row's bytes of the heads a program reads
 NUM_STAGES = 5
+MIN_BLOCK_ROWS = 16  # tl.dot's smallest dimension: a block is one tile of keys
+MAX_BOX = 256  # the copy engine's largest box dimension
 
 
 @dataclass(frozen=True)
@@ -71,14 +73,24 @@ def check_decode_kernel(decode_kernel: str, backend: str) -> None:
         )
 
 
+def block_decode_unsupported(cache: torch.Tensor) -> str | None:
+    """Why a layer's cache [num_blocks, block_size, Hkv, D] cannot be read by block copies, or None."""
+    _, block_size, _, head_dim = cache.shape
+    if cache.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"cache dtype {cache.dtype}"
+    if not MIN_BLOCK_ROWS <= block_size <= MAX_BOX:
+        return f"block_size {block_size}: block copies need {MIN_BLOCK_ROWS} to {MAX_BOX} rows"
+    if (head_dim * cache.element_size()) % 16:
+        return f"head_dim {head_dim}: a head's row of {head_dim * cache.element_size()} bytes is not a multiple of 16"
+    if cache.stride(3) != 1 or cache.stride(2) != head_dim or cache.stride(0) != block_size * cache.stride(1):
+        return "a cache that is not contiguous"
+    return None
+
+
 def effective_decode_kernel(decode_kernel: str, keys: torch.Tensor) -> str:
     """The kernel that serves a cache of `keys` [num_layers, num_blocks, block_size, Hkv, D]: the one asked
     for, or "rows" where the block kernel cannot read the cache (logged)."""
-    if decode_kernel == "rows":
-        return "rows"
-    from graphkiln.kernels.block_decode_attention import block_decode_unsupported
-
-    reason = block_decode_unsupported(keys[0])
+    reason = block_decode_unsupported(keys[0]) if decode_kernel == "blocks" else None
     if reason:
         log.info("decode_kernel='blocks' cannot read this KV cache (%s); decoding with the row kernel", reason)
         return "rows"
