@@ -156,7 +156,7 @@ def _block_decode_kernel(
             counter = counters + seq * tl.num_programs(0) + tile
             if tl.atomic_add(counter, 1) == active - 1:
                 tl.store(counter, 0)
-                for h in tl.static_range(HEADS):
+                for h in range(HEADS):
                     if head0 + h < NUM_KV_HEADS:
                         merge_splits(part_out, part_lse, out_row, (head0 + h) * GROUP,
                                      seq * NUM_HEADS + (head0 + h) * GROUP, num_splits, active, stride_oh, stride_od,
