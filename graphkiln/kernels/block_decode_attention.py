@@ -2,21 +2,27 @@
 
 The row kernel (decode_attention.py) gathers one head's rows of a block one by one: a block of the
 cache [num_blocks, BLOCK_SIZE, Hkv, D] holds BLOCK_SIZE rows per head, strided by Hkv * D elements,
-so every row costs its own address (block id, row, head) and its own short transaction. Here a
-program owns HEADS KV heads of one (sequence, split) and brings each block it attends with one
-bulk copy per cache: the descriptor is the cache seen as [num_blocks * BLOCK_SIZE, Hkv, D], the box
-[BLOCK_SIZE, HEADS, HEAD_PAD], so one instruction moves BLOCK_SIZE * HEADS rows (all KV heads:
-the block's whole contiguous span) and the copy engine does the address work. Per block the
-program computes one block-table address, and Triton's loop pipelining (num_stages) keeps that
-many blocks of keys and values in flight per program, in shared memory, without registers
-waiting on them. The attention of the HEADS heads is one batched (3-D) dot per block: queries
-[HEADS, BLOCK_G, D] (a GQA group padded to 16 rows) against the block's keys [HEADS, D, BLOCK_SIZE].
-Padded head lanes (a head_dim that is not a power of two) lie outside the descriptor's last
-dimension, so the copy fills them with zeros.
+so every row costs its own address (block id, row, head) and its own short transaction, and the
+rows a program waits on sit in its registers. Here a program owns HEADS KV heads of one
+(sequence, split) and brings each block it attends with one bulk copy per cache: the descriptor
+is the cache seen as [num_blocks * BLOCK_SIZE, Hkv, D], the box [BLOCK_SIZE, HEADS, HEAD_PAD], so
+one instruction moves BLOCK_SIZE * HEADS rows (with all KV heads, the block's whole contiguous
+span) and the copy engine does the address work: a program computes one block-table address a
+block. The copies land in shared memory, so the bytes in flight do not cost registers: Triton's
+loop pipelining keeps several blocks of keys and values in flight per program (two at 5 stages;
+it spends the other stages on the block-table load each copy waits for). The attention of the
+HEADS heads is one batched (3-D) dot per block: queries [HEADS, BLOCK_G, D] (a GQA group padded
+to 16 rows) against the block's keys [HEADS, D, BLOCK_SIZE]. Several heads a program, not all:
+the accumulators hold 16 rows a head, so registers bound HEADS (block_decode.py plans them), and
+fewer heads a program leave more programs to spread over the SMs. Padded head lanes (a head_dim
+that is not a power of two) lie outside the descriptor's last dimension: the copy fills them
+with zeros.
 
 The descriptors are built on the host over the static cache (it never moves), so a launch
-captured in a CUDA graph keeps them; lengths, block tables, queries and the step's new key and
-value stay pointer loads read at replay. What the row kernel does, this one does the same way:
+captured in a CUDA graph keeps them (in-kernel descriptors, `tl.make_tensor_descriptor`, would be
+rebuilt by every program of every launch in scratch memory from a global allocator); lengths,
+block tables, queries and the step's new key and value stay pointer loads read at replay. What
+the row kernel does, this one does the same way:
 split-K over the planned splits with the last program of a (sequence, head tile) merging the
 partials on a counter it resets, the step's new key and value taken from registers and stored by
 split 0, programmatic dependent launch (the first block loads before waiting for q, k and v).
@@ -40,6 +46,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .decode_attention import merge_splits
 from .kv_format import head_pad, lanes
 from .pdl import pdl_on
+
 
 def cache_descriptor(cache: torch.Tensor, heads: int) -> TensorDescriptor:
     """One layer's cache as [num_blocks * block_size, Hkv, D], read in boxes of a block's rows of `heads`
