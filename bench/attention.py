@@ -35,7 +35,7 @@ BLOCK = 16
 DECODE_COLUMNS = ["batch", "context", "num_splits", "block_n", "num_warps", "num_stages", "us", "gbs", "pct_copy"]
 AB_COLUMNS = ["kernel", "batch", "context", "num_splits", "block_n", "heads", "num_warps", "num_stages", "us",
               "pct_copy", "rel_err"]
-BLOCK_TILES = [(2, 4, 5), (4, 4, 7), (8, 4, 5), (8, 8, 5)]  # block kernel: heads, warps, stages
+BLOCK_TILES = [(2, 4, 5), (2, 8, 5), (4, 4, 7), (8, 4, 5), (8, 8, 5)]  # block kernel: heads, warps, stages
 PREFILL_COLUMNS = ["tokens", "block_m", "block_n", "num_warps", "num_stages", "us", "tflops", "sdpa_us", "sdpa_tflops",
                    "rel_err_vs_sdpa"]
 

@@ -25,9 +25,10 @@ block tables, queries and the step's new key and value stay pointer loads read a
 the row kernel does, this one does the same way:
 split-K over the planned splits with the last program of a (sequence, head tile) merging the
 partials on a counter it resets, the step's new key and value taken from registers and stored by
-split 0, programmatic dependent launch (the first block loads before waiting for q, k and v).
-Splits cover whole blocks. Blocks of cached rows only take the unmasked path; a split's first
-block and the sequence's last block take the masked one (the new row, positions past the end).
+split 0, programmatic dependent launch. Splits cover whole blocks. Every block of a split goes
+through one pipelined loop, its rows masked at the sequence's end: a copy issued outside the loop
+(a first block ahead of the wait for q, k and v, as the row kernel does, or a last block of its
+own) is waited on at once, one round trip each, where the loop has them in flight together.
 
 Not served here (the row kernel serves them; runtime/attention/block_decode.py says why): fp8
 caches, blocks of fewer than 16 rows (tl.dot's smallest tile) or more than 256 (the copy engine's
@@ -59,18 +60,16 @@ def cache_descriptor(cache: torch.Tensor, heads: int) -> TensorDescriptor:
 
 @triton.jit
 def attend_block(q, k, v, start, last, k_new, v_new, m_i, l_i, acc, scale_log2, BLOCK_SIZE: tl.constexpr,
-                 PRECISION: tl.constexpr, MASKED: tl.constexpr):
+                 PRECISION: tl.constexpr):
     """Online-softmax update of (m_i, l_i, acc) [HEADS, BLOCK_G(, D)] with one block of keys and values
-    k, v [BLOCK_SIZE, HEADS, D] at positions from `start`. MASKED: the row at `last` takes the step's
-    new key and value, rows past it are ignored (their values zeroed); otherwise every row is cached."""
-    if MASKED:
-        pos = start + tl.arange(0, BLOCK_SIZE)
-        is_new = (pos == last)[:, None, None]
-        k = tl.where(is_new, k_new[None, :, :], k)
-        v = tl.where(is_new, v_new[None, :, :], tl.where((pos < last)[:, None, None], v, 0.0))
+    k, v [BLOCK_SIZE, HEADS, D] at positions from `start`: the row at `last` takes the step's new key
+    and value, rows past it are ignored (their values zeroed: a slot never written may hold anything)."""
+    pos = start + tl.arange(0, BLOCK_SIZE)
+    is_new = (pos == last)[:, None, None]
+    k = tl.where(is_new, k_new[None, :, :], k)
+    v = tl.where(is_new, v_new[None, :, :], tl.where((pos < last)[:, None, None], v, 0.0))
     qk = tl.dot(q, tl.permute(k, (1, 2, 0)).to(q.dtype), input_precision=PRECISION) * scale_log2
-    if MASKED:
-        qk = tl.where((pos <= last)[None, None, :], qk, float("-inf"))
+    qk = tl.where((pos <= last)[None, None, :], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 2))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, :, None])
@@ -101,13 +100,8 @@ def _block_decode_kernel(
         first = split * per_split
         stop = tl.minimum(first + per_split, blocks)
         last = seq_len - 1
-        final = last // BLOCK_SIZE  # the block holding the new row; the ones before it are all cached
         table_row = block_tables + seq.to(tl.int64) * stride_bt
         head0 = tile * HEADS
-        # Cached rows were written by earlier steps, never by the kernels this one may overlap.
-        row0 = tl.load(table_row + first) * BLOCK_SIZE
-        k = k_desc.load([row0, head0, 0])
-        v = v_desc.load([row0, head0, 0])
         if PDL:
             gdc_wait()
         kv_heads = head0 + tl.arange(0, HEADS)
@@ -134,20 +128,12 @@ def _block_decode_kernel(
         m_i = tl.full([HEADS, BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([HEADS, BLOCK_G], tl.float32)
         acc = tl.zeros([HEADS, BLOCK_G, HEAD_PAD], tl.float32)
-        m_i, l_i, acc = attend_block(q, k, v, first * BLOCK_SIZE, last, k_new, v_new, m_i, l_i, acc, scale_log2,
-                                     BLOCK_SIZE, PRECISION, True)
-        for b in tl.range(first + 1, tl.minimum(stop, final), num_stages=STAGES):
+        for b in tl.range(first, stop, num_stages=STAGES):
             row0 = tl.load(table_row + b) * BLOCK_SIZE
             k = k_desc.load([row0, head0, 0])
             v = v_desc.load([row0, head0, 0])
             m_i, l_i, acc = attend_block(q, k, v, b * BLOCK_SIZE, last, k_new, v_new, m_i, l_i, acc, scale_log2,
-                                         BLOCK_SIZE, PRECISION, False)
-        if (final > first) & (final < stop):
-            row0 = tl.load(table_row + final) * BLOCK_SIZE
-            k = k_desc.load([row0, head0, 0])
-            v = v_desc.load([row0, head0, 0])
-            m_i, l_i, acc = attend_block(q, k, v, final * BLOCK_SIZE, last, k_new, v_new, m_i, l_i, acc, scale_log2,
-                                         BLOCK_SIZE, PRECISION, True)
+                                         BLOCK_SIZE, PRECISION)
 
         acc = acc / l_i[:, :, None]  # every running split holds at least one position
         out_row = out_ptr + seq * stride_ot
