@@ -11,6 +11,14 @@ graph as the engine replays it (a 128-token call takes microseconds), against SD
 kernel. The sweeps: decode tiles at batch 32 / 4k (and splits at 1 / 16k, 128 / 4k) and prefill
 tiles at 128 and 4096 tokens, each checked against float32 attention. On the CPU (--smoke,
 smoke heads and lengths) the caches, the planning and SDPA run; the Triton kernels need CUDA.
+
+    python -m bench attention --model 1b --decode-ab 1x16,1x2000,16x4000,64x2000,128x1000 --out $OUT
+
+`--decode-ab`: the two decode kernels side by side at each BATCHxCONTEXT shape, each at its plan
+(the row kernel, `decode_kernel="rows"`, and the block kernel, `"blocks"`), then the block kernel
+at other tilings (BLOCK_TILES) and split counts; every row checked against float32. One line per
+shape ("A/B ...") gives both plans' times and shares of the copy rate, and the best block tiling.
+`--serving-sweep` times the block kernel's plan and tilings after the row kernel's.
 """
 
 from __future__ import annotations
@@ -25,6 +33,9 @@ from .report import text_table
 
 BLOCK = 16
 DECODE_COLUMNS = ["batch", "context", "num_splits", "block_n", "num_warps", "num_stages", "us", "gbs", "pct_copy"]
+AB_COLUMNS = ["kernel", "batch", "context", "num_splits", "block_n", "heads", "num_warps", "num_stages", "us",
+              "pct_copy", "rel_err"]
+BLOCK_TILES = [(2, 4, 5), (2, 8, 5), (4, 4, 7), (8, 4, 5), (8, 8, 5)]  # block kernel: heads, warps, stages
 PREFILL_COLUMNS = ["tokens", "block_m", "block_n", "num_warps", "num_stages", "us", "tflops", "sdpa_us", "sdpa_tflops",
                    "rel_err_vs_sdpa"]
 
@@ -59,15 +70,14 @@ class Heads:
         return cache[table.long()].flatten(0, 1)[:tokens].float().repeat_interleave(self.hq // self.hkv, 1)
 
 
-def bench_decode(h: Heads, num_seqs: int, context: int, copy_bw: float, num_sms: int, tiles=None) -> dict:
-    """One decode launch, timed from a cold L2; explicit (swept) tiles are also checked against float32."""
+def bench_decode(h: Heads, num_seqs: int, context: int, copy_bw: float, num_sms: int, tiles=None, kernel: str = "rows",
+                 check: bool = False) -> dict:
+    """One decode launch of `kernel` ("rows" or "blocks"), timed from a cold L2; explicit (swept) tiles, or
+    `check`, are also checked against float32."""
     import torch
 
-    from graphkiln.kernels.decode_attention import paged_decode
-    from graphkiln.runtime.attention.triton_backend import decode_tiles
-
     k_cache, v_cache, seq_lens, tables = h.paged_cache(num_seqs, context)
-    planned = decode_tiles(num_seqs, h.hkv, tables.shape[1] * h.block, h.d, k_cache.element_size(), num_sms)
+    planned, make_call = decode_kernel(h, kernel, num_seqs, tables.shape[1] * h.block, k_cache, num_sms)
     q = torch.randn(num_seqs, h.hq, h.d, dtype=h.dtype, device=h.device)
     out = torch.empty_like(q)
     last = context - 1  # the step's new key and value: rewritten in place with what the slot holds already
@@ -75,17 +85,42 @@ def bench_decode(h: Heads, num_seqs: int, context: int, copy_bw: float, num_sms:
     k, v = k_cache[slots // h.block, slots % h.block], v_cache[slots // h.block, slots % h.block]
     counters = torch.zeros(num_seqs * h.hkv, dtype=torch.int32, device=h.device)
     chosen = asdict(tiles or planned)
-    timing = time_ms(lambda: paged_decode(q, k, v, k_cache, v_cache, seq_lens, tables, slots, out, h.d**-0.5, counters,
-                                          **chosen), h.device, reps=50, before=lambda: flush_l2(h.device))
+    call = make_call((q, k, v, k_cache, v_cache, seq_lens, tables, slots, out, h.d**-0.5, counters), chosen)
+    timing = time_ms(call, h.device, reps=50, before=lambda: flush_l2(h.device))
     bw = 2 * num_seqs * context * h.hkv * h.d * k_cache.element_size() / (timing.median_ms * 1e-3)
-    row = dict(batch=num_seqs, context=context, **chosen, us=timing.us, gbs=bw / 1e9, pct_copy=100 * bw / copy_bw)
-    if tiles:
+    row = dict(kernel=kernel, batch=num_seqs, context=context, **chosen, us=timing.us, gbs=bw / 1e9,
+               pct_copy=100 * bw / copy_bw)
+    if tiles or check:
         scores = torch.stack([torch.einsum("hd,lhd->hl", q[i].float(), h.gathered(k_cache, tables[i], context))
                               for i in range(num_seqs)]) * h.d**-0.5
         values = torch.stack([h.gathered(v_cache, tables[i], context) for i in range(num_seqs)])
         want = torch.einsum("bhl,blhd->bhd", scores.softmax(-1), values)
         row["rel_err"] = ((out.float() - want).norm() / want.norm()).item()
     return row
+
+
+def decode_kernel(h: Heads, kernel: str, num_seqs: int, max_context: int, k_cache, num_sms: int):
+    """(the planned tiles, make_call(args, tiles) -> the timed call) of a decode kernel; the block kernel's
+    cache descriptors are built in make_call, outside the timed call, as a captured graph keeps them."""
+    from graphkiln.runtime.attention.triton_backend import decode_tiles, padded_head_dim
+
+    if kernel == "rows":
+        from graphkiln.kernels.decode_attention import paged_decode
+
+        def make_rows_call(args: tuple, tiles: dict):
+            return lambda: paged_decode(*args, **tiles)
+
+        return decode_tiles(num_seqs, h.hkv, max_context, h.d, k_cache.element_size(), num_sms), make_rows_call
+    from graphkiln.kernels.block_decode_attention import block_paged_decode, cache_descriptor
+    from graphkiln.runtime.attention.block_decode import block_decode_tiles
+
+    def make_blocks_call(args: tuple, tiles: dict):
+        descriptors = tuple(cache_descriptor(cache, tiles["heads"]) for cache in args[3:5])
+        return lambda: block_paged_decode(*args, **tiles, descriptors=descriptors)
+
+    planned = block_decode_tiles(num_seqs, h.hkv, max_context, h.block, padded_head_dim(h.d), k_cache.element_size(),
+                                 num_sms)
+    return planned, make_blocks_call
 
 
 def bench_prefill(h: Heads, tokens: int, tiles=None) -> dict:
@@ -141,6 +176,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-sweep", action="store_true", help="skip the tile sweeps")
     p.add_argument("--serving-sweep", default="",
                    help="BATCHxCONTEXT list: sweep decode splits and tiles at each of these shapes only")
+    p.add_argument("--decode-ab", default="",
+                   help="BATCHxCONTEXT list: both decode kernels (rows, blocks) at each of these shapes only")
     p.add_argument("--block-size", type=int, default=BLOCK, help=f"KV cache block size (default {BLOCK})")
     p.add_argument("--head-major", action="store_true",
                    help="cache blocks laid out [heads, block, dim] (each head's rows contiguous)")
@@ -151,12 +188,12 @@ SERVING_TILES = [(32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 4, 4), (64
 
 
 def serving_sweep(h: Heads, shapes: str, copy_bw: float, num_sms: int) -> list[dict]:
-    """Every split count and tiling of SERVING_TILES at each BATCHxCONTEXT shape, the planned one first."""
+    """Every split count and tiling of SERVING_TILES at each BATCHxCONTEXT shape, the planned one first;
+    then the block kernel's plan and tilings."""
     from graphkiln.runtime.attention.triton_backend import DecodeTiles
 
     rows = []
-    for item in filter(None, shapes.split(",")):
-        batch, context = (int(x) for x in item.lower().split("x"))
+    for batch, context in parse_shapes(shapes):
         planned = bench_decode(h, batch, context, copy_bw, num_sms)
         rows.append(dict(planned, planned=True))
         variants = [DecodeTiles(s, n, w, st) for s in (1, 2, 4, 8, 16, 32) for n, w, st in SERVING_TILES
@@ -164,7 +201,42 @@ def serving_sweep(h: Heads, shapes: str, copy_bw: float, num_sms: int) -> list[d
         best = fitting(lambda t, b=batch, c=context: bench_decode(h, b, c, copy_bw, num_sms, t), variants)
         best.sort(key=lambda r: r["us"])
         rows += best[:8]
-        log(f"{item}: planned {planned['us']:.1f} us ({planned['pct_copy']:.0f}% copy), best {best[0]}")
+        log(f"{batch}x{context}: planned {planned['us']:.1f} us ({planned['pct_copy']:.0f}% copy), best {best[0]}")
+        if not h.head_major:  # the block kernel reads the block-major layout only
+            rows += block_sweep(h, batch, context, copy_bw, num_sms)
+    return rows
+
+
+def parse_shapes(shapes: str) -> list[tuple[int, int]]:
+    return [tuple(int(x) for x in item.lower().split("x")) for item in filter(None, shapes.split(","))]
+
+
+def block_sweep(h: Heads, batch: int, context: int, copy_bw: float, num_sms: int) -> list[dict]:
+    """The block kernel at its plan, then at BLOCK_TILES and at half and twice the planned splits, fastest first."""
+    from graphkiln.runtime.attention.block_decode import BlockDecodeTiles
+
+    planned = bench_decode(h, batch, context, copy_bw, num_sms, kernel="blocks", check=True)
+    plan = BlockDecodeTiles(**{k: planned[k] for k in BlockDecodeTiles.__dataclass_fields__})
+    variants = [replace(plan, heads=n, num_warps=w, num_stages=st) for n, w, st in BLOCK_TILES if n <= h.hkv]
+    variants += [replace(plan, num_splits=s) for s in (max(1, plan.num_splits // 2), min(64, 2 * plan.num_splits))]
+    variants = [v for v in dict.fromkeys(variants) if v != plan]
+    swept = fitting(lambda t: bench_decode(h, batch, context, copy_bw, num_sms, t, kernel="blocks"), variants)
+    return [dict(planned, planned=True)] + sorted(swept, key=lambda r: r["us"])
+
+
+def decode_ab(h: Heads, shapes: str, copy_bw: float, num_sms: int) -> list[dict]:
+    """Both decode kernels at their plans at each shape, then the block kernel's tilings; one A/B line a shape."""
+    rows = []
+    for batch, context in parse_shapes(shapes):
+        row_plan = dict(bench_decode(h, batch, context, copy_bw, num_sms, check=True), planned=True)
+        blocks = block_sweep(h, batch, context, copy_bw, num_sms)
+        best = min(blocks, key=lambda r: r["us"])
+        log(f"A/B {batch}x{context} (heads {h.hq}/{h.hkv}, D {h.d}): rows {row_plan['us']:.1f} us "
+            f"({row_plan['pct_copy']:.0f}% copy) | blocks {blocks[0]['us']:.1f} us ({blocks[0]['pct_copy']:.0f}% copy) "
+            f"| best blocks {best['us']:.1f} us ({best['pct_copy']:.0f}%) splits {best['num_splits']} heads "
+            f"{best['heads']} warps {best['num_warps']} stages {best['num_stages']} | rows/blocks "
+            f"{row_plan['us'] / blocks[0]['us']:.2f}x")
+        rows += [row_plan, *blocks]
     return rows
 
 
@@ -178,10 +250,16 @@ def main(a: argparse.Namespace) -> int:
     result: dict = {"heads": [h.hq, h.hkv, h.d], "copy_gbs": copy_bw / 1e9}
     log(f"device-to-device copy {copy_bw / 1e9:.0f} GB/s; heads {h.hq} query, {h.hkv} KV, head_dim {h.d}")
     prefill_lengths = (16, 48) if study.smoke else (128, 1024, 4096)
+    if a.decode_ab and study.gpu_only("the decode A/B"):
+        num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+        result["decode_ab"] = decode_ab(h, a.decode_ab, copy_bw, num_sms)
+        print(text_table(result["decode_ab"], AB_COLUMNS))
+        log(f"wrote {study.save(result, f'decode-ab-{study.model}')}")
+        return 0
     if a.serving_sweep and study.gpu_only("the serving sweep"):
         num_sms = torch.cuda.get_device_properties(0).multi_processor_count
         result["serving_sweep"] = serving_sweep(h, a.serving_sweep, copy_bw, num_sms)
-        print(text_table(result["serving_sweep"], DECODE_COLUMNS + ["rel_err"]))
+        print(text_table(result["serving_sweep"], AB_COLUMNS))
         layout = f"{'hnd' if h.head_major else 'nhd'}{h.block}"
         log(f"wrote {study.save(result, f'serving-{study.model}-{layout}')}")
         return 0

@@ -2,6 +2,7 @@
 
     python -m bench serving --model 1b --backends triton,flashinfer --out $OUT
     python -m bench serving --model 8b --shapes 1x16,1x2000,32x4000 --long '' --out $OUT
+    python -m bench serving --model 1b --backends triton,triton:blocks --long '' --out $OUT
     python -m bench serving --smoke --out /tmp/bench-smoke     # CPU, tiny shapes, SDPA
 
 One compiled artifact, loaded once per backend with `max_seq_len` raised so every prompt and its
@@ -11,6 +12,8 @@ ms per step; the floor is (weight bytes read + KV bytes read at the steps' mean 
 cache's dtype) / the measured copy rate. Long prompts: one request of each --long length with max_tokens=1 (chunked
 over --prefill-chunk-token steps); its rate counts the weight products and the causal attention's
 FLOPs against the measured bf16 matmul rate. The load time of each backend is recorded too.
+A backend named `triton:blocks` is Triton with `decode_kernel="blocks"` (`triton` is its default,
+the row kernel), so one run compares the two decode kernels end to end.
 """
 
 from __future__ import annotations
@@ -85,7 +88,8 @@ def long_row(llm, tokens: int, device: str, mb: dict, matmul_bw: float, reps: in
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_study_arguments(p, model="1b")
-    p.add_argument("--backends", default="triton,flashinfer", help="attention backends, comma-separated")
+    p.add_argument("--backends", default="triton,flashinfer",
+                   help="attention backends, comma-separated; triton:blocks: Triton with the block decode kernel")
     p.add_argument("--shapes", default="1x16,1x2000,16x4000,64x2000,128x1000", help="decode BATCHxPROMPT list")
     p.add_argument("--long", default="16384,32768", help="long prompt lengths (prefill), comma-separated")
     p.add_argument("--steps", type=int, default=64, help="decode steps timed per shape")
@@ -123,9 +127,11 @@ def main(a: argparse.Namespace) -> int:
         config = graphkiln.CompileConfig(device=study.device, dtype=study.dtype_name)
         graphkiln.compile_model(work / "model", work / "art", config)
         for backend in backends:
+            name, _, kernel = backend.partition(":")
+            backend_options = {"attention_backend": name, **({"decode_kernel": kernel} if kernel else {})}
             try:
                 t0 = time.perf_counter()
-                llm = graphkiln.load(work / "art", attention_backend=backend, **engine_options)
+                llm = graphkiln.load(work / "art", **backend_options, **engine_options)
                 result["load_s"][backend] = time.perf_counter() - t0
                 llm.wait_ready()
                 result.setdefault("ready_s", {})[backend] = time.perf_counter() - t0
@@ -141,7 +147,9 @@ def main(a: argparse.Namespace) -> int:
                     log(f"{backend} decode {batch}x{prompt}: {row['ms_per_step']:.3f} ms ({row['x_floor']:.2f}x floor)")
             chunk = a.prefill_chunk_tokens
             long_options = {**engine_options, **({"max_num_batched_tokens": chunk} if chunk else {})}
-            with graphkiln.load(work / "art", attention_backend=backend, capture="blocking", **long_options) as llm:
+            if not longs:
+                continue
+            with graphkiln.load(work / "art", capture="blocking", **backend_options, **long_options) as llm:
                 for tokens in longs:
                     row = dict(backend=backend, chunk=llm.engine.config.max_num_batched_tokens,
                                **long_row(llm, tokens, study.device, mb, matmul_bw, 1 if study.smoke else 2,

@@ -55,7 +55,7 @@ def build_engine(
     num_blocks = kv_cache_blocks(layers, kv_dtype, device, config)
     kv = allocate_kv_cache(layers, num_blocks, config.block_size, kv_dtype, device)
     log.info("KV cache: %d blocks of %d tokens, %.1f MiB", num_blocks, config.block_size, kv.nbytes / 2**20)
-    backend = select_backend(config.attention_backend, kv)
+    backend = select_backend(config.attention_backend, kv, config.decode_kernel)
     allocator = BlockAllocator(num_blocks, config.block_size)
     padding = Padding(config.decode_batch_sizes, config.prefill_token_buckets) if compiled is not None else None
     runner = ModelRunner(model, kv, backend, forward=compiled, padding=padding, peers=peers)

@@ -16,6 +16,7 @@ from graphkiln.errors import ConfigError
 DEFAULT_DECODE_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 DEFAULT_PREFILL_TOKEN_BUCKETS = tuple(2**i for i in range(4, 13))  # 16 ... 4096
 ATTENTION_BACKENDS = ("auto", "sdpa", "triton", "flashinfer")
+DECODE_KERNELS = ("rows", "blocks")  # the Triton backend's decode kernels (attention/block_decode.py)
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # the model's dtype, or float8_e4m3fn with row scales (kv_dtype.py)
 CAPTURE_MODES = ("background", "blocking")
 DEFAULT_CPU_KV_TOKENS = 16384
@@ -42,6 +43,8 @@ class EngineConfig:
     `capture`: "background" (the engine serves while its graphs are captured, a step whose graph is
     not captured yet running without it; `LLM.wait_ready()` waits for them) or "blocking" (every
     graph captured before `load` returns). Without graphs the same happens to one warm-up run per size.
+    `decode_kernel` picks the Triton backend's decode kernel: "rows" (each head's cache rows gathered
+    one by one) or "blocks" (whole cache blocks of several heads by bulk copies).
     `collective_timeout_s` bounds how long a tensor-parallel rank waits inside a step for the others.
     """
 
@@ -58,6 +61,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     capture: str = "background"
     collective_timeout_s: float = 300.0
+    decode_kernel: str = "rows"
 
     def __post_init__(self) -> None:
         for name in ("decode_batch_sizes", "prefill_token_buckets"):
@@ -72,6 +76,8 @@ class EngineConfig:
             )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"EngineConfig.kv_cache_dtype={self.kv_cache_dtype!r}; use one of {KV_CACHE_DTYPES}")
+        if self.decode_kernel not in DECODE_KERNELS:
+            raise ConfigError(f"EngineConfig.decode_kernel={self.decode_kernel!r}; use one of {DECODE_KERNELS}")
         if self.capture not in CAPTURE_MODES:
             raise ConfigError(f"EngineConfig.capture={self.capture!r}; use one of {CAPTURE_MODES}")
         if not isinstance(self.cuda_graphs, bool):

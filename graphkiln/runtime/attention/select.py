@@ -17,6 +17,7 @@ from graphkiln.errors import ConfigError
 from graphkiln.runtime.kv_cache import KVCache
 
 from .base import AttentionBackend
+from .block_decode import check_decode_kernel
 
 BACKENDS = ("auto", "sdpa", "triton", "flashinfer")
 
@@ -49,11 +50,13 @@ def _auto(kv_cache: KVCache) -> str:
     return auto_backend(keys.device.type, keys.dtype, keys.shape[-1], flashinfer, triton)
 
 
-def select_backend(name: str, kv_cache: KVCache) -> AttentionBackend:
+def select_backend(name: str, kv_cache: KVCache, decode_kernel: str = "rows") -> AttentionBackend:
+    """The backend `name` means for this cache; `decode_kernel` other than "rows" needs Triton (block_decode.py)."""
     if name not in BACKENDS:
         raise ConfigError(f"attention backend {name!r} is unknown; use one of {BACKENDS}")
     if name == "auto":
         name = _auto(kv_cache)
+    check_decode_kernel(decode_kernel, name)
     if name in ("triton", "flashinfer") and kv_cache.keys.device.type != "cuda":
         raise ConfigError(f"attention backend {name!r} needs a CUDA device; use 'sdpa' on the CPU")
     if name == "flashinfer":
@@ -63,7 +66,7 @@ def select_backend(name: str, kv_cache: KVCache) -> AttentionBackend:
     if name == "triton":
         from .triton_backend import TritonBackend
 
-        return TritonBackend(kv_cache)
+        return TritonBackend(kv_cache, decode_kernel)
     from .sdpa import SdpaBackend
 
     return SdpaBackend(kv_cache)

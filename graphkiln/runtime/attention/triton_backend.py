@@ -8,7 +8,8 @@ reads the whole context from the paged cache. Any head_dim up to 256 runs on til
 power of two (planned at the padded width); an fp8 cache passes its row scales to every kernel.
 Planning (tile sizes, decode splits,
 prefill work items) is plain Python here; the kernels import triton, an optional dependency,
-only when a backend is built.
+only when a backend is built. `decode_kernel` "blocks" decodes with the block kernel instead
+(block_decode.py plans it); prefill is the same either way.
 
 Decode launches depend only on static quantities (batch size, block table width, head shapes),
 and scratch buffers are allocated inside the call, so a capture takes them from the graph's
@@ -29,6 +30,7 @@ from graphkiln.models.attention import AttentionFn
 from graphkiln.runtime.kv_cache import KVCache
 from graphkiln.runtime.transfer import upload
 
+from .block_decode import block_decode_tiles, check_decode_kernel, effective_decode_kernel
 from .metadata import BatchMetadata
 
 PROGRAMS_PER_SM = 2  # prefill programs resident per SM at the default tiles (shared-memory bound)
@@ -146,7 +148,7 @@ class TritonBackend:
     capturable_decode = True
     capturable_prefill = True
 
-    def __init__(self, kv_cache: KVCache) -> None:
+    def __init__(self, kv_cache: KVCache, decode_kernel: str = "rows") -> None:
         # triton is optional: import the kernels only when this backend is chosen.
         from graphkiln.kernels.kv_write import write_kv
         from graphkiln.kernels.decode_attention import paged_decode
@@ -155,7 +157,9 @@ class TritonBackend:
         reason = unsupported(kv_cache.keys.dtype, kv_cache.keys.shape[-1])
         if reason:
             raise UnsupportedModelError(f"{reason}; use the sdpa attention backend")
+        check_decode_kernel(decode_kernel, self.name)
         self.kv_cache = kv_cache
+        self.decode_kernel = effective_decode_kernel(decode_kernel, kv_cache.keys)
         self._write_kv, self._decode, self._prefill = write_kv, paged_decode, paged_prefill
         device = kv_cache.keys.device
         self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
@@ -169,6 +173,8 @@ class TritonBackend:
         return self._plan_decode(meta) if meta.decode else self._plan_prefill(meta)
 
     def _plan_decode(self, meta: BatchMetadata) -> AttentionFn:
+        if self.decode_kernel == "blocks":
+            return self._plan_block_decode(meta)
         _, block_size, num_kv_heads, head_dim = self.kv_cache.keys.shape[1:]
         tiles = decode_tiles(
             meta.seq_lens_t.shape[0],
@@ -184,6 +190,24 @@ class TritonBackend:
             k_cache, v_cache = self.kv_cache.layer(layer)
             self._decode(q, k, v, k_cache, v_cache, meta.seq_lens_t, meta.block_tables, meta.slot_mapping, out, scale,
                          self._split_counters, scales=self.kv_cache.layer_scales(layer), **tile_args)
+
+        return run
+
+    def _plan_block_decode(self, meta: BatchMetadata) -> AttentionFn:
+        """The block kernel's call; its cache descriptors are built per call (they hold the cache, which
+        must go when the engine closes), which only eager steps pay: a graph keeps what it captured."""
+        from graphkiln.kernels.block_decode_attention import block_paged_decode
+
+        _, block_size, num_kv_heads, head_dim = self.kv_cache.keys.shape[1:]
+        tiles = block_decode_tiles(meta.seq_lens_t.shape[0], num_kv_heads, meta.block_tables.shape[1] * block_size,
+                                   block_size, padded_head_dim(head_dim), self.kv_cache.keys.element_size(),
+                                   self._num_sms)
+        tile_args = asdict(tiles)
+
+        def run(layer: int, q, k, v, out, scale: float) -> None:
+            k_cache, v_cache = self.kv_cache.layer(layer)
+            block_paged_decode(q, k, v, k_cache, v_cache, meta.seq_lens_t, meta.block_tables, meta.slot_mapping, out,
+                               scale, self._split_counters, **tile_args)
 
         return run
 
