@@ -50,9 +50,9 @@ from graphkiln.errors import ConfigError
 
 __all__ = [
     "CustomGraphPass", "TORCH_LINEAR", "all_gather_last_dim", "all_reduce_sum", "artifact_cache", "copy_tensors",
-    "depyf_debug", "dynamo_counters", "fake_process_group", "graph_returns_tuple", "import_inductor", "inductor_output_code",
-    "install_cpu_kernels", "is_op_overload", "load_artifact", "mark_dynamic_dim", "private_inductor_cache",
-    "require_depyf", "size_oblivious", "standalone_compile", "to_empty",
+    "depyf_debug", "dynamo_counters", "fake_process_group", "graph_returns_tuple", "import_inductor",
+    "inductor_output_code", "install_cpu_kernels", "is_op_overload", "load_artifact", "mark_dynamic_dim",
+    "private_inductor_cache", "require_depyf", "size_oblivious", "standalone_compile", "to_empty",
 ]  # fmt: skip
 
 TORCH_LINEAR = torch._C._nn.linear  # what F.linear and nn.Linear appear as in a Dynamo graph

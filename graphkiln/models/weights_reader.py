@@ -408,9 +408,11 @@ def _preadv_exactly(fd: int, views: list[memoryview], offset: int, pieces: list[
         try:
             n = os.preadv(fd, views, offset + done)
         except OSError as err:
-            raise _corrupt(_at(pieces, done).path, f"reading tensor {_at(pieces, done).name!r}: {err.strerror}") from err
+            at = _at(pieces, done)
+            raise _corrupt(at.path, f"reading tensor {at.name!r}: {err.strerror}") from err
         if n == 0:
-            raise _corrupt(_at(pieces, done).path, f"tensor {_at(pieces, done).name!r} ends past the file's end")
+            at = _at(pieces, done)
+            raise _corrupt(at.path, f"tensor {at.name!r} ends past the file's end")
         done += n
         while views and n >= len(views[0]):
             n -= len(views[0])
