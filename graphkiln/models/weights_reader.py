@@ -11,11 +11,12 @@ does all of a unit itself: one `os.preadv` per run of tensors adjacent in the fi
 one strided numpy copy from the file's mapping), then one call that queues the unit's copies to
 the device on the thread's own stream, from the thread's own two staging buffers (pinned on CUDA),
 an event saying when a buffer may be filled again. On the CPU a read whose dtype matches lands in
-the destination's own memory. Every one of these calls releases Python's interpreter lock for its
-whole length, and a thread takes the lock back a few times per unit, not per tensor or per
-megabyte: a thread waiting for it waits for the switch interval while another thread runs Python
-(a load imports Inductor beside the read), so the fewer times, the closer the read stays to the
-rate of the copies themselves. The destination's dtype conversion runs on the device, after the copy.
+the destination's own memory. Each of these calls releases Python's interpreter lock for its whole
+length, and the long ones (a read, a wait for a buffer) are a few per unit, not per tensor or per
+megabyte: a thread taking the lock back after one waits up to the switch interval while another
+thread runs Python (a load imports Inductor beside the read; switch_interval.py), so the fewer
+there are, the closer the read stays to the rate of the copies themselves. The destination's dtype
+conversion runs on the device, after the copy.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import struct
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -214,7 +216,7 @@ class WeightsReader:
     `buffer_bytes` (fewer bytes when the reads are small; at least one row of the widest tensor)."""
 
     def __init__(
-        self, device: torch.device, *, threads: int = 8, buffers: int = 2, buffer_bytes: int = 64 << 20
+        self, device: torch.device, *, threads: int = 8, buffers: int = 2, buffer_bytes: int = 32 << 20
     ) -> None:
         self.device = torch.device(device)
         self.threads = threads
@@ -249,8 +251,10 @@ class WeightsReader:
             with ThreadPoolExecutor(count, thread_name_prefix="graphkiln-weights") as pool:
                 futures = [pool.submit(self._work, device, units, files, unit_bytes, s, convert, stop)
                            for s in streams or [None] * count]  # fmt: skip
-                wait(futures, return_when=FIRST_EXCEPTION)
-                stop.set()
+                try:
+                    wait(futures, return_when=FIRST_EXCEPTION)
+                finally:  # a failed thread (or an interrupted caller) stops the others after their unit
+                    stop.set()
                 staging = [f.result() for f in futures]
         finally:
             for stream in streams:
@@ -318,7 +322,7 @@ class WeightsReader:
         return sum(b.numel() for b in buffers), allocating
 
 
-def _units(reads: list[TensorRead], unit_bytes: int, direct) -> list[_Unit]:
+def _units(reads: list[TensorRead], unit_bytes: int, direct: Callable[[TensorRead], bool]) -> list[_Unit]:
     """The reads in file order, cut at rows into units of at most `unit_bytes` (a staged unit's pieces placed
     in its buffer at their dtype's alignment, back to back where the file has them back to back)."""
     units = []
