@@ -35,6 +35,11 @@ def main(argv: list[str] | None = None) -> int:
 
         child_main(json.loads(argv[1]))
         return 0
+    if argv[:1] == ["_weights"]:  # a read beside the Inductor import in a fresh process (bench/weights.py)
+        from .weights import child_main as weights_child
+
+        weights_child(json.loads(argv[1]))
+        return 0
     parser = argparse.ArgumentParser(
         prog="python -m bench", description="graphkiln's benchmark harness (bench/README.md)"
     )

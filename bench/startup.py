@@ -2,6 +2,7 @@
 
     python -m bench startup --models 1b,8b --out "$OUT"     # warm starts on the GPU (cold too: --cold)
     python -m bench startup --smoke                          # the built-in tiny model on the CPU
+    python -m bench startup --models 8b --load-switch-intervals off,0.0001   # A/B: each warm start per value
 
 The parent notes the time before it spawns the child; the child prints, after CHILD_PREFIX, one
 JSON line with the wall-clock time at each mark. The phases between marks, from process start:
@@ -37,6 +38,7 @@ import argparse
 import compileall
 import dataclasses
 import importlib.util
+import itertools
 import json
 import os
 import subprocess
@@ -210,6 +212,9 @@ def main(a: argparse.Namespace) -> int:
     engine = {"attention_backend": "sdpa" if device == "cpu" else "triton"}
     if a.kv_cache_tokens:
         engine["kv_cache_tokens"] = a.kv_cache_tokens
+    from graphkiln.models.switch_interval import LOAD_SWITCH_INTERVAL_ENV
+
+    intervals = [v.strip() for v in a.load_switch_intervals.split(",")] if a.load_switch_intervals else [""]
     scratch = Path(tempfile.mkdtemp(prefix="gk-startup-"))
     caches = {"TORCHINDUCTOR_CACHE_DIR": str(scratch / "inductor"), "TRITON_CACHE_DIR": str(scratch / "triton")}
     results = {"meta": {**environment(device), "bytecode": ensure_bytecode(), "models": models}, "starts": {}}
@@ -223,10 +228,12 @@ def main(a: argparse.Namespace) -> int:
             if not a.cold:
                 log(f"{name}: compiling the artifact (not timed)")
                 _compile(spec, caches)
-            for i, which in enumerate(whiches):
+            for (i, which), interval in itertools.product(enumerate(whiches), intervals):
                 label = f"{name} {which}" + (" (again)" if i and whiches[i - 1] == which else "")
+                label += f", switch interval {interval}" if interval else ""
+                env = {**caches, LOAD_SWITCH_INTERVAL_ENV: interval} if interval else caches
                 try:
-                    child = run_child({**spec, "mode": f"gk_{which}"}, caches, timeout=a.timeout_s)
+                    child = run_child({**spec, "mode": f"gk_{which}"}, env, timeout=a.timeout_s)
                     jobs = child.get("slowest_jobs", [])[:3]
                     slowest = ", ".join(f"{j['kind']} {j['key']} {j['seconds']:.3f} s" for j in jobs)
                     log(f"{label}: first token at {child['start_to_first_token_s']:.2f} s, ready at "
@@ -278,4 +285,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-tokens", type=int, help="KV cache size (default: the engine's)")
     p.add_argument("--timeout-s", type=float, default=400, help="per start-up child (default 400)")
     p.add_argument("--smoke", action="store_true", help="the built-in tiny model on the CPU")
+    p.add_argument("--load-switch-intervals",
+                   help="comma list of GRAPHKILN_LOAD_SWITCH_INTERVAL values (seconds or off), each start run once "
+                        "per value: the switch interval while load reads the weights beside the Inductor import")
     p.add_argument("--out", help="folder for startup-<device>.json and .md")

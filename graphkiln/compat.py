@@ -5,6 +5,8 @@ never `torch._...` themselves):
 
 - Dynamo capture: `mark_dynamic_dim`, `size_oblivious()`, `dynamo_counters()`.
 - `to_empty(module, device)`: `Module.to_empty` through `Module._apply`, without torch's meta reference.
+- `copy_tensors(dests, sources)`: `torch._foreach_copy_`, many copies in one call (the weights reader
+  queues a unit's copies with one release of the interpreter lock).
 - Inductor: `standalone_compile`, `load_artifact`, `graph_returns_tuple`, `CustomGraphPass`,
   `is_op_overload`, and the ATen-level `TORCH_LINEAR` a Dynamo graph calls for nn.Linear. Inductor
   and Dynamo are imported where they are used, never by importing this module: importing them costs
@@ -53,11 +55,11 @@ import torch
 from graphkiln.errors import ConfigError
 
 __all__ = [
-    "CustomGraphPass", "TORCH_LINEAR", "all_gather_last_dim", "all_reduce_sum", "artifact_cache", "depyf_debug",
-    "dynamo_counters", "fake_process_group", "functional_all_reduce_ops", "graph_returns_tuple", "import_inductor",
-    "inductor_output_code", "install_cpu_kernels", "is_op_overload", "load_artifact", "mark_dynamic_dim",
-    "one_shot_all_reduce_copy", "private_inductor_cache", "require_depyf", "size_oblivious", "standalone_compile",
-    "symm_mem_multicast_off", "symmetric_empty", "to_empty",
+    "CustomGraphPass", "TORCH_LINEAR", "all_gather_last_dim", "all_reduce_sum", "artifact_cache", "copy_tensors",
+    "depyf_debug", "dynamo_counters", "fake_process_group", "functional_all_reduce_ops", "graph_returns_tuple",
+    "import_inductor", "inductor_output_code", "install_cpu_kernels", "is_op_overload", "load_artifact",
+    "mark_dynamic_dim", "one_shot_all_reduce_copy", "private_inductor_cache", "require_depyf", "size_oblivious",
+    "standalone_compile", "symm_mem_multicast_off", "symmetric_empty", "to_empty",
 ]  # fmt: skip
 
 TORCH_LINEAR = torch._C._nn.linear  # what F.linear and nn.Linear appear as in a Dynamo graph
@@ -90,6 +92,11 @@ def to_empty(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     reference torch runs for `empty_like` of a meta tensor: it imports symbolic shapes and sympy (tenths of
     a second, which Inductor's import pays later anyway) before a load can start reading the weights."""
     return module._apply(lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device))
+
+
+def copy_tensors(dests: list[torch.Tensor], sources: list[torch.Tensor], *, non_blocking: bool = False) -> None:
+    """`dest.copy_(source)` for each pair (any devices and dtypes), in one call."""
+    torch._foreach_copy_(dests, sources, non_blocking=non_blocking)
 
 
 def mark_dynamic_dim(tensor: torch.Tensor, dim: int) -> None:

@@ -130,3 +130,23 @@ def test_tp_decode_study_smoke(tmp_path: Path) -> None:
     tp2 = rows["tp2"]
     assert tp2["ranks"] == 2 and tp2["decode_ms_b1"] > 0 and tp2["prefill_ms_16"] > 0 and tp2["x_floor_b1"] > 0
     assert tp2["token_agreement"] == 1.0 and tp2["max_logit_diff"] == 0.0 and len(tp2["tokens"]) == 4
+
+
+def test_weights_study_smoke(tmp_path: Path) -> None:
+    """`python -m bench weights` on the CPU: the reader and the one before it, alone, beside a thread running
+    Python and beside the Inductor import in fresh processes (and that import alone), under two intervals."""
+    cmd = [sys.executable, "-m", "bench", "weights", "--device", "cpu", "--gib", "0.1", "--ways", "graphkiln,baseline",
+           "--beside-busy-thread", "--beside-import", "--switch-intervals", "0.005,0.0001", "--reps", "1",
+           "--out", str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "weights-cpu.json").read_text())["rows"]
+    cells = {(r["condition"], r["switch_interval"], r["way"]) for r in rows}
+    ways = {"graphkiln", "baseline"}
+    assert cells == {("alone", 0.005, w) for w in ways} | {
+        (c, s, w) for c in ("busy-thread", "import") for s in (0.005, 0.0001) for w in ways
+    } | {("import", s, "none") for s in (0.005, 0.0001)}
+    for r in rows:
+        assert r["way"] == "none" or r["best_GBps"] >= r["median_GBps"] > 0
+        assert r["condition"] != "import" or r["import_s"] > 0
+    assert "| import | 0.0001 | graphkiln |" in proc.stdout

@@ -29,6 +29,7 @@ from graphkiln.errors import ArtifactError, ConfigError
 from graphkiln.models import load_model, resolve_dtype
 from graphkiln.models.linear import import_kernels
 from graphkiln.models.loader import empty_model, fill_model
+from graphkiln.models.switch_interval import load_switch_interval, lowered_switch_interval
 from graphkiln.models.weights_reader import indexed
 from graphkiln.models.config import ModelConfig
 from graphkiln.models.tokenizer import Tokenizer
@@ -364,7 +365,10 @@ def read_artifact(
         device = torch.device(config["device"])
         quantized = out / QUANTIZED_FILE if config.get("quantization") else None
         model = empty_model(model_dir, device, config["dtype"], model_config, scheme, quantized, shard)
-        with ThreadPoolExecutor(1, thread_name_prefix="graphkiln-fill") as pool:  # weights beside the rest
+        with (
+            lowered_switch_interval(load_switch_interval()),  # the reading threads wait less for the lock
+            ThreadPoolExecutor(1, thread_name_prefix="graphkiln-fill") as pool,  # weights beside the rest
+        ):
             weights = pool.submit(_fill_on, indexed(device), model, model_dir, clock)
             with clock.stage("tokenizer"):
                 tokenizer = read_tokenizer(manifest, out, model_dir)

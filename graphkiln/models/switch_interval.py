@@ -1,0 +1,60 @@
+"""Python's thread switch interval while a load reads its weights beside Python work.
+
+A thread that wants the interpreter lock while another thread runs Python waits for the switch
+interval (5 ms by default) before the running thread is asked to let go. A load reads its weights
+on threads that take the lock back after each read and copy call, while its own thread imports
+Inductor and loads the compiled pieces (seconds of pure Python): every take can cost the whole
+interval. `lowered_switch_interval` shortens the interval for the length of that overlap; the
+Python beside it pays a switch (microseconds) only when a reading thread is waiting. The interval
+is process-wide: on the way out the one found on the way in is restored, unless something else
+set another meanwhile (that one is kept), and an interval already shorter is left as it is.
+
+`GRAPHKILN_LOAD_SWITCH_INTERVAL` sets the interval a load uses, in seconds, or `off` to leave the
+interpreter's own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+
+from graphkiln.errors import ConfigError
+
+LOAD_SWITCH_INTERVAL_ENV = "GRAPHKILN_LOAD_SWITCH_INTERVAL"
+LOAD_SWITCH_INTERVAL_S = 1e-4
+
+
+def load_switch_interval() -> float | None:
+    """The interval a load reads its weights under (None: the interpreter's own)."""
+    value = os.environ.get(LOAD_SWITCH_INTERVAL_ENV, "").strip()
+    if not value:
+        return LOAD_SWITCH_INTERVAL_S
+    if value.lower() == "off":
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < 1:
+        raise ConfigError(
+            f"{LOAD_SWITCH_INTERVAL_ENV}={value!r}: give seconds between 0 and 1 (such as 0.0001), or 'off'"
+        )
+    return seconds
+
+
+@contextlib.contextmanager
+def lowered_switch_interval(seconds: float | None) -> Iterator[None]:
+    """The interpreter's switch interval at most `seconds` inside (None: as it is), restored after."""
+    before = sys.getswitchinterval()
+    if seconds is None or seconds >= before:
+        yield
+        return
+    sys.setswitchinterval(seconds)
+    ours = sys.getswitchinterval()
+    try:
+        yield
+    finally:
+        if sys.getswitchinterval() == ours:
+            sys.setswitchinterval(before)
