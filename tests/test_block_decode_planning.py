@@ -17,6 +17,7 @@ from graphkiln.runtime.attention.block_decode import (
     block_decode_tiles,
     block_decode_unsupported,
     check_decode_kernel,
+    decodes_by_blocks,
     effective_decode_kernel,
 )
 from graphkiln.runtime.attention.select import select_backend
@@ -71,6 +72,7 @@ def test_caches_the_block_kernel_reads(dtype, head_dim, block_size, reason) -> N
     assert got == reason if reason is None else reason in got
     assert effective_decode_kernel("blocks", keys) == ("blocks" if reason is None else "rows")
     assert effective_decode_kernel("rows", keys) == "rows"
+    assert effective_decode_kernel("auto", keys) == ("auto" if reason is None else "rows")
 
 
 def test_a_cache_not_contiguous_across_blocks_is_not_read_by_blocks() -> None:
@@ -79,19 +81,26 @@ def test_a_cache_not_contiguous_across_blocks_is_not_read_by_blocks() -> None:
 
 
 def test_decode_kernel_is_an_engine_option_checked_on_construction() -> None:
-    assert EngineConfig().decode_kernel == "rows"
+    assert EngineConfig().decode_kernel == "auto"
     config = engine_config(decode_kernel="blocks")
     assert EngineConfig.from_dict(config.to_dict()).decode_kernel == "blocks"
-    with pytest.raises(ConfigError, match=r"EngineConfig.decode_kernel='tma'.*'rows', 'blocks'"):
+    with pytest.raises(ConfigError, match=r"EngineConfig.decode_kernel='tma'.*'auto', 'rows', 'blocks'"):
         EngineConfig(decode_kernel="tma")
 
 
 def test_blocks_needs_the_triton_backend() -> None:
     check_decode_kernel("blocks", "triton")
     check_decode_kernel("rows", "sdpa")
+    check_decode_kernel("auto", "flashinfer")
     with pytest.raises(ConfigError, match=r"decode_kernel='blocks'.*'flashinfer'.*attention_backend='triton'"):
         check_decode_kernel("blocks", "flashinfer")
     cache = _cache()
     with pytest.raises(ConfigError, match=r"decode_kernel='blocks'.*'sdpa'"):
         select_backend("auto", cache, "blocks")  # auto means SDPA on the CPU
     assert select_backend("auto", cache).name == "sdpa"
+
+
+def test_auto_takes_the_block_kernel_from_64_rows() -> None:
+    """The measured rule: the block kernel for decode batches of 64 rows and more, the row kernel below."""
+    assert [decodes_by_blocks("auto", n) for n in (1, 16, 48, 63, 64, 128, 256)] == [False] * 4 + [True] * 3
+    assert decodes_by_blocks("blocks", 1) and not decodes_by_blocks("rows", 256)

@@ -16,7 +16,7 @@ from graphkiln.errors import ConfigError
 DEFAULT_DECODE_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 DEFAULT_PREFILL_TOKEN_BUCKETS = tuple(2**i for i in range(4, 13))  # 16 ... 4096
 ATTENTION_BACKENDS = ("auto", "sdpa", "triton", "flashinfer")
-DECODE_KERNELS = ("rows", "blocks")  # the Triton backend's decode kernels (attention/block_decode.py)
+DECODE_KERNELS = ("auto", "rows", "blocks")  # the Triton backend's decode kernels (attention/block_decode.py)
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # the model's dtype, or float8_e4m3fn with row scales (kv_dtype.py)
 CAPTURE_MODES = ("background", "blocking")
 DEFAULT_CPU_KV_TOKENS = 16384
@@ -44,7 +44,8 @@ class EngineConfig:
     not captured yet running without it; `LLM.wait_ready()` waits for them) or "blocking" (every
     graph captured before `load` returns). Without graphs the same happens to one warm-up run per size.
     `decode_kernel` picks the Triton backend's decode kernel: "rows" (each head's cache rows gathered
-    one by one) or "blocks" (whole cache blocks of several heads by bulk copies).
+    one by one), "blocks" (whole cache blocks of several heads by bulk copies) or "auto" (blocks for
+    decode batches of BLOCKS_FROM_BATCH and more, where it measured faster; rows below).
     `collective_timeout_s` bounds how long a tensor-parallel rank waits inside a step for the others.
     """
 
@@ -61,7 +62,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     capture: str = "background"
     collective_timeout_s: float = 300.0
-    decode_kernel: str = "rows"
+    decode_kernel: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("decode_batch_sizes", "prefill_token_buckets"):

@@ -1,10 +1,15 @@
 """Which decode kernel the Triton backend runs, and the plan of the block kernel.
 
 EngineConfig.decode_kernel: "rows" (kernels/decode_attention.py, one head a program, the cache
-gathered row by row; the default) or "blocks" (kernels/block_decode_attention.py, whole blocks
-of several KV heads by bulk copies). Caches the block kernel cannot read (fp8, blocks of fewer
-than 16 rows, rows not 16-byte aligned) keep the row kernel: `effective_decode_kernel` says so
-once, when the backend is built.
+gathered row by row), "blocks" (kernels/block_decode_attention.py, whole blocks of several KV
+heads by bulk copies) or "auto", the default: blocks for decode batches of BLOCKS_FROM_BATCH rows
+and more, rows below. Both kernels read the same cache, so each decode graph takes its own. In
+isolation on the H200 (`python -m bench attention --decode-ab`, README "Attention at serving
+shapes") the block kernel was faster at 64 x 2000 and 128 x 1000, even at 16 x 4000, and took
+twice the row kernel's time at 1 x 2000, where the row kernel's early first load and shorter
+dependency chain count more than bytes in flight. Caches the block kernel cannot read (fp8,
+blocks of fewer than 16 rows, rows not 16-byte aligned) keep the row kernel:
+`effective_decode_kernel` says so once, when the backend is built.
 
 The plan is static for a captured graph (batch size, block table width, head shapes): heads a
 program, so a box holds at most BOX_BYTES of each block row (4 heads of 64 bf16 lanes, 2 of
@@ -33,6 +38,7 @@ MAX_SPLITS = 64
 BOX_BYTES = 512  # one block row's bytes of the heads a program reads
 NUM_STAGES = 5
 MIN_BLOCK_ROWS = 16  # tl.dot's smallest dimension: a block is one tile of keys
+BLOCKS_FROM_BATCH = 64  # "auto" decodes batches this large and larger with the block kernel
 MAX_BOX = 256  # the copy engine's largest box dimension
 
 
@@ -63,10 +69,11 @@ def block_decode_tiles(
 
 
 def check_decode_kernel(decode_kernel: str, backend: str) -> None:
-    """A ConfigError unless `decode_kernel` is known and, other than "rows", served by `backend`."""
+    """A ConfigError unless `decode_kernel` is known and, if "blocks", served by `backend` ("auto" means the
+    row kernel, or none, elsewhere)."""
     if decode_kernel not in DECODE_KERNELS:
         raise ConfigError(f"EngineConfig.decode_kernel={decode_kernel!r}; use one of {DECODE_KERNELS}")
-    if decode_kernel != "rows" and backend != "triton":
+    if decode_kernel == "blocks" and backend != "triton":
         raise ConfigError(
             f"EngineConfig.decode_kernel={decode_kernel!r} is a Triton kernel, but the attention backend is "
             f"{backend!r}; use attention_backend='triton' (or 'auto' on CUDA), or decode_kernel='rows'"
@@ -89,9 +96,15 @@ def block_decode_unsupported(cache: torch.Tensor) -> str | None:
 
 def effective_decode_kernel(decode_kernel: str, keys: torch.Tensor) -> str:
     """The kernel that serves a cache of `keys` [num_layers, num_blocks, block_size, Hkv, D]: the one asked
-    for, or "rows" where the block kernel cannot read the cache (logged)."""
-    reason = block_decode_unsupported(keys[0]) if decode_kernel == "blocks" else None
+    for, or "rows" where the block kernel cannot read the cache (logged when "blocks" was asked for)."""
+    reason = block_decode_unsupported(keys[0]) if decode_kernel != "rows" else None
     if reason:
-        log.info("decode_kernel='blocks' cannot read this KV cache (%s); decoding with the row kernel", reason)
+        if decode_kernel == "blocks":
+            log.info("decode_kernel='blocks' cannot read this KV cache (%s); decoding with the row kernel", reason)
         return "rows"
     return decode_kernel
+
+
+def decodes_by_blocks(decode_kernel: str, num_seqs: int) -> bool:
+    """Whether a decode batch of `num_seqs` rows (its graph's size) runs the block kernel."""
+    return decode_kernel == "blocks" or (decode_kernel == "auto" and num_seqs >= BLOCKS_FROM_BATCH)

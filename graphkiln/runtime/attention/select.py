@@ -50,8 +50,8 @@ def _auto(kv_cache: KVCache) -> str:
     return auto_backend(keys.device.type, keys.dtype, keys.shape[-1], flashinfer, triton)
 
 
-def select_backend(name: str, kv_cache: KVCache, decode_kernel: str = "rows") -> AttentionBackend:
-    """The backend `name` means for this cache; `decode_kernel` other than "rows" needs Triton (block_decode.py)."""
+def select_backend(name: str, kv_cache: KVCache, decode_kernel: str = "auto") -> AttentionBackend:
+    """The backend `name` means for this cache; `decode_kernel` "blocks" needs Triton (block_decode.py)."""
     if name not in BACKENDS:
         raise ConfigError(f"attention backend {name!r} is unknown; use one of {BACKENDS}")
     if name == "auto":

@@ -8,8 +8,8 @@ reads the whole context from the paged cache. Any head_dim up to 256 runs on til
 power of two (planned at the padded width); an fp8 cache passes its row scales to every kernel.
 Planning (tile sizes, decode splits,
 prefill work items) is plain Python here; the kernels import triton, an optional dependency,
-only when a backend is built. `decode_kernel` "blocks" decodes with the block kernel instead
-(block_decode.py plans it); prefill is the same either way.
+only when a backend is built. `decode_kernel` picks the decode kernel per decode batch size (the row
+kernel, or the block kernel that block_decode.py plans); prefill is the same either way.
 
 Decode launches depend only on static quantities (batch size, block table width, head shapes),
 and scratch buffers are allocated inside the call, so a capture takes them from the graph's
@@ -30,7 +30,7 @@ from graphkiln.models.attention import AttentionFn
 from graphkiln.runtime.kv_cache import KVCache
 from graphkiln.runtime.transfer import upload
 
-from .block_decode import block_decode_tiles, check_decode_kernel, effective_decode_kernel
+from .block_decode import block_decode_tiles, check_decode_kernel, decodes_by_blocks, effective_decode_kernel
 from .metadata import BatchMetadata
 
 PROGRAMS_PER_SM = 2  # prefill programs resident per SM at the default tiles (shared-memory bound)
@@ -148,7 +148,7 @@ class TritonBackend:
     capturable_decode = True
     capturable_prefill = True
 
-    def __init__(self, kv_cache: KVCache, decode_kernel: str = "rows") -> None:
+    def __init__(self, kv_cache: KVCache, decode_kernel: str = "auto") -> None:
         # triton is optional: import the kernels only when this backend is chosen.
         from graphkiln.kernels.kv_write import write_kv
         from graphkiln.kernels.decode_attention import paged_decode
@@ -173,7 +173,7 @@ class TritonBackend:
         return self._plan_decode(meta) if meta.decode else self._plan_prefill(meta)
 
     def _plan_decode(self, meta: BatchMetadata) -> AttentionFn:
-        if self.decode_kernel == "blocks":
+        if decodes_by_blocks(self.decode_kernel, meta.seq_lens_t.shape[0]):
             return self._plan_block_decode(meta)
         _, block_size, num_kv_heads, head_dim = self.kv_cache.keys.shape[1:]
         tiles = decode_tiles(
