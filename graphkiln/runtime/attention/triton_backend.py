@@ -161,6 +161,11 @@ class TritonBackend:
         self.kv_cache = kv_cache
         self.decode_kernel = effective_decode_kernel(decode_kernel, kv_cache.keys)
         self._write_kv, self._decode, self._prefill = write_kv, paged_decode, paged_prefill
+        self._block_decode = None
+        if self.decode_kernel != "rows":  # imported by load, like the others: no step pays an import
+            from graphkiln.kernels.block_decode_attention import block_paged_decode
+
+            self._block_decode = block_paged_decode
         device = kv_cache.keys.device
         self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         self._graph_work: dict[int, torch.Tensor] = {}  # padded token count -> a captured prefill's work table
@@ -196,8 +201,7 @@ class TritonBackend:
     def _plan_block_decode(self, meta: BatchMetadata) -> AttentionFn:
         """The block kernel's call; its cache descriptors are built per call (they hold the cache, which
         must go when the engine closes), which only eager steps pay: a graph keeps what it captured."""
-        from graphkiln.kernels.block_decode_attention import block_paged_decode
-
+        block_paged_decode = self._block_decode
         _, block_size, num_kv_heads, head_dim = self.kv_cache.keys.shape[1:]
         tiles = block_decode_tiles(meta.seq_lens_t.shape[0], num_kv_heads, meta.block_tables.shape[1] * block_size,
                                    block_size, padded_head_dim(head_dim), self.kv_cache.keys.element_size(),
