@@ -24,6 +24,7 @@ COMMANDS = {  # command -> (module, one line of help)
     "tp-share": ("tp_share", "whether tensor-parallel ranks compiled on their own produce the same code"),
     "tp-memory": ("tp_memory", "peak host memory of loading one tensor-parallel rank against the whole model"),
     "tp-all-reduce": ("tp_all_reduce", "the all-reduce alone on 2 GPUs: symm_mem one-shot vs NCCL by message size"),
+    "aoti-load": ("aoti_load", "whether an AOTInductor package loads and runs without importing Inductor or Dynamo"),
     "tp-decode": ("tp_decode", "decode and prefill at TP 1 and TP 2, with NCCL's all-reduces and symm_mem_all_reduce"),
 }
 

@@ -150,3 +150,16 @@ def test_weights_study_smoke(tmp_path: Path) -> None:
         assert r["way"] == "none" or r["best_GBps"] >= r["median_GBps"] > 0
         assert r["condition"] != "import" or r["import_s"] > 0
     assert "| import | 0.0001 | graphkiln |" in proc.stdout
+
+
+def test_aoti_load_study_smoke(tmp_path: Path) -> None:
+    """`python -m bench aoti-load --smoke`: an AOTInductor package with a mutating op loads and runs in fresh
+    processes; with the op registered through torch.library.Library nothing of Inductor, Dynamo or sympy is
+    imported, while a torch.library.custom_op imports Dynamo at its first call."""
+    cmd = [sys.executable, "-m", "bench", "aoti-load", "--smoke", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["registration"]: r for r in json.loads((tmp_path / "aoti-load.json").read_text())["rows"]}
+    assert rows["library"]["matches"] and rows["custom_op"]["matches"]
+    assert not (rows["library"]["inductor"] or rows["library"]["dynamo"] or rows["library"]["sympy"])
+    assert rows["custom_op"]["dynamo"]
