@@ -12,8 +12,10 @@ ms per step; the floor is (weight bytes read + KV bytes read at the steps' mean 
 cache's dtype) / the measured copy rate. Long prompts: one request of each --long length with max_tokens=1 (chunked
 over --prefill-chunk-token steps); its rate counts the weight products and the causal attention's
 FLOPs against the measured bf16 matmul rate. The load time of each backend is recorded too.
-A backend named `triton:blocks` is Triton with `decode_kernel="blocks"` (`triton` is its default,
-the row kernel), so one run compares the two decode kernels end to end.
+A backend named `triton:blocks` is Triton with `decode_kernel="blocks"` (`triton:rows` the row
+kernel, `triton` its default, `auto`), so one run compares the decode kernels end to end. On the
+H200 the first backend a run loads measured up to 17% slower at small shapes than the same backend
+loaded again, so compare in A-B-A order (`--backends triton:rows,triton:blocks,triton:rows`).
 """
 
 from __future__ import annotations
