@@ -96,12 +96,14 @@ def _engine_parser(group) -> None:
                        help="KV cache elements: the model's dtype (auto) or fp8 with a scale per token and head")
     group.add_argument("--capture", choices=("background", "blocking"), default=None,
                        help="capture CUDA graphs while serving (default) or before the first request")
+    group.add_argument("--decode-kernel", choices=("auto", "rows", "blocks"), default=None,
+                       help="Triton decode kernel: by batch size (auto), row gathers (rows) or block copies (blocks)")
 
 
 ENGINE_FLAGS = (
     "decode_batch_sizes", "prefill_token_buckets", "max_seq_len", "kv_cache_tokens", "gpu_memory_fraction",
     "block_size", "max_num_seqs", "max_num_batched_tokens", "attention_backend", "cuda_graphs", "kv_cache_dtype",
-    "capture",
+    "capture", "decode_kernel",
 )  # fmt: skip
 
 

@@ -426,3 +426,11 @@ def test_generate_bad_values_are_one_line_exit_2(flags: list[str], message: str,
     assert code == 2
     line = single_error_line(capsys.readouterr().err)
     assert line.startswith("error: ") and message in line, line
+
+
+def test_generate_with_a_decode_kernel(compiled: tuple[Path, dict, str], capsys: pytest.CaptureFixture[str]) -> None:
+    """--decode-kernel reaches the engine: rows serves any backend; blocks on the CPU's SDPA is one line, exit 2."""
+    assert "finish" in _generate(capsys, compiled[0], "--max-tokens", "2", "--decode-kernel", "rows")
+    assert cli.main(["generate", str(compiled[0]), "--prompt", "hi", "--decode-kernel", "blocks"]) == 2
+    assert "decode_kernel='blocks' is a Triton kernel, but the attention backend is 'sdpa'" in single_error_line(
+        capsys.readouterr().err)
