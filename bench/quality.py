@@ -8,7 +8,11 @@ once per format (fp8, int4), all three loaded at once. Each of PROMPTS random pr
 PROMPT_TOKENS tokens is scored (`LLM.score`) by every engine; per format: the relative L2 error
 of its logits against the unquantized ones (median and worst prompt) and top-1 agreement (the
 fraction of positions whose argmax matches). Then the `tiny` model, compiled the same way, gives
-its held-out perplexity per format (the documents tools/train_tiny.py held out). On the CPU
+its held-out perplexity per format (the documents tools/train_tiny.py held out). Beside the formats,
+`fp8-rounded`: the unquantized engine on a copy of the checkpoint whose projection weights were
+rounded through fp8 (per output channel) and stored back in their dtype, what fp8 does to the
+weights alone with no fp8 kernel or activation rounding: on a random-weight model it shows how far
+any such perturbation carries through the layers. On the CPU
 (--smoke) the logits come from `tiny` too, over a few short prompts, in float32, and the perplexity
 from the first few held-out windows.
 Written to <out>/quality-<model>.json and .md.
@@ -28,6 +32,8 @@ from .models import save_model
 from .report import markdown_table, text_table
 
 FORMATS = ("fp8", "int4")
+VARIANTS = (*FORMATS, "fp8-rounded")  # compared with the unquantized engine
+PROJECTIONS = tuple(f"{p}_proj.weight" for p in ("q", "k", "v", "o", "gate", "up", "down"))
 PROMPTS, PROMPT_TOKENS = 64, 256
 SMOKE_PROMPTS, SMOKE_TOKENS, SMOKE_WINDOWS = 4, 64, 6
 HELD_OUT_SEQ_LEN = 256
@@ -81,29 +87,51 @@ def compiled_engine(model_dir: Path, study: Study, quantization: str | None):
     return llm
 
 
-def engines(model_dir: Path, study: Study) -> dict:
-    """'unquantized' and every format, compiled and loaded."""
+def fp8_rounded_copy(model_dir: Path, out: Path) -> Path:
+    """A copy of the checkpoint whose decoder projection weights are rounded through float8_e4m3 with a scale per
+    output channel and stored back in their own dtype."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_dir, out, ignore=shutil.ignore_patterns("*.safetensors"))
+    for path in model_dir.glob("*.safetensors"):
+        tensors = load_file(str(path))
+        for name, w in tensors.items():
+            if name.endswith(PROJECTIONS) and w.dim() == 2:
+                scale = w.float().abs().amax(1, keepdim=True).clamp(min=1e-12) / 448
+                tensors[name] = ((w.float() / scale).to(torch.float8_e4m3fn).float() * scale).to(w.dtype)
+        save_file(tensors, str(out / path.name), metadata={"format": "pt"})
+    return out
+
+
+def engines(model_dir: Path, study: Study, work: Path) -> dict:
+    """'unquantized', every format and 'fp8-rounded', compiled and loaded."""
     out = {}
     for fmt in (None, *FORMATS):
         out[fmt or "unquantized"] = compiled_engine(model_dir, study, fmt)
         log(f"{model_dir.name}: {fmt or 'unquantized'} compiled and loaded")
+    rounded = fp8_rounded_copy(model_dir, work / f"{model_dir.name}-fp8-rounded")
+    out["fp8-rounded"] = compiled_engine(rounded, study, None)
+    log(f"{model_dir.name}: fp8-rounded compiled and loaded")
     return out
 
 
 def logit_quality(llms: dict, prompts: list[list[int]]) -> dict:
     """Per format: relative L2 error of its logits against the unquantized ones (median, worst prompt) and
     the fraction of positions whose argmax agrees."""
-    errors: dict[str, list[float]] = {fmt: [] for fmt in FORMATS}
-    agree = dict.fromkeys(FORMATS, 0)
+    errors: dict[str, list[float]] = {fmt: [] for fmt in VARIANTS}
+    agree = dict.fromkeys(VARIANTS, 0)
     for ids in prompts:
         ref = llms["unquantized"].score(ids)
-        for fmt in FORMATS:
+        for fmt in VARIANTS:
             ours = llms[fmt].score(ids)
             errors[fmt].append(((ours - ref).norm() / ref.norm()).item())
             agree[fmt] += int((ours.argmax(-1) == ref.argmax(-1)).sum())
     positions = sum(map(len, prompts))
     return {fmt: {"median_relative_l2": statistics.median(errors[fmt]), "worst_relative_l2": max(errors[fmt]),
-                  "top1_agreement": agree[fmt] / positions} for fmt in FORMATS}
+                  "top1_agreement": agree[fmt] / positions} for fmt in VARIANTS}
 
 
 def close_all(llms: dict) -> None:
@@ -120,7 +148,7 @@ def to_markdown(results: dict) -> str:
              f"perplexity of the trained tiny model over {results['held_out_tokens']} tokens.", ""]
     base = results["perplexity"]["unquantized"]
     body = [["unquantized", "—", "—", "—", f"{base:.3f}"]]
-    for fmt in FORMATS:
+    for fmt in VARIANTS:
         q, ppl = results["logits"][fmt], results["perplexity"][fmt]
         body.append([fmt, f"{q['median_relative_l2']:.4f}", f"{q['worst_relative_l2']:.4f}",
                      f"{q['top1_agreement']:.3f}", f"{ppl:.3f} ({ppl / base - 1:+.2%})"])
@@ -139,16 +167,16 @@ def main(a: argparse.Namespace) -> int:
     with study.scratch() as work:
         model_dir = tiny_model_dir() if study.smoke else save_model(study.model, work / study.model, study.device,
                                                                      study.dtype, study.layers)
-        llms = engines(model_dir, study)
+        llms = engines(model_dir, study, work)
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
         prompts = random_prompts(count, length, vocab, seed=0)
         results["logits"] = logit_quality(llms, prompts)
         if not study.smoke:
             close_all(llms)
-            llms = engines(tiny_model_dir(), study)
+            llms = engines(tiny_model_dir(), study, work)
         results["perplexity"] = {name: perplexity(llm, windows) for name, llm in llms.items()}
         close_all(llms)
-    rows = [{"format": fmt, **results["logits"][fmt], "perplexity": results["perplexity"][fmt]} for fmt in FORMATS]
+    rows = [{"format": fmt, **results["logits"][fmt], "perplexity": results["perplexity"][fmt]} for fmt in VARIANTS]
     print(text_table(rows, ["format", "median_relative_l2", "worst_relative_l2", "top1_agreement", "perplexity"]))
     path = study.save(results, study.model)
     path.with_suffix(".md").write_text(to_markdown(json.loads(path.read_text())))

@@ -78,11 +78,14 @@ def test_quantized_quality_smoke(tmp_path: Path) -> None:
         assert 0 < logits[fmt]["median_relative_l2"] <= logits[fmt]["worst_relative_l2"] < worst, logits
         assert 0.8 < logits[fmt]["top1_agreement"] < 1, logits
     assert logits["fp8"]["median_relative_l2"] < logits["int4"]["median_relative_l2"]
+    # the weights rounded through fp8 and nothing else: a part of what fp8 moves
+    assert 0 < logits["fp8-rounded"]["median_relative_l2"] < logits["fp8"]["worst_relative_l2"], logits
     # a few windows only: the formats land on either side of the unquantized model (the full set is in
     # tests/test_quantization.py), but within the issue's 1% and 5%
     assert abs(ppl["fp8"] / ppl["unquantized"] - 1) < 0.01 and abs(ppl["int4"] / ppl["unquantized"] - 1) < 0.05
     markdown = (tmp_path / "quality-smoke.md").read_text()
-    assert "| fp8 |" in markdown and "| int4 |" in markdown and "tiny perplexity" in markdown
+    assert "| fp8 |" in markdown and "| int4 |" in markdown and "| fp8-rounded |" in markdown
+    assert "tiny perplexity" in markdown
 def test_startup_study_smoke(tmp_path: Path) -> None:
     """`python -m bench startup --smoke`: the tiny model's warm starts in fresh processes, one breakdown table."""
     cmd = [sys.executable, "-m", "bench", "startup", "--smoke", "--out", str(tmp_path)]
