@@ -101,7 +101,7 @@ def destinations(path: Path, device, dtype: str | None) -> dict:
     the reader then stages the bytes as it does for a GPU)."""
     import torch
 
-    from graphkiln.models.weights_reader import read_header
+    from graphkiln.models.safetensors_header import read_header
 
     return {name: torch.empty(e.shape, dtype=getattr(torch, dtype) if dtype else e.dtype, device=device)
             for name, e in read_header(path).items()}  # fmt: skip
@@ -133,7 +133,8 @@ def read_once(way: str, path: Path, dests: dict, device) -> dict:
             for name, dest in dests.items():
                 dest.copy_(f.get_tensor(name))
     else:
-        from graphkiln.models.weights_reader import TensorRead, read_header
+        from graphkiln.models.safetensors_header import read_header
+        from graphkiln.models.weights_reader import TensorRead
 
         entries = read_header(path)
         stats = reader_for(way, device).read([TensorRead(entries[name], dest) for name, dest in dests.items()])

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from graphkiln.models.weights_reader import ReadStats, TensorEntry, TensorRead
+from graphkiln.models.safetensors_header import TensorEntry
+from graphkiln.models.weights_reader import ReadStats, TensorRead
 
 
 @dataclass

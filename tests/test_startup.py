@@ -16,7 +16,7 @@ from artifact_helpers import ENGINE, GREEDY, PROMPTS, RESULT_PREFIX, greedy_toke
 from graphkiln import EngineConfig
 from graphkiln.errors import ConfigError
 from graphkiln.models.tiny import tiny_model_dir
-from graphkiln.models.weights_reader import read_header
+from graphkiln.models.safetensors_header import read_header
 from graphkiln.runtime.preparation import Preparation, WarmupJob
 from graphkiln.runtime.step_lock import StepLock
 

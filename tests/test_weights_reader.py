@@ -15,7 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from graphkiln.errors import ModelFileError, WeightMismatchError
-from graphkiln.models.weights_reader import TensorRead, WeightsReader, read_header
+from graphkiln.models.safetensors_header import read_header
+from graphkiln.models.weights_reader import TensorRead, WeightsReader
 
 
 @pytest.fixture

@@ -35,7 +35,8 @@ from .quantized_linear import FP8, QuantizedLinear
 from .rope import rope_cache
 from .sharding import Part, Shard, checkpoint_part, held_by_rank0_only, local_config
 from .transformer import CausalLM
-from .weights_reader import TensorEntry, TensorRead, WeightsReader, read_header
+from .safetensors_header import TensorEntry, read_header
+from .weights_reader import TensorRead, WeightsReader
 
 DTYPES = {
     "float32": torch.float32,

@@ -1,7 +1,7 @@
 """Read safetensors tensors straight into their destination tensors, reading only the bytes asked for.
 
-A file's header (8-byte length, JSON: dtype, shape, data offsets) says where each tensor's bytes
-are; nothing else of the file is read until a tensor is asked for. A `TensorRead` names one
+A file's header (safetensors_header.py) says where each tensor's bytes are; nothing else of the
+file is read until a tensor is asked for. A `TensorRead` names one
 tensor and, optionally, a range of its rows and of its columns (a tensor parallel shard, say):
 only those bytes are read, a row range as one contiguous span, a column range row by row.
 
@@ -22,11 +22,8 @@ conversion runs on the device, after the copy.
 from __future__ import annotations
 
 import contextlib
-import json
-import math
 import mmap
 import os
-import struct
 import threading
 import time
 from collections import deque
@@ -39,46 +36,11 @@ import numpy as np
 import torch
 
 from graphkiln.compat import copy_tensors
-from graphkiln.errors import ModelFileError, WeightMismatchError
+from graphkiln.errors import WeightMismatchError
 
-SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
-MAX_HEADER_BYTES = 100 << 20
-REDOWNLOAD = "download it again"
+from .safetensors_header import TensorEntry, corrupt
+
 IOV_MAX = 1024  # buffers one preadv takes on Linux
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    """Where one tensor's bytes are in its file: absolute offsets [start, end)."""
-
-    path: Path
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    start: int
-    end: int
-
-    @property
-    def rows(self) -> int:
-        return self.shape[0] if self.shape else 1
-
-    @property
-    def row_elements(self) -> int:
-        """Elements per row: the product of every dimension after the first."""
-        return math.prod(self.shape[1:]) if self.shape else 1
 
 
 def indexed(device: torch.device) -> torch.device:
@@ -86,48 +48,6 @@ def indexed(device: torch.device) -> torch.device:
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device
-
-
-def _corrupt(path: Path, why: str) -> ModelFileError:
-    return ModelFileError(f"{path}: not a readable safetensors file ({why}); {REDOWNLOAD}")
-
-
-def read_header(path: Path) -> dict[str, TensorEntry]:
-    """Every tensor of a safetensors file by name, checked against the file's size."""
-    try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            head = f.read(8)
-            if len(head) < 8:
-                raise _corrupt(path, f"{size} bytes, shorter than a header")
-            (length,) = struct.unpack("<Q", head)
-            if length > min(MAX_HEADER_BYTES, size - 8):
-                raise _corrupt(path, f"header length {length} does not fit a file of {size} bytes")
-            header = json.loads(f.read(length))
-    except OSError as e:
-        raise _corrupt(path, e.strerror or str(e)) from e
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise _corrupt(path, f"header is not JSON: {e}") from e
-    if not isinstance(header, dict):
-        raise _corrupt(path, "header is not a JSON object")
-    base = 8 + length
-    entries = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype = SAFETENSORS_DTYPES[info["dtype"]]
-            shape = tuple(int(d) for d in info["shape"])
-            begin, end = (int(x) for x in info["data_offsets"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise _corrupt(path, f"tensor {name!r} has an invalid header entry ({e!r})") from e
-        nbytes = math.prod(shape) * dtype.itemsize
-        if end - begin != nbytes or begin < 0:
-            raise _corrupt(path, f"tensor {name!r}: offsets {begin}..{end} do not hold shape {shape} of {dtype}")
-        if base + end > size:
-            raise _corrupt(path, f"tensor {name!r} ends at byte {base + end}, past the file's end ({size} bytes)")
-        entries[name] = TensorEntry(path, name, dtype, shape, base + begin, base + end)
-    return entries
 
 
 @dataclass(frozen=True)
@@ -395,7 +315,7 @@ def _read_columns(piece: _Piece, file: _File, target: torch.Tensor) -> None:
     first = e.start + piece.row * row_bytes
     end = first + piece.count * row_bytes
     if end > len(file.mapping):
-        raise _corrupt(e.path, f"tensor {e.name!r} ends past the file's end")
+        raise corrupt(e.path, f"tensor {e.name!r} ends past the file's end")
     rows = np.frombuffer(file.mapping, np.uint8, end - first, first).reshape(piece.count, row_bytes)
     c0 = piece.read.span()[2] * item
     np.copyto(target.numpy().reshape(piece.count, piece.row_bytes), rows[:, c0 : c0 + piece.row_bytes])
@@ -413,10 +333,10 @@ def _preadv_exactly(fd: int, views: list[memoryview], offset: int, pieces: list[
             n = os.preadv(fd, views, offset + done)
         except OSError as err:
             at = _at(pieces, done)
-            raise _corrupt(at.path, f"reading tensor {at.name!r}: {err.strerror}") from err
+            raise corrupt(at.path, f"reading tensor {at.name!r}: {err.strerror}") from err
         if n == 0:
             at = _at(pieces, done)
-            raise _corrupt(at.path, f"tensor {at.name!r} ends past the file's end")
+            raise corrupt(at.path, f"tensor {at.name!r} ends past the file's end")
         done += n
         while views and n >= len(views[0]):
             n -= len(views[0])
@@ -438,12 +358,12 @@ def _open(path: Path, mapped: bool) -> _File:
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError as e:
-        raise _corrupt(path, e.strerror or str(e)) from e
+        raise corrupt(path, e.strerror or str(e)) from e
     try:
         return _File(fd, mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if mapped else None)
     except (OSError, ValueError) as e:
         os.close(fd)
-        raise _corrupt(path, str(e)) from e
+        raise corrupt(path, str(e)) from e
 
 
 def _close(file: _File) -> None:

@@ -15,7 +15,8 @@ import torch
 
 import graphkiln
 from graphkiln import CompileConfig, SamplingParams
-from graphkiln.models.weights_reader import TensorRead, WeightsReader, read_header
+from graphkiln.models.safetensors_header import read_header
+from graphkiln.models.weights_reader import TensorRead, WeightsReader
 
 REPORT = os.environ.get("GRAPHKILN_GPU_REPORT")
 ENGINE = dict(kv_cache_tokens=16384, attention_backend="auto")  # the default 13 decode sizes and 9 prefill buckets

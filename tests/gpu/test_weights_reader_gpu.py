@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from graphkiln.models.weights_reader import TensorRead, WeightsReader, read_header
+from graphkiln.models.safetensors_header import read_header
+from graphkiln.models.weights_reader import TensorRead, WeightsReader
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
