@@ -14,10 +14,11 @@ counts, with sweeps of the few-row kernels' tiles. A few minutes on the 8b shape
               on the same weights repacked into its layout
   --quality   instead: each format's logits against the unquantized model's and the tiny model's held-out
               perplexity per format (bench/quality.py)
-  --sweep     at 1 row every GEMV tiling of SWEEP_GEMV; at 2 to 64 rows every tiling of SWEEP_MMA (fp8) or
-              SWEEP_ROWS (int4, with and without swapping the dot's operands), each with every split of K in SPLITS; the five
-              fastest, the rule's own tiles (`*_tiling`) and its time are kept per shape and row count
-              (quantized-sweep-<formats>.json), and the best per shape printed at the end, one line each
+  --sweep     at 1 row every GEMV tiling of SWEEP_GEMV; at 2 to 64 rows every tiling of SWEEP_MMA (fp8)
+              or SWEEP_ROWS (int4, with and without swapping the dot's operands), each with every split
+              of K in SPLITS; the five fastest, the rule's own tiles (`*_tiling`) and its time are kept
+              per shape and row count (quantized-sweep-<formats>.json), and the best per shape printed
+              at the end, one line each
 
 The floor of a format is its weight bytes (with scales and zero points) and the activation and output
 bytes, over the copy rate measured in the same run. Each product is timed inside a CUDA graph that

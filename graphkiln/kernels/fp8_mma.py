@@ -26,8 +26,6 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from .pdl import pdl_on
 from .split_k import finish, k_steps, multiprocessors, output, split_count
 
-FP8_MAX = 448.0
-
 
 @triton.jit(do_not_specialize=["M", "STEPS", "stride_os"])  # one build for every row count and split
 def _fp8_mma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, STEPS, stride_xm, stride_wn, stride_sn, stride_os,

@@ -37,8 +37,8 @@ def auto_backend(device_type: str, dtype, head_dim: int, flashinfer: bool, trito
 
 
 def _auto(kv_cache: KVCache) -> str:
-    """auto_backend for this cache. FlashInfer is imported (about a second of its own modules) only to learn
-    whether it can stand in where Triton cannot serve the cache."""
+    """auto_backend for this cache. FlashInfer is imported (seconds of its own modules) only to learn whether it
+    can stand in where Triton cannot serve the cache."""
     from . import triton_backend
     from .flashinfer_backend import flashinfer_importable
 
