@@ -20,6 +20,8 @@ JSON line with the wall-clock time at each mark. The phases between marks, from 
                     waited behind a capture (EngineStats.step_waits)
   ready             graphkiln: until every graph is captured (LLM.wait_ready())
 
+`--profile` samples every thread's stack in each child (`stack_sampler.py`) and adds the counts to its JSON.
+
 `second_request` (graphkiln; not a phase of the start) is the same request with the prompt reversed,
 sent once the first has its token (its own wait behind a capture: `second_request_wait_s`):
 what the first request paid beyond it, and beyond its wait, is first-call work (kernels loaded on first
@@ -47,6 +49,7 @@ import time
 from pathlib import Path
 
 from .common import REPO, environment, log, random_prompts, write_json
+from .stack_sampler import StackSampler
 
 CHILD_PREFIX = "GK_BENCH_CHILD "
 
@@ -103,6 +106,7 @@ def child_main(spec: dict) -> None:
     """The child: import, CUDA, (compile,) load, first token; prints one JSON line."""
     marks: dict[str, float] = {}
     res: dict = {"mode": spec["mode"]}
+    sampler = StackSampler() if spec.get("profile") else None
     import torch
 
     marks["torch_imported"] = time.time()
@@ -141,16 +145,20 @@ def child_main(spec: dict) -> None:
                        counters=report.counters.as_dict())
         from graphkiln.compiler.counters import torch_compile_events
 
+        _phase(sampler, "load")
         llm = graphkiln.load(spec["artifact"], **spec["engine"])
         marks["loaded"] = time.time()
+        _phase(sampler, "first_token")
         loaded = set(sys.modules)
         one_token = graphkiln.SamplingParams(max_tokens=1, ignore_eos=True)
         llm.generate([prompt], one_token)
         marks["first_token"] = time.time()
         first_waits = llm.stats().step_waits  # this read may wait for a capture: it is not a step
         asked = time.time()
+        _phase(sampler, "second_request")
         llm.generate([prompt[::-1]], one_token)
         res["second_request_s"] = time.time() - asked
+        _phase(sampler, "until_ready")
         llm.wait_ready()
         marks["ready"] = time.time()
         res["imported_after_load"] = sorted(set(sys.modules) - loaded)
@@ -169,7 +177,14 @@ def child_main(spec: dict) -> None:
         res["transformers_imported"] = "transformers" in sys.modules
         res["flashinfer_imported"] = "flashinfer" in sys.modules
     res["marks"] = marks
+    if sampler is not None:
+        res["profile"] = sampler.stop()
     print(CHILD_PREFIX + json.dumps(res), flush=True)
+
+
+def _phase(sampler: StackSampler | None, label: str) -> None:
+    if sampler is not None:
+        sampler.phase(label)
 
 
 # The start-up study: `python -m bench startup`.
@@ -223,6 +238,7 @@ def main(a: argparse.Namespace) -> int:
         for name in models:
             model_dir = _model_dir(name, scratch, device, dtype)
             spec = {"model_dir": model_dir, "artifact": str(scratch / f"{name}-artifact"), "device": device,
+                    "profile": a.profile,
                     "dtype": dtype, "engine": engine, "prompt": random_prompts(1, 16 if a.smoke else 128, 4096, 7)[0]}
             whiches = ("cold", "warm", "warm") if a.cold else ("warm", "warm")
             if not a.cold:
@@ -288,4 +304,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-switch-intervals",
                    help="comma list of GRAPHKILN_LOAD_SWITCH_INTERVAL values (seconds or off), each start run once "
                         "per value: the switch interval while load reads the weights beside the Inductor import")
+    p.add_argument("--profile", action="store_true",
+                   help="sample every thread's Python stack in each start (bench/stack_sampler.py): the JSON gets, "
+                        "per phase and thread, the functions most often on the stack")
     p.add_argument("--out", help="folder for startup-<device>.json and .md")
