@@ -137,7 +137,7 @@ def child_main(spec: dict) -> None:
         marks["first_token"] = time.time()
     else:
         if spec["mode"] == "gk_cold":
-            config = graphkiln.CompileConfig(device=device, dtype=spec["dtype"], quantization=spec["quantization"])
+            config = graphkiln.CompileConfig(device=device, dtype=spec["dtype"], quantization=spec.get("quantization"))
             engine = graphkiln.EngineConfig(**spec["engine"])
             _, report = graphkiln.compile_model(spec["model_dir"], spec["artifact"], config, engine=engine, force=True)
             marks["compiled"] = time.time()

@@ -14,12 +14,18 @@ import torch
 import graphkiln
 from graphkiln import CompileConfig, LLM, SamplingParams
 from graphkiln.models.quantized_linear import dequantize_int4, fp8_linear, int4_linear, quantize_fp8, quantize_int4
+from greedy_helpers import assert_greedy_agrees
 from quant_helpers import write_fp8_checkpoint
 
 FP8 = torch.float8_e4m3fn
 ROWS = [1, 8, 128, 1024]
 SHAPES = [(6144, 4096), (4096, 14336), (1000, 3000)]  # (N, K): 8B q/k/v and down, then a ragged one
 REPORT = os.environ.get("GRAPHKILN_GPU_REPORT")
+# Graphs pad a prefill to its token bucket, so cuBLAS multiplies other shapes than the engine without graphs and
+# may round differently; an activation rounded to fp8 can carry that difference further than bf16 would. A greedy
+# divergence between the two is accepted only where the engine without graphs scores both tokens within this
+# many bfloat16 ulps of each other (a near-tie, as random-weight models have many).
+QUANTIZED_TIE_ULPS = 8
 
 
 def record(name: str, value) -> None:
@@ -131,8 +137,9 @@ def _check_engine(out, reference: LLM, name: str, max_error: float) -> None:
     assert result["replayed"]
     plain = graphkiln.load(out, kv_cache_tokens=8192, cuda_graphs=False)
     prompts = [[5 + i] * (1 + 3 * i) for i in range(6)]
-    want = plain.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
-    assert result["tokens"] == [o.token_ids for o in want]
+    want = [o.token_ids for o in plain.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))]
+    exact = assert_greedy_agrees(plain, prompts, want, result["tokens"], ulps=QUANTIZED_TIE_ULPS)
+    record(f"quantized_{name}_graphs_vs_no_graphs_exact", {"exact": exact, "of": len(prompts)})
     ids = list(range(100, 228))
     ref, ours = reference.score(ids), plain.score(ids)
     error = ((ours - ref).abs().max() / ref.abs().max()).item()
@@ -199,6 +206,8 @@ def test_llama_1b_shaped_quality_against_bf16_over_64_prompts(scheme, tmp_path):
         errors.append(((ours - ref).norm() / ref.norm()).item())
         agree += int((ours.argmax(-1) == ref.argmax(-1)).sum())
         total += len(ids)
+    for llm in llms.values():  # a capture still running would hold the default CUDA generator for its graphs
+        llm.close()
     result = {"mean_relative_error": sum(errors) / len(errors), "max_relative_error": max(errors), "top1": agree / total}
     record(f"quantized_{scheme}_1b_2layer_vs_bf16_64_prompts", result)
     assert result["max_relative_error"] < (0.1 if scheme == "fp8" else 0.25), result
