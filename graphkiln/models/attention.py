@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .ops import define
+
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], None]
 
 
@@ -47,14 +49,18 @@ def current_forward_context() -> ForwardContext:
     return ctx
 
 
-@torch.library.custom_op("graphkiln::attention", mutates_args=("out",))
-def attention(
+def _attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layer_index: int, scale: float
 ) -> None:
     """q/out [T, Hq, D], k/v [T, Hkv, D] for T packed tokens of the current batch."""
     current_forward_context().run_attention(layer_index, q, k, v, out, scale)
 
 
-@attention.register_fake
-def _(q, k, v, out, layer_index, scale) -> None:
+def _attention_shape(q, k, v, out, layer_index, scale) -> None:
     return None
+
+
+attention = define(
+    "attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, int layer_index, float scale) -> ()",
+    _attention, _attention_shape,
+)

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import torch
 
+from .ops import define
 from .quantized_linear import FP8, FP8_MAX, MIN_SCALE, dequantize_fp8
 
 
-@torch.library.custom_op("graphkiln::fp8_scaled_mm", mutates_args=())
-def fp8_scaled_mm(
+def _fp8_scaled_mm(
     xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, out_dtype: torch.dtype
 ) -> torch.Tensor:
     """xq [M, K] float8_e4m3fn times x_scale [M, 1] float32, @ (weight [N, K] float8_e4m3fn times
@@ -28,9 +28,14 @@ def fp8_scaled_mm(
     return torch.mm(xq.float() * x_scale, dequantize_fp8(weight, weight_scale).t()).to(out_dtype)
 
 
-@fp8_scaled_mm.register_fake
-def _(xq, x_scale, weight, weight_scale, out_dtype) -> torch.Tensor:
+def _fp8_scaled_mm_shape(xq, x_scale, weight, weight_scale, out_dtype) -> torch.Tensor:
     return xq.new_empty(xq.shape[0], weight.shape[0], dtype=out_dtype)
+
+
+fp8_scaled_mm = define(
+    "fp8_scaled_mm(Tensor xq, Tensor x_scale, Tensor weight, Tensor weight_scale, ScalarType out_dtype) -> Tensor",
+    _fp8_scaled_mm, _fp8_scaled_mm_shape,
+)
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

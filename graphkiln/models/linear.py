@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .ops import define
+
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -27,8 +29,7 @@ def on_triton(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype in GEMV_DTYPES and weight.dtype == x.dtype and x.stride(-1) == weight.stride(-1) == 1
 
 
-@torch.library.custom_op("graphkiln::linear", mutates_args=())
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T -> [M, N]."""
     if uses_gemv(x, weight):  # triton is optional: the kernel is imported only where it runs
         from graphkiln.kernels.gemv import gemv
@@ -37,13 +38,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.mm(x, weight.t())
 
 
-@linear.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _linear_shape(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
-@torch.library.custom_op("graphkiln::silu_mul_linear", mutates_args=())
-def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+linear = define("linear(Tensor x, Tensor weight) -> Tensor", _linear, _linear_shape)
+
+
+def _silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """gate_up [M, 2I] = [gate | up], weight [N, I] -> (silu(gate) * up) @ weight^T [M, N]."""
     if on_triton(gate_up, weight):  # triton is optional: the kernels are imported only where they run
         from graphkiln.kernels.gemv import gemv, silu_mul
@@ -55,9 +57,8 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
     return torch.mm(F.silu(gate) * up, weight.t())
 
 
-@silu_mul_linear.register_fake
-def _(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return gate_up.new_empty(gate_up.shape[0], weight.shape[0])
+silu_mul_linear = define("silu_mul_linear(Tensor gate_up, Tensor weight) -> Tensor", _silu_mul_linear,
+                         _linear_shape)
 
 
 def import_kernels(device: torch.device) -> None:

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .ops import define
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
 BLOCK = 128  # side of a weight scale block, and the activation group of block-scaled weights
@@ -63,8 +65,7 @@ def quantize_activations_fp8(x: torch.Tensor, block_scaled: bool, input_scale: t
     return _round_fp8(groups, scale).flatten(-2)[..., :k]
 
 
-@torch.library.custom_op("graphkiln::fp8_linear", mutates_args=())
-def fp8_linear(
+def _fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None
 ) -> torch.Tensor:
     """x [M, K] @ dequantized weight [N, K]^T -> [M, N] in x.dtype."""
@@ -76,9 +77,12 @@ def fp8_linear(
     return torch.mm(xq, dequantize_fp8(weight, weight_scale).t()).to(x.dtype)
 
 
-@fp8_linear.register_fake
-def _(x, weight, weight_scale, input_scale) -> torch.Tensor:
+def _fp8_linear_shape(x, weight, weight_scale, input_scale) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0])
+
+
+fp8_linear = define("fp8_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? input_scale) -> Tensor",
+                    _fp8_linear, _fp8_linear_shape)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -100,8 +104,7 @@ def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
     return (q - zero) * scale
 
 
-@torch.library.custom_op("graphkiln::int4_linear", mutates_args=())
-def int4_linear(
+def _int4_linear(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
 ) -> torch.Tensor:
     """x [M, K] @ dequantized weight [N, K]^T -> [M, N] in x.dtype; the activations stay as they are."""
@@ -112,9 +115,12 @@ def int4_linear(
     return torch.mm(x.float(), dequantize_int4(qweight, scales, zeros, group_size).t()).to(x.dtype)
 
 
-@int4_linear.register_fake
-def _(x, qweight, scales, zeros, group_size) -> torch.Tensor:
+def _int4_linear_shape(x, qweight, scales, zeros, group_size) -> torch.Tensor:
     return x.new_empty(x.shape[0], qweight.shape[0])
+
+
+int4_linear = define("int4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor zeros, int group_size) -> Tensor",
+                     _int4_linear, _int4_linear_shape)
 
 
 def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
