@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from graphkiln.compiler.artifact_dir import check_artifact, read_artifact, read_tokenizer, write_artifact
+from graphkiln.compiler.artifact_dir import check_artifact, read_artifact, read_tokenizer, read_weights, write_artifact
 from graphkiln.compiler.compile import CompileReport, Progress
 from graphkiln.compiler.config import CompileConfig
 from graphkiln.compiler.manifest import MANIFEST, REWRITE, read_manifest
@@ -130,8 +130,13 @@ def load(
         )
     if manifest["config"].get("tensor_parallel_size", 1) > 1:
         return _load_parallel(out, source, model_dir, device, dtype, on_mismatch, keys, trusted_keys, serving, manifest)
+    pieces = None
     try:
-        net, compiled, tokenizer, manifest = read_artifact(out, model_dir, device, dtype, keys, clock)
+        if serving.capture == "background":  # serve eagerly until the pieces are in
+            net, tokenizer, manifest, pieces = read_weights(out, model_dir, device, dtype, keys, clock)
+            compiled = None
+        else:
+            net, compiled, tokenizer, manifest = read_artifact(out, model_dir, device, dtype, keys, clock)
     except ArtifactError:
         if on_mismatch == "error":
             raise
@@ -139,8 +144,9 @@ def load(
             _recompile(source, out, manifest, device, dtype)
         clock = Stopwatch({"recompile": clock.stages["recompile"]})
         net, compiled, tokenizer, manifest = read_artifact(out, model_dir, device, dtype, clock=clock)
+        pieces = None
     with clock.stage("engine"):
-        engine = build_engine(net, compiled, serving)
+        engine = build_engine(net, compiled, serving, pieces=pieces)
     llm = LLM(engine, tokenizer, manifest.get("counters"))
     llm.manifest = manifest
     llm.load_stats = LoadStats(_import_seconds(), clock.stages, clock.counts.get("weight_bytes", 0),

@@ -169,6 +169,7 @@ def run_generate(args) -> int:
     )  # fmt: skip
     llm = graphkiln.load(args.artifact, model=args.model, trusted_keys=args.trusted_key, **_engine_options(args))
     outputs = llm.generate(args.prompt, params)
+    llm.wait_compiled()  # an artifact whose pieces cannot be loaded is an error here, not a slow engine
     if args.verbose:
         print(report.format_load_stats(llm.stats().load), file=sys.stderr)
     for prompt, out in zip(args.prompt, outputs):

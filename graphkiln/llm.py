@@ -173,6 +173,12 @@ class LLM:
                                        first_token_s=None if first is None else first - load.started)  # fmt: skip
         return dataclasses.replace(stats, compile_counters=self.compile_counters, load=load)
 
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Wait until the compiled model serves: a background load (the default) returns with the weights in
+        and serves with the model itself until its first background job has loaded the compiled pieces.
+        False on timeout; the error that kept them out (an ArtifactError naming the piece) is raised."""
+        return self.engine.wait_compiled(timeout)
+
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Wait until the graphs (or warm-ups) being prepared in the background are all done; False if
         `timeout` seconds passed first. Requests need not wait for this: benchmarks do. A tensor-parallel

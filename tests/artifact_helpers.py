@@ -141,3 +141,13 @@ def plant_marker_kernel(out: Path, marker: Path) -> Path:
     subprocess.run(command, check=True, capture_output=True)
     rehash(out, library)
     return library
+
+
+def flip_piece_byte_and_rehash(art: Path) -> Path:
+    """Corrupt one compiled piece of `art` and fix its sha256 in the manifest, so only loading it fails."""
+    piece = sorted((art / "pieces").rglob("*.bin"))[0]
+    data = bytearray(piece.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    piece.write_bytes(bytes(data))
+    rehash(art, piece)
+    return piece

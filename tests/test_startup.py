@@ -12,16 +12,20 @@ from pathlib import Path
 import pytest
 
 import graphkiln
-from artifact_helpers import ENGINE, GREEDY, PROMPTS, RESULT_PREFIX, greedy_tokens, run_python_json
+from artifact_helpers import ENGINE, GREEDY, PROMPTS, RESULT_PREFIX, flip_piece_byte_and_rehash, greedy_tokens, run_python_json
 from graphkiln import EngineConfig
 from graphkiln.errors import ConfigError
 from graphkiln.models.tiny import tiny_model_dir
 from graphkiln.models.safetensors_header import read_header
+from graphkiln.compiler.artifact_dir import read_weights
+from graphkiln.compiler.compiled_model import CompiledModel
+from graphkiln.runtime.builder import build_engine
 from graphkiln.runtime.preparation import Preparation, WarmupJob
 from graphkiln.runtime.step_lock import StepLock
 
 MANY_SIZES = tuple(range(1, 97))  # 96 decode warm-ups (and prefill 16..64): long enough to step beside
-STAGES = ["checks", "weights", "tokenizer", "inductor", "pieces", "engine"]
+LOAD_STAGES = ["checks", "tokenizer", "weights", "engine"]  # before load returns
+PIECES_STAGES = ["inductor", "pieces"]  # the background job that loads the compiled pieces
 
 
 def test_fresh_warm_load_breakdown_without_tracing_or_compiling(artifact: Path, eager_tokens: list[list[int]]) -> None:
@@ -43,27 +47,27 @@ print({RESULT_PREFIX!r} + json.dumps({{"load": dataclasses.asdict(stats.load), "
     result = run_python_json(code)
     load = result["load"]
     stages = load["stages"]
-    assert sorted(stages) == sorted(STAGES) and list(stages)[0] == "checks" and list(stages)[-1] == "engine"
+    assert list(stages) == LOAD_STAGES + PIECES_STAGES
     assert all(seconds >= 0 for seconds in stages.values())
-    besides_weights = sum(seconds for name, seconds in stages.items() if name != "weights")  # weights overlap them
-    assert 0 < load["import_s"] and besides_weights <= load["load_s"] and stages["weights"] <= load["load_s"]
+    assert 0 < load["import_s"] and sum(stages[name] for name in LOAD_STAGES) <= load["load_s"]
     entries = read_header(tiny_model_dir() / "model.safetensors")
     assert load["weight_bytes"] == sum(e.end - e.start for name, e in entries.items() if name != "lm_head.weight")
     assert load["load_s"] <= load["first_token_s"] and load["load_s"] <= load["prepare_s"]
     assert result["events"]["dynamo_graphs"] == 0 and result["events"]["inductor_compiles"] == 0
     assert result["ready"] and result["prepared"] and not [p for p in result["prepared"] if p["error"]]
-    kinds = [(p["kind"], int(p["key"])) for p in result["prepared"]]
-    decode = [("decode-warmup", n) for n in (1, 2, 4)]
-    assert kinds == decode + [("prefill-warmup", n) for n in (16, 32) if n <= 4]  # prefill buckets above 4: left out
+    kinds = [(p["kind"], p["key"]) for p in result["prepared"]]
+    decode = [("decode-warmup", str(n)) for n in (1, 2, 4)]
+    assert kinds == [("pieces", "compiled")] + decode  # prefill buckets above max_num_batched_tokens: left out
     assert result["tokens"] == eager_tokens
 
 
 def test_import_leaves_inductor_to_load_and_serving_imports_nothing(artifact: Path) -> None:
     """In a fresh process: `import graphkiln` and its API names import no part of Inductor or Dynamo (nor
     transformers), and neither does building the model a load reads the weights into (not even sympy, so the
-    read starts at once); `load` imports Inductor itself (its "inductor" stage, while the weights are read)
-    and still not transformers (the artifact keeps a tokenizer snapshot); after `load` returns, the
-    background warm-ups and the first requests import nothing more."""
+    read starts at once); a blocking `load` imports Inductor itself (its "inductor" stage, while the weights
+    are read) and still not transformers (the artifact keeps a tokenizer snapshot); after it returns, the
+    warm-ups and the first requests import nothing more. (A background load imports Inductor in its first
+    job, after it returns: test_an_engine_serves_eagerly_until_its_pieces_are_in.)"""
     heavy = ("torch._inductor", "torch._dynamo", "sympy", "transformers", "huggingface_hub")
     code = f"""
 import json, sys, torch
@@ -80,7 +84,7 @@ from graphkiln.models.tiny import tiny_model_dir
 artifact = Path({str(artifact)!r})
 empty_model(tiny_model_dir(), cfg=recorded_config(read_manifest(artifact), artifact))
 at_model = [m for m in heavy if m in sys.modules]
-llm = graphkiln.load(artifact, **{ENGINE!r})
+llm = graphkiln.load(artifact, capture="blocking", **{ENGINE!r})
 loaded = set(sys.modules)
 llm.generate({PROMPTS!r}, graphkiln.{GREEDY!r})
 assert llm.wait_ready(120)
@@ -95,11 +99,51 @@ print({RESULT_PREFIX!r} + json.dumps({{"at_import": at_import, "at_model": at_mo
     assert result["after_load"] == []
 
 
+def test_an_engine_serves_eagerly_until_its_pieces_are_in(artifact: Path, eager_tokens: list[list[int]]) -> None:
+    """A background load returns with the weights in and the compiled pieces still to come: requests are served
+    by the model itself until the first background job has loaded the pieces (held back here until the first
+    request is done) and switched the runner over; then the warm-ups run, and the compiled engine gives the
+    same tokens."""
+    net, tokenizer, _, pieces = read_weights(artifact, tiny_model_dir())
+    held = threading.Event()
+
+    def held_back_pieces() -> CompiledModel:
+        assert held.wait(120)
+        return pieces()
+
+    llm = graphkiln.LLM(build_engine(net, None, EngineConfig(kv_cache_tokens=2048), pieces=held_back_pieces),
+                        tokenizer)  # fmt: skip
+    runner = llm.engine.runner
+    assert greedy_tokens(llm) == eager_tokens
+    assert runner.forward is net and runner.padding is None and not llm.stats().prepared
+    held.set()
+    assert llm.wait_ready(120)
+    prepared = llm.stats().prepared
+    assert [(p.kind, p.error) for p in prepared[:1]] == [("pieces", None)] and len(prepared) > 1
+    assert isinstance(runner.forward, CompiledModel) and runner.padding is not None
+    assert greedy_tokens(llm) == eager_tokens
+    llm.close()
+
+
+def test_pieces_that_fail_to_load_leave_the_engine_serving_eagerly(art: Path, eager_tokens: list[list[int]]) -> None:
+    """A piece that cannot be loaded (its sha256 fixed up, so the load's checks pass) fails the background job,
+    which is recorded with the piece's path; the engine keeps serving with the model itself."""
+    piece = flip_piece_byte_and_rehash(art)
+    llm = graphkiln.load(art, **ENGINE)
+    assert llm.wait_ready(120)
+    prepared = llm.stats().prepared
+    assert [p.kind for p in prepared] == ["pieces"] and str(piece) in prepared[0].error
+    assert llm.engine.runner.forward is llm.engine.runner.model
+    assert greedy_tokens(llm) == eager_tokens
+    llm.close()
+
+
 def test_a_request_is_served_while_preparation_runs(artifact: Path) -> None:
     """Steps and warm-ups take turns: the request arrives before the preparation is done, every step runs,
     preparation advances between them, and the tokens are those of an engine prepared before serving."""
     want = greedy_tokens(graphkiln.load(artifact, decode_batch_sizes=(1, 2, 4), capture="blocking", **ENGINE))
     llm = graphkiln.load(artifact, decode_batch_sizes=MANY_SIZES, **ENGINE)
+    assert llm.wait_compiled(120)  # the warm-ups are planned once the pieces are in
     engine = llm.engine
     total = engine.preparation.planned
     seqs = [engine.add_request(llm.encode(p), GREEDY) for p in PROMPTS]

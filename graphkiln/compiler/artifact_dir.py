@@ -16,7 +16,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
@@ -43,7 +43,7 @@ from graphkiln.passes.dump import check_dump_dir
 from graphkiln.passes.pipeline import default_passes, passes_off
 from graphkiln.timing import Stopwatch
 
-from .artifacts import CPU_KERNELS, QUANTIZED_FILE, TOKENIZER_FILE, load_compiled, save_compiled
+from .artifacts import CPU_KERNELS, QUANTIZED_FILE, TOKENIZER_FILE, load_compiled, load_graph, save_compiled
 from .compile import CompileReport, Progress, compile_module
 from .compiled_model import CompiledModel
 from .config import CompileConfig
@@ -357,30 +357,72 @@ def read_artifact(
     out = out.resolve()
     clock = clock or Stopwatch()
     with _locked(out, shared=True):
-        with clock.stage("checks"):
-            manifest = check_artifact(out, model_dir, device, dtype, trusted_keys)
-            config = manifest["config"]
-            model_config = recorded_config(manifest, out)
-            scheme = recorded_scheme(manifest, out)
-        device = torch.device(config["device"])
-        quantized = out / QUANTIZED_FILE if config.get("quantization") else None
-        model = empty_model(model_dir, device, config["dtype"], model_config, scheme, quantized, shard)
+        manifest, model = _checked_model(out, model_dir, device, dtype, trusted_keys, clock, shard)
         with (
             lowered_switch_interval(load_switch_interval()),  # the reading threads wait less for the lock
             ThreadPoolExecutor(1, thread_name_prefix="graphkiln-fill") as pool,  # weights beside the rest
         ):
-            weights = pool.submit(_fill_on, indexed(device), model, model_dir, clock)
+            weights = pool.submit(_fill_on, indexed(_device(model)), model, model_dir, clock)
             with clock.stage("tokenizer"):
                 tokenizer = read_tokenizer(manifest, out, model_dir)
-            with clock.stage("inductor"):
-                import_inductor()
-            with clock.stage("pieces"):
-                import_kernels(device)
-                tensors = dict(model.named_parameters(remove_duplicate=False))
-                tensors.update(model.named_buffers(remove_duplicate=False))
-                compiled = load_compiled(manifest["compiled"], manifest["files"], out, tensors)
+            compiled = _read_pieces(out, manifest, model, clock)
             weights.result()
         return model, compiled, tokenizer, manifest
+
+
+def read_weights(
+    out: Path, model_dir: Path, device=None, dtype=None, trusted_keys: Sequence = (), clock: Stopwatch | None = None
+) -> tuple[CausalLM, Tokenizer | None, dict, Callable[[], CompiledModel]]:
+    """Check, then load the weights and the tokenizer but not the compiled pieces, for an engine that serves
+    eagerly until they are in (`load` with background capture): the weights are read at full speed, with no
+    Inductor import beside them. The pieces come from the returned function (on a background thread), which
+    imports Inductor and checks the artifact again first, since it may have been compiled anew meanwhile.
+    `clock` gets checks, tokenizer and weights now, inductor and pieces when the function runs."""
+    out = out.resolve()
+    clock = clock or Stopwatch()
+    with _locked(out, shared=True):
+        manifest, model = _checked_model(out, model_dir, device, dtype, trusted_keys, clock, Shard())
+        with clock.stage("tokenizer"):
+            tokenizer = read_tokenizer(manifest, out, model_dir)
+            graph = load_graph(out)  # here: unpickling it traces, which must not run beside the engine's steps
+        _fill_on(indexed(_device(model)), model, model_dir, clock)
+
+    def pieces() -> CompiledModel:
+        with _locked(out, shared=True):
+            if check_artifact(out, model_dir, device, dtype, trusted_keys) != manifest:
+                raise ArtifactError(f"{out}: the artifact changed while it was loading; load it again")
+            return _read_pieces(out, manifest, model, clock, graph)
+
+    return model, tokenizer, manifest, pieces
+
+
+def _checked_model(out: Path, model_dir: Path, device, dtype, trusted_keys: Sequence, clock: Stopwatch,
+                   shard: Shard) -> tuple[dict, CausalLM]:  # fmt: skip
+    """The checked manifest and the model its weights will fill (allocated, not read)."""
+    with clock.stage("checks"):
+        manifest = check_artifact(out, model_dir, device, dtype, trusted_keys)
+        config = manifest["config"]
+        model_config = recorded_config(manifest, out)
+        scheme = recorded_scheme(manifest, out)
+    quantized = out / QUANTIZED_FILE if config.get("quantization") else None
+    return manifest, empty_model(model_dir, torch.device(config["device"]), config["dtype"], model_config, scheme,
+                                 quantized, shard)  # fmt: skip
+
+
+def _device(model: CausalLM) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _read_pieces(out: Path, manifest: dict, model: CausalLM, clock: Stopwatch,
+                 graph: torch.fx.GraphModule | None = None) -> CompiledModel:
+    """The compiled pieces bound to `model`'s parameters (importing Inductor first: its own stage)."""
+    with clock.stage("inductor"):
+        import_inductor()
+    with clock.stage("pieces"):
+        import_kernels(_device(model))
+        tensors = dict(model.named_parameters(remove_duplicate=False))
+        tensors.update(model.named_buffers(remove_duplicate=False))
+        return load_compiled(manifest["compiled"], manifest["files"], out, tensors, graph)
 
 
 def read_tokenizer(manifest: dict, out: Path, model_dir: Path) -> Tokenizer | None:

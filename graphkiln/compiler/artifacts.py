@@ -78,13 +78,20 @@ def _load_piece(path: Path):
         raise ArtifactError(f"{path}: Inductor cannot load this piece ({type(e).__name__}: {e}); {FIX}") from e
 
 
-def load_compiled(section: dict, files: dict[str, str], out: Path, tensors: dict[str, torch.Tensor]) -> CompiledModel:
-    """Rebuild a CompiledModel from checked files (`files`: their sha256s), with no Dynamo trace and no
-    Inductor compile."""
+def load_graph(out: Path) -> torch.fx.GraphModule:
+    """The stitching graph, from its checked file. Unpickling a GraphModule traces its code with torch.fx, which
+    patches torch.nn.Module's call for every thread meanwhile: it must not run beside a model's forward."""
     try:  # the file's sha256 matched: what fails here was written by other graphkiln code
-        gm = pickle.loads((out / GRAPH_FILE).read_bytes())
+        return pickle.loads((out / GRAPH_FILE).read_bytes())
     except Exception as e:
         raise ArtifactError(f"{out / GRAPH_FILE}: this graphkiln cannot rebuild it ({type(e).__name__}: {e}); {FIX}") from e
+
+
+def load_compiled(section: dict, files: dict[str, str], out: Path, tensors: dict[str, torch.Tensor],
+                  gm: torch.fx.GraphModule | None = None) -> CompiledModel:  # fmt: skip
+    """Rebuild a CompiledModel from checked files (`files`: their sha256s; `gm`: the stitching graph, if
+    already read), with no Dynamo trace and no Inductor compile."""
+    gm = load_graph(out) if gm is None else gm
     unique = {}
     cache = artifact_cache(code_digest(files))
     with private_inductor_cache(cache):

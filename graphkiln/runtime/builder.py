@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING
 
 from graphkiln.compiler.compiled_model import CompiledModel
@@ -20,7 +22,7 @@ from .kv_dtype import cache_dtype
 from .lockstep import Lockstep
 from .memory import allocate_kv_cache, kv_cache_blocks
 from .prefill_graphs import PiecewisePrefillGraphs, PrefillGraphs
-from .preparation import Job, Preparation
+from .preparation import Job, PiecesJob, Preparation
 from .runner import ModelRunner, Padding
 from .scheduler import Scheduler
 from .step_lock import StepLock
@@ -38,13 +40,16 @@ def build_engine(
     config: EngineConfig | None = None,
     peers: Peers | None = None,
     lockstep: Lockstep | None = None,
+    pieces: Callable[[], CompiledModel] | None = None,
 ) -> Engine:
     """Eager when `compiled` is None; with it, compiled pieces and, on CUDA, CUDA graphs: whole for
     decode, and for prefill where the attention backend can capture it (piecewise otherwise). The
     graphs (without them, warm-up runs) are prepared as `config.capture` says: in the background
     (the engine serves meanwhile) or before this returns. On a rank of a tensor-parallel group they
     are not started here: rank 0 (`peers`: the other ranks, which follow every step) starts them once
-    every rank has built its engine (`prepare`), and each rank runs them together (`lockstep`)."""
+    every rank has built its engine (`prepare`), and each rank runs them together (`lockstep`).
+    `pieces` (with `compiled` None) loads the compiled model later: the engine serves eagerly until the first
+    background job has loaded it and switched the runner over, then prepares its graphs."""
     config = config or EngineConfig()
     cfg = model.cfg
     max_context = min(cfg.max_context, config.max_seq_len or cfg.max_context)
@@ -57,17 +62,13 @@ def build_engine(
     log.info("KV cache: %d blocks of %d tokens, %.1f MiB", num_blocks, config.block_size, kv.nbytes / 2**20)
     backend = select_backend(config.attention_backend, kv, config.decode_kernel)
     allocator = BlockAllocator(num_blocks, config.block_size)
-    padding = Padding(config.decode_batch_sizes, config.prefill_token_buckets) if compiled is not None else None
-    runner = ModelRunner(model, kv, backend, forward=compiled, padding=padding, peers=peers)
+    runner = ModelRunner(model, kv, backend, peers=peers)
+    use = partial(_use_compiled, runner, config, max_context, allocator.capacity)
     jobs: list[Job] = []
     if compiled is not None:
-        max_blocks = -(-max_context // config.block_size)
-        prefill_sizes = tuple(s for s in config.prefill_token_buckets if s <= config.max_num_batched_tokens)
-        decode_sizes = tuple(s for s in config.decode_batch_sizes if s <= min(config.max_num_seqs, allocator.capacity))
-        if config.cuda_graphs and device.type == "cuda":
-            jobs = _graphs(runner, compiled, config, max_blocks, prefill_sizes, decode_sizes)
-        else:
-            jobs = list(warmup_jobs(runner, decode_sizes, prefill_sizes, max_blocks))
+        jobs = use(compiled)
+    elif pieces is not None:
+        jobs = [PiecesJob(pieces, use)]
     scheduler = Scheduler(allocator, max_context, config.max_num_batched_tokens, config.max_num_seqs)
     lock = StepLock()
     preparation = Preparation(jobs, lock, device, lockstep)
@@ -89,6 +90,20 @@ def prepare(engine: Engine, config: EngineConfig) -> None:
         log.info("prepared %d buckets in %.2f s", preparation.planned, sum(d.seconds for d in preparation.done))
     else:
         preparation.start()
+
+
+def _use_compiled(runner: ModelRunner, config: EngineConfig, max_context: int, capacity: int,
+                  compiled: CompiledModel) -> list[Job]:  # fmt: skip
+    """Make the runner run `compiled`, padded to the capture sizes; return the jobs that capture its graphs (on
+    CUDA) or warm each bucket up."""
+    runner.padding = Padding(config.decode_batch_sizes, config.prefill_token_buckets)
+    runner.forward = compiled
+    max_blocks = -(-max_context // config.block_size)
+    prefill_sizes = tuple(s for s in config.prefill_token_buckets if s <= config.max_num_batched_tokens)
+    decode_sizes = tuple(s for s in config.decode_batch_sizes if s <= min(config.max_num_seqs, capacity))
+    if config.cuda_graphs and runner.device.type == "cuda":
+        return _graphs(runner, compiled, config, max_blocks, prefill_sizes, decode_sizes)
+    return list(warmup_jobs(runner, decode_sizes, prefill_sizes, max_blocks))
 
 
 def _graphs(runner: ModelRunner, compiled: CompiledModel, config: EngineConfig, max_blocks: int,

@@ -34,7 +34,7 @@ from graphkiln.errors import CapacityError, ConfigError, RankFailedError, Reques
 from .batch import PendingIds
 from .config import EngineConfig
 from .kv_cache import BlockAllocator
-from .preparation import Preparation
+from .preparation import PiecesJob, Preparation
 from .readback import LaunchedStep, ReadBack, TokenEvent, token_logprobs
 from .runner import ModelRunner
 from .sampler import SamplingBatch
@@ -63,6 +63,7 @@ class Engine:
             preparation = Preparation([], self.lock, runner.device)
             preparation.skip()
         self.preparation = preparation
+        self.pieces = next((job for job in preparation.jobs if isinstance(job, PiecesJob)), None)
         self.first_token_at: float | None = None  # time.perf_counter() when the first token was read back
         self.step_waits = StepWaits()  # steps held up by a capture or warm-up (or another thread's call)
         self.scheduler = scheduler
@@ -100,6 +101,21 @@ class Engine:
             ready=self.preparation.ready,
             step_waits=self.step_waits,
         )
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Wait until the runner uses the compiled pieces a background load loads after it returns (at once
+        for every other engine); False on timeout or if the preparation stopped before. The error that kept
+        them out (an ArtifactError naming the piece, for one) is raised."""
+        job = self.pieces
+        if job is None:
+            return True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not job.finished.wait(0.05):
+            if self.preparation.ready or (deadline is not None and time.monotonic() > deadline):
+                return job.finished.is_set()
+        if job.error is not None:
+            raise job.error
+        return True
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Wait until every graph (or warm-up) the background preparation owes is done; False on timeout."""

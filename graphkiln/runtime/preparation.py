@@ -26,7 +26,7 @@ from typing import Protocol
 
 import torch
 
-from graphkiln.errors import RankFailedError
+from graphkiln.errors import GraphkilnError, RankFailedError
 from graphkiln.models.weights_reader import indexed
 
 from .lockstep import Lockstep, RankReport
@@ -56,6 +56,45 @@ class WarmupJob:
 
     def withdraw(self) -> None:
         """Nothing to undo: a warm-up readies no bucket, it only runs the code once."""
+
+
+class PiecesJob:
+    """The compiled pieces of an engine that serves eagerly until they are in: `load` (importing Inductor,
+    seconds) runs off the step lock, so steps go on meanwhile; `install` then, under the lock, makes the
+    runner use them and returns the jobs that prepare their graphs, which run after this one."""
+
+    kind = "pieces"
+    key = "compiled"
+
+    def __init__(self, load: Callable[[], object], install: Callable[[object], list[Job]]) -> None:
+        self.load = load
+        self.install = install
+        self.loaded: object = None
+        self.finished = threading.Event()  # set once the runner uses the pieces, or either part raised
+        self.error: Exception | None = None
+
+    def unlocked(self) -> None:
+        try:
+            self.loaded = self.load()
+        except Exception as e:
+            self._fail(e)
+            raise
+
+    def run(self) -> list[Job]:
+        try:
+            jobs = self.install(self.loaded)
+        except Exception as e:
+            self._fail(e)
+            raise
+        self.finished.set()
+        return jobs
+
+    def _fail(self, error: Exception) -> None:
+        self.error = error
+        self.finished.set()
+
+    def withdraw(self) -> None:
+        """Only one rank loads this way: nothing to undo."""
 
 
 @dataclass(frozen=True)
@@ -115,13 +154,15 @@ class Preparation:
         try:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
-            for job in self.jobs:
+            for job in self.jobs:  # grows as it goes: a job's run may return the jobs that follow from it
                 if self._stop.is_set():
                     return
+                start = time.perf_counter()
+                error = self._attempt(job.unlocked, job) if hasattr(job, "unlocked") else None
                 with self.lock(background=background):
                     if self._stop.is_set():
                         return
-                    self._run(job)
+                    self._run(job, start, error)
         except RankFailedError as failure:  # the group stopped: no job can run on it any more
             self.failure = failure
             self.errors.append(failure)
@@ -131,19 +172,28 @@ class Preparation:
             self.finished_at = time.perf_counter()
             self._finished.set()
 
-    def _run(self, job: Job) -> None:
-        if self.lockstep is not None:
-            self.lockstep.announce(job.kind, job.key)
-        start = time.perf_counter()
-        error = None
+    def _attempt(self, part: Callable[[], object], job: Job) -> str | None:
+        """Run one part of a job; None, or the error it raised (recorded and logged: the engine serves on
+        without this bucket). Jobs it returns run after the ones already planned."""
         try:
             with torch.inference_mode():
-                job.run()
-        except Exception as e:  # noqa: BLE001  (recorded and logged: the engine serves on without this bucket)
+                added = part()
+        except Exception as e:  # noqa: BLE001
             self.errors.append(e)
-            error = f"{type(e).__name__}: {e}"
-            log.error("preparing %s bucket %s failed; its steps run without it:\n%s", job.kind, job.key,
-                      traceback.format_exc())  # fmt: skip
+            detail = str(e) if isinstance(e, GraphkilnError) else traceback.format_exc()  # a typed error says it all
+            log.error("preparing %s bucket %s failed; its steps run without it: %s", job.kind, job.key, detail)
+            return f"{type(e).__name__}: {e}"
+        if isinstance(added, list):
+            self.jobs.extend(added)
+            self.planned += len(added)
+        return None
+
+    def _run(self, job: Job, start: float | None = None, error: str | None = None) -> None:
+        if self.lockstep is not None:
+            self.lockstep.announce(job.kind, job.key)
+        start = time.perf_counter() if start is None else start
+        if error is None:
+            error = self._attempt(job.run, job)
         seconds = time.perf_counter() - start
         ranks: tuple[RankReport, ...] = ()
         if self.lockstep is not None:
