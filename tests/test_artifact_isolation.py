@@ -24,6 +24,7 @@ import json, torch
 torch.set_num_threads(1)
 import graphkiln
 llm = graphkiln.load({str(out)!r}, **{ENGINE!r})
+llm.wait_compiled()  # the pieces (and the kernels under test) load in the background
 tokens = [o.token_ids for o in llm.generate({PROMPTS!r}, graphkiln.{GREEDY!r})] if {generate!r} else None
 print({RESULT_PREFIX!r} + json.dumps({{"tokens": tokens}}))
 """

@@ -385,6 +385,7 @@ def read_weights(
         with clock.stage("tokenizer"):
             tokenizer = read_tokenizer(manifest, out, model_dir)
             graph = load_graph(out)  # here: unpickling it traces, which must not run beside the engine's steps
+            import_kernels(_device(model))  # what the eager steps run, imported before they start
         _fill_on(indexed(_device(model)), model, model_dir, clock)
 
     def pieces() -> CompiledModel:

@@ -8,6 +8,10 @@ A job that raises is logged and recorded, its bucket stays unready (steps run wi
 the jobs after it still run. `stop()` (the engine's close) lets the running job finish and skips
 the rest.
 
+A background load's first job is a `PiecesJob`: it loads the compiled pieces (importing Inductor) off
+the step lock, so steps go on, served by the model itself, then switches the runner over under it
+and adds the capture or warm-up jobs, which run after it.
+
 In a tensor-parallel group every rank runs the same jobs in the same order (lockstep.py): rank 0
 announces each job, every rank runs it, all exchange a `RankReport`, and a job that failed on any
 rank is withdrawn on every rank. A group that fails meanwhile (a rank died) ends the preparation:

@@ -15,6 +15,7 @@ import torch
 
 import graphkiln
 from graphkiln import CompileConfig, SamplingParams
+from greedy_helpers import assert_greedy_agrees
 from graphkiln.models.safetensors_header import read_header
 from graphkiln.models.weights_reader import TensorRead, WeightsReader
 
@@ -69,8 +70,7 @@ print(json.dumps({{"tokens": tokens, "ready_at_first_step": ready_at_first_step,
     assert not result["ready_at_first_step"], "every graph was captured before the first step: nothing was tested"
     assert result["errors"] == []
     assert result["events"]["dynamo_graphs"] == 0 and result["events"]["inductor_compiles"] == 0
-    assert result["events"] == result["events_after_load"]
-    # load imports what the steps and captures run (Inductor, our kernels): nothing of ours is left to a step
+    # load imports our kernels; the background job after it Inductor and the pieces: nothing of ours is left
     assert [m for m in result["imported_after_load"] if m.startswith("graphkiln")] == []
     # auto takes Triton and leaves FlashInfer unimported, installed or not
     assert result["backend"] == "triton" and not result["flashinfer_imported"]
@@ -78,7 +78,9 @@ print(json.dumps({{"tokens": tokens, "ready_at_first_step": ready_at_first_step,
     # Captured smallest first in the background, largest first when blocking: what that costs in pool memory.
     record("startup_pool_bytes", {"background": result["pool_bytes"], "blocking": captured.stats().graph_pool_bytes})
     want = [o.token_ids for o in captured.generate(prompts, SamplingParams(max_tokens=32, ignore_eos=True))]
-    assert result["tokens"] == want
+    # the first steps ran eagerly (the pieces still loading), which may round otherwise than the compiled model
+    exact = assert_greedy_agrees(captured, prompts, want, result["tokens"])
+    record("startup_background_tokens_exact", {"exact": exact, "of": len(prompts)})
     # A step waits for at most one capture (plus its own run): the longest capture bounds the stall. The
     # first step also pays the first call of every kernel it runs without a graph; it is recorded above.
     assert max(result["steps_s"][1:]) < result["longest_job_s"] + 0.05
