@@ -59,6 +59,7 @@ before = torch_compile_events()
 llm = graphkiln.load({str(artifact)!r}, **{ENGINE!r})
 outs = llm.generate({PROMPTS!r}, graphkiln.{GREEDY!r})
 text = llm.generate(["Hello there"], graphkiln.{GREEDY!r})[0]
+llm.wait_compiled()  # the pieces load in the background
 print({RESULT_PREFIX!r} + json.dumps({{"before": before, "after": torch_compile_events(),
       "tokens": [o.token_ids for o in outs], "text": [text.prompt_token_ids, text.text],
       "transformers": "transformers" in sys.modules}}))

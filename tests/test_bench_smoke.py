@@ -101,7 +101,7 @@ def test_startup_study_smoke(tmp_path: Path) -> None:
         assert child["compile_events_after_load"]["inductor_compiles"] == 0
         phases = child["phases_s"]
         assert {"import_torch", "import_api", "load", "weights", "inductor", "pieces", "first_token", "ready"} <= set(phases)
-        assert phases["inductor"] > 0 and child["imported_after_load"] == []
+        assert phases["inductor"] > 0 and child["compiled_after_load_s"] > 0  # the background job loaded the pieces
         assert child["load"]["weight_bytes"] > 0 and child["start_to_first_token_s"] <= child["start_to_ready_s"]
         seconds = [job["seconds"] for job in child["slowest_jobs"]]  # the CPU's warm-ups, slowest first
         assert seconds and seconds == sorted(seconds, reverse=True) and seconds[0] > 0

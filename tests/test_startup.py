@@ -115,12 +115,12 @@ def test_an_engine_serves_eagerly_until_its_pieces_are_in(artifact: Path, eager_
                         tokenizer)  # fmt: skip
     runner = llm.engine.runner
     assert greedy_tokens(llm) == eager_tokens
-    assert runner.forward is net and runner.padding is None and not llm.stats().prepared
+    assert runner.forward is net and not llm.stats().prepared
     held.set()
     assert llm.wait_ready(120)
     prepared = llm.stats().prepared
     assert [(p.kind, p.error) for p in prepared[:1]] == [("pieces", None)] and len(prepared) > 1
-    assert isinstance(runner.forward, CompiledModel) and runner.padding is not None
+    assert isinstance(runner.forward, CompiledModel)
     assert greedy_tokens(llm) == eager_tokens
     llm.close()
 

@@ -93,7 +93,7 @@ def _intervals_during_load(artifact: Path) -> list[float]:
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
-        with graphkiln.load(artifact, **ENGINE):
+        with graphkiln.load(artifact, capture="blocking", **ENGINE):  # the weights read beside the Inductor import
             pass
     finally:
         stop.set()

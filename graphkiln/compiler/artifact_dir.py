@@ -392,7 +392,8 @@ def read_weights(
         with _locked(out, shared=True):
             if check_artifact(out, model_dir, device, dtype, trusted_keys) != manifest:
                 raise ArtifactError(f"{out}: the artifact changed while it was loading; load it again")
-            return _read_pieces(out, manifest, model, clock, graph)
+            with lowered_switch_interval(load_switch_interval()):  # the serving thread waits less for the lock
+                return _read_pieces(out, manifest, model, clock, graph)
 
     return model, tokenizer, manifest, pieces
 
@@ -418,7 +419,10 @@ def _read_pieces(out: Path, manifest: dict, model: CausalLM, clock: Stopwatch,
                  graph: torch.fx.GraphModule | None = None) -> CompiledModel:
     """The compiled pieces bound to `model`'s parameters (importing Inductor first: its own stage)."""
     with clock.stage("inductor"):
-        import_inductor()
+        try:
+            import_inductor()
+        except ImportError:  # a module the serving thread imported meanwhile came back half-initialized
+            import_inductor()
     with clock.stage("pieces"):
         import_kernels(_device(model))
         tensors = dict(model.named_parameters(remove_duplicate=False))

@@ -8,6 +8,8 @@ from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING
 
+import torch
+
 from graphkiln.compiler.compiled_model import CompiledModel
 from graphkiln.models.sharding import local_config
 from graphkiln.models.transformer import CausalLM
@@ -26,7 +28,7 @@ from .preparation import Job, PiecesJob, Preparation
 from .runner import ModelRunner, Padding
 from .scheduler import Scheduler
 from .step_lock import StepLock
-from .warmup import warmup_jobs
+from .warmup import first_calls, warmup_jobs
 
 if TYPE_CHECKING:
     from .tensor_parallel import Peers
@@ -67,7 +69,11 @@ def build_engine(
     jobs: list[Job] = []
     if compiled is not None:
         jobs = use(compiled)
-    elif pieces is not None:
+    elif pieces is not None:  # served eagerly until the pieces are in, padded as they will be
+        runner.padding = Padding(config.decode_batch_sizes, config.prefill_token_buckets)
+        with torch.inference_mode():
+            first_calls(runner, config.decode_batch_sizes[0], config.prefill_token_buckets[0],
+                        -(-max_context // config.block_size))
         jobs = [PiecesJob(pieces, use)]
     scheduler = Scheduler(allocator, max_context, config.max_num_batched_tokens, config.max_num_seqs)
     lock = StepLock()

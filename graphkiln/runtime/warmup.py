@@ -32,6 +32,15 @@ def warmup_jobs(runner: ModelRunner, decode_sizes: tuple[int, ...], prefill_size
     return decode + prefill
 
 
+def first_calls(runner: ModelRunner, decode_size: int, prefill_size: int, max_blocks: int) -> None:
+    """One decode and one prefill forward on dummy batches, now, before the engine serves beside a background
+    job: the kernels' first calls (Triton's cache key, launchers) and the lazy imports they make happen here,
+    not in a request's first step and not beside that job's imports (two threads importing the same modules can
+    hand one of them a half-initialized module)."""
+    _run(runner, [SequenceSlice(1, 1, (DUMMY_BLOCK,))] * decode_size, decode_size)
+    _run(runner, dummy_slices(prefill_size, runner.kv_cache.block_size, max_blocks), prefill_size)
+
+
 def _run(runner: ModelRunner, slices: list[SequenceSlice], num_tokens: int) -> None:
     meta = build_metadata(slices, runner.kv_cache.block_size, num_tokens, runner.device)
     zeros = torch.zeros(num_tokens, dtype=torch.int64, device=runner.device)

@@ -135,13 +135,13 @@ def _check_engine(out, reference: LLM, name: str, max_error: float) -> None:
     result = _fresh_load(out)
     assert result["events"]["dynamo_graphs"] == 0 and result["events"]["inductor_compiles"] == 0
     assert result["replayed"]
-    plain = graphkiln.load(out, kv_cache_tokens=8192, cuda_graphs=False)
+    plain = graphkiln.load(out, kv_cache_tokens=8192, cuda_graphs=False, capture="blocking")  # compiled throughout
     prompts = [[5 + i] * (1 + 3 * i) for i in range(6)]
     want = [o.token_ids for o in plain.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))]
     exact = assert_greedy_agrees(plain, prompts, want, result["tokens"], ulps=QUANTIZED_TIE_ULPS)
     record(f"quantized_{name}_graphs_vs_no_graphs_exact", {"exact": exact, "of": len(prompts)})
     ids = list(range(100, 228))
-    ref, ours = reference.score(ids), plain.score(ids)
+    ref, ours = reference.score(ids).cpu(), plain.score(ids).cpu()
     error = ((ours - ref).abs().max() / ref.abs().max()).item()
     top1 = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
     record(f"quantized_{name}_vs_reference", {"relative_error": error, "top1": top1})

@@ -307,7 +307,7 @@ print(json.dumps({{"tokens": [o.token_ids for o in outs], "events": torch_compil
     assert result["replayed"]
     assert result["backend"] == "triton"  # 'auto'
     assert result["prefill"] == "prefill" and result["prefill_replayed"] == [PREFILL_SIZES[-1]]
-    plain = graphkiln.load(out, kv_cache_tokens=8192, cuda_graphs=False)
+    plain = graphkiln.load(out, kv_cache_tokens=8192, cuda_graphs=False, capture="blocking")  # compiled throughout
     prompts = [[5 + i] * (1 + 3 * i) for i in range(6)]
     want = plain.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
     assert result["tokens"] == [o.token_ids for o in want]
