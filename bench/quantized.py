@@ -211,8 +211,8 @@ def rule_tiles(fmt: str, rows: int, n: int, k: int, device) -> tuple:
     sms = multiprocessors(device)
     if fmt == "int4":
         if rows <= ROWS_KERNEL_ROWS:
-            return ("rows", *w4.rows_tiling(rows, n, k, GROUP, sms))
-        return ("dot", *w4.dot_tiling(rows, n, k, GROUP, sms))
+            return ("rows", *w4.rows_tiling(rows, n, k, sms))
+        return ("dot", *w4.dot_tiling(rows, n, k, sms))
     return f.gemv_tiling(n, k, sms) if rows == 1 else mma_tiling(rows, n, k, sms)
 
 

@@ -24,6 +24,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from graphkiln.errors import ConfigError
+
 from .pdl import pdl_on
 from .split_k import finish, k_steps, multiprocessors, output, split_count
 
@@ -167,7 +169,7 @@ def _int4_dot_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, M, N, K, STEPS, G, str
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=col_mask[:, None] & row_mask[None, :])
 
 
-def rows_tiling(m: int, n: int, k: int, group_size: int, sms: int = 132) -> tuple[int, int, int, int, int]:
+def rows_tiling(m: int, n: int, k: int, sms: int = 132) -> tuple[int, int, int, int, int]:
     """(BLOCK_N, BLOCK_K, splits, warps, stages) of `int4_rows`: at one row the fp8 GEMV's slabs with twice its K
     step (as many bytes a step), the K step shrinking as rows add registers; K split where the slabs alone
     leave multiprocessors idle (the benchmark's sweep checks them)."""
@@ -180,7 +182,7 @@ def rows_tiling(m: int, n: int, k: int, group_size: int, sms: int = 132) -> tupl
     return block_n, block_k, splits, warps, stages
 
 
-def dot_tiling(m: int, n: int, k: int, group_size: int, sms: int = 132) -> tuple[int, int, int, int, int, int]:
+def dot_tiling(m: int, n: int, k: int, sms: int = 132) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, splits, warps, stages) of `int4_dot`: the rows padded to a power of two (16
     at least, 64 at most a tile), 64 weight rows a tile, one 128-input part of a group a step, K split so
     that every multiprocessor streams."""
@@ -196,7 +198,7 @@ def int4_rows(x: torch.Tensor, qwords: torch.Tensor, scales: torch.Tensor, zeros
     The kernel unrolls the rows: meant for a few (each power of two builds once)."""
     m, k = x.shape
     n = qwords.shape[0]
-    block_n, block_k, splits, warps, stages = tiles or rows_tiling(m, n, k, group_size, multiprocessors(x.device))
+    block_n, block_k, splits, warps, stages = tiles or rows_tiling(m, n, k, multiprocessors(x.device))
     splits, steps = k_steps(k, splits, block_k)
     out = output(m, n, splits, x.dtype, x.device)
     launch_pdl = pdl_on(x.device)
@@ -215,8 +217,10 @@ def int4_dot(x: torch.Tensor, qwords: torch.Tensor, scales: torch.Tensor, zeros:
     `tiles` defaults to `dot_tiling` (BLOCK_K must divide the group)."""
     m, k = x.shape
     n = qwords.shape[0]
-    block_m, block_n, block_k, splits, warps, stages = tiles or dot_tiling(m, n, k, group_size,
-                                                                           multiprocessors(x.device))
+    block_m, block_n, block_k, splits, warps, stages = tiles or dot_tiling(m, n, k, multiprocessors(x.device))
+    if block_k < MIN_DOT_GROUP or group_size % block_k:
+        raise ConfigError(f"int4_dot takes K steps of at least {MIN_DOT_GROUP} inputs that divide the group size; "
+                          f"got BLOCK_K {block_k} for group_size {group_size}: use int4_rows for smaller groups")
     splits, steps = k_steps(k, splits, block_k)
     out = output(m, n, splits, x.dtype, x.device)
     launch_pdl = pdl_on(x.device)

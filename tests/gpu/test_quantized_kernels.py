@@ -242,7 +242,7 @@ def test_int4_rows_word_kernel_matches_float32_with_every_split_of_k(shape, rows
     n, k = shape
     qweight, scales, zeros, reference_weight = int4_weight(n, k)
     x = activation(rows, k)
-    tiles = word_kernels.rows_tiling(rows, n, k, 128, multiprocessors(x.device))
+    tiles = word_kernels.rows_tiling(rows, n, k, multiprocessors(x.device))
     y = word_kernels.int4_rows(x, qwords(qweight), scales, zeros, 128, tiles=(*tiles[:2], splits, *tiles[3:]))
     assert y.shape == (rows, n) and y.dtype == torch.bfloat16
     assert relative_error(y, x.float() @ reference_weight.t()) < 0.008
@@ -256,7 +256,7 @@ def test_int4_dot_word_kernel_matches_float32_with_every_split_of_k(shape, rows,
     n, k = shape
     qweight, scales, zeros, reference_weight = int4_weight(n, k)
     x = activation(rows, k)
-    tiles = word_kernels.dot_tiling(rows, n, k, 128, multiprocessors(x.device))
+    tiles = word_kernels.dot_tiling(rows, n, k, multiprocessors(x.device))
     y = word_kernels.int4_dot(x, qwords(qweight), scales, zeros, 128, tiles=(*tiles[:3], splits, *tiles[4:]))
     assert y.shape == (rows, n) and y.dtype == torch.bfloat16
     assert relative_error(y, x.float() @ reference_weight.t()) < 0.008
@@ -272,6 +272,12 @@ def test_int4_word_kernels_take_every_group_size(kernel, rows, group):
     product = word_kernels.int4_rows if kernel == "rows" else word_kernels.int4_dot
     y = product(x, qwords(qweight), scales, zeros, group)
     assert y.dtype == torch.float16 and relative_error(y, x.float() @ reference_weight.t()) < 0.008
+
+
+def test_int4_dot_refuses_groups_under_a_dot_step():
+    qweight, scales, zeros, _ = int4_weight(256, 256, 64)
+    with pytest.raises(ConfigError, match="group_size 64: use int4_rows"):
+        word_kernels.int4_dot(activation(8, 256), qwords(qweight), scales, zeros, 64)
 
 
 @pytest.mark.parametrize("rows", [1, 8])
@@ -293,8 +299,8 @@ def test_int4_word_tilings_put_enough_programs_on_every_multiprocessor(shape, ro
     cannot be split further."""
     n, k = shape
     sms = multiprocessors(torch.device("cuda"))
-    block_n, block_k, splits = word_kernels.rows_tiling(rows, n, k, 128, sms)[:3]
-    _, dot_n, dot_k, dot_splits = word_kernels.dot_tiling(rows, n, k, 128, sms)[:4]
+    block_n, block_k, splits = word_kernels.rows_tiling(rows, n, k, sms)[:3]
+    _, dot_n, dot_k, dot_splits = word_kernels.dot_tiling(rows, n, k, sms)[:4]
     for block_n, block_k, splits in ((block_n, block_k, splits), (dot_n, dot_k, dot_splits)):
         finest = k // (2 * splits) < max(MIN_SPLIT_K, block_k) or k_steps(k, 2 * splits, block_k)[0] == splits
         assert -(-n // block_n) * splits >= RESIDENT * sms or finest, (block_n, block_k, splits)
