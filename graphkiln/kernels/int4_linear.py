@@ -3,14 +3,19 @@
 qweight [N, K/2] uint8 packs two 4-bit values per byte, the low nibble the even k; scales and zeros
 are [N, K/G] (any float dtype, or integer zeros).
 
-One row (decode at batch 1): a GEMV in gemv.py's layout that never builds the weight: per group it
-sums q * x and x, and adds scale * (sum(q * x) - zero * sum(x)), so the inner loop is one multiply-add
-per weight and the bytes read are a quarter of bf16's. More rows: a tiled kernel that dequantizes
-each weight tile in registers for tensor-core dots. Both split K at decode sizes so that every
-multiprocessor has loads in flight (split_k.py: partials summed in a second kernel, the same result
-on every call). Past MM_ROWS rows (prefill), the weight is dequantized once to x's dtype and
+At decode sizes the product is bound by the instructions spent per weight, so the few-row kernels
+read the weight as 32-bit words and turn nibbles into floats without int-to-float conversions
+(int4_words.py): up to ROWS_KERNEL_ROWS rows on CUDA cores (one row: the GEMV), up to DOT_ROWS rows
+on tensor cores where the groups hold a dot's 16 words. Both apply a scale and zero point per group,
+not per weight, and split K so that every multiprocessor has loads in flight (split_k.py: partials
+summed in a second kernel, the same result on every call).
+
+The byte kernels here serve what the word kernels do not take: a qweight whose rows do not start on
+4-byte boundaries, groups under MIN_DOT_GROUP, and DOT_ROWS to MM_ROWS rows. A GEMV in gemv.py's
+layout sums q * x and x per group; a tiled kernel dequantizes each weight tile in registers for
+tensor-core dots. Past MM_ROWS rows (prefill), the weight is dequantized once to x's dtype and
 multiplied by torch.mm, where writing and reading that weight is a small part of a compute-bound
-product (`python -m bench quantized` times both ways). Kernels only, no host sync: capturable.
+product (`python -m bench quantized` times every way). Kernels only, no host sync: capturable.
 """
 
 from __future__ import annotations
@@ -24,23 +29,14 @@ from graphkiln.errors import ConfigError
 
 from .fp8_linear import gemv_tiling as fp8_gemv_tiling
 from .gemv import _k_mask
+from .int4_words import MIN_DOT_GROUP, group_params, int4_dot, int4_rows, words
 from .pdl import pdl_on
 from .split_k import finish, k_steps, multiprocessors, output, split_count
 
+ROWS_KERNEL_ROWS = 4  # up to this many rows: int4_rows (CUDA cores); above, int4_dot (tensor cores)
+DOT_ROWS = 64  # up to this many rows: int4_dot, where the groups allow it
 MM_ROWS = 256  # above this many rows: dequantize the weight, then torch.mm
 MIN_MM_GROUP = 32  # smaller groups mean 16-wide K tiles, whose results were wrong on the H200 at 8 rows
-
-
-@triton.jit
-def _group_params(s_ptr, z_ptr, cols, col_mask, k, K, G, stride_sn, stride_zn, CHUNKS: tl.constexpr,
-                  SUB: tl.constexpr):
-    """The scales and zero points (float32, [BLOCK_N, CHUNKS]) of the K step at k, one per SUB-wide chunk. The
-    kernels load them a step ahead: too narrow for the pipeliner's copies, they would stall every step."""
-    chunk_k = k + tl.arange(0, CHUNKS) * SUB
-    mask = col_mask[:, None] & (chunk_k < K)[None, :]
-    s = tl.load(s_ptr + cols[:, None] * stride_sn + (chunk_k // G)[None, :], mask=mask, other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + cols[:, None] * stride_zn + (chunk_k // G)[None, :], mask=mask, other=0.0).to(tl.float32)
-    return s, z
 
 
 @triton.jit
@@ -75,16 +71,16 @@ def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, N, K, STEPS, G, strid
     acc = tl.zeros((BLOCK_N, BLOCK_K // SUB), dtype=tl.float32)
     k_mask = js < BLOCK_K // 2 if EVEN_K else k_start + 2 * js < K
     b = tl.load(q_ptrs + k_start // 2, mask=col_mask[:, None] & k_mask[None, :], other=0)  # the weight: no wait
-    s, z = _group_params(s_ptr, z_ptr, cols, col_mask, k_start, K, G, stride_sn, stride_zn, BLOCK_K // SUB, SUB)
+    s, z = group_params(s_ptr, z_ptr, cols, col_mask, k_start, K, G, stride_sn, stride_zn, BLOCK_K // SUB, SUB)
     if PDL:  # x is: wait for the previous kernel to finish and its writes to land
         gdc_wait()
-    s_next, z_next = _group_params(s_ptr, z_ptr, cols, col_mask, k_start + BLOCK_K, K, G, stride_sn, stride_zn,
+    s_next, z_next = group_params(s_ptr, z_ptr, cols, col_mask, k_start + BLOCK_K, K, G, stride_sn, stride_zn,
                                    BLOCK_K // SUB, SUB)
     acc = _int4_gemv_step(acc, b, s, z, k_start, ks, x_ptr, K, BLOCK_N, BLOCK_K, BLOCK_K // SUB, EVEN_K)
     for step in tl.range(1, STEPS, num_stages=STAGES):  # the loop attribute pipelines loads without a dot
         k = k_start + step * BLOCK_K
         s, z = s_next, z_next
-        s_next, z_next = _group_params(s_ptr, z_ptr, cols, col_mask, k + BLOCK_K, K, G, stride_sn, stride_zn,
+        s_next, z_next = group_params(s_ptr, z_ptr, cols, col_mask, k + BLOCK_K, K, G, stride_sn, stride_zn,
                                        BLOCK_K // SUB, SUB)
         k_mask = js < BLOCK_K // 2 if EVEN_K else k + 2 * js < K
         b = tl.load(q_ptrs + k // 2, mask=col_mask[:, None] & k_mask[None, :], other=0)
@@ -157,12 +153,12 @@ def _int4_mm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, M, N, K, STEPS, G, stri
     col_mask = cols < N
     x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :]
     acc = _zero_tile(BLOCK_M, BLOCK_N, SWAP_AB)
-    s, z = _group_params(s_ptr, z_ptr, cols, col_mask, k_start, K, G, stride_sn, stride_zn, 1, BLOCK_K)
+    s, z = group_params(s_ptr, z_ptr, cols, col_mask, k_start, K, G, stride_sn, stride_zn, 1, BLOCK_K)
     if PDL:  # x is the previous kernel's output
         gdc_wait()
     for step in range(STEPS):
         k = k_start + step * BLOCK_K
-        s_next, z_next = _group_params(s_ptr, z_ptr, cols, col_mask, k + BLOCK_K, K, G, stride_sn, stride_zn, 1,
+        s_next, z_next = group_params(s_ptr, z_ptr, cols, col_mask, k + BLOCK_K, K, G, stride_sn, stride_zn, 1,
                                        BLOCK_K)
         w = _dequantize_tile(q_ptr, s, z, cols, col_mask, k, js, K, stride_qn, BLOCK_N, BLOCK_K,
                              x_ptr.dtype.element_ty)
@@ -181,7 +177,7 @@ def _int4_dequantize_kernel(q_ptr, s_ptr, z_ptr, out_ptr, N, K, G, stride_qn, st
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.program_id(1) * BLOCK_K
     col_mask = cols < N
-    s, z = _group_params(s_ptr, z_ptr, cols, col_mask, k, K, G, stride_sn, stride_zn, 1, BLOCK_K)
+    s, z = group_params(s_ptr, z_ptr, cols, col_mask, k, K, G, stride_sn, stride_zn, 1, BLOCK_K)
     w = _dequantize_tile(q_ptr, s, z, cols, col_mask, k, tl.arange(0, BLOCK_K // 2), K, stride_qn, BLOCK_N, BLOCK_K,
                          out_ptr.dtype.element_ty)
     ks = k + tl.arange(0, BLOCK_K)
@@ -287,6 +283,11 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     m = x.shape[0]
     if m == 0:
         return x.new_empty(0, qweight.shape[0])
+    qwords = words(qweight)
+    if qwords is not None and m <= ROWS_KERNEL_ROWS:
+        return int4_rows(x, qwords, scales, zeros, group_size)
+    if qwords is not None and m <= DOT_ROWS and group_size >= MIN_DOT_GROUP:
+        return int4_dot(x, qwords, scales, zeros, group_size)
     if m == 1:
         return int4_gemv(x, qweight, scales, zeros, group_size)
     if m <= MM_ROWS and group_size >= MIN_MM_GROUP:

@@ -13,11 +13,13 @@ from graphkiln.errors import ConfigError  # noqa: E402
 from graphkiln.kernels import fp8_linear as fp8_kernels  # noqa: E402
 from graphkiln.kernels import fp8_mma as mma_kernels  # noqa: E402
 from graphkiln.kernels import int4_linear as int4_kernels  # noqa: E402
+from graphkiln.kernels import int4_words as word_kernels  # noqa: E402
 from graphkiln.kernels.fp8_linear import FP8, FEW_ROWS, fp8_linear, quantize_rows, scaled_mm_fits  # noqa: E402
 from graphkiln.kernels.int4_linear import int4_linear  # noqa: E402
 from graphkiln.kernels.split_k import MIN_SPLIT_K, RESIDENT, k_steps, multiprocessors  # noqa: E402
 
 ROWS = [1, 2, 8, 16, 17, 33, 64, 128, 1024]  # 17: the fewest rows fp8 quantizes in a kernel of its own
+INT4_ROWS = sorted({*ROWS, 3, 4, 5, 32})  # 4 | 5: where int4_linear leaves the CUDA-core word kernel
 SPLITS = [1, 2, 3, 8]  # K splits forced on the few-row kernels (fewer where the K steps do not share evenly)
 ROWS_AND_SWAPS = [(1, False), (5, False), (5, True), (64, False), (64, True)]  # swap_ab: tensor-core kernels only
 MODEL_SHAPES = {  # (N, K) of q/k/v fused, o, gate/up fused, down
@@ -110,7 +112,7 @@ def test_activation_quantization_is_within_half_an_fp8_step(group):
     assert (error <= x.float().abs() * 2**-4 + per_element * 2**-9).all()
 
 
-@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("rows", INT4_ROWS)
 @pytest.mark.parametrize("shape", INT4_SHAPES.values(), ids=INT4_SHAPES.keys())
 def test_int4_linear_matches_float32(shape, rows):
     """Every path keeps the activation as it is: float32 accumulation and one rounding of the output (the
@@ -124,7 +126,7 @@ def test_int4_linear_matches_float32(shape, rows):
 
 
 @pytest.mark.parametrize("group", [32, 64, 256])
-@pytest.mark.parametrize("rows", [1, 8, 512])
+@pytest.mark.parametrize("rows", [1, 3, 8, 512])
 def test_int4_linear_other_group_sizes(group, rows):
     n, k = 1536, 2048
     qweight, scales, zeros, reference_weight = int4_weight(n, k, group)
@@ -222,6 +224,88 @@ def test_decode_tilings_put_enough_programs_on_every_multiprocessor(shape, rows)
         assert -(-n // block_n) * splits >= RESIDENT * sms or finest, (block_n, block_k, splits)
 
 
+WORD_SHAPES = {"ragged": (1000, 2944), "odd-tiles": (200, 1152), "tiny": (37, 384), "8b-down": (4096, 14336)}
+
+
+def qwords(qweight: torch.Tensor) -> torch.Tensor:
+    words = word_kernels.words(qweight)
+    assert words is not None and words.dtype == torch.int32 and words.shape == (qweight.shape[0], qweight.shape[1] // 4)
+    return words
+
+
+@pytest.mark.parametrize("splits", SPLITS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 16])
+@pytest.mark.parametrize("shape", WORD_SHAPES.values(), ids=WORD_SHAPES.keys())
+def test_int4_rows_word_kernel_matches_float32_with_every_split_of_k(shape, rows, splits):
+    """The CUDA-core word kernel (nibbles made floats in the mantissa of 2^23, one scale a group), K not a
+    multiple of its step (ragged, tiny) and every split of K."""
+    n, k = shape
+    qweight, scales, zeros, reference_weight = int4_weight(n, k)
+    x = activation(rows, k)
+    tiles = word_kernels.rows_tiling(rows, n, k, multiprocessors(x.device))
+    y = word_kernels.int4_rows(x, qwords(qweight), scales, zeros, 128, tiles=(*tiles[:2], splits, *tiles[3:]))
+    assert y.shape == (rows, n) and y.dtype == torch.bfloat16
+    assert relative_error(y, x.float() @ reference_weight.t()) < 0.008
+
+
+@pytest.mark.parametrize("splits", SPLITS)
+@pytest.mark.parametrize("rows", [2, 5, 16, 17, 32, 64, 100])
+@pytest.mark.parametrize("shape", WORD_SHAPES.values(), ids=WORD_SHAPES.keys())
+def test_int4_dot_word_kernel_matches_float32_with_every_split_of_k(shape, rows, splits):
+    """The tensor-core word kernel: rows padded to the dot's 16 and beyond one row tile (100), every split of K."""
+    n, k = shape
+    qweight, scales, zeros, reference_weight = int4_weight(n, k)
+    x = activation(rows, k)
+    tiles = word_kernels.dot_tiling(rows, n, k, multiprocessors(x.device))
+    y = word_kernels.int4_dot(x, qwords(qweight), scales, zeros, 128, tiles=(*tiles[:3], splits, *tiles[4:]))
+    assert y.shape == (rows, n) and y.dtype == torch.bfloat16
+    assert relative_error(y, x.float() @ reference_weight.t()) < 0.008
+
+
+@pytest.mark.parametrize("kernel,rows,group", [("rows", 1, 32), ("rows", 4, 64), ("rows", 2, 256), ("rows", 1, 1024),
+                                               ("dot", 8, 256), ("dot", 32, 1024)])
+def test_int4_word_kernels_take_every_group_size(kernel, rows, group):
+    """Groups narrower than a K step (several a step) and wider (a step inside one group), in float16."""
+    n, k = 1000, 4096
+    qweight, scales, zeros, reference_weight = int4_weight(n, k, group)
+    x = activation(rows, k, torch.float16)
+    product = word_kernels.int4_rows if kernel == "rows" else word_kernels.int4_dot
+    y = product(x, qwords(qweight), scales, zeros, group)
+    assert y.dtype == torch.float16 and relative_error(y, x.float() @ reference_weight.t()) < 0.008
+
+
+def test_int4_dot_refuses_groups_under_a_dot_step():
+    qweight, scales, zeros, _ = int4_weight(256, 256, 64)
+    with pytest.raises(ConfigError, match="group_size 64: use int4_rows"):
+        word_kernels.int4_dot(activation(8, 256), qwords(qweight), scales, zeros, 64)
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+def test_int4_linear_takes_a_qweight_off_4_byte_boundaries(rows):
+    """A qweight view starting one byte into its storage cannot be read as words: the byte kernels take it."""
+    n, k = 1000, 2944
+    qweight, scales, zeros, reference_weight = int4_weight(n, k)
+    shifted = torch.empty(qweight.numel() + 1, dtype=torch.uint8, device="cuda")[1:].view(qweight.shape)
+    shifted.copy_(qweight)
+    assert word_kernels.words(shifted) is None
+    x = activation(rows, k)
+    assert relative_error(int4_linear(x, shifted, scales, zeros, 128), x.float() @ reference_weight.t()) < 0.008
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("shape", MODEL_SHAPES.values(), ids=MODEL_SHAPES.keys())
+def test_int4_word_tilings_put_enough_programs_on_every_multiprocessor(shape, rows):
+    """As for the byte kernels: slabs x row tiles x K splits reach RESIDENT programs a multiprocessor, unless K
+    cannot be split further."""
+    n, k = shape
+    sms = multiprocessors(torch.device("cuda"))
+    block_n, block_k, splits = word_kernels.rows_tiling(rows, n, k, sms)[:3]
+    _, dot_n, dot_k, dot_splits = word_kernels.dot_tiling(rows, n, k, sms)[:4]
+    for block_n, block_k, splits in ((block_n, block_k, splits), (dot_n, dot_k, dot_splits)):
+        finest = k // (2 * splits) < max(MIN_SPLIT_K, block_k) or k_steps(k, 2 * splits, block_k)[0] == splits
+        assert -(-n // block_n) * splits >= RESIDENT * sms or finest, (block_n, block_k, splits)
+
+
 def captured(fn, x: torch.Tensor):
     """fn(x) captured in a CUDA graph after a warm-up: (static input, static output, replay)."""
     static_x = x.clone()
@@ -236,7 +320,7 @@ def captured(fn, x: torch.Tensor):
     return static_x, static_y, graph.replay
 
 
-@pytest.mark.parametrize("rows", [1, 8, 32, 64, 1024])
+@pytest.mark.parametrize("rows", [1, 3, 8, 32, 64, 1024])
 @pytest.mark.parametrize("kind", ["fp8-per-channel", "fp8-block", "int4"])
 def test_kernels_replay_in_a_cuda_graph(kind, rows):
     """Captured once, replayed on new activations: the eager result of those activations, bit for bit (the
