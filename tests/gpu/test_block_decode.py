@@ -136,7 +136,7 @@ def test_fp8_cache_at_every_block_size_and_split_count(heads: tuple, block_size:
     assert not counters.any(), "the split counters must be zeros again"
     for new, rows, row_scales in zip((k, v), (k_cache, v_cache), scales):
         want_rows, want_scales = quantize(new)
-        torch.testing.assert_close(row_scales.flatten(0, 1)[slots], want_scales, rtol=1e-6, atol=0)
+        torch.testing.assert_close(row_scales.flatten(0, 1)[slots], want_scales, rtol=1e-5, atol=0)
         # one fp8 step: 1/8 of a normal value, 2^-9 below the smallest normal
         torch.testing.assert_close(rows.flatten(0, 1)[slots].float(), want_rows.float(), rtol=0.125, atol=2**-9)
     expected = fp8_reference(q, k_cache, v_cache, scales, tables, lens, scale)
