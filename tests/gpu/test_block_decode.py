@@ -31,8 +31,8 @@ from graphkiln.runtime.attention.triton_backend import TritonBackend  # noqa: E4
 from graphkiln.runtime.kv_cache import KVCache  # noqa: E402
 from graphkiln.runtime.kv_dtype import quantize  # noqa: E402
 from test_attention_backends import (  # noqa: E402
-    BLOCK, CUDA, DECODE, FP8_HEADS, LAYER, TOLERANCE, _config, _id, assert_written, check_decode_replay, make_batch,
-    reference, replay_lengths, run_and_check,
+    CUDA, DECODE, FP8_HEADS, LAYER, TOLERANCE, _config, _id, assert_written, check_decode_replay, make_batch, reference,
+    replay_lengths, run_and_check,
 )
 
 HEADS = [
