@@ -19,6 +19,12 @@ smoke heads and lengths) the caches, the planning and SDPA run; the Triton kerne
 at other tilings (BLOCK_TILES) and split counts; every row checked against float32. One line per
 shape ("A/B ...") gives both plans' times and shares of the copy rate, and the best block tiling.
 `--serving-sweep` times the block kernel's plan and tilings after the row kernel's.
+
+    python -m bench attention --model 1b --decode-ab 16x4000,64x2000 --kv-cache-dtype fp8_e4m3 --out $OUT
+
+`--kv-cache-dtype fp8_e4m3`: the caches in fp8 with a float32 scale per token and KV head (what the
+engine's option stores); bandwidth counts one byte an element and the scales, the float32
+reference reads the dequantized cache.
 """
 
 from __future__ import annotations
@@ -47,10 +53,11 @@ class Heads:
         shape = shape_of(study.model)
         self.hq, self.hkv, self.d = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
         self.device, self.dtype = study.device, study.dtype
-        self.block, self.head_major = BLOCK, False
+        self.block, self.head_major, self.fp8 = BLOCK, False, False
 
     def paged_cache(self, num_seqs: int, context: int):
-        """K/V caches holding num_seqs sequences of `context` tokens in shuffled blocks; lengths; block tables."""
+        """K/V caches holding num_seqs sequences of `context` tokens in shuffled blocks; lengths; block tables;
+        the fp8 caches' (key, value) row scales, or None."""
         import torch
 
         per_seq = -(-context // self.block)
@@ -61,13 +68,27 @@ class Heads:
         else:
             shape = (num_seqs * per_seq + 1, self.block, self.hkv, self.d)
             k_cache, v_cache = (torch.randn(shape, dtype=self.dtype, device=self.device) for _ in range(2))
+        scales = None
+        if self.fp8:
+            from graphkiln.runtime.kv_dtype import quantize
+
+            (k_cache, k_scales), (v_cache, v_scales) = quantize(k_cache), quantize(v_cache)
+            scales = (k_scales, v_scales)
         tables = (torch.randperm(num_seqs * per_seq, device=self.device) + 1).view(num_seqs, per_seq).int()
         seq_lens = torch.full((num_seqs,), context, dtype=torch.int32, device=self.device)
-        return k_cache, v_cache, seq_lens, tables
+        return k_cache, v_cache, seq_lens, tables, scales
 
-    def gathered(self, cache, table, tokens: int):
-        """[tokens, hq, d] of one sequence's cache rows, the KV heads repeated for their query heads."""
-        return cache[table.long()].flatten(0, 1)[:tokens].float().repeat_interleave(self.hq // self.hkv, 1)
+    def gathered(self, cache, row_scales, table, tokens: int):
+        """[tokens, hq, d] of one sequence's cache rows (dequantized by their `row_scales` where fp8), the KV
+        heads repeated for their query heads."""
+        rows = cache[table.long()].flatten(0, 1)[:tokens].float()
+        if row_scales is not None:
+            rows = rows * row_scales[table.long()].flatten(0, 1)[:tokens, :, None]
+        return rows.repeat_interleave(self.hq // self.hkv, 1)
+
+    def row_bytes(self, cache) -> int:
+        """Bytes read per cached row of one KV head: its elements and, for fp8, its float32 scale."""
+        return self.d * cache.element_size() + (4 if self.fp8 else 0)
 
 
 def bench_decode(h: Heads, num_seqs: int, context: int, copy_bw: float, num_sms: int, tiles=None, kernel: str = "rows",
@@ -76,49 +97,54 @@ def bench_decode(h: Heads, num_seqs: int, context: int, copy_bw: float, num_sms:
     `check`, are also checked against float32."""
     import torch
 
-    k_cache, v_cache, seq_lens, tables = h.paged_cache(num_seqs, context)
+    k_cache, v_cache, seq_lens, tables, scales = h.paged_cache(num_seqs, context)
+    k_scales, v_scales = scales or (None, None)
     planned, make_call = decode_kernel(h, kernel, num_seqs, tables.shape[1] * h.block, k_cache, num_sms)
     q = torch.randn(num_seqs, h.hq, h.d, dtype=h.dtype, device=h.device)
     out = torch.empty_like(q)
     last = context - 1  # the step's new key and value: rewritten in place with what the slot holds already
     slots = (tables[:, last // h.block].long() * h.block + last % h.block).contiguous()
-    k, v = k_cache[slots // h.block, slots % h.block], v_cache[slots // h.block, slots % h.block]
+    at = (slots // h.block, slots % h.block)
+    k, v = k_cache[at], v_cache[at]
+    if scales:  # the step's key and value come in the model's dtype: the stored rows dequantized
+        k, v = (k.float() * k_scales[at][..., None]).to(h.dtype), (v.float() * v_scales[at][..., None]).to(h.dtype)
     counters = torch.zeros(num_seqs * h.hkv, dtype=torch.int32, device=h.device)
     chosen = asdict(tiles or planned)
-    call = make_call((q, k, v, k_cache, v_cache, seq_lens, tables, slots, out, h.d**-0.5, counters), chosen)
+    call = make_call((q, k, v, k_cache, v_cache, seq_lens, tables, slots, out, h.d**-0.5, counters), chosen, scales)
     timing = time_ms(call, h.device, reps=50, before=lambda: flush_l2(h.device))
-    bw = 2 * num_seqs * context * h.hkv * h.d * k_cache.element_size() / (timing.median_ms * 1e-3)
+    bw = 2 * num_seqs * context * h.hkv * h.row_bytes(k_cache) / (timing.median_ms * 1e-3)
     row = dict(kernel=kernel, batch=num_seqs, context=context, **chosen, us=timing.us, gbs=bw / 1e9,
                pct_copy=100 * bw / copy_bw)
     if tiles or check:
-        scores = torch.stack([torch.einsum("hd,lhd->hl", q[i].float(), h.gathered(k_cache, tables[i], context))
+        scores = torch.stack([torch.einsum("hd,lhd->hl", q[i].float(), h.gathered(k_cache, k_scales, tables[i], context))
                               for i in range(num_seqs)]) * h.d**-0.5
-        values = torch.stack([h.gathered(v_cache, tables[i], context) for i in range(num_seqs)])
+        values = torch.stack([h.gathered(v_cache, v_scales, tables[i], context) for i in range(num_seqs)])
         want = torch.einsum("bhl,blhd->bhd", scores.softmax(-1), values)
         row["rel_err"] = ((out.float() - want).norm() / want.norm()).item()
     return row
 
 
 def decode_kernel(h: Heads, kernel: str, num_seqs: int, max_context: int, k_cache, num_sms: int):
-    """(the planned tiles, make_call(args, tiles) -> the timed call) of a decode kernel; the block kernel's
-    cache descriptors are built in make_call, outside the timed call, as a captured graph keeps them."""
+    """(the planned tiles, make_call(args, tiles, scales) -> the timed call) of a decode kernel, planned as the
+    Triton backend plans it; the block kernel's cache descriptors are built in make_call, outside the timed
+    call, as a captured graph keeps them."""
     from graphkiln.runtime.attention.triton_backend import decode_tiles, padded_head_dim
 
     if kernel == "rows":
         from graphkiln.kernels.decode_attention import paged_decode
 
-        def make_rows_call(args: tuple, tiles: dict):
-            return lambda: paged_decode(*args, **tiles)
+        def make_rows_call(args: tuple, tiles: dict, scales):
+            return lambda: paged_decode(*args, **tiles, scales=scales)
 
         return decode_tiles(num_seqs, h.hkv, max_context, h.d, k_cache.element_size(), num_sms), make_rows_call
     from graphkiln.kernels.block_decode_attention import block_paged_decode, cache_descriptor
-    from graphkiln.runtime.attention.block_decode import block_decode_tiles
+    from graphkiln.runtime.attention.block_decode import block_decode_tiles, lane_bytes
 
-    def make_blocks_call(args: tuple, tiles: dict):
+    def make_blocks_call(args: tuple, tiles: dict, scales):
         descriptors = tuple(cache_descriptor(cache, tiles["heads"]) for cache in args[3:5])
-        return lambda: block_paged_decode(*args, **tiles, descriptors=descriptors)
+        return lambda: block_paged_decode(*args, **tiles, descriptors=descriptors, scales=scales)
 
-    planned = block_decode_tiles(num_seqs, h.hkv, max_context, h.block, padded_head_dim(h.d), k_cache.element_size(),
+    planned = block_decode_tiles(num_seqs, h.hkv, max_context, h.block, padded_head_dim(h.d), lane_bytes(k_cache.dtype),
                                  num_sms)
     return planned, make_blocks_call
 
@@ -131,11 +157,13 @@ def bench_prefill(h: Heads, tokens: int, tiles=None) -> dict:
 
     from graphkiln.runtime.attention.triton_backend import prefill_tiles, prefill_work, work_table
 
-    k_cache, v_cache, seq_lens, tables = h.paged_cache(1, tokens)
+    k_cache, v_cache, seq_lens, tables, scales = h.paged_cache(1, tokens)
+    k_scales, v_scales = scales or (None, None)
     tiles = tiles or prefill_tiles(tokens, h.d, k_cache.element_size())
     q = torch.randn(tokens, h.hq, h.d, dtype=h.dtype, device=h.device)
     query, keys, values = (t.transpose(0, 1)[None].to(h.dtype).contiguous()  # [1, hq, tokens, d]
-                           for t in (q, h.gathered(k_cache, tables[0], tokens), h.gathered(v_cache, tables[0], tokens)))
+                           for t in (q, h.gathered(k_cache, k_scales, tables[0], tokens),
+                                     h.gathered(v_cache, v_scales, tables[0], tokens)))
     flops = 2 * 2 * h.hq * h.d * tokens * tokens / 2  # QK^T and PV, the causal half
     backends = [SDPBackend.FLASH_ATTENTION] if h.device == "cuda" else [SDPBackend.MATH]
     with sdpa_kernel(backends):
@@ -151,7 +179,7 @@ def bench_prefill(h: Heads, tokens: int, tiles=None) -> dict:
         items = prefill_work((tokens,), (tokens,), tiles.block_m)
         work = torch.tensor(work_table(items), dtype=torch.int32, device=h.device)
         replay = in_graph(lambda: paged_prefill(q, k_cache, v_cache, query_start, seq_lens, tables, work, out, h.d**-0.5,
-                                                len(items), **asdict(tiles)), h.device)
+                                                len(items), scales=scales, **asdict(tiles)), h.device)
         timing = time_ms(replay, h.device, reps=20)
         row.update(us=timing.us, tflops=flops / timing.median_ms / 1e9,
                    rel_err_vs_sdpa=((out.float() - expected).norm() / expected.norm()).item())
@@ -181,6 +209,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=BLOCK, help=f"KV cache block size (default {BLOCK})")
     p.add_argument("--head-major", action="store_true",
                    help="cache blocks laid out [heads, block, dim] (each head's rows contiguous)")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8_e4m3"), default="auto",
+                   help="the caches in the model's dtype (auto) or in fp8 with a scale per token and KV head")
 
 
 SERVING_TILES = [(32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 3), (128, 4, 2), (128, 8, 2),
@@ -231,7 +261,7 @@ def decode_ab(h: Heads, shapes: str, copy_bw: float, num_sms: int) -> list[dict]
         row_plan = dict(bench_decode(h, batch, context, copy_bw, num_sms, check=True), planned=True)
         blocks = block_sweep(h, batch, context, copy_bw, num_sms)
         best = min(blocks, key=lambda r: r["us"])
-        log(f"A/B {batch}x{context} (heads {h.hq}/{h.hkv}, D {h.d}): rows {row_plan['us']:.1f} us "
+        log(f"A/B {batch}x{context} (heads {h.hq}/{h.hkv}, D {h.d}{', fp8 cache' if h.fp8 else ''}): rows {row_plan['us']:.1f} us "
             f"({row_plan['pct_copy']:.0f}% copy) | blocks {blocks[0]['us']:.1f} us ({blocks[0]['pct_copy']:.0f}% copy) "
             f"| best blocks {best['us']:.1f} us ({best['pct_copy']:.0f}%) splits {best['num_splits']} heads "
             f"{best['heads']} warps {best['num_warps']} stages {best['num_stages']} | rows/blocks "
@@ -245,23 +275,26 @@ def main(a: argparse.Namespace) -> int:
 
     study = Study.of("attention", a)
     h = Heads(study)
-    h.block, h.head_major = a.block_size, a.head_major
+    h.block, h.head_major, h.fp8 = a.block_size, a.head_major, a.kv_cache_dtype == "fp8_e4m3"
+    if h.fp8 and h.head_major:
+        raise SystemExit("--kv-cache-dtype fp8_e4m3 stores the block-major layout only; drop --head-major")
     copy_bw = copy_rate(study.device, (64 << 20) if study.smoke else (1 << 30))
-    result: dict = {"heads": [h.hq, h.hkv, h.d], "copy_gbs": copy_bw / 1e9}
+    result: dict = {"heads": [h.hq, h.hkv, h.d], "copy_gbs": copy_bw / 1e9, "kv_cache_dtype": a.kv_cache_dtype}
+    cache = "-fp8" if h.fp8 else ""
     log(f"device-to-device copy {copy_bw / 1e9:.0f} GB/s; heads {h.hq} query, {h.hkv} KV, head_dim {h.d}")
     prefill_lengths = (16, 48) if study.smoke else (128, 1024, 4096)
     if a.decode_ab and study.gpu_only("the decode A/B"):
         num_sms = torch.cuda.get_device_properties(0).multi_processor_count
         result["decode_ab"] = decode_ab(h, a.decode_ab, copy_bw, num_sms)
         print(text_table(result["decode_ab"], AB_COLUMNS))
-        log(f"wrote {study.save(result, f'decode-ab-{study.model}')}")
+        log(f"wrote {study.save(result, f'decode-ab-{study.model}{cache}')}")
         return 0
     if a.serving_sweep and study.gpu_only("the serving sweep"):
         num_sms = torch.cuda.get_device_properties(0).multi_processor_count
         result["serving_sweep"] = serving_sweep(h, a.serving_sweep, copy_bw, num_sms)
         print(text_table(result["serving_sweep"], AB_COLUMNS))
         layout = f"{'hnd' if h.head_major else 'nhd'}{h.block}"
-        log(f"wrote {study.save(result, f'serving-{study.model}-{layout}')}")
+        log(f"wrote {study.save(result, f'serving-{study.model}-{layout}{cache}')}")
         return 0
     if study.gpu_only("the Triton decode kernel"):
         num_sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -286,5 +319,5 @@ def main(a: argparse.Namespace) -> int:
         result["prefill_sweep"] = [row for tokens in (128, 4096)
                                    for row in fitting(lambda t, n=tokens: bench_prefill(h, n, t), prefill_variants)]
         print(text_table(result["prefill_sweep"], PREFILL_COLUMNS))
-    log(f"wrote {study.save(result)}")
+    log(f"wrote {study.save(result, cache.lstrip('-'))}")
     return 0

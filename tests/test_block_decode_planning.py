@@ -19,6 +19,7 @@ from graphkiln.runtime.attention.block_decode import (
     check_decode_kernel,
     decodes_by_blocks,
     effective_decode_kernel,
+    lane_bytes,
 )
 from graphkiln.runtime.attention.select import select_backend
 from graphkiln.runtime.config import engine_config
@@ -60,7 +61,10 @@ def _cache(dtype: torch.dtype = torch.bfloat16, head_dim: int = 64, block_size: 
 
 
 @pytest.mark.parametrize("dtype,head_dim,block_size,reason", [
-    (torch.float8_e4m3fn, 64, 16, "cache dtype torch.float8_e4m3fn"),
+    (torch.float8_e4m3fn, 40, 16, "head_dim 40: a head's row of 40 bytes is not a multiple of 16"),
+    (torch.float8_e4m3fn, 24, 16, "head_dim 24: a head's row of 24 bytes"),
+    (torch.float8_e4m3fn, 64, 8, "block_size 8"),
+    (torch.float8_e4m3fn, 64, 16, None), (torch.float8_e4m3fn, 48, 16, None), (torch.float8_e4m3fn, 16, 256, None),
     (torch.bfloat16, 12, 16, "head_dim 12: a head's row of 24 bytes is not a multiple of 16"),
     (torch.bfloat16, 64, 8, "block_size 8: block copies need 16 to 256 rows"),
     (torch.bfloat16, 64, 512, "block_size 512"),
@@ -73,6 +77,16 @@ def test_caches_the_block_kernel_reads(dtype, head_dim, block_size, reason) -> N
     assert effective_decode_kernel("blocks", keys) == ("blocks" if reason is None else "rows")
     assert effective_decode_kernel("rows", keys) == "rows"
     assert effective_decode_kernel("auto", keys) == ("auto" if reason is None else "rows")
+
+
+def test_the_fp8_cache_is_planned_at_the_lanes_of_a_16_bit_cache() -> None:
+    """Its tiles are converted to the query's dtype in registers: the heads a program (the accumulators) and
+    warps of a bf16 cache of the same heads, not twice the heads for its half bytes."""
+    assert lane_bytes(torch.float8_e4m3fn) == 2
+    assert [lane_bytes(d) for d in (torch.bfloat16, torch.float16, torch.float32)] == [2, 2, 4]
+    for padded in (16, 64, 128, 256):
+        fp8 = block_decode_tiles(64, 8, 2048, 16, padded, lane_bytes(torch.float8_e4m3fn), 132)
+        assert fp8 == block_decode_tiles(64, 8, 2048, 16, padded, 2, 132)
 
 
 def test_a_cache_not_contiguous_across_blocks_is_not_read_by_blocks() -> None:

@@ -30,10 +30,18 @@ through one pipelined loop, its rows masked at the sequence's end: a copy issued
 (a first block ahead of the wait for q, k and v, as the row kernel does, or a last block of its
 own) is waited on at once, one round trip each, where the loop has them in flight together.
 
-Not served here (the row kernel serves them; runtime/attention/block_decode.py says why): fp8
-caches, blocks of fewer than 16 rows (tl.dot's smallest tile) or more than 256 (the copy engine's
-largest box), rows whose head stride is not a multiple of 16 bytes (what a descriptor's strides
-must be), caches not contiguous across blocks.
+An fp8 cache (kv_format.py: a float32 scale per token and KV head) is copied the same way, one
+byte an element, so a box holds twice the heads' rows of a 16-bit cache for the same bytes. Its
+scales, contiguous in [num_blocks, BLOCK_SIZE, Hkv] beside the cache, are read per block as a
+[HEADS, BLOCK_SIZE] tile by pointer loads (a box of them would need Hkv a multiple of 4 for its
+16-byte strides); the tile is converted to the query's dtype in registers, and the keys' scales
+multiply the logits, the values' scales the probabilities, row by row, as the row kernel does.
+The step's new key and value are quantized in registers and attended as stored.
+
+Not served here (the row kernel serves them; runtime/attention/block_decode.py says why): blocks
+of fewer than 16 rows (tl.dot's smallest tile) or more than 256 (the copy engine's largest box),
+rows whose head stride is not a multiple of 16 bytes (what a descriptor's strides must be; for
+fp8 a head_dim that is not a multiple of 16), caches not contiguous across blocks.
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .decode_attention import merge_splits
-from .kv_format import head_pad, lanes
+from .kv_format import fp8_scale, head_pad, lanes, to_fp8
 from .pdl import pdl_on
 
 
@@ -59,33 +67,53 @@ def cache_descriptor(cache: torch.Tensor, heads: int) -> TensorDescriptor:
 
 
 @triton.jit
-def attend_block(q, k, v, start, last, k_new, v_new, m_i, l_i, acc, scale_log2, BLOCK_SIZE: tl.constexpr,
-                 PRECISION: tl.constexpr):
+def block_scales(scales, row0, start, last, kv_heads, new_scale, NUM_KV_HEADS: tl.constexpr,
+                 BLOCK_SIZE: tl.constexpr):
+    """The fp8 scales [HEADS, BLOCK_SIZE] of the block of cache rows from `row0` (positions from `start`) for
+    `kv_heads`, from scales [num_blocks * BLOCK_SIZE, NUM_KV_HEADS]: the row at `last` takes the new row's
+    `new_scale` [HEADS], rows past it (and heads past the last) zeros."""
+    rows = tl.arange(0, BLOCK_SIZE)
+    pos = start + rows
+    at = (row0.to(tl.int64) + rows)[None, :] * NUM_KV_HEADS + kv_heads[:, None]
+    cached = (pos < last)[None, :] & (kv_heads < NUM_KV_HEADS)[:, None]
+    return tl.where((pos == last)[None, :], new_scale[:, None], tl.load(scales + at, mask=cached, other=0.0))
+
+
+@triton.jit
+def attend_block(q, k, v, k_scale, v_scale, start, last, k_new, v_new, m_i, l_i, acc, scale_log2,
+                 BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr):
     """Online-softmax update of (m_i, l_i, acc) [HEADS, BLOCK_G(, D)] with one block of keys and values
     k, v [BLOCK_SIZE, HEADS, D] at positions from `start`: the row at `last` takes the step's new key
-    and value, rows past it are ignored (their values zeroed: a slot never written may hold anything)."""
+    and value, rows past it are ignored (their values zeroed: a slot never written may hold anything).
+    With FP8 each row's logit and probability are scaled by its key's and value's scale, k_scale and
+    v_scale [HEADS, BLOCK_SIZE] (block_scales)."""
     pos = start + tl.arange(0, BLOCK_SIZE)
     is_new = (pos == last)[:, None, None]
     k = tl.where(is_new, k_new[None, :, :], k)
     v = tl.where(is_new, v_new[None, :, :], tl.where((pos < last)[:, None, None], v, 0.0))
     qk = tl.dot(q, tl.permute(k, (1, 2, 0)).to(q.dtype), input_precision=PRECISION) * scale_log2
+    if FP8:
+        qk = qk * k_scale[:, None, :]
     qk = tl.where((pos <= last)[None, None, :], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 2))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, :, None])
-    pv = tl.dot(p.to(q.dtype), tl.permute(v, (1, 0, 2)).to(q.dtype), input_precision=PRECISION)
+    weights = p
+    if FP8:
+        weights = p * v_scale[:, None, :]
+    pv = tl.dot(weights.to(q.dtype), tl.permute(v, (1, 0, 2)).to(q.dtype), input_precision=PRECISION)
     return m_new, l_i * alpha + tl.sum(p, 2), acc * alpha[:, :, None] + pv
 
 
 @triton.jit
 def _block_decode_kernel(
-    q_ptr, k_ptr, v_ptr, k_desc, v_desc, k_cache, v_cache, seq_lens, block_tables, slot_mapping, out_ptr, part_out,
-    part_lse, counters, scale_log2, num_splits,
+    q_ptr, k_ptr, v_ptr, k_desc, v_desc, k_cache, v_cache, k_scales, v_scales, seq_lens, block_tables, slot_mapping,
+    out_ptr, part_out, part_lse, counters, scale_log2, num_splits,
     stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
     stride_ot, stride_oh, stride_od, stride_cb, stride_ct, stride_ch, stride_bt,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
-    BLOCK_S: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr,
+    BLOCK_S: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr,
 ):
     tile = tl.program_id(0)
     split = tl.program_id(1)
@@ -115,15 +143,29 @@ def _block_decode_kernel(
                     mask=out_mask, other=0.0)
         new_mask = (kv_heads < NUM_KV_HEADS)[:, None] & dim_mask[None, :]
         k_new = tl.load(k_ptr + seq * stride_kt + kv_heads[:, None] * stride_kh + dims[None, :] * stride_kd,
-                        mask=new_mask, other=0.0).to(k_cache.dtype.element_ty)
+                        mask=new_mask, other=0.0)
         v_new = tl.load(v_ptr + seq * stride_vt + kv_heads[:, None] * stride_vh + dims[None, :] * stride_vd,
-                        mask=new_mask, other=0.0).to(v_cache.dtype.element_ty)
+                        mask=new_mask, other=0.0)
+        k_new_scale = scale_log2  # placeholders without FP8
+        v_new_scale = scale_log2
+        if FP8:
+            k_new_scale = fp8_scale(tl.max(tl.abs(k_new.to(tl.float32)), 1))
+            v_new_scale = fp8_scale(tl.max(tl.abs(v_new.to(tl.float32)), 1))
+            k_new = to_fp8(k_new.to(tl.float32), k_new_scale[:, None])
+            v_new = to_fp8(v_new.to(tl.float32), v_new_scale[:, None])
+        else:
+            k_new = k_new.to(k_cache.dtype.element_ty)
+            v_new = v_new.to(v_cache.dtype.element_ty)
         if split == 0:
             slot = tl.load(slot_mapping + seq).to(tl.int64)
             row = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct
             dst = row + kv_heads[:, None] * stride_ch + dims[None, :]
             tl.store(k_cache + dst, k_new, mask=new_mask)
             tl.store(v_cache + dst, v_new, mask=new_mask)
+            if FP8:
+                scale_dst = slot * NUM_KV_HEADS + kv_heads
+                tl.store(k_scales + scale_dst, k_new_scale, mask=kv_heads < NUM_KV_HEADS)
+                tl.store(v_scales + scale_dst, v_new_scale, mask=kv_heads < NUM_KV_HEADS)
 
         m_i = tl.full([HEADS, BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([HEADS, BLOCK_G], tl.float32)
@@ -132,8 +174,15 @@ def _block_decode_kernel(
             row0 = tl.load(table_row + b) * BLOCK_SIZE
             k = k_desc.load([row0, head0, 0])
             v = v_desc.load([row0, head0, 0])
-            m_i, l_i, acc = attend_block(q, k, v, b * BLOCK_SIZE, last, k_new, v_new, m_i, l_i, acc, scale_log2,
-                                         BLOCK_SIZE, PRECISION)
+            k_scale = row0  # placeholders without FP8
+            v_scale = row0
+            if FP8:
+                k_scale = block_scales(k_scales, row0, b * BLOCK_SIZE, last, kv_heads, k_new_scale, NUM_KV_HEADS,
+                                       BLOCK_SIZE)
+                v_scale = block_scales(v_scales, row0, b * BLOCK_SIZE, last, kv_heads, v_new_scale, NUM_KV_HEADS,
+                                       BLOCK_SIZE)
+            m_i, l_i, acc = attend_block(q, k, v, k_scale, v_scale, b * BLOCK_SIZE, last, k_new, v_new, m_i, l_i, acc,
+                                         scale_log2, BLOCK_SIZE, PRECISION, FP8)
 
         acc = acc / l_i[:, :, None]  # every running split holds at least one position
         out_row = out_ptr + seq * stride_ot
@@ -161,30 +210,34 @@ def block_paged_decode(
     seq_lens: torch.Tensor, block_tables: torch.Tensor, slot_mapping: torch.Tensor, out: torch.Tensor, scale: float,
     counters: torch.Tensor, *, num_splits: int, heads: int, num_warps: int, num_stages: int,
     descriptors: tuple[TensorDescriptor, TensorDescriptor] | None = None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """What `paged_decode` does, by block copies of `heads` KV heads a program: store k[i], v[i] [Hkv, D]
     at slot_mapping[i], the last of seq_lens[i] positions of sequence i, and write to out[i] the
     attention of q[i] [Hq, D] over those positions. `counters`: int32 zeros, one per head tile of
     every row up to the last whose sequence spans two splits; zeros again after. `descriptors` (of
-    k_cache and v_cache, from `cache_descriptor` with these `heads`) may be built once and reused."""
+    k_cache and v_cache, from `cache_descriptor` with these `heads`) may be built once and reused. An fp8
+    cache comes with its `scales`, float32 [num_blocks, block_size, Hkv] for keys and values, contiguous."""
     num_seqs = seq_lens.shape[0]
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     padded = head_pad(head_dim)
     k_desc, v_desc = descriptors or (cache_descriptor(k_cache, heads), cache_descriptor(v_cache, heads))
+    k_scales, v_scales = scales if scales is not None else (k_cache, v_cache)
     launch_pdl = pdl_on(q.device)
     part_out = part_lse = out
     if num_splits > 1:
         part_out = torch.empty((num_seqs, num_heads, num_splits, padded), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
     _block_decode_kernel[(triton.cdiv(num_kv_heads, heads), num_splits, num_seqs)](
-        q, k, v, k_desc, v_desc, k_cache, v_cache, seq_lens, block_tables, slot_mapping, out, part_out, part_lse,
-        counters, scale * 1.4426950408889634, num_splits,
+        q, k, v, k_desc, v_desc, k_cache, v_cache, k_scales, v_scales, seq_lens, block_tables, slot_mapping, out,
+        part_out, part_lse, counters, scale * 1.4426950408889634, num_splits,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEADS=heads, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, HEAD_PAD=padded,
         BLOCK_S=triton.next_power_of_2(num_splits), PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        PDL=launch_pdl, STAGES=num_stages, num_warps=num_warps, num_stages=num_stages, launch_pdl=launch_pdl,
+        FP8=scales is not None, PDL=launch_pdl, STAGES=num_stages, num_warps=num_warps, num_stages=num_stages,
+        launch_pdl=launch_pdl,
     )

@@ -7,8 +7,13 @@ and more, rows below. Both kernels read the same cache, so each decode graph tak
 isolation on the H200 (`python -m bench attention --decode-ab`, README "Attention at serving
 shapes") the block kernel was faster at 64 x 2000 and 128 x 1000, even at 16 x 4000, and took
 twice the row kernel's time at 1 x 2000, where the row kernel's early first load and shorter
-dependency chain count more than bytes in flight. Caches the block kernel cannot read (fp8,
-blocks of fewer than 16 rows, rows not 16-byte aligned) keep the row kernel:
+dependency chain count more than bytes in flight. The fp8 cache takes the same threshold: its
+blocks are copied the same way at half the bytes, so what the threshold weighs (the row kernel's
+latency at small batches against the block kernel's bytes in flight at large ones) stays, and the
+row kernel's per-row scale loads (the block kernel reads a block's scales as one tile) weigh, if
+anything, toward the block kernel. `bench attention --decode-ab --kv-cache-dtype fp8_e4m3`
+measures both kernels on it. Caches the block kernel cannot read (blocks of fewer than 16 rows,
+rows not 16-byte aligned: for fp8 a head_dim not a multiple of 16) keep the row kernel:
 `effective_decode_kernel` says so once, when the backend is built.
 
 The plan is static for a captured graph (batch size, block table width, head shapes): heads a
@@ -17,7 +22,9 @@ program, so a box holds at most BOX_BYTES of each block row (4 heads of 64 bf16 
 so the grid has BLOCK_PROGRAMS_PER_SM programs on every SM, never fewer than MIN_SPLIT_BLOCKS
 blocks of the longest context a split; NUM_STAGES of loop pipelining, which keeps two blocks
 of keys and values in flight per program (Triton spends the other stages on the block-table
-load each copy waits for).
+load each copy waits for). An fp8 cache is planned at the lanes of a 16-bit one (`lane_bytes`):
+its tiles are converted to the query's dtype in registers, and the accumulators, which bound the
+heads a program, do not shrink with the cache's bytes.
 """
 
 from __future__ import annotations
@@ -68,6 +75,12 @@ def block_decode_tiles(
     return BlockDecodeTiles(splits, heads, 8 if padded_head_dim * itemsize > 256 else 4, NUM_STAGES)
 
 
+def lane_bytes(cache_dtype: torch.dtype) -> int:
+    """The bytes of a head lane the block kernel's plan counts: the cache's, or 2 for an fp8 cache, whose
+    tiles are converted to the (16-bit) query dtype in registers."""
+    return 2 if cache_dtype == torch.float8_e4m3fn else cache_dtype.itemsize
+
+
 def check_decode_kernel(decode_kernel: str, backend: str) -> None:
     """A ConfigError unless `decode_kernel` is known and, if "blocks", served by `backend` ("auto" means the
     row kernel, or none, elsewhere)."""
@@ -83,7 +96,7 @@ def check_decode_kernel(decode_kernel: str, backend: str) -> None:
 def block_decode_unsupported(cache: torch.Tensor) -> str | None:
     """Why a layer's cache [num_blocks, block_size, Hkv, D] cannot be read by block copies, or None."""
     _, block_size, _, head_dim = cache.shape
-    if cache.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+    if cache.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn):
         return f"cache dtype {cache.dtype}"
     if not MIN_BLOCK_ROWS <= block_size <= MAX_BOX:
         return f"block_size {block_size}: block copies need {MIN_BLOCK_ROWS} to {MAX_BOX} rows"

@@ -30,7 +30,13 @@ from graphkiln.models.attention import AttentionFn
 from graphkiln.runtime.kv_cache import KVCache
 from graphkiln.runtime.transfer import upload
 
-from .block_decode import block_decode_tiles, check_decode_kernel, decodes_by_blocks, effective_decode_kernel
+from .block_decode import (
+    block_decode_tiles,
+    check_decode_kernel,
+    decodes_by_blocks,
+    effective_decode_kernel,
+    lane_bytes,
+)
 from .metadata import BatchMetadata
 
 PROGRAMS_PER_SM = 2  # prefill programs resident per SM at the default tiles (shared-memory bound)
@@ -204,14 +210,14 @@ class TritonBackend:
         block_paged_decode = self._block_decode
         _, block_size, num_kv_heads, head_dim = self.kv_cache.keys.shape[1:]
         tiles = block_decode_tiles(meta.seq_lens_t.shape[0], num_kv_heads, meta.block_tables.shape[1] * block_size,
-                                   block_size, padded_head_dim(head_dim), self.kv_cache.keys.element_size(),
+                                   block_size, padded_head_dim(head_dim), lane_bytes(self.kv_cache.keys.dtype),
                                    self._num_sms)
         tile_args = asdict(tiles)
 
         def run(layer: int, q, k, v, out, scale: float) -> None:
             k_cache, v_cache = self.kv_cache.layer(layer)
             block_paged_decode(q, k, v, k_cache, v_cache, meta.seq_lens_t, meta.block_tables, meta.slot_mapping, out,
-                               scale, self._split_counters, **tile_args)
+                               scale, self._split_counters, scales=self.kv_cache.layer_scales(layer), **tile_args)
 
         return run
 
