@@ -380,6 +380,8 @@ def read_weights(
     `clock` gets checks, tokenizer and weights now, inductor and pieces when the function runs."""
     out = out.resolve()
     clock = clock or Stopwatch()
+    switch_interval = load_switch_interval()  # a bad setting is the caller's error, not the background job's
+    threads = torch.get_num_threads()  # per thread in torch: the job's thread takes the caller's
     with _locked(out, shared=True):
         manifest, model = _checked_model(out, model_dir, device, dtype, trusted_keys, clock, Shard())
         with clock.stage("tokenizer"):
@@ -392,7 +394,8 @@ def read_weights(
         with _locked(out, shared=True):
             if check_artifact(out, model_dir, device, dtype, trusted_keys) != manifest:
                 raise ArtifactError(f"{out}: the artifact changed while it was loading; load it again")
-            with lowered_switch_interval(load_switch_interval()):  # the serving thread waits less for the lock
+            torch.set_num_threads(threads)  # Inductor's CPU kernels are keyed by it: else they would build again
+            with lowered_switch_interval(switch_interval):  # the serving thread waits less for the lock
                 return _read_pieces(out, manifest, model, clock, graph)
 
     return model, tokenizer, manifest, pieces
