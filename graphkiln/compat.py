@@ -76,7 +76,13 @@ def __getattr__(name: str):
 
 
 def import_inductor() -> None:
-    """Import what loading and running compiled pieces needs of Inductor (and, through it, Dynamo)."""
+    """Import what loading and running compiled pieces needs of Inductor (and, through it, Dynamo).
+
+    Dynamo first: the two packages import each other, and a thread that enters through Inductor while
+    another enters through Dynamo (anything reading Dynamo's counters, or calling torch.compile) can
+    deadlock on their module locks, which Python breaks by handing one a half-initialized module. Entered
+    through Dynamo by both, the second thread waits for the first."""
+    import torch._dynamo  # noqa: F401
     import torch._inductor.compile_fx  # noqa: F401  (the package, standalone_compile and CompiledArtifact with it)
 
 

@@ -125,6 +125,23 @@ def test_an_engine_serves_eagerly_until_its_pieces_are_in(artifact: Path, eager_
     llm.close()
 
 
+def test_the_caller_may_import_dynamo_while_the_pieces_load(artifact: Path) -> None:
+    """In a fresh process: right after a background load, the caller reads Dynamo's counters (importing Dynamo,
+    and through it Inductor) while the pieces job imports Inductor: both imports complete and the pieces load."""
+    code = f"""
+import json, graphkiln
+from graphkiln.compiler.counters import torch_compile_events
+llm = graphkiln.load({str(artifact)!r}, **{ENGINE!r})
+events = torch_compile_events()
+tokens = [o.token_ids for o in llm.generate({PROMPTS!r}, graphkiln.{GREEDY!r})]
+compiled = llm.wait_compiled(120)
+print({RESULT_PREFIX!r} + json.dumps({{"compiled": compiled, "errors": [p.error for p in llm.stats().prepared if p.error],
+      "events": events}}))
+"""
+    result = run_python_json(code)
+    assert result["compiled"] and result["errors"] == [] and result["events"]["inductor_compiles"] == 0
+
+
 def test_pieces_that_fail_to_load_leave_the_engine_serving_eagerly(art: Path, eager_tokens: list[list[int]]) -> None:
     """A piece that cannot be loaded (its sha256 fixed up, so the load's checks pass) fails the background job,
     which is recorded with the piece's path; the engine keeps serving with the model itself."""

@@ -424,7 +424,7 @@ def _read_pieces(out: Path, manifest: dict, model: CausalLM, clock: Stopwatch,
     with clock.stage("inductor"):
         try:
             import_inductor()
-        except ImportError:  # a module the serving thread imported meanwhile came back half-initialized
+        except (ImportError, RuntimeError):  # another thread's import of Inductor deadlocked with this one
             import_inductor()
     with clock.stage("pieces"):
         import_kernels(_device(model))
