@@ -374,21 +374,27 @@ def read_weights(
     out: Path, model_dir: Path, device=None, dtype=None, trusted_keys: Sequence = (), clock: Stopwatch | None = None
 ) -> tuple[CausalLM, Tokenizer | None, dict, Callable[[], CompiledModel]]:
     """Check, then load the weights and the tokenizer but not the compiled pieces, for an engine that serves
-    eagerly until they are in (`load` with background capture): the weights are read at full speed, with no
-    Inductor import beside them. The pieces come from the returned function (on a background thread), which
-    imports Inductor and checks the artifact again first, since it may have been compiled anew meanwhile.
-    `clock` gets checks, tokenizer and weights now, inductor and pieces when the function runs."""
+    eagerly until they are in (`load` with background capture): the weights are read on a thread of their own
+    beside the tokenizer and the stitching graph, with no Inductor import beside them. The pieces come from the
+    returned function (on a background thread), which imports Inductor and checks the artifact again first,
+    since it may have been compiled anew meanwhile. `clock` gets checks, weights and tokenizer (with the
+    graph) now, inductor and pieces when the function runs."""
     out = out.resolve()
     clock = clock or Stopwatch()
     switch_interval = load_switch_interval()  # a bad setting is the caller's error, not the background job's
     threads = torch.get_num_threads()  # per thread in torch: the job's thread takes the caller's
     with _locked(out, shared=True):
         manifest, model = _checked_model(out, model_dir, device, dtype, trusted_keys, clock, Shard())
-        with clock.stage("tokenizer"):
-            tokenizer = read_tokenizer(manifest, out, model_dir)
-            graph = load_graph(out)  # here: unpickling it traces, which must not run beside the engine's steps
-            import_kernels(_device(model))  # what the eager steps run, imported before they start
-        _fill_on(indexed(_device(model)), model, model_dir, clock)
+        with (
+            lowered_switch_interval(switch_interval),  # the reading threads wait less for the lock
+            ThreadPoolExecutor(1, thread_name_prefix="graphkiln-fill") as pool,  # weights beside the rest
+        ):
+            weights = pool.submit(_fill_on, indexed(_device(model)), model, model_dir, clock)
+            with clock.stage("tokenizer"):
+                tokenizer = read_tokenizer(manifest, out, model_dir)
+                graph = load_graph(out)  # here: unpickling it traces, which must not run beside the engine's steps
+                import_kernels(_device(model))  # what the eager steps run, imported before they start
+            weights.result()
 
     def pieces() -> CompiledModel:
         with _locked(out, shared=True):
