@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from graphkiln.compiler.artifact_dir import check_artifact, read_artifact, read_tokenizer, read_weights, write_artifact
+from graphkiln.compiler.artifact_dir import write_artifact
+from graphkiln.compiler.artifact_load import check_artifact, read_artifact, read_tokenizer, read_weights
 from graphkiln.compiler.compile import CompileReport, Progress
 from graphkiln.compiler.config import CompileConfig
 from graphkiln.compiler.manifest import MANIFEST, REWRITE, read_manifest

@@ -30,7 +30,7 @@ from artifact_helpers import (
     temp_folders,
 )
 from graphkiln import CompileConfig
-from graphkiln.compiler.artifact_dir import check_artifact
+from graphkiln.compiler.artifact_load import check_artifact
 from graphkiln.errors import ArtifactError
 from graphkiln.models.tiny import tiny_model_dir
 

@@ -27,7 +27,7 @@ from artifact_helpers import (
     run_python_json,
     set_torch_version,
 )
-from graphkiln.compiler.artifact_dir import check_artifact
+from graphkiln.compiler.artifact_load import check_artifact
 from graphkiln.compiler.manifest import FORMAT_VERSION
 from graphkiln.errors import ArtifactError
 from graphkiln.models.tiny import tiny_model_dir

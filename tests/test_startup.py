@@ -17,7 +17,7 @@ from graphkiln import EngineConfig
 from graphkiln.errors import ConfigError
 from graphkiln.models.tiny import tiny_model_dir
 from graphkiln.models.safetensors_header import read_header
-from graphkiln.compiler.artifact_dir import read_weights
+from graphkiln.compiler.artifact_load import read_weights
 from graphkiln.compiler.compiled_model import CompiledModel
 from graphkiln.runtime.builder import build_engine
 from graphkiln.runtime.preparation import Preparation, WarmupJob
@@ -79,7 +79,7 @@ import graphkiln
 graphkiln.load, graphkiln.SamplingParams, graphkiln.LLM, graphkiln.EngineConfig, graphkiln.CompileConfig
 heavy = {heavy!r}
 at_import = [m for m in heavy if m in sys.modules]
-from graphkiln.compiler.artifact_dir import recorded_config
+from graphkiln.compiler.artifact_load import recorded_config
 from graphkiln.compiler.manifest import read_manifest
 from graphkiln.models.loader import empty_model
 from graphkiln.models.tiny import tiny_model_dir

@@ -1,4 +1,4 @@
-"""An artifact directory, written atomically and read only after every check passes.
+"""An artifact directory, written atomically (artifact_load.py reads it, after every check passes).
 
 Writing compiles into a hidden temporary folder beside OUT and renames it into place at the
 end, under an exclusive lock on a sibling lock file: an interrupted compile leaves no OUT, and
@@ -16,48 +16,35 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from graphkiln.compat import fake_process_group, import_inductor, private_inductor_cache, require_depyf
+from graphkiln.compat import fake_process_group, private_inductor_cache, require_depyf
 from graphkiln.errors import ArtifactError, ConfigError
-from graphkiln.models import load_model, resolve_dtype
-from graphkiln.models.linear import import_kernels
-from graphkiln.models.loader import empty_model, fill_model
-from graphkiln.models.switch_interval import load_switch_interval, lowered_switch_interval
-from graphkiln.models.weights_reader import indexed
-from graphkiln.models.config import ModelConfig
+from graphkiln.models import load_model
 from graphkiln.models.tokenizer import Tokenizer
 from graphkiln.models.fingerprint import model_fingerprint
-from graphkiln.models.quant_scheme import QuantScheme, model_scheme
+from graphkiln.models.quant_scheme import model_scheme
 from graphkiln.models.quantized_layers import layer_schemes, save_quantized
 from graphkiln.models.sharding import Shard
 from graphkiln.models.transformer import CausalLM
 from graphkiln.passes.base import Pass
 from graphkiln.passes.dump import check_dump_dir
 from graphkiln.passes.pipeline import default_passes, passes_off
-from graphkiln.timing import Stopwatch
 
-from .artifacts import CPU_KERNELS, QUANTIZED_FILE, TOKENIZER_FILE, load_compiled, load_graph, save_compiled
+from .artifacts import CPU_KERNELS, QUANTIZED_FILE, TOKENIZER_FILE, save_compiled
 from .compile import CompileReport, Progress, compile_module
-from .compiled_model import CompiledModel
 from .config import CompileConfig
 from .manifest import (
-    FIX,
     FORMAT_VERSION,
     MANIFEST,
-    REWRITE,
-    check_environment,
-    check_files,
     environment,
     file_hashes,
     foreign_content,
-    read_manifest,
     seal,
 )
 from .signing import sign
@@ -67,7 +54,7 @@ if TYPE_CHECKING:
 
 
 @contextlib.contextmanager
-def _locked(out: Path, shared: bool = False, progress: Progress = lambda stage, done, total: None) -> Iterator[None]:
+def locked(out: Path, shared: bool = False, progress: Progress = lambda stage, done, total: None) -> Iterator[None]:
     """Writers hold the sibling lock file exclusively, readers shared (skipped where it can't be opened).
 
     The lock file is opened for appending and never written, truncated or removed: a file of that
@@ -186,7 +173,7 @@ def write_artifact(
     if config.dump_dir:
         require_depyf()
     _claim(out, force)  # before the lock file and OUT's parents are created; again under the lock
-    with _locked(out, progress=progress):
+    with locked(out, progress=progress):
         _claim(out, force)
         _remove_stale(out)
         try:
@@ -284,163 +271,3 @@ def _replace(tmp: Path, out: Path) -> None:
         shutil.rmtree(trash, ignore_errors=True)
     else:
         os.rename(tmp, out)
-
-
-def check_artifact(
-    out: Path, model_dir: Path, device: str | None = None, dtype: str | None = None, trusted_keys: Sequence = ()
-) -> dict:
-    """Every check a load needs, without loading anything; returns the manifest. With `trusted_keys`
-    (signing.load_public_keys) the manifest's signature is checked first."""
-    manifest = read_manifest(out, trusted_keys)
-    config = manifest["config"]
-    if device is not None and torch.device(device).type != config["device"]:
-        raise ArtifactError(f"{out}: compiled for device {config['device']!r}, asked for {device!r}; {FIX}")
-    if dtype is not None and resolve_dtype(dtype) != resolve_dtype(config["dtype"]):
-        raise ArtifactError(f"{out}: compiled for dtype {config['dtype']!r}, asked for {dtype!r}; {FIX}")
-    check_environment(manifest, config["device"])
-    check_files(manifest, out)
-    check_passes(manifest, out)
-    recorded = manifest["model"]
-    now = model_fingerprint(model_dir)
-    for field in ("config_sha256", "weights", "tokenizer_files"):
-        if recorded[field] != now[field]:
-            raise ArtifactError(
-                f"{out}: model files in {model_dir} differ from those compiled ({field} changed); {FIX}"
-            )
-    return manifest
-
-
-def check_passes(manifest: dict, out: Path) -> None:
-    """Every built-in pass the artifact records must be this graphkiln's pass of that name, source for source
-    (its uuid): a graph rewritten by other pass code may call ops this code no longer has. Passes given
-    to compile_model by name only the caller knows are left to the caller."""
-    here = {p.name: p.uuid() for p in default_passes()}
-    for recorded in manifest["passes"]:
-        name, uuid = recorded.get("name"), recorded.get("uuid")
-        if name in here and uuid != here[name]:
-            raise ArtifactError(f"{out / MANIFEST}: pass {name} has changed since this artifact was compiled; {FIX}")
-
-
-def recorded_config(manifest: dict, out: Path) -> ModelConfig:
-    """The ModelConfig compile-model read from config.json (whose sha256 the manifest checked)."""
-    try:
-        return ModelConfig.from_dict(manifest["model"]["config"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise ArtifactError(f"{out / MANIFEST}: field model.config is missing or invalid ({e!r}); {REWRITE}") from e
-
-
-def recorded_scheme(manifest: dict, out: Path) -> QuantScheme | None:
-    """The quantization scheme compile-model found or applied, or None."""
-    recorded = manifest["model"].get("quantization")
-    try:
-        return QuantScheme(**recorded["scheme"]) if recorded else None
-    except (KeyError, TypeError) as e:
-        raise ArtifactError(f"{out / MANIFEST}: field model.quantization is invalid ({e!r}); {REWRITE}") from e
-
-
-def _fill_on(device: torch.device, model: CausalLM, model_dir: Path, clock: Stopwatch) -> None:
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    fill_model(model, model_dir, clock)
-
-
-def read_artifact(
-    out: Path, model_dir: Path, device=None, dtype=None, trusted_keys: Sequence = (), clock: Stopwatch | None = None,
-    shard: Shard = Shard(),
-) -> tuple[CausalLM, CompiledModel, Tokenizer | None, dict]:
-    """Check, then load weights (`shard`: one tensor-parallel rank's), compiled pieces and the tokenizer: no
-    Dynamo trace, no Inductor compile, and no transformers import where the artifact keeps a tokenizer snapshot.
-    The weights are read on a thread of their own while the tokenizer and Inductor are imported and the pieces
-    load (they bind the parameters, not their values). `clock` gets the stages checks, weights (with the count
-    weight_bytes), tokenizer, inductor (importing it, which is torch's cost) and pieces; weights overlap the
-    three after them."""
-    out = out.resolve()
-    clock = clock or Stopwatch()
-    with _locked(out, shared=True):
-        manifest, model = _checked_model(out, model_dir, device, dtype, trusted_keys, clock, shard)
-        with (
-            lowered_switch_interval(load_switch_interval()),  # the reading threads wait less for the lock
-            ThreadPoolExecutor(1, thread_name_prefix="graphkiln-fill") as pool,  # weights beside the rest
-        ):
-            weights = pool.submit(_fill_on, indexed(_device(model)), model, model_dir, clock)
-            with clock.stage("tokenizer"):
-                tokenizer = read_tokenizer(manifest, out, model_dir)
-            compiled = _read_pieces(out, manifest, model, clock)
-            weights.result()
-        return model, compiled, tokenizer, manifest
-
-
-def read_weights(
-    out: Path, model_dir: Path, device=None, dtype=None, trusted_keys: Sequence = (), clock: Stopwatch | None = None
-) -> tuple[CausalLM, Tokenizer | None, dict, Callable[[], CompiledModel]]:
-    """Check, then load the weights and the tokenizer but not the compiled pieces, for an engine that serves
-    eagerly until they are in (`load` with background capture): the weights are read on a thread of their own
-    beside the tokenizer and the stitching graph, with no Inductor import beside them. The pieces come from the
-    returned function (on a background thread), which imports Inductor and checks the artifact again first,
-    since it may have been compiled anew meanwhile. `clock` gets checks, weights and tokenizer (with the
-    graph) now, inductor and pieces when the function runs."""
-    out = out.resolve()
-    clock = clock or Stopwatch()
-    switch_interval = load_switch_interval()  # a bad setting is the caller's error, not the background job's
-    threads = torch.get_num_threads()  # per thread in torch: the job's thread takes the caller's
-    with _locked(out, shared=True):
-        manifest, model = _checked_model(out, model_dir, device, dtype, trusted_keys, clock, Shard())
-        with (
-            lowered_switch_interval(switch_interval),  # the reading threads wait less for the lock
-            ThreadPoolExecutor(1, thread_name_prefix="graphkiln-fill") as pool,  # weights beside the rest
-        ):
-            weights = pool.submit(_fill_on, indexed(_device(model)), model, model_dir, clock)
-            with clock.stage("tokenizer"):
-                tokenizer = read_tokenizer(manifest, out, model_dir)
-                graph = load_graph(out)  # here: unpickling it traces, which must not run beside the engine's steps
-                import_kernels(_device(model))  # what the eager steps run, imported before they start
-            weights.result()
-
-    def pieces() -> CompiledModel:
-        with _locked(out, shared=True):
-            if check_artifact(out, model_dir, device, dtype, trusted_keys) != manifest:
-                raise ArtifactError(f"{out}: the artifact changed while it was loading; load it again")
-            torch.set_num_threads(threads)  # Inductor's CPU kernels are keyed by it: else they would build again
-            with lowered_switch_interval(switch_interval):  # the serving thread waits less for the lock
-                return _read_pieces(out, manifest, model, clock, graph)
-
-    return model, tokenizer, manifest, pieces
-
-
-def _checked_model(out: Path, model_dir: Path, device, dtype, trusted_keys: Sequence, clock: Stopwatch,
-                   shard: Shard) -> tuple[dict, CausalLM]:  # fmt: skip
-    """The checked manifest and the model its weights will fill (allocated, not read)."""
-    with clock.stage("checks"):
-        manifest = check_artifact(out, model_dir, device, dtype, trusted_keys)
-        config = manifest["config"]
-        model_config = recorded_config(manifest, out)
-        scheme = recorded_scheme(manifest, out)
-    quantized = out / QUANTIZED_FILE if config.get("quantization") else None
-    return manifest, empty_model(model_dir, torch.device(config["device"]), config["dtype"], model_config, scheme,
-                                 quantized, shard)  # fmt: skip
-
-
-def _device(model: CausalLM) -> torch.device:
-    return next(model.parameters()).device
-
-
-def _read_pieces(out: Path, manifest: dict, model: CausalLM, clock: Stopwatch,
-                 graph: torch.fx.GraphModule | None = None) -> CompiledModel:
-    """The compiled pieces bound to `model`'s parameters (importing Inductor first: its own stage)."""
-    with clock.stage("inductor"):
-        try:
-            import_inductor()
-        except (ImportError, RuntimeError):  # another thread's import of Inductor deadlocked with this one
-            import_inductor()
-    with clock.stage("pieces"):
-        import_kernels(_device(model))
-        tensors = dict(model.named_parameters(remove_duplicate=False))
-        tensors.update(model.named_buffers(remove_duplicate=False))
-        return load_compiled(manifest["compiled"], manifest["files"], out, tensors, graph)
-
-
-def read_tokenizer(manifest: dict, out: Path, model_dir: Path) -> Tokenizer | None:
-    """The artifact's tokenizer snapshot where it keeps one, else the model directory's tokenizer."""
-    if manifest["model"].get("tokenizer") == "snapshot":
-        return Tokenizer.from_snapshot(model_dir, out / TOKENIZER_FILE)
-    return Tokenizer.from_dir(model_dir)
