@@ -145,7 +145,6 @@ def load(
             _recompile(source, out, manifest, device, dtype)
         clock = Stopwatch({"recompile": clock.stages["recompile"]})
         net, compiled, tokenizer, manifest = read_artifact(out, model_dir, device, dtype, clock=clock)
-        pieces = None
     with clock.stage("engine"):
         engine = build_engine(net, compiled, serving, pieces=pieces)
     llm = LLM(engine, tokenizer, manifest.get("counters"))

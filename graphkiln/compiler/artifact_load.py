@@ -5,7 +5,8 @@ shared lock on the artifact so that no compile replaces it meanwhile.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -91,6 +92,20 @@ def _fill_on(device: torch.device, model: CausalLM, model_dir: Path, clock: Stop
     fill_model(model, model_dir, clock)
 
 
+@contextlib.contextmanager
+def _weights_beside(model: CausalLM, model_dir: Path, clock: Stopwatch,
+                    switch_interval: float | None) -> Iterator[None]:  # fmt: skip
+    """Read the weights into `model` on a thread of their own while the block runs (stage "weights"), under
+    the lowered switch interval so that the reading threads wait less for the interpreter lock; done at exit."""
+    with (
+        lowered_switch_interval(switch_interval),
+        ThreadPoolExecutor(1, thread_name_prefix="graphkiln-fill") as pool,
+    ):
+        weights = pool.submit(_fill_on, indexed(_device(model)), model, model_dir, clock)
+        yield
+        weights.result()
+
+
 def read_artifact(
     out: Path, model_dir: Path, device=None, dtype=None, trusted_keys: Sequence = (), clock: Stopwatch | None = None,
     shard: Shard = Shard(),
@@ -105,15 +120,10 @@ def read_artifact(
     clock = clock or Stopwatch()
     with locked(out, shared=True):
         manifest, model = _checked_model(out, model_dir, device, dtype, trusted_keys, clock, shard)
-        with (
-            lowered_switch_interval(load_switch_interval()),  # the reading threads wait less for the lock
-            ThreadPoolExecutor(1, thread_name_prefix="graphkiln-fill") as pool,  # weights beside the rest
-        ):
-            weights = pool.submit(_fill_on, indexed(_device(model)), model, model_dir, clock)
+        with _weights_beside(model, model_dir, clock, load_switch_interval()):
             with clock.stage("tokenizer"):
                 tokenizer = read_tokenizer(manifest, out, model_dir)
             compiled = _read_pieces(out, manifest, model, clock)
-            weights.result()
         return model, compiled, tokenizer, manifest
 
 
@@ -132,16 +142,10 @@ def read_weights(
     threads = torch.get_num_threads()  # per thread in torch: the job's thread takes the caller's
     with locked(out, shared=True):
         manifest, model = _checked_model(out, model_dir, device, dtype, trusted_keys, clock, Shard())
-        with (
-            lowered_switch_interval(switch_interval),  # the reading threads wait less for the lock
-            ThreadPoolExecutor(1, thread_name_prefix="graphkiln-fill") as pool,  # weights beside the rest
-        ):
-            weights = pool.submit(_fill_on, indexed(_device(model)), model, model_dir, clock)
-            with clock.stage("tokenizer"):
-                tokenizer = read_tokenizer(manifest, out, model_dir)
-                graph = load_graph(out)  # here: unpickling it traces, which must not run beside the engine's steps
-                import_kernels(_device(model))  # what the eager steps run, imported before they start
-            weights.result()
+        with _weights_beside(model, model_dir, clock, switch_interval), clock.stage("tokenizer"):
+            tokenizer = read_tokenizer(manifest, out, model_dir)
+            graph = load_graph(out)  # here: unpickling it traces, which must not run beside the engine's steps
+            import_kernels(_device(model))  # what the eager steps run, imported before they start
 
     def pieces() -> CompiledModel:
         with locked(out, shared=True):

@@ -64,16 +64,17 @@ def build_engine(
     log.info("KV cache: %d blocks of %d tokens, %.1f MiB", num_blocks, config.block_size, kv.nbytes / 2**20)
     backend = select_backend(config.attention_backend, kv, config.decode_kernel)
     allocator = BlockAllocator(num_blocks, config.block_size)
-    runner = ModelRunner(model, kv, backend, peers=peers)
-    use = partial(_use_compiled, runner, config, max_context, allocator.capacity)
+    compiling = compiled is not None or pieces is not None  # (pieces: served eagerly until they are in)
+    padding = Padding(config.decode_batch_sizes, config.prefill_token_buckets) if compiling else None  # capture sizes
+    runner = ModelRunner(model, kv, backend, padding=padding, peers=peers)
+    max_blocks = -(-max_context // config.block_size)
+    use = partial(_use_compiled, runner, config, max_blocks, allocator.capacity)
     jobs: list[Job] = []
     if compiled is not None:
         jobs = use(compiled)
-    elif pieces is not None:  # served eagerly until the pieces are in, padded as they will be
-        runner.padding = Padding(config.decode_batch_sizes, config.prefill_token_buckets)
+    elif pieces is not None:
         with torch.inference_mode():
-            first_calls(runner, config.decode_batch_sizes[0], config.prefill_token_buckets[0],
-                        -(-max_context // config.block_size))
+            first_calls(runner, config.decode_batch_sizes[0], config.prefill_token_buckets[0], max_blocks)
         jobs = [PiecesJob(pieces, use)]
     scheduler = Scheduler(allocator, max_context, config.max_num_batched_tokens, config.max_num_seqs)
     lock = StepLock()
@@ -98,13 +99,11 @@ def prepare(engine: Engine, config: EngineConfig) -> None:
         preparation.start()
 
 
-def _use_compiled(runner: ModelRunner, config: EngineConfig, max_context: int, capacity: int,
+def _use_compiled(runner: ModelRunner, config: EngineConfig, max_blocks: int, capacity: int,
                   compiled: CompiledModel) -> list[Job]:  # fmt: skip
-    """Make the runner run `compiled`, padded to the capture sizes; return the jobs that capture its graphs (on
-    CUDA) or warm each bucket up."""
-    runner.padding = Padding(config.decode_batch_sizes, config.prefill_token_buckets)
+    """Make the runner run `compiled`; return the jobs that capture its graphs (on CUDA) or warm each bucket
+    up."""
     runner.forward = compiled
-    max_blocks = -(-max_context // config.block_size)
     prefill_sizes = tuple(s for s in config.prefill_token_buckets if s <= config.max_num_batched_tokens)
     decode_sizes = tuple(s for s in config.decode_batch_sizes if s <= min(config.max_num_seqs, capacity))
     if config.cuda_graphs and runner.device.type == "cuda":

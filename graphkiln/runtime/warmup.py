@@ -25,8 +25,7 @@ def warmup_jobs(runner: ModelRunner, decode_sizes: tuple[int, ...], prefill_size
     """Decode sizes, then prefill sizes up to the largest decode size, each smallest first."""
     block = runner.kv_cache.block_size
     prefill_sizes = tuple(n for n in prefill_sizes if n <= max(decode_sizes, default=0))
-    decode = [WarmupJob("decode-warmup", str(n), partial(_run, runner, [SequenceSlice(1, 1, (DUMMY_BLOCK,))] * n, n))
-              for n in decode_sizes]  # fmt: skip
+    decode = [WarmupJob("decode-warmup", str(n), partial(_run, runner, _decode_slices(n), n)) for n in decode_sizes]
     prefill = [WarmupJob("prefill-warmup", str(n), partial(_run, runner, dummy_slices(n, block, max_blocks), n))
                for n in prefill_sizes]  # fmt: skip
     return decode + prefill
@@ -37,8 +36,13 @@ def first_calls(runner: ModelRunner, decode_size: int, prefill_size: int, max_bl
     job: the kernels' first calls (Triton's cache key, launchers) and the lazy imports they make happen here,
     not in a request's first step and not beside that job's imports (two threads importing the same modules can
     hand one of them a half-initialized module)."""
-    _run(runner, [SequenceSlice(1, 1, (DUMMY_BLOCK,))] * decode_size, decode_size)
+    _run(runner, _decode_slices(decode_size), decode_size)
     _run(runner, dummy_slices(prefill_size, runner.kv_cache.block_size, max_blocks), prefill_size)
+
+
+def _decode_slices(n: int) -> list[SequenceSlice]:
+    """A dummy decode batch of `n` rows, each one token in the KV cache's dummy block."""
+    return [SequenceSlice(1, 1, (DUMMY_BLOCK,))] * n
 
 
 def _run(runner: ModelRunner, slices: list[SequenceSlice], num_tokens: int) -> None:
