@@ -133,8 +133,8 @@ def read_weights(
     """Check, then load the weights and the tokenizer but not the compiled pieces, for an engine that serves
     eagerly until they are in (`load` with background capture): the weights are read on a thread of their own
     beside the tokenizer and the stitching graph, with no Inductor import beside them. The pieces come from the
-    returned function (on a background thread), which imports Inductor and checks the artifact again first,
-    since it may have been compiled anew meanwhile. `clock` gets checks, weights and tokenizer (with the
+    returned function (on a background thread), which imports Inductor and checks the manifest and the code
+    files again first (not the weights, read already), since the artifact may have been compiled anew meanwhile. `clock` gets checks, weights and tokenizer (with the
     graph) now, inductor and pieces when the function runs."""
     out = out.resolve()
     clock = clock or Stopwatch()
@@ -149,8 +149,9 @@ def read_weights(
 
     def pieces() -> CompiledModel:
         with locked(out, shared=True):
-            if check_artifact(out, model_dir, device, dtype, trusted_keys) != manifest:
+            if read_manifest(out, trusted_keys) != manifest:
                 raise ArtifactError(f"{out}: the artifact changed while it was loading; load it again")
+            check_files(manifest, out, already_read=frozenset({QUANTIZED_FILE}))  # the code, not the weights again
             torch.set_num_threads(threads)  # Inductor's CPU kernels are keyed by it: else they would build again
             with lowered_switch_interval(switch_interval):  # the serving thread waits less for the lock
                 return _read_pieces(out, manifest, model, clock, graph)
@@ -181,7 +182,7 @@ def _read_pieces(out: Path, manifest: dict, model: CausalLM, clock: Stopwatch,
     with clock.stage("inductor"):
         try:
             import_inductor()
-        except (ImportError, RuntimeError):  # another thread's import of Inductor deadlocked with this one
+        except (ImportError, RuntimeError, AttributeError):  # another thread's import deadlocked with this one
             import_inductor()
     with clock.stage("pieces"):
         import_kernels(_device(model))
