@@ -21,6 +21,7 @@ rank is withdrawn on every rank. A group that fails meanwhile (a rank died) ends
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 import traceback
@@ -184,6 +185,9 @@ class Preparation:
                 added = part()
         except Exception as e:  # noqa: BLE001
             self.errors.append(e)
+            if _interpreter_exiting():  # imports fail once the main thread has ended: nobody waits for this job
+                self._stop.set()
+                return f"{type(e).__name__}: {e}"
             detail = str(e) if isinstance(e, GraphkilnError) else traceback.format_exc()  # a typed error says it all
             log.error("preparing %s bucket %s failed; its steps run without it: %s", job.kind, job.key, detail)
             return f"{type(e).__name__}: {e}"
@@ -232,3 +236,8 @@ class Preparation:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
         self.jobs = []
+
+
+def _interpreter_exiting() -> bool:
+    """The main thread has ended (the daemon job thread still runs while the interpreter shuts down)."""
+    return sys.is_finalizing() or not threading.main_thread().is_alive()
