@@ -59,7 +59,7 @@ __all__ = [
     "depyf_debug", "dynamo_counters", "fake_process_group", "functional_all_reduce_ops", "graph_returns_tuple",
     "import_inductor", "inductor_output_code", "install_cpu_kernels", "is_op_overload", "load_artifact",
     "mark_dynamic_dim", "one_shot_all_reduce_copy", "private_inductor_cache", "require_depyf", "size_oblivious",
-    "standalone_compile", "symm_mem_multicast_off", "symmetric_empty", "to_empty",
+    "standalone_compile", "symm_mem_multicast_off", "symmetric_empty", "to_empty", "warm_triton",
 ]  # fmt: skip
 
 TORCH_LINEAR = torch._C._nn.linear  # what F.linear and nn.Linear appear as in a Dynamo graph
@@ -84,6 +84,16 @@ def import_inductor() -> None:
     through Dynamo by both, the second thread waits for the first."""
     import torch._dynamo  # noqa: F401
     import torch._inductor.compile_fx  # noqa: F401  (the package, standalone_compile and CompiledArtifact with it)
+
+
+def warm_triton() -> None:
+    """Compute Triton's hash of its own sources now (a process pays it once, tenths of a second, at its first
+    kernel launch), so that a load makes it while the weights are read rather than in the first step."""
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:  # triton is optional, and its internals move between versions
+        return
+    triton_key()
 
 
 def graph_returns_tuple(gm: torch.fx.GraphModule) -> bool:

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from graphkiln.compat import warm_triton
+
 from .ops import define
 
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
@@ -63,6 +65,11 @@ silu_mul_linear = define("silu_mul_linear(Tensor gate_up, Tensor weight) -> Tens
 
 def import_kernels(device: torch.device) -> None:
     """Import the Triton kernels these ops call on `device` now (CUDA; they are imported where they first run
-    otherwise, triton being optional): a load does it, so a request's first step does not."""
+    otherwise, triton being optional), with what their first launches make once per process (Triton's source
+    hash, this thread's cuBLAS handle): a load does it while the weights are read, so a step does not."""
     if device.type == "cuda":
         import graphkiln.kernels.gemv  # noqa: F401
+
+        warm_triton()
+        with torch.cuda.device(device):
+            torch.cuda.current_blas_handle()
