@@ -1,5 +1,6 @@
 """GPU tests: collected everywhere, skipped where CUDA is not available (CI); run on a CUDA machine."""
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -23,3 +24,13 @@ def strict_float32_products():
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     yield
+
+
+@pytest.fixture(autouse=True)
+def no_capture_into_the_next_test():
+    """Wait for the background preparation of every engine a test left alive: a capture in progress holds
+    the default CUDA generator, and the next test's random draws on the device would fail beside it."""
+    yield
+    for thread in threading.enumerate():
+        if thread.name == "graphkiln-prepare":
+            thread.join(timeout=300)

@@ -116,6 +116,8 @@ FRESH_LOAD = """
 import json, sys, graphkiln
 from graphkiln.compiler.counters import torch_compile_events
 llm = graphkiln.load(sys.argv[1], kv_cache_tokens=8192)
+llm.wait_compiled()
+llm.wait_ready()
 prompts = [[5 + i] * (1 + 3 * i) for i in range(6)]
 outs = llm.generate(prompts, graphkiln.SamplingParams(max_tokens=16, ignore_eos=True))
 print(json.dumps({"tokens": [o.token_ids for o in outs], "events": torch_compile_events(),
