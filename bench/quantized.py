@@ -9,16 +9,15 @@ counts, with sweeps of the few-row kernels' tiles. A few minutes on the 8b shape
               torch._scaled_mm (rowwise)
   fp8-block   the same with 128 x 128 block scales; candidates: the GEMV, the mma kernel, 1 x 128
               quantization + block-scaled _scaled_mm (where this torch has it), dequantize + torch.mm
-  int4        int4_linear (groups of 128, what it picks), and each candidate: the word kernels (the weight
-              read as int32 words; word_rows on CUDA cores up to 16 rows, word_dot on tensor cores from 2
-              rows), the byte kernels (the GEMV at 1 row, the tiled mm_kernel), dequantize + mm; for
+  int4        int4_linear (groups of 128, what it picks), and each candidate: the word kernel (word_dot: the
+              weight read as int32 words, on tensor cores from 2 rows), the byte kernels (the GEMV at 1 row,
+              the tiled mm_kernel), dequantize + mm; for
               reference torch's tinygemm (aten._weight_int4pack_mm, torchao's int4 layout on CUDA) on the
               same weights repacked into its layout
   --quality   instead: each format's logits against the unquantized model's and the tiny model's held-out
               perplexity per format (bench/quality.py)
   --sweep     fp8: at 1 row every GEMV tiling of SWEEP_GEMV, at 2 to 64 rows every tiling of SWEEP_MMA;
-              int4: every tiling of SWEEP_WORD_ROWS at 1 to WORD_ROWS_SWEPT rows and of SWEEP_WORD_DOT at 2
-              to 64 rows, each tiling named by its kernel; each with every split of K in SPLITS. The five
+              int4: every tiling of SWEEP_WORD_DOT at 2 to 64 rows; each with every split of K in SPLITS. The five
               fastest, the rule's own tiles (`*_tiling`) and its time are kept per shape and row count
               (quantized-sweep-<formats>.json), and the best per shape printed at the end, one line each
 
@@ -44,11 +43,6 @@ SPLITS = (1, 2, 4, 8)  # K splits tried with every tiling (split K is a run-time
 SWEEP_GEMV = {  # format -> (BLOCK_N, BLOCK_K, warps, stages) tried at 1 row; one stage: loads not pipelined
     "fp8": [(n, k, 4, 4) for n in (8, 16, 32) for k in (512, 1024, 2048)] + [(n, 1024, 4, 1) for n in (8, 16, 32)],
 }
-# (BLOCK_N, BLOCK_K at one row, warps, stages) of int4_rows tried at 1 to WORD_ROWS_SWEPT rows; BLOCK_K shrinks with
-# the rows as the rule's does (each row holds its own sums)
-SWEEP_WORD_ROWS = [(n, k, 4, 3) for n in (8, 16, 32) for k in (1024, 2048)] + [(4, 2048, 4, 3), (8, 4096, 8, 2),
-                                                                                 (32, 512, 4, 6)]
-WORD_ROWS_SWEPT = 8
 # (BLOCK_N, warps, stages) of int4_dot tried at 2 to 64 rows; BLOCK_M: the rows up to a power of two (16 to 64),
 # BLOCK_K: 128 (a dot's 16 words)
 SWEEP_WORD_DOT = [(n, warps, 4) for n in (32, 64, 128) for warps in (4, 8)]
@@ -133,8 +127,6 @@ def candidates(fmt: str, x, rows: int, tinygemm: dict | None = None) -> dict:
     from graphkiln.kernels import int4_words as w4
 
     out = {"picked": lambda q, s, z: i4.int4_linear(x, q, s, z, GROUP)}
-    if rows <= 16:
-        out["word_rows"] = lambda q, s, z: w4.int4_rows(x, w4.words(q), s, z, GROUP)
     if 2 <= rows <= 256:
         out["word_dot"] = lambda q, s, z: w4.int4_dot(x, w4.words(q), s, z, GROUP)
     if rows == 1:
@@ -167,32 +159,21 @@ def blockwise_scaled_mm(x, weight, scale):
 
 
 def sweep_tilings(fmt: str, rows: int) -> list[tuple]:
-    """Every tiling the sweep tries for this format at this row count, in the form its kernel's `tiles` takes
-    (for int4, after the kernel's name: "rows" or "dot")."""
+    """Every tiling the sweep tries for this format at this row count, in the form its kernel's `tiles` takes."""
     block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
     if fmt == "int4":
-        tilings = []
-        if rows <= WORD_ROWS_SWEPT:
-            scaled = dict.fromkeys((n, max(128, k >> (rows - 1).bit_length()), warps, stages)
-                                   for n, k, warps, stages in SWEEP_WORD_ROWS)
-            tilings += [("rows", n, k, split, warps, stages) for n, k, warps, stages in scaled for split in SPLITS]
-        if rows > 1:
-            tilings += [("dot", block_m, n, 128, split, warps, stages) for n, warps, stages in SWEEP_WORD_DOT
-                        for split in SPLITS]
-        return tilings
+        return [(block_m, n, 128, split, warps, stages) for n, warps, stages in SWEEP_WORD_DOT for split in SPLITS]
     if rows > 1:
         return [(block_m, n, k, split, warps, stages) for n, k, warps, stages in SWEEP_MMA for split in SPLITS]
     return [(n, k, split, warps, stages) for n, k, warps, stages in SWEEP_GEMV[fmt] for split in SPLITS]
 
 
 def tiled(fmt: str, x, rows: int, tiles: tuple | None):
-    """The few-row kernel of this format at this row count with `tiles` (None: its rule's; for int4 the kernel's
-    name first), as fn(weight args)."""
+    """The few-row kernel of this format at this row count with `tiles` (None: its rule's), as fn(weight args)."""
     if fmt == "int4":
         from graphkiln.kernels import int4_words as words
 
-        kernel = words.int4_rows if tiles[0] == "rows" else words.int4_dot
-        return lambda q, s, z: kernel(x, words.words(q), s, z, GROUP, tiles=tiles[1:])
+        return lambda q, s, z: words.int4_dot(x, words.words(q), s, z, GROUP, tiles=tiles)
     from graphkiln.kernels.fp8_linear import fp8_gemv
     from graphkiln.kernels.fp8_mma import fp8_mma
 
@@ -205,14 +186,11 @@ def rule_tiles(fmt: str, rows: int, n: int, k: int, device) -> tuple:
     from graphkiln.kernels import fp8_linear as f
     from graphkiln.kernels import int4_words as w4
     from graphkiln.kernels.fp8_mma import mma_tiling
-    from graphkiln.kernels.int4_linear import ROWS_KERNEL_ROWS
     from graphkiln.kernels.split_k import multiprocessors
 
     sms = multiprocessors(device)
     if fmt == "int4":
-        if rows <= ROWS_KERNEL_ROWS:
-            return ("rows", *w4.rows_tiling(rows, n, k, sms))
-        return ("dot", *w4.dot_tiling(rows, n, k, sms))
+        return w4.dot_tiling(rows, n, k, sms)
     return f.gemv_tiling(n, k, sms) if rows == 1 else mma_tiling(rows, n, k, sms)
 
 
@@ -308,7 +286,7 @@ def main(a: argparse.Namespace) -> int:
                             log(f"{name} {fmt} m={m} {variant}: {row[f'{variant}_error']}")
                             continue
                         row[f"{variant}_us"], row[f"{variant}_of_floor"] = us, floor_us / us
-                    if a.sweep and study.cuda and fmt != "bf16" and m <= 64:
+                    if a.sweep and study.cuda and fmt != "bf16" and m <= 64 and not (fmt == "int4" and m == 1):
                         row["sweep"] = sweep(fmt.removesuffix("-block"), x, m, weights, calls)
                     results["shapes"].append(row)
                     log(f"{model:5} {name:8} {fmt:9} m={m:<5} floor {floor_us:8.1f} us | " + " | ".join(

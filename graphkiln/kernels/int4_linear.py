@@ -3,17 +3,15 @@
 qweight [N, K/2] uint8 packs two 4-bit values per byte, the low nibble the even k; scales and zeros
 are [N, K/G] (any float dtype, or integer zeros).
 
-At decode sizes the product is bound by the instructions spent per weight, so the few-row kernels
-read the weight as 32-bit words and turn nibbles into floats without int-to-float conversions
-(int4_words.py): up to ROWS_KERNEL_ROWS rows on CUDA cores (one row: the GEMV), up to DOT_ROWS rows
-on tensor cores where the groups hold a dot's 16 words. Both apply a scale and zero point per group,
-not per weight, and split K so that every multiprocessor has loads in flight (split_k.py: partials
-summed in a second kernel, the same result on every call).
+One row (decode at batch 1) goes to a GEMV in gemv.py's layout that sums q * x and x per group. From
+2 to DOT_ROWS rows a tensor-core kernel reads the weight as 32-bit words and turns nibbles into floats
+without int-to-float conversions (int4_words.py), where the groups hold a dot's 16 words. Both apply a
+scale and zero point per group, not per weight, and split K so that every multiprocessor has loads in
+flight (split_k.py: partials summed in a second kernel, the same result on every call).
 
-The byte kernels here serve what the word kernels do not take: a qweight whose rows do not start on
-4-byte boundaries, groups under MIN_DOT_GROUP, and DOT_ROWS to MM_ROWS rows. A GEMV in gemv.py's
-layout sums q * x and x per group; a tiled kernel dequantizes each weight tile in registers for
-tensor-core dots. Past MM_ROWS rows (prefill), the weight is dequantized once to x's dtype and
+A tiled byte kernel, which dequantizes each weight tile in registers for tensor-core dots, takes what
+the word kernel does not: a qweight whose rows do not start on 4-byte boundaries, groups under
+MIN_DOT_GROUP, and DOT_ROWS to MM_ROWS rows. Past MM_ROWS rows (prefill), the weight is dequantized once to x's dtype and
 multiplied by torch.mm, where writing and reading that weight is a small part of a compute-bound
 product (`python -m bench quantized` times every way). Kernels only, no host sync: capturable.
 """
@@ -29,11 +27,10 @@ from graphkiln.errors import ConfigError
 
 from .fp8_linear import gemv_tiling as fp8_gemv_tiling
 from .gemv import _k_mask
-from .int4_words import MIN_DOT_GROUP, group_params, int4_dot, int4_rows, words
+from .int4_words import MIN_DOT_GROUP, group_params, int4_dot, words
 from .pdl import pdl_on
 from .split_k import finish, k_steps, multiprocessors, output, split_count
 
-ROWS_KERNEL_ROWS = 4  # up to this many rows: int4_rows (CUDA cores); above, int4_dot (tensor cores)
 DOT_ROWS = 64  # up to this many rows: int4_dot, where the groups allow it
 MM_ROWS = 256  # above this many rows: dequantize the weight, then torch.mm
 MIN_MM_GROUP = 32  # smaller groups mean 16-wide K tiles, whose results were wrong on the H200 at 8 rows
@@ -283,13 +280,11 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     m = x.shape[0]
     if m == 0:
         return x.new_empty(0, qweight.shape[0])
-    qwords = words(qweight)
-    if qwords is not None and m <= ROWS_KERNEL_ROWS:
-        return int4_rows(x, qwords, scales, zeros, group_size)
-    if qwords is not None and m <= DOT_ROWS and group_size >= MIN_DOT_GROUP:
-        return int4_dot(x, qwords, scales, zeros, group_size)
     if m == 1:
         return int4_gemv(x, qweight, scales, zeros, group_size)
+    qwords = words(qweight)
+    if qwords is not None and m <= DOT_ROWS and group_size >= MIN_DOT_GROUP:
+        return int4_dot(x, qwords, scales, zeros, group_size)
     if m <= MM_ROWS and group_size >= MIN_MM_GROUP:
         return int4_mm(x, qweight, scales, zeros, group_size)
     return torch.mm(x, dequantize(qweight, scales, zeros, group_size, x.dtype).t())

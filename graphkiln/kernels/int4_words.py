@@ -1,4 +1,5 @@
-"""int4 products that read the packed weight as 32-bit words: the few-row kernels behind int4_linear.py.
+"""int4 products that read the packed weight as 32-bit words: the tensor-core kernel behind int4_linear.py at 2
+to 64 rows.
 
 At decode sizes an int4 product is bound by the instructions per weight, not by its bytes: the bytes are
 a quarter of bf16's while the work per weight is not. So these kernels keep that work to three
@@ -11,10 +12,11 @@ multiply-add by 16^-p takes 2^23 * 16^-p away, exactly (nibbles 5 to 7 are shift
 first, as 2^23's mantissa holds five). A scale and zero point apply per group, not per weight:
 sum(w * x) = s * (sum(q * x) - z * sum(x)) over each group.
 
-`int4_rows`: CUDA cores, each weight made a float once and multiplied by every row (one row: the GEMV).
 `int4_dot`: tensor cores, per nibble position a dot of W_j [BLOCK_N, words] (in x's dtype: q is exact in
 it) and x_j^T [words, BLOCK_M], the weight on the tall side; groups of at least 128 (a dot needs 16 words).
-Both split K as split_k.py does and launch with programmatic dependent launch as pdl.py says.
+It splits K as split_k.py does and launches with programmatic dependent launch as pdl.py says. At one row
+the byte GEMV of int4_linear.py is the faster (bench/results/HISTORY.md), and a CUDA-core word kernel
+was slower than both at every row count: one row is left to the GEMV.
 """
 
 from __future__ import annotations
@@ -66,67 +68,6 @@ def nibble(w, J: tl.constexpr):
     return f * scale - 8388608.0 * scale
 
 
-@triton.jit
-def _rows_step(acc, w, s, z, k, x_ptr, stride_xm, M, K, xw, subs, BLOCK_M: tl.constexpr, SPAN: tl.constexpr):
-    """acc [BLOCK_N, BLOCK_M] + the K step at k for every row: w [BLOCK_N, SUBS, SPAN / 8] words, s and z
-    [BLOCK_N, SUBS] (one group a SPAN-wide sub-step). The rows are unrolled; each nibble is made a float once
-    and shared by them."""
-    row_ids = tl.arange(0, BLOCK_M)
-    sub_mask = (k + subs * SPAN < K)[:, None]
-    for r in tl.static_range(BLOCK_M):
-        x_row = x_ptr + r * stride_xm + k + subs[:, None] * SPAN + 8 * xw[None, :]
-        in_rows = sub_mask & (r < M)
-        qx = tl.zeros(w.shape, dtype=tl.float32)
-        xs = tl.zeros((w.shape[1], w.shape[2]), dtype=tl.float32)
-        for j in tl.static_range(8):
-            x_j = tl.load(x_row + j, mask=in_rows, other=0.0).to(tl.float32)
-            qx += nibble(w, j) * x_j[None, :, :]
-            xs += x_j
-        part = tl.sum(s * (tl.sum(qx, axis=2) - z * tl.sum(xs, axis=1)[None, :]), axis=1)
-        acc = tl.where(row_ids[None, :] == r, acc + part[:, None], acc)
-    return acc
-
-
-@triton.jit(do_not_specialize=["M", "STEPS", "stride_os", "stride_om"])  # one build for every split
-def _int4_rows_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, M, N, K, STEPS, G, stride_xm, stride_qn, stride_sn,
-                      stride_zn, stride_os, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, SPAN: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
-    """out[split, M, N] for M <= BLOCK_M rows: one program per slab of BLOCK_N weight rows and split of K (STEPS
-    steps of BLOCK_K inputs, in SPAN-wide sub-steps that each lie inside one group)."""
-    pid = tl.program_id(0)
-    split = tl.program_id(1)
-    if PDL:  # the next kernel may start once every program has begun
-        gdc_launch_dependents()
-    SUBS: tl.constexpr = BLOCK_K // SPAN
-    k_start = split * STEPS * BLOCK_K
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    subs = tl.arange(0, SUBS)
-    xw = tl.arange(0, SPAN // 8)
-    col_mask = cols < N
-    w_ptrs = (q_ptr + cols[:, None, None].to(tl.int64) * stride_qn + subs[None, :, None] * (SPAN // 8)
-              + xw[None, None, :])
-    w_mask = col_mask[:, None, None] & (k_start + subs * SPAN < K)[None, :, None]
-    w = tl.load(w_ptrs + k_start // 8, mask=w_mask, other=0)  # the weight: no wait
-    s, z = group_params(s_ptr, z_ptr, cols, col_mask, k_start, K, G, stride_sn, stride_zn, SUBS, SPAN)
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    if PDL:  # x is: wait for the previous kernel to finish and its writes to land
-        gdc_wait()
-    s_next, z_next = group_params(s_ptr, z_ptr, cols, col_mask, k_start + BLOCK_K, K, G, stride_sn, stride_zn,
-                                  SUBS, SPAN)
-    acc = _rows_step(acc, w, s, z, k_start, x_ptr, stride_xm, M, K, xw, subs, BLOCK_M, SPAN)
-    for step in tl.range(1, STEPS, num_stages=STAGES):  # the loop attribute pipelines loads without a dot
-        k = k_start + step * BLOCK_K
-        s, z = s_next, z_next
-        s_next, z_next = group_params(s_ptr, z_ptr, cols, col_mask, k + BLOCK_K, K, G, stride_sn, stride_zn,
-                                      SUBS, SPAN)
-        w_mask = col_mask[:, None, None] & (k + subs * SPAN < K)[None, :, None]
-        w = tl.load(w_ptrs + k // 8, mask=w_mask, other=0)
-        acc = _rows_step(acc, w, s, z, k, x_ptr, stride_xm, M, K, xw, subs, BLOCK_M, SPAN)
-    rows = tl.arange(0, BLOCK_M)
-    out_ptrs = out_ptr + split * stride_os + rows[None, :] * stride_om + cols[:, None]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=col_mask[:, None] & (rows < M)[None, :])
-
-
 @triton.jit(do_not_specialize=["M", "STEPS", "stride_os", "stride_om"])  # one build for every row count and split
 def _int4_dot_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, M, N, K, STEPS, G, stride_xm, stride_qn, stride_sn,
                      stride_zn, stride_os, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -169,19 +110,6 @@ def _int4_dot_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, M, N, K, STEPS, G, str
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=col_mask[:, None] & row_mask[None, :])
 
 
-def rows_tiling(m: int, n: int, k: int, sms: int = 132) -> tuple[int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, splits, warps, stages) of `int4_rows`: at one row the fp8 GEMV's slabs with twice its K
-    step (as many bytes a step), the K step shrinking as rows add registers; K split where the slabs alone
-    leave multiprocessors idle (the benchmark's sweep checks them)."""
-    if n <= 8192:
-        block_n, block_k, warps, stages = (8, 2048, 4, 3) if k <= 8192 else (8, 4096, 8, 2)
-    else:
-        block_n, block_k, warps, stages = 32, 512, 4, 6
-    block_k = min(max(block_k // triton.next_power_of_2(m), 128), triton.next_power_of_2(k))
-    splits = split_count(triton.cdiv(n, block_n), k, block_k, 4 * m * n, n * k // 2, sms)
-    return block_n, block_k, splits, warps, stages
-
-
 def dot_tiling(m: int, n: int, k: int, sms: int = 132) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, splits, warps, stages) of `int4_dot`: the rows padded to a power of two (16
     at least, 64 at most a tile), 64 weight rows a tile, one 128-input part of a group a step, K split so
@@ -190,25 +118,6 @@ def dot_tiling(m: int, n: int, k: int, sms: int = 132) -> tuple[int, int, int, i
     programs = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     splits = split_count(programs, k, block_k, 4 * m * n, n * k // 2, sms)
     return block_m, block_n, block_k, splits, 4, 4
-
-
-def int4_rows(x: torch.Tensor, qwords: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-              tiles: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
-    """x [M, K] @ w^T on CUDA cores, qwords the int32 words of `words`; `tiles` defaults to `rows_tiling`.
-    The kernel unrolls the rows: meant for a few (each power of two builds once)."""
-    m, k = x.shape
-    n = qwords.shape[0]
-    block_n, block_k, splits, warps, stages = tiles or rows_tiling(m, n, k, multiprocessors(x.device))
-    splits, steps = k_steps(k, splits, block_k)
-    out = output(m, n, splits, x.dtype, x.device)
-    launch_pdl = pdl_on(x.device)
-    _int4_rows_kernel[(triton.cdiv(n, block_n), splits)](
-        x, qwords, scales, zeros, out, m, n, k, steps, group_size, x.stride(0), qwords.stride(0), scales.stride(0),
-        zeros.stride(0), m * n, n, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
-        SPAN=min(block_k, group_size), STAGES=stages, PDL=launch_pdl, num_warps=warps, num_stages=stages,
-        launch_pdl=launch_pdl,
-    )
-    return finish(out, x.dtype)
 
 
 def int4_dot(x: torch.Tensor, qwords: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
@@ -220,7 +129,7 @@ def int4_dot(x: torch.Tensor, qwords: torch.Tensor, scales: torch.Tensor, zeros:
     block_m, block_n, block_k, splits, warps, stages = tiles or dot_tiling(m, n, k, multiprocessors(x.device))
     if block_k < MIN_DOT_GROUP or group_size % block_k:
         raise ConfigError(f"int4_dot takes K steps of at least {MIN_DOT_GROUP} inputs that divide the group size; "
-                          f"got BLOCK_K {block_k} for group_size {group_size}: use int4_rows for smaller groups")
+                          f"got BLOCK_K {block_k} for group_size {group_size}: int4_linear takes smaller groups")
     splits, steps = k_steps(k, splits, block_k)
     out = output(m, n, splits, x.dtype, x.device)
     launch_pdl = pdl_on(x.device)

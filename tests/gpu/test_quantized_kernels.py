@@ -234,21 +234,6 @@ def qwords(qweight: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("splits", SPLITS)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 16])
-@pytest.mark.parametrize("shape", WORD_SHAPES.values(), ids=WORD_SHAPES.keys())
-def test_int4_rows_word_kernel_matches_float32_with_every_split_of_k(shape, rows, splits):
-    """The CUDA-core word kernel (nibbles made floats in the mantissa of 2^23, one scale a group), K not a
-    multiple of its step (ragged, tiny) and every split of K."""
-    n, k = shape
-    qweight, scales, zeros, reference_weight = int4_weight(n, k)
-    x = activation(rows, k)
-    tiles = word_kernels.rows_tiling(rows, n, k, multiprocessors(x.device))
-    y = word_kernels.int4_rows(x, qwords(qweight), scales, zeros, 128, tiles=(*tiles[:2], splits, *tiles[3:]))
-    assert y.shape == (rows, n) and y.dtype == torch.bfloat16
-    assert relative_error(y, x.float() @ reference_weight.t()) < 0.008
-
-
-@pytest.mark.parametrize("splits", SPLITS)
 @pytest.mark.parametrize("rows", [2, 5, 16, 17, 32, 64, 100])
 @pytest.mark.parametrize("shape", WORD_SHAPES.values(), ids=WORD_SHAPES.keys())
 def test_int4_dot_word_kernel_matches_float32_with_every_split_of_k(shape, rows, splits):
@@ -262,21 +247,19 @@ def test_int4_dot_word_kernel_matches_float32_with_every_split_of_k(shape, rows,
     assert relative_error(y, x.float() @ reference_weight.t()) < 0.008
 
 
-@pytest.mark.parametrize("kernel,rows,group", [("rows", 1, 32), ("rows", 4, 64), ("rows", 2, 256), ("rows", 1, 1024),
-                                               ("dot", 8, 256), ("dot", 32, 1024)])
-def test_int4_word_kernels_take_every_group_size(kernel, rows, group):
-    """Groups narrower than a K step (several a step) and wider (a step inside one group), in float16."""
+@pytest.mark.parametrize("rows,group", [(2, 128), (8, 256), (32, 1024)])
+def test_int4_dot_word_kernel_takes_every_group_size_from_a_dot_step(rows, group):
+    """Groups of one K step and wider (a step inside one group), in float16."""
     n, k = 1000, 4096
     qweight, scales, zeros, reference_weight = int4_weight(n, k, group)
     x = activation(rows, k, torch.float16)
-    product = word_kernels.int4_rows if kernel == "rows" else word_kernels.int4_dot
-    y = product(x, qwords(qweight), scales, zeros, group)
+    y = word_kernels.int4_dot(x, qwords(qweight), scales, zeros, group)
     assert y.dtype == torch.float16 and relative_error(y, x.float() @ reference_weight.t()) < 0.008
 
 
 def test_int4_dot_refuses_groups_under_a_dot_step():
     qweight, scales, zeros, _ = int4_weight(256, 256, 64)
-    with pytest.raises(ConfigError, match="group_size 64: use int4_rows"):
+    with pytest.raises(ConfigError, match="group_size 64: int4_linear takes smaller groups"):
         word_kernels.int4_dot(activation(8, 256), qwords(qweight), scales, zeros, 64)
 
 
@@ -292,18 +275,16 @@ def test_int4_linear_takes_a_qweight_off_4_byte_boundaries(rows):
     assert relative_error(int4_linear(x, shifted, scales, zeros, 128), x.float() @ reference_weight.t()) < 0.008
 
 
-@pytest.mark.parametrize("rows", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("rows", [2, 4, 8, 16])
 @pytest.mark.parametrize("shape", MODEL_SHAPES.values(), ids=MODEL_SHAPES.keys())
-def test_int4_word_tilings_put_enough_programs_on_every_multiprocessor(shape, rows):
-    """As for the byte kernels: slabs x row tiles x K splits reach RESIDENT programs a multiprocessor, unless K
-    cannot be split further."""
+def test_int4_dot_tiling_puts_enough_programs_on_every_multiprocessor(shape, rows):
+    """As for the byte kernels: slabs x K splits (one row tile up to 16 rows) reach RESIDENT programs a
+    multiprocessor, unless K cannot be split further."""
     n, k = shape
     sms = multiprocessors(torch.device("cuda"))
-    block_n, block_k, splits = word_kernels.rows_tiling(rows, n, k, sms)[:3]
-    _, dot_n, dot_k, dot_splits = word_kernels.dot_tiling(rows, n, k, sms)[:4]
-    for block_n, block_k, splits in ((block_n, block_k, splits), (dot_n, dot_k, dot_splits)):
-        finest = k // (2 * splits) < max(MIN_SPLIT_K, block_k) or k_steps(k, 2 * splits, block_k)[0] == splits
-        assert -(-n // block_n) * splits >= RESIDENT * sms or finest, (block_n, block_k, splits)
+    _, block_n, block_k, splits = word_kernels.dot_tiling(rows, n, k, sms)[:4]
+    finest = k // (2 * splits) < max(MIN_SPLIT_K, block_k) or k_steps(k, 2 * splits, block_k)[0] == splits
+    assert -(-n // block_n) * splits >= RESIDENT * sms or finest, (block_n, block_k, splits)
 
 
 def captured(fn, x: torch.Tensor):
