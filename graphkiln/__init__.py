@@ -1,6 +1,6 @@
 """graphkiln: compile Hugging Face decoder LLMs with torch.compile/Inductor and serve them with CUDA graphs.
 
-Public API: `compile_model`, `load`, `cached_artifact`, `LLM`, `SamplingParams`, `CompileConfig`, `EngineConfig`,
+Public API: `compile_model`, `load`, `cached_artifact`, `captures_paused`, `LLM`, `SamplingParams`, `CompileConfig`, `EngineConfig`,
 `RequestOutput`, `StreamDelta`, `TokenLogprobs`, and the typed errors in `graphkiln.errors`. Names
 are imported on first use, so `import graphkiln.errors` (or any one room) does not pull in the rest.
 """
@@ -19,6 +19,7 @@ _NAMES = {
     "compile_model": "graphkiln.api",
     "load": "graphkiln.api",
     "cached_artifact": "graphkiln.api",
+    "captures_paused": "graphkiln.runtime.capture_pause",
     "LLM": "graphkiln.llm",
     "RequestOutput": "graphkiln.llm",
     "StreamDelta": "graphkiln.llm",
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from graphkiln.api import cached_artifact, compile_model, load
     from graphkiln.compiler.config import CompileConfig
     from graphkiln.llm import LLM, RequestOutput, StreamDelta, TokenLogprobs
+    from graphkiln.runtime.capture_pause import captures_paused
     from graphkiln.runtime.config import EngineConfig
     from graphkiln.runtime.sampling_params import SamplingParams
 

@@ -25,6 +25,7 @@ from graphkiln.llm import LLM, is_hub_id, resolve_model_dir
 from graphkiln.models.fingerprint import model_fingerprint
 from graphkiln.models.sharding import Shard
 from graphkiln.runtime.builder import build_engine
+from graphkiln.runtime.capture_pause import captures_paused
 from graphkiln.runtime.config import EngineConfig
 from graphkiln.runtime.stats import LoadStats
 from graphkiln.timing import Stopwatch
@@ -57,7 +58,9 @@ def compile_model(
     model_dir = resolve_model_dir(model)
     source = str(model) if str(model) == "tiny" or is_hub_id(model) else str(model_dir.resolve())
     defaults = (engine or EngineConfig()).to_dict()
-    return write_artifact(model_dir, source, Path(out), config, defaults, force=force, sign_key=key, progress=progress)
+    with captures_paused():  # Inductor's autotuning draws CUDA random numbers: none beside an engine's capture
+        return write_artifact(model_dir, source, Path(out), config, defaults, force=force, sign_key=key,
+                              progress=progress)  # fmt: skip
 
 
 def cache_root() -> Path:

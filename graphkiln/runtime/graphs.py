@@ -8,7 +8,8 @@ lists its captures as jobs, one bucket each, smallest first (the most used bucke
 at once they run largest first, so smaller graphs reuse the pool's memory, and captured in the
 background (preparation.py) smallest first. A bucket serves replays once it is `ready`: a step
 whose bucket is not ready yet takes the smallest ready bucket that holds it, or runs without a graph.
-Captures use `capture_error_mode="thread_local"`: they may run on a thread of their own.
+Captures use `capture_error_mode="thread_local"`: they may run on a thread of their own; each holds the
+process's capture lock (capture_pause.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 
 from .attention.base import AttentionBackend
+from .capture_pause import captures_paused
 
 
 def smallest_bucket(sizes: tuple[int, ...], count: int) -> int | None:
@@ -130,7 +132,10 @@ class GraphSet:
             fn()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool.handle, stream=stream, capture_error_mode="thread_local"):
+        with (
+            captures_paused(),  # no random draw on the device beside it (capture_pause.py)
+            torch.cuda.graph(graph, pool=self.pool.handle, stream=stream, capture_error_mode="thread_local"),
+        ):
             outputs = fn()
         self.graphs[key] = (graph, outputs)
         return outputs

@@ -86,6 +86,25 @@ print(json.dumps({{"tokens": tokens, "ready_at_first_step": ready_at_first_step,
     assert max(result["steps_s"][1:]) < result["longest_job_s"] + 0.05
 
 
+def test_random_draws_inside_captures_paused_beside_background_captures(tmp_path: Path) -> None:
+    """While an engine captures its graphs in the background, random draws on the device inside
+    `captures_paused()` succeed and every graph is still captured; without the capture lock a draw raises
+    "Offset increment outside graph capture". (A compile beside captures, whose autotuning draws its inputs,
+    is test_quantized.py's quality test.)"""
+    out = tmp_path / "art"
+    graphkiln.compile_model("tiny", out, CompileConfig(device="cuda", dtype="bfloat16"))
+    llm = graphkiln.load(out, **ENGINE)
+    draws = 0
+    while not llm.engine.preparation.ready:
+        with graphkiln.captures_paused():
+            torch.randn(1024, device="cuda")
+        draws += 1
+    assert draws > 1, "the captures were done before the first draw: nothing was tested"
+    assert [p.error for p in llm.stats().prepared if p.error] == []
+    assert llm.stats().graphs["decode"].graphs > 0
+    llm.close()
+
+
 def test_weights_reader_rate_to_the_device(tmp_path: Path) -> None:
     """2 GiB of bfloat16 from the page cache (written just now) to the device: the rate is recorded and checked
     against safetensors' own reader's, and the bytes arrive intact."""
