@@ -93,17 +93,26 @@ def _fill_on(device: torch.device, model: CausalLM, model_dir: Path, clock: Stop
 
 
 @contextlib.contextmanager
-def _weights_beside(model: CausalLM, model_dir: Path, clock: Stopwatch,
-                    switch_interval: float | None) -> Iterator[None]:  # fmt: skip
+def _weights_beside(model: CausalLM, model_dir: Path, clock: Stopwatch, switch_interval: float | None,
+                    kernels: bool = False) -> Iterator[None]:  # fmt: skip
     """Read the weights into `model` on a thread of their own while the block runs (stage "weights"), under
-    the lowered switch interval so that the reading threads wait less for the interpreter lock; done at exit."""
+    the lowered switch interval so that the reading threads wait less for the interpreter lock; done at exit.
+    With `kernels`, another thread imports the kernels meanwhile (then the only thread to import triton: two
+    importing it at once could deadlock), and this one makes its cuBLAS handle, which its eager steps use."""
+    device = _device(model)
     with (
         lowered_switch_interval(switch_interval),
-        ThreadPoolExecutor(1, thread_name_prefix="graphkiln-fill") as pool,
+        ThreadPoolExecutor(2, thread_name_prefix="graphkiln-fill") as pool,
     ):
-        weights = pool.submit(_fill_on, indexed(_device(model)), model, model_dir, clock)
+        weights = pool.submit(_fill_on, indexed(device), model, model_dir, clock)
+        imported = pool.submit(import_kernels, device) if kernels else None
+        if kernels and device.type == "cuda":
+            with torch.cuda.device(device):
+                torch.cuda.current_blas_handle()
         yield
         weights.result()
+        if imported is not None:
+            imported.result()
 
 
 def read_artifact(
@@ -132,20 +141,20 @@ def read_weights(
 ) -> tuple[CausalLM, Tokenizer | None, dict, Callable[[], CompiledModel]]:
     """Check, then load the weights and the tokenizer but not the compiled pieces, for an engine that serves
     eagerly until they are in (`load` with background capture): the weights are read on a thread of their own
-    beside the tokenizer and the stitching graph, with no Inductor import beside them. The pieces come from the
-    returned function (on a background thread), which imports Inductor and checks the manifest and the code
-    files again first (not the weights, read already), since the artifact may have been compiled anew meanwhile. `clock` gets checks, weights and tokenizer (with the
-    graph) now, inductor and pieces when the function runs."""
+    beside the tokenizer, the stitching graph and the kernels' import, with no Inductor import beside them. The
+    pieces come from the returned function (on a background thread), which imports Inductor and checks the
+    manifest and the code files again first (not the weights, read already), since the artifact may have been
+    compiled anew meanwhile. `clock` gets checks, weights and tokenizer (with the graph) now, inductor and
+    pieces when the function runs."""
     out = out.resolve()
     clock = clock or Stopwatch()
     switch_interval = load_switch_interval()  # a bad setting is the caller's error, not the background job's
     threads = torch.get_num_threads()  # per thread in torch: the job's thread takes the caller's
     with locked(out, shared=True):
         manifest, model = _checked_model(out, model_dir, device, dtype, trusted_keys, clock, Shard())
-        with _weights_beside(model, model_dir, clock, switch_interval), clock.stage("tokenizer"):
+        with _weights_beside(model, model_dir, clock, switch_interval, kernels=True), clock.stage("tokenizer"):
             tokenizer = read_tokenizer(manifest, out, model_dir)
             graph = load_graph(out)  # here: unpickling it traces, which must not run beside the engine's steps
-            import_kernels(_device(model))  # what the eager steps run, imported before they start
 
     def pieces() -> CompiledModel:
         with locked(out, shared=True):

@@ -65,11 +65,9 @@ silu_mul_linear = define("silu_mul_linear(Tensor gate_up, Tensor weight) -> Tens
 
 def import_kernels(device: torch.device) -> None:
     """Import the Triton kernels these ops call on `device` now (CUDA; they are imported where they first run
-    otherwise, triton being optional), with what their first launches make once per process (Triton's source
-    hash, this thread's cuBLAS handle): a load does it while the weights are read, so a step does not."""
+    otherwise, triton being optional), with Triton's hash of its own sources, which a process pays once at its
+    first launch: a load does both while the weights are read, so a step does not."""
     if device.type == "cuda":
         import graphkiln.kernels.gemv  # noqa: F401
 
         warm_triton()
-        with torch.cuda.device(device):
-            torch.cuda.current_blas_handle()
