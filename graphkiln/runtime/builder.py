@@ -73,9 +73,10 @@ def build_engine(
     if compiled is not None:
         jobs = use(compiled)
     elif pieces is not None:
+        sizes = (config.decode_batch_sizes[0], config.prefill_token_buckets[0], max_blocks)
         with torch.inference_mode():
-            first_calls(runner, config.decode_batch_sizes[0], config.prefill_token_buckets[0], max_blocks)
-        jobs = [PiecesJob(pieces, use)]
+            first_calls(runner, *sizes)
+        jobs = [PiecesJob(partial(_first_called, pieces, runner, sizes), use)]
     scheduler = Scheduler(allocator, max_context, config.max_num_batched_tokens, config.max_num_seqs)
     lock = StepLock()
     preparation = Preparation(jobs, lock, device, lockstep)
@@ -97,6 +98,16 @@ def prepare(engine: Engine, config: EngineConfig) -> None:
         log.info("prepared %d buckets in %.2f s", preparation.planned, sum(d.seconds for d in preparation.done))
     else:
         preparation.start()
+
+
+def _first_called(pieces: Callable[[], CompiledModel], runner: ModelRunner, sizes: tuple[int, int, int]
+                  ) -> CompiledModel:  # fmt: skip
+    """The compiled model `pieces` loads, after its first calls where the attention backend lets them run beside
+    the eager steps (off the step lock)."""
+    compiled = pieces()
+    if runner.backend.concurrent_plans:
+        first_calls(runner, *sizes, forward=compiled)
+    return compiled
 
 
 def _use_compiled(runner: ModelRunner, config: EngineConfig, max_blocks: int, capacity: int,

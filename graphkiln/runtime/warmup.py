@@ -7,6 +7,7 @@ what a request arriving meanwhile may wait."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -31,13 +32,16 @@ def warmup_jobs(runner: ModelRunner, decode_sizes: tuple[int, ...], prefill_size
     return decode + prefill
 
 
-def first_calls(runner: ModelRunner, decode_size: int, prefill_size: int, max_blocks: int) -> None:
-    """One decode and one prefill forward on dummy batches, now, before the engine serves beside a background
-    job: the kernels' first calls (Triton's cache key, launchers) and the lazy imports they make happen here,
-    not in a request's first step and not beside that job's imports (two threads importing the same modules can
-    hand one of them a half-initialized module)."""
-    _run(runner, _decode_slices(decode_size), decode_size)
-    _run(runner, dummy_slices(prefill_size, runner.kv_cache.block_size, max_blocks), prefill_size)
+def first_calls(runner: ModelRunner, decode_size: int, prefill_size: int, max_blocks: int,
+                forward: Callable[..., torch.Tensor] | None = None) -> None:  # fmt: skip
+    """One decode and one prefill forward of `forward` (default: the runner's) on dummy batches, now. Before
+    the engine serves beside a background job, the model's kernels' first calls (launchers, lazy loading) and
+    the lazy imports they make happen here, not in a request's first step and not beside that job's imports
+    (two threads importing the same modules can hand one of them a half-initialized module). The background
+    job calls it for the compiled pieces, off the step lock, before the runner switches to them: their first
+    calls then stall no step."""
+    _run(runner, _decode_slices(decode_size), decode_size, forward)
+    _run(runner, dummy_slices(prefill_size, runner.kv_cache.block_size, max_blocks), prefill_size, forward)
 
 
 def _decode_slices(n: int) -> list[SequenceSlice]:
@@ -45,8 +49,9 @@ def _decode_slices(n: int) -> list[SequenceSlice]:
     return [SequenceSlice(1, 1, (DUMMY_BLOCK,))] * n
 
 
-def _run(runner: ModelRunner, slices: list[SequenceSlice], num_tokens: int) -> None:
+def _run(runner: ModelRunner, slices: list[SequenceSlice], num_tokens: int,
+         forward: Callable[..., torch.Tensor] | None = None) -> None:  # fmt: skip
     meta = build_metadata(slices, runner.kv_cache.block_size, num_tokens, runner.device)
     zeros = torch.zeros(num_tokens, dtype=torch.int64, device=runner.device)
     with forward_context(ForwardContext(runner.backend.plan(meta))):
-        runner.forward(zeros, zeros)
+        (forward or runner.forward)(zeros, zeros)

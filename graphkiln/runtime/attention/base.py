@@ -23,5 +23,6 @@ class AttentionBackend(Protocol):
     name: str
     capturable_decode: bool
     capturable_prefill: bool
+    concurrent_plans: bool  # two threads may plan and run forwards at once (the plan keeps no state of its own)
 
     def plan(self, meta: BatchMetadata) -> AttentionFn: ...

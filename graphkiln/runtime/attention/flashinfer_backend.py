@@ -163,6 +163,7 @@ class FlashInferBackend:
     name = "flashinfer"
     capturable_decode = True
     capturable_prefill = False  # its prefill plan is host work per batch: prefill runs piecewise
+    concurrent_plans = False  # a wrapper holds the last plan
 
     def __init__(self, kv_cache: KVCache, workspace_bytes: int = WORKSPACE_BYTES) -> None:
         if kv_cache.key_scales is not None:

@@ -23,6 +23,7 @@ class SdpaBackend:
     name = "sdpa"
     capturable_decode = False
     capturable_prefill = False
+    concurrent_plans = True
 
     def __init__(self, kv_cache: KVCache) -> None:
         self.kv_cache = kv_cache

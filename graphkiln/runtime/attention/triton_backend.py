@@ -153,6 +153,7 @@ class TritonBackend:
     name = "triton"
     capturable_decode = True
     capturable_prefill = True
+    concurrent_plans = True
 
     def __init__(self, kv_cache: KVCache, decode_kernel: str = "auto") -> None:
         # triton is optional: import the kernels only when this backend is chosen.
