@@ -7,6 +7,7 @@ import contextlib
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -156,6 +157,18 @@ llm.generate({PROMPTS[:1]!r}, graphkiln.{GREEDY!r})
 """
     proc = run([sys.executable, "-c", code], timeout=SUBPROCESS_TIMEOUT_S)
     assert proc.returncode == 0 and "failed" not in proc.stderr, proc.stderr[-4000:]
+
+
+def test_closing_a_background_loaded_engine_frees_its_weights(artifact: Path) -> None:
+    """Once the pieces are in, close() leaves nothing holding the weights: not the pieces job, whose compiled
+    model binds every parameter (the device memory would stay taken until the engine object went)."""
+    llm = graphkiln.load(artifact, **ENGINE)
+    assert llm.wait_compiled(120)
+    weights = weakref.ref(next(llm.engine.runner.model.parameters()))
+    engine = llm.engine
+    llm.close()
+    assert weights() is None
+    del engine
 
 
 def test_pieces_that_fail_to_load_leave_the_engine_serving_eagerly(art: Path, eager_tokens: list[list[int]]) -> None:

@@ -154,6 +154,7 @@ class Engine:
         cuda = self.runner.device.type == "cuda"
         weights = weakref.ref(next(self.runner.model.parameters()))
         self.runner.release()
+        self.pieces = None  # a background load's pieces job: its loader and what it loaded hold the model
         if weights() is not None:  # still held: by such cycles, or by the caller
             gc.collect()
         if cuda:
