@@ -171,6 +171,21 @@ def test_closing_a_background_loaded_engine_frees_its_weights(artifact: Path) ->
     del engine
 
 
+def test_inside_captures_paused_preparation_waits_and_steps_go_on(artifact: Path, eager_tokens: list[list[int]]) -> None:
+    """While a thread holds `captures_paused()` (as compile_model does), a background load serves eagerly and
+    its preparation does not get past the pieces' unlocked part; an engine closed in there closes without
+    waiting for its preparation thread. Once the block ends, the preparation completes."""
+    with graphkiln.captures_paused():
+        llm = graphkiln.load(artifact, **ENGINE)
+        assert greedy_tokens(llm) == eager_tokens
+        assert not llm.wait_compiled(5) and llm.stats().prepared == ()
+        other = graphkiln.load(artifact, **ENGINE)
+        other.close()
+    assert llm.wait_ready(120)
+    assert [p.error for p in llm.stats().prepared if p.error] == []
+    llm.close()
+
+
 def test_pieces_that_fail_to_load_leave_the_engine_serving_eagerly(art: Path, eager_tokens: list[list[int]]) -> None:
     """A piece that cannot be loaded (its sha256 fixed up, so the load's checks pass) fails the background job,
     which is recorded with the piece's path; the engine keeps serving with the model itself."""

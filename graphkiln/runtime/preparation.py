@@ -34,6 +34,7 @@ import torch
 from graphkiln.errors import GraphkilnError, RankFailedError
 from graphkiln.models.weights_reader import indexed
 
+from .capture_pause import captures_paused, paused_here
 from .lockstep import Lockstep, RankReport
 from .step_lock import StepLock
 
@@ -164,7 +165,7 @@ class Preparation:
                     return
                 start = time.perf_counter()
                 error = self._attempt(job.unlocked, job) if hasattr(job, "unlocked") else None
-                with self.lock(background=background):
+                with captures_paused(), self.lock(background=background):  # in this order: capture_pause.py
                     if self._stop.is_set():
                         return
                     self._run(job, start, error)
@@ -185,8 +186,8 @@ class Preparation:
                 added = part()
         except Exception as e:  # noqa: BLE001
             self.errors.append(e)
-            if _interpreter_exiting():  # imports fail once the main thread has ended: nobody waits for this job
-                self._stop.set()
+            if self._stop.is_set() or _interpreter_exiting():  # closed meanwhile, or the process is ending (imports
+                self._stop.set()  # then fail): nobody waits for this job
                 return f"{type(e).__name__}: {e}"
             detail = str(e) if isinstance(e, GraphkilnError) else traceback.format_exc()  # a typed error says it all
             log.error("preparing %s bucket %s failed; its steps run without it: %s", job.kind, job.key, detail)
@@ -229,11 +230,12 @@ class Preparation:
         return finished
 
     def stop(self) -> None:
-        """Skip the jobs not started, wait for the running one (unless called from the job's own thread),
+        """Skip the jobs not started, wait for the running one (unless called from the job's own thread, or
+        from inside `captures_paused()`, which the thread may be waiting for),
         and drop the jobs: they hold the graph sets and their static buffers, which must not outlive the
         engine's close."""
         self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
+        if self._thread is not None and self._thread is not threading.current_thread() and not paused_here():
             self._thread.join()
         self.jobs = []
 
