@@ -11,9 +11,10 @@ flight (split_k.py: partials summed in a second kernel, the same result on every
 
 A tiled byte kernel, which dequantizes each weight tile in registers for tensor-core dots, takes what
 the word kernel does not: a qweight whose rows do not start on 4-byte boundaries, groups under
-MIN_DOT_GROUP, and DOT_ROWS to MM_ROWS rows. Past MM_ROWS rows (prefill), the weight is dequantized once to x's dtype and
-multiplied by torch.mm, where writing and reading that weight is a small part of a compute-bound
-product (`python -m bench quantized` times every way). Kernels only, no host sync: capturable.
+MIN_DOT_GROUP, and DOT_ROWS to MM_ROWS rows. Past MM_ROWS rows (prefill), the weight is dequantized
+once to x's dtype and multiplied by torch.mm, where writing and reading that weight is a small part of
+a compute-bound product (`python -m bench quantized` times every way). Kernels only, no host sync:
+capturable.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 to 64 rows.
 
 At decode sizes an int4 product is bound by the instructions per weight, not by its bytes: the bytes are
-a quarter of bf16's while the work per weight is not. So these kernels keep that work to three
+a quarter of bf16's while the work per weight is not. So the kernel keeps that work to three
 instructions. qweight [N, K/2] uint8 is read as int32 words (K/8 a row; little-endian, so nibble j of word
 i is input k = 8i + j), and each nibble position j is its own tile W_j [BLOCK_N, words], multiplied by
 x at k = 8i + j (a strided load of the few activation rows, which the caches hold): no interleaving of
