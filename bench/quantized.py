@@ -9,11 +9,10 @@ counts, with sweeps of the few-row kernels' tiles. A few minutes on the 8b shape
               torch._scaled_mm (rowwise)
   fp8-block   the same with 128 x 128 block scales; candidates: the GEMV, the mma kernel, 1 x 128
               quantization + block-scaled _scaled_mm (where this torch has it), dequantize + torch.mm
-  int4        int4_linear (groups of 128, what it picks), and each candidate: the word kernel (word_dot: the
-              weight read as int32 words, on tensor cores from 2 rows), the byte kernels (the GEMV at 1 row,
-              the tiled mm_kernel), dequantize + mm; for
-              reference torch's tinygemm (aten._weight_int4pack_mm, torchao's int4 layout on CUDA) on the
-              same weights repacked into its layout
+  int4        int4_linear (groups of 128, what it picks with the layers' tinygemm layout), and each
+              candidate: torch's tinygemm (aten._weight_int4pack_mm, torchao's int4 layout on CUDA), the word
+              kernel (word_dot: the weight read as int32 words, on tensor cores from 2 rows), the byte kernels
+              (the GEMV at 1 row, the tiled mm_kernel), dequantize + mm
   --quality   instead: each format's logits against the unquantized model's and the tiny model's held-out
               perplexity per format (bench/quality.py)
   --sweep     fp8: at 1 row every GEMV tiling of SWEEP_GEMV, at 2 to 64 rows every tiling of SWEEP_MMA;
@@ -80,19 +79,16 @@ def make_weights(fmt: str, n: int, k: int, copies: int, device: str) -> list:
 
 
 def tinygemm_weights(weights: list) -> dict:
-    """id(qweight) -> (tinygemm's packed weight, its scales and float zero points) for each int4 copy:
-    w = (q - z) * s = (q - 8) * s + (8 - z) * s. Empty where this torch has no tinygemm kernel."""
-    import torch
+    """id(qweight) -> the weight in tinygemm's layout (quantized_linear.tinygemm_layout: what int4 layers keep
+    on CUDA in bfloat16) for each int4 copy; empty where its kernel does not apply."""
+    from graphkiln.models.quantized_linear import tinygemm_inner_k_tiles, tinygemm_layout
 
     packed = {}
     for q, scales, zeros in weights:
-        try:
-            tiles = torch.ops.aten._convert_weight_to_int4pack(q, 8)
-        except RuntimeError as e:
-            log(f"tinygemm skipped: {str(e).splitlines()[0]}")
+        tiles = tinygemm_inner_k_tiles(q, scales, GROUP)
+        if tiles is None:
             return {}
-        scales_and_zeros = torch.stack([scales, (8 - zeros.float()).to(scales.dtype) * scales], dim=-1)
-        packed[id(q)] = tiles, scales_and_zeros.transpose(0, 1).contiguous()
+        packed[id(q)] = tinygemm_layout(q, scales, zeros, GROUP, tiles)
     return packed
 
 
@@ -126,7 +122,8 @@ def candidates(fmt: str, x, rows: int, tinygemm: dict | None = None) -> dict:
     from graphkiln.kernels import int4_linear as i4
     from graphkiln.kernels import int4_words as w4
 
-    out = {"picked": lambda q, s, z: i4.int4_linear(x, q, s, z, GROUP)}
+    layout = tinygemm or {}
+    out = {"picked": lambda q, s, z: i4.int4_linear(x, q, s, z, GROUP, *layout.get(id(q), ()))}
     if 2 <= rows <= 256:
         out["word_dot"] = lambda q, s, z: w4.int4_dot(x, w4.words(q), s, z, GROUP)
     if rows == 1:

@@ -30,6 +30,7 @@ from graphkiln.models.quantized_linear import (
     fp8_linear,
     int4_group_size,
     int4_linear,
+    tinygemm_params,
     pack_int4,
     quantize_fp8,
     quantize_int4,
@@ -74,6 +75,22 @@ def test_int4_quantizer_keeps_every_weight_within_half_a_step() -> None:
     assert ((back - w).abs() <= step / 2 + 1e-6).all()
     assert torch.equal(back[0, :128], torch.zeros(128))
     assert zeros.eq(zeros.round()).all() and zeros.min() >= 0 and zeros.max() <= 15
+
+
+def test_tinygemm_params_give_the_same_weight_within_a_bf16_rounding() -> None:
+    """tinygemm dequantizes (q - 8) * scale + zero (its zero point in the float domain); from our scales and
+    integer zero points that is each weight within one bfloat16 rounding of the weight's group magnitude."""
+    torch.manual_seed(0)
+    w = torch.randn(16, 256).to(torch.bfloat16)
+    qweight, scales, zeros = quantize_int4(w, 128)
+    params = tinygemm_params(scales, zeros)
+    assert params.shape == (2, 16, 2) and params.dtype == torch.bfloat16
+    q = unpack_int4(qweight).float()
+    scale, zero = (params[..., i].t().float().repeat_interleave(128, 1) for i in (0, 1))
+    theirs = (q - 8) * scale + zero
+    ours = dequantize_int4(qweight, scales, zeros, 128)
+    assert ((theirs - ours).abs() <= 8 * scale * 2**-8).all()
+    assert not torch.equal(theirs, (q - 8) * scale)  # the zero points moved the weights
 
 
 def test_int4_group_size_is_128_or_the_largest_power_of_two_dividing_k() -> None:

@@ -3,7 +3,10 @@
 qweight [N, K/2] uint8 packs two 4-bit values per byte, the low nibble the even k; scales and zeros
 are [N, K/G] (any float dtype, or integer zeros).
 
-One row (decode at batch 1) goes to a GEMV in gemv.py's layout that sums q * x and x per group. From
+Up to TINYGEMM_ROWS rows, where the layer keeps its weight also in the layout of torch's own int4 kernel
+(tinygemm, `aten._weight_int4pack_mm`; quantized_linear.tinygemm_layout), that kernel takes them: it
+measured faster than ours there (`python -m bench quantized`). Otherwise one row (decode at batch 1) goes
+to a GEMV in gemv.py's layout that sums q * x and x per group. From
 2 to DOT_ROWS rows a tensor-core kernel reads the weight as 32-bit words and turns nibbles into floats
 without int-to-float conversions (int4_words.py), where the groups hold a dot's 16 words. Both apply a
 scale and zero point per group, not per weight, and split K so that every multiprocessor has loads in
@@ -32,6 +35,7 @@ from .int4_words import MIN_DOT_GROUP, group_params, int4_dot, words
 from .pdl import pdl_on
 from .split_k import finish, k_steps, multiprocessors, output, split_count
 
+TINYGEMM_ROWS = 4  # up to this many rows: tinygemm, where the layer carries its layout
 DOT_ROWS = 64  # up to this many rows: int4_dot, where the groups allow it
 MM_ROWS = 256  # above this many rows: dequantize the weight, then torch.mm
 MIN_MM_GROUP = 32  # smaller groups mean 16-wide K tiles, whose results were wrong on the H200 at 8 rows
@@ -273,14 +277,18 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
 
 
 def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                group_size: int) -> torch.Tensor:
-    """x [M, K] (bfloat16/float16) @ w^T -> [M, N] in x's dtype, w = (q - zeros) * scales per group."""
+                group_size: int, tinygemm_weight: torch.Tensor | None = None,
+                tinygemm_params: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (bfloat16/float16) @ w^T -> [M, N] in x's dtype, w = (q - zeros) * scales per group; the
+    tinygemm tensors, where given, are the same weight in tinygemm's layout."""
     _check(x, qweight, scales, zeros, group_size)
-    x = x if x.stride(1) == 1 else x.contiguous()
-    scales, zeros = scales.contiguous(), zeros.contiguous()
     m = x.shape[0]
     if m == 0:
         return x.new_empty(0, qweight.shape[0])
+    if tinygemm_weight is not None and m <= TINYGEMM_ROWS and x.dtype == torch.bfloat16:
+        return torch.ops.aten._weight_int4pack_mm(x.contiguous(), tinygemm_weight, group_size, tinygemm_params)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    scales, zeros = scales.contiguous(), zeros.contiguous()
     if m == 1:
         return int4_gemv(x, qweight, scales, zeros, group_size)
     qwords = words(qweight)

@@ -24,7 +24,9 @@ from graphkiln.timing import Stopwatch
 from .config import ModelConfig, model_config_from_hf, read_hf_config
 from .quant_scheme import QuantScheme, model_scheme
 from .quantized_layers import (
+    allocate_tinygemm,
     fill_quantized,
+    fill_tinygemm,
     install_quantized,
     is_projection_tensor,
     load_quantized,
@@ -161,6 +163,7 @@ def empty_model(
         install_quantized(model, cfg, scheme, dtype)
     model = to_empty(model, device)
     reset_input_scales(model)
+    allocate_tinygemm(model)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.register_buffer("rope_cache", rope_cache(cfg, device), persistent=False)
@@ -202,6 +205,7 @@ def fill_model(model: CausalLM, model_dir: str | Path, clock: Stopwatch | None =
         load_quantized(model, source.quantized_weights)
     elif source.scheme is not None and not source.scheme.from_checkpoint:
         quantize_model(model, model.cfg, source.scheme)
+    fill_tinygemm(model)
 
 
 def _checkpoint_names(model: CausalLM) -> set[str]:

@@ -131,6 +131,7 @@ def quantize_model(model: CausalLM, cfg: ModelConfig, scheme: QuantScheme) -> No
         if isinstance(module, Int4Linear):
             for dest, value in zip((module.qweight, module.scales, module.zeros), quantize_int4(weight, module.group_size)):
                 dest.copy_(value)
+            module.allocate_tinygemm()
         else:
             q, scale = quantize_fp8(weight)
             module.weight.copy_(q)
@@ -168,6 +169,20 @@ def load_quantized(model: CausalLM, path: Path) -> None:
                 dest.copy_(value)
     except (SafetensorError, OSError) as e:
         raise ArtifactError(f"{path}: not a readable safetensors file ({e}); recompile") from e
+
+
+def allocate_tinygemm(model: CausalLM) -> None:
+    """Allocate every int4 projection's copy in tinygemm's layout where it applies (Int4Linear.allocate_tinygemm)."""
+    for module in model.modules():
+        if isinstance(module, Int4Linear):
+            module.allocate_tinygemm()
+
+
+def fill_tinygemm(model: CausalLM) -> None:
+    """Fill the copies `allocate_tinygemm` made, once the weights are in."""
+    for module in model.modules():
+        if isinstance(module, Int4Linear):
+            module.fill_tinygemm()
 
 
 def is_projection_tensor(name: str) -> bool:

@@ -4,8 +4,10 @@
 scales per output channel ([N]) or per 128 x 128 block ([ceil(N/128), ceil(K/128)], the factor
 to multiply by); activations quantized per token (channel scales) or per 1 x 128 group (block
 scales) at run time, or with one static scale when `input_scale` [1] is given.
-`graphkiln::int4_linear(x, qweight, scales, zeros, group_size)`: w[n, k] = (q[n, k] - zeros[n, g])
-* scales[n, g] with g = k // group_size, q in 0..15 packed two to a byte, the low nibble first.
+`graphkiln::int4_linear(x, qweight, scales, zeros, group_size, tinygemm_weight, tinygemm_params)`: w[n, k] =
+(q[n, k] - zeros[n, g]) * scales[n, g] with g = k // group_size, q in 0..15 packed two to a byte, the low
+nibble first; the optional tinygemm tensors hold the same weight in the layout of torch's own int4 kernel
+(`tinygemm_layout`), which the CUDA path takes at a few rows.
 
 On CUDA both ops call the Triton kernels of `graphkiln.kernels`; elsewhere they dequantize to
 float32 and multiply, quantizing the activations as the CUDA path does above FEW_ROWS rows
@@ -30,6 +32,7 @@ BLOCK = 128  # side of a weight scale block, and the activation group of block-s
 INT4_GROUP = 128
 INT4_MIN_GROUP = 16
 INT4_MAX = 15
+TINYGEMM_GROUPS = (32, 64, 128, 256)  # the group sizes torch's tinygemm kernel is built for
 MIN_SCALE = 1e-12  # the scale of an all-zero row or group: any positive value quantizes it to zero
 
 
@@ -105,22 +108,52 @@ def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
 
 
 def _int4_linear(
-    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+    tinygemm_weight: torch.Tensor | None = None, tinygemm_params: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ dequantized weight [N, K]^T -> [M, N] in x.dtype; the activations stay as they are."""
     if x.is_cuda:  # triton is optional: the kernel is imported only where it runs
         from graphkiln.kernels.int4_linear import int4_linear as kernel
 
-        return kernel(x, qweight, scales, zeros, group_size)
+        return kernel(x, qweight, scales, zeros, group_size, tinygemm_weight, tinygemm_params)
     return torch.mm(x.float(), dequantize_int4(qweight, scales, zeros, group_size).t()).to(x.dtype)
 
 
-def _int4_linear_shape(x, qweight, scales, zeros, group_size) -> torch.Tensor:
+def _int4_linear_shape(x, qweight, scales, zeros, group_size, tinygemm_weight=None, tinygemm_params=None):
     return x.new_empty(x.shape[0], qweight.shape[0])
 
 
-int4_linear = define("int4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor zeros, int group_size) -> Tensor",
+int4_linear = define("int4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor zeros, int group_size, "
+                     "Tensor? tinygemm_weight=None, Tensor? tinygemm_params=None) -> Tensor",
                      _int4_linear, _int4_linear_shape)
+
+
+def tinygemm_inner_k_tiles(qweight: torch.Tensor, scales: torch.Tensor, group_size: int) -> int | None:
+    """The k-tiles per packed word of the weight in tinygemm's layout (torch's own int4 kernel,
+    `aten._weight_int4pack_mm`: CUDA from sm80, bfloat16), or None where that kernel does not apply
+    (another device, dtype or group size, N not a multiple of 8, K not of 32)."""
+    n, k = qweight.shape[0], 2 * qweight.shape[1]
+    if (qweight.device.type != "cuda" or scales.dtype != torch.bfloat16 or group_size not in TINYGEMM_GROUPS
+            or n % 8 or k % 32 or torch.cuda.get_device_capability(qweight.device) < (8, 0)):
+        return None
+    return next(t for t in (8, 4, 2) if k % (16 * t) == 0)
+
+
+def tinygemm_layout(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                    inner_k_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weight in tinygemm's layout: its packed tiles [N / 8, K / (16 * inner_k_tiles), 32, inner_k_tiles / 2]
+    int32, and [K / G, N, 2] bfloat16 scales with zero points in the float domain, w = (q - 8) * s + (8 - z) * s.
+    The tiles are the GPU kernel's own layout, so they are made at load, never stored."""
+    high_first = (qweight << 4) | (qweight >> 4)  # tinygemm reads the even k from the high nibble
+    tiles = torch.ops.aten._convert_weight_to_int4pack(high_first.contiguous(), inner_k_tiles)
+    return tiles, tinygemm_params(scales, zeros)
+
+
+def tinygemm_params(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """[N, K / G] scales and integer zero points -> tinygemm's [K / G, N, 2] bfloat16 scales and zero points in
+    the float domain: (q - z) * s = (q - 8) * s + (8 - z) * s."""
+    s = scales.float()
+    return torch.stack((s, (8 - zeros.float()) * s), dim=-1).to(torch.bfloat16).transpose(0, 1).contiguous()
 
 
 def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -224,9 +257,33 @@ class Int4Linear(QuantizedLinear):
         self.qweight = _frozen((self.out_features, in_features // 2), torch.uint8)
         self.scales = _frozen((self.out_features, groups), dtype)
         self.zeros = _frozen((self.out_features, groups), dtype)
+        self.register_buffer("tinygemm_weight", None, persistent=False)
+        self.register_buffer("tinygemm_params", None, persistent=False)
+
+    def allocate_tinygemm(self) -> None:
+        """Allocate the weight's copy in tinygemm's layout (buffers, not saved) where the kernel applies: before
+        tracing or binding compiled pieces, which take the buffers; `fill_tinygemm` fills it."""
+        tiles = tinygemm_inner_k_tiles(self.qweight, self.scales, self.group_size)
+        if tiles is None:
+            return
+        n, k, device = self.out_features, self.in_features, self.qweight.device
+        self.tinygemm_weight = torch.empty(-(-n // 8), k // (16 * tiles), 32, tiles // 2, dtype=torch.int32,
+                                           device=device)
+        self.tinygemm_params = torch.empty(k // self.group_size, n, 2, dtype=torch.bfloat16, device=device)
+
+    @torch.no_grad()
+    def fill_tinygemm(self) -> None:
+        """Fill the copy in tinygemm's layout from the filled weight, where one is allocated."""
+        if self.tinygemm_weight is not None:
+            tiles, params = tinygemm_layout(self.qweight, self.scales, self.zeros, self.group_size,
+                                            2 * self.tinygemm_weight.shape[-1])
+            self.tinygemm_weight.copy_(tiles)
+            self.tinygemm_params.copy_(params)
 
     def describe(self) -> str:
         return f"int4, asymmetric, groups of {self.group_size}, weight-only"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._add_bias(torch.ops.graphkiln.int4_linear(x, self.qweight, self.scales, self.zeros, self.group_size))
+        return self._add_bias(torch.ops.graphkiln.int4_linear(x, self.qweight, self.scales, self.zeros,
+                                                              self.group_size, self.tinygemm_weight,
+                                                              self.tinygemm_params))

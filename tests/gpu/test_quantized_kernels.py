@@ -17,6 +17,7 @@ from graphkiln.kernels import int4_words as word_kernels  # noqa: E402
 from graphkiln.kernels.fp8_linear import FP8, FEW_ROWS, fp8_linear, quantize_rows, scaled_mm_fits  # noqa: E402
 from graphkiln.kernels.int4_linear import int4_linear  # noqa: E402
 from graphkiln.kernels.split_k import MIN_SPLIT_K, RESIDENT, k_steps, multiprocessors  # noqa: E402
+from graphkiln.models.quantized_linear import tinygemm_inner_k_tiles, tinygemm_layout  # noqa: E402
 
 ROWS = [1, 2, 8, 16, 17, 33, 64, 128, 1024]  # 17: the fewest rows fp8 quantizes in a kernel of its own
 INT4_ROWS = sorted({*ROWS, 3, 4, 5, 32})  # 4 | 5: where int4_linear leaves the CUDA-core word kernel
@@ -133,6 +134,45 @@ def test_int4_linear_other_group_sizes(group, rows):
     x = activation(rows, k, torch.float16)
     y = int4_linear(x, qweight, scales, zeros, group)
     assert relative_error(y, x.float() @ reference_weight.t()) < 0.008
+
+
+def tinygemm(qweight, scales, zeros, group) -> tuple[torch.Tensor, torch.Tensor]:
+    tiles = tinygemm_inner_k_tiles(qweight, scales, group)
+    assert tiles is not None
+    return tinygemm_layout(qweight, scales, zeros, group, tiles)
+
+
+@pytest.mark.parametrize("rows", range(1, int4_kernels.TINYGEMM_ROWS + 2))
+@pytest.mark.parametrize("shape", [*MODEL_SHAPES.values(), (1000, 2944), (200, 1152), (64, 192), (64, 160)],
+                         ids=[*MODEL_SHAPES, "ragged", "odd-tiles", "four-k-tiles", "two-k-tiles"])
+def test_int4_linear_through_tinygemm_matches_float32(shape, rows):
+    """With the layer's tinygemm layout (K a multiple of 128, 64 or 32: 8, 4 or 2 k-tiles a word), up to
+    TINYGEMM_ROWS rows take torch's kernel, beyond them ours: both within the bf16 weight's rounding of float32."""
+    n, k = shape
+    group = 32 if k % 128 else 128
+    qweight, scales, zeros, reference_weight = int4_weight(n, k, group)
+    x = activation(rows, k)
+    y = int4_linear(x, qweight, scales, zeros, group, *tinygemm(qweight, scales, zeros, group))
+    assert y.shape == (rows, n) and y.dtype == torch.bfloat16
+    assert relative_error(y, x.float() @ reference_weight.t()) < 0.008
+
+
+@pytest.mark.parametrize("group", [32, 64, 256])
+def test_int4_linear_through_tinygemm_other_group_sizes(group):
+    n, k = 1536, 2048
+    qweight, scales, zeros, reference_weight = int4_weight(n, k, group)
+    x = activation(2, k)
+    y = int4_linear(x, qweight, scales, zeros, group, *tinygemm(qweight, scales, zeros, group))
+    assert relative_error(y, x.float() @ reference_weight.t()) < 0.008
+
+
+def test_tinygemm_layout_applies_only_where_its_kernel_runs():
+    qweight, scales, zeros, _ = int4_weight(1536, 2048)
+    assert tinygemm_inner_k_tiles(qweight, scales, 128) == 8
+    assert tinygemm_inner_k_tiles(qweight, scales.half(), 128) is None  # bfloat16 only
+    assert tinygemm_inner_k_tiles(qweight[:1532], scales[:1532], 128) is None  # N a multiple of 8
+    assert tinygemm_inner_k_tiles(qweight, scales, 16) is None  # groups of 32 to 256
+    assert tinygemm_inner_k_tiles(qweight.cpu(), scales.cpu(), 128) is None
 
 
 def with_splits(tiles: tuple, splits: int, swap_ab: bool) -> tuple:
@@ -302,16 +342,17 @@ def captured(fn, x: torch.Tensor):
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 32, 64, 1024])
-@pytest.mark.parametrize("kind", ["fp8-per-channel", "fp8-block", "int4"])
+@pytest.mark.parametrize("kind", ["fp8-per-channel", "fp8-block", "int4", "int4-tinygemm"])
 def test_kernels_replay_in_a_cuda_graph(kind, rows):
     """Captured once, replayed on new activations: the eager result of those activations, bit for bit (the
     split-K partials are summed in a fixed order, so the replay cannot differ)."""
     n, k = 6144, 4096
-    if kind == "int4":
+    if kind.startswith("int4"):
         qweight, scales, zeros, _ = int4_weight(n, k)
+        layout = tinygemm(qweight, scales, zeros, 128) if kind == "int4-tinygemm" else ()
 
         def fn(x):
-            return int4_linear(x, qweight, scales, zeros, 128)
+            return int4_linear(x, qweight, scales, zeros, 128, *layout)
     else:
         weight, scale, _ = fp8_weight(n, k, kind == "fp8-block")
 
