@@ -137,7 +137,8 @@ def load(
     pieces = None
     try:
         if serving.capture == "background":  # serve eagerly until the pieces are in
-            net, tokenizer, manifest, pieces = read_weights(out, model_dir, device, dtype, keys, clock)
+            first_rows = (serving.decode_batch_sizes[0], serving.prefill_token_buckets[0])  # the first calls'
+            net, tokenizer, manifest, pieces = read_weights(out, model_dir, device, dtype, keys, clock, first_rows)
             compiled = None
         else:
             net, compiled, tokenizer, manifest = read_artifact(out, model_dir, device, dtype, keys, clock)

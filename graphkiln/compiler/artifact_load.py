@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -17,6 +17,7 @@ from graphkiln.errors import ArtifactError
 from graphkiln.models import resolve_dtype
 from graphkiln.models.config import ModelConfig
 from graphkiln.models.fingerprint import model_fingerprint
+from graphkiln.models.kernel_loads import calls_triton, launch_eager_kernels
 from graphkiln.models.linear import import_kernels
 from graphkiln.models.loader import empty_model, fill_model
 from graphkiln.models.quant_scheme import QuantScheme
@@ -94,25 +95,36 @@ def _fill_on(device: torch.device, model: CausalLM, model_dir: Path, clock: Stop
 
 @contextlib.contextmanager
 def _weights_beside(model: CausalLM, model_dir: Path, clock: Stopwatch, switch_interval: float | None,
-                    kernels: bool = False) -> Iterator[None]:  # fmt: skip
+                    kernels: bool = False, warm_rows: tuple[int, ...] = ()) -> Iterator[None]:  # fmt: skip
     """Read the weights into `model` on a thread of their own while the block runs (stage "weights"), under
     the lowered switch interval so that the reading threads wait less for the interpreter lock; done at exit.
     With `kernels`, another thread imports the kernels meanwhile (then the only thread to import triton: two
-    importing it at once could deadlock), and this one makes its cuBLAS handle, which its eager steps use."""
+    importing it at once could deadlock), and this one makes its cuBLAS handle, which its eager steps use.
+    With `warm_rows`, a third launches the eager model's kernels at those row counts (kernel_loads.py), after
+    the kernels' import where the model's projections call Triton."""
     device = _device(model)
     with (
         lowered_switch_interval(switch_interval),
-        ThreadPoolExecutor(2, thread_name_prefix="graphkiln-fill") as pool,
+        ThreadPoolExecutor(3, thread_name_prefix="graphkiln-fill") as pool,
     ):
         weights = pool.submit(_fill_on, indexed(device), model, model_dir, clock)
         imported = pool.submit(import_kernels, device) if kernels else None
+        after = imported if calls_triton(model) else None
+        warmed = pool.submit(_launch_after, after, model, warm_rows) if warm_rows else None
         if kernels and device.type == "cuda":
             with torch.cuda.device(device):
                 torch.cuda.current_blas_handle()
         yield
         weights.result()
-        if imported is not None:
-            imported.result()
+        for job in (imported, warmed):
+            if job is not None:
+                job.result()
+
+
+def _launch_after(imported: Future | None, model: CausalLM, rows: tuple[int, ...]) -> None:
+    if imported is not None:
+        imported.result()
+    launch_eager_kernels(model, rows)
 
 
 def read_artifact(
@@ -137,7 +149,8 @@ def read_artifact(
 
 
 def read_weights(
-    out: Path, model_dir: Path, device=None, dtype=None, trusted_keys: Sequence = (), clock: Stopwatch | None = None
+    out: Path, model_dir: Path, device=None, dtype=None, trusted_keys: Sequence = (), clock: Stopwatch | None = None,
+    warm_rows: tuple[int, ...] = (),
 ) -> tuple[CausalLM, Tokenizer | None, dict, Callable[[], CompiledModel]]:
     """Check, then load the weights and the tokenizer but not the compiled pieces, for an engine that serves
     eagerly until they are in (`load` with background capture): the weights are read on a thread of their own
@@ -145,14 +158,16 @@ def read_weights(
     pieces come from the returned function (on a background thread), which imports Inductor and checks the
     manifest and the code files again first (not the weights, read already), since the artifact may have been
     compiled anew meanwhile. `clock` gets checks, weights and tokenizer (with the graph) now, inductor and
-    pieces when the function runs."""
+    pieces when the function runs. `warm_rows`: the row counts at which the eager model's kernels are
+    launched beside the weights (the engine's first calls'), so that those calls find them loaded."""
     out = out.resolve()
     clock = clock or Stopwatch()
     switch_interval = load_switch_interval()  # a bad setting is the caller's error, not the background job's
     threads = torch.get_num_threads()  # per thread in torch: the job's thread takes the caller's
     with locked(out, shared=True):
         manifest, model = _checked_model(out, model_dir, device, dtype, trusted_keys, clock, Shard())
-        with _weights_beside(model, model_dir, clock, switch_interval, kernels=True), clock.stage("tokenizer"):
+        with (_weights_beside(model, model_dir, clock, switch_interval, kernels=True, warm_rows=warm_rows),
+              clock.stage("tokenizer")):
             tokenizer = read_tokenizer(manifest, out, model_dir)
             graph = load_graph(out)  # here: unpickling it traces, which must not run beside the engine's steps
 

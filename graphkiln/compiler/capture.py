@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from graphkiln.compat import mark_dynamic_dim, size_oblivious
-from graphkiln.models.attention import ForwardContext, forward_context
+from graphkiln.models.attention import ForwardContext, forward_context, zero_attention
 from graphkiln.models.transformer import CausalLM
 
 TRACE_TOKENS = 7  # an odd size no bucket uses, so nothing specializes on it by accident
@@ -33,10 +33,6 @@ class CapturedGraph:
     gm: torch.fx.GraphModule
     bindings: list[Binding]
     trace_s: float
-
-
-def _zero_attention(layer, q, k, v, out, scale) -> None:
-    out.zero_()
 
 
 def capture(model: CausalLM, around_trace: contextlib.AbstractContextManager | None = None) -> CapturedGraph:
@@ -63,7 +59,7 @@ def capture(model: CausalLM, around_trace: contextlib.AbstractContextManager | N
         options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe},
     )
     with size_oblivious(), torch.no_grad():
-        with forward_context(ForwardContext(_zero_attention)), around_trace or contextlib.nullcontext():
+        with forward_context(ForwardContext(zero_attention)), around_trace or contextlib.nullcontext():
             compiled(input_ids, positions)
     trace_s = time.perf_counter() - start
     torch.compiler.reset()

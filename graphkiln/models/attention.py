@@ -28,6 +28,12 @@ class ForwardContext:
     run_attention: AttentionFn
 
 
+def zero_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   scale: float) -> None:
+    """An attention that writes zeros and touches no cache: for traces and kernel warm-ups."""
+    out.zero_()
+
+
 _current: ContextVar[ForwardContext | None] = ContextVar("graphkiln_forward_context", default=None)
 
 
