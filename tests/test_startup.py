@@ -18,6 +18,7 @@ from artifact_helpers import (ENGINE, GREEDY, PROMPTS, RESULT_PREFIX, SUBPROCESS
                               greedy_tokens, run, run_python_json)
 from graphkiln import EngineConfig
 from graphkiln.errors import ConfigError
+from graphkiln.models import kernel_loads
 from graphkiln.models.tiny import tiny_model_dir
 from graphkiln.models.safetensors_header import read_header
 from graphkiln.compiler.artifact_load import read_weights
@@ -85,6 +86,7 @@ at_import = [m for m in heavy if m in sys.modules]
 from graphkiln.compiler.artifact_load import recorded_config
 from graphkiln.compiler.manifest import read_manifest
 from graphkiln.models.loader import empty_model
+from graphkiln.models import kernel_loads
 from graphkiln.models.tiny import tiny_model_dir
 artifact = Path({str(artifact)!r})
 empty_model(tiny_model_dir(), cfg=recorded_config(read_manifest(artifact), artifact))
@@ -126,6 +128,21 @@ def test_an_engine_serves_eagerly_until_its_pieces_are_in(artifact: Path, eager_
     prepared = llm.stats().prepared
     assert [(p.kind, p.error) for p in prepared[:1]] == [("pieces", None)] and len(prepared) > 1
     assert isinstance(runner.forward, CompiledModel)
+    assert greedy_tokens(llm) == eager_tokens
+    llm.close()
+
+
+def test_eager_kernels_launch_beside_the_weights_after_the_graph_is_unpickled(
+        artifact: Path, eager_tokens: list[list[int]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """With launches turned on for the CPU too, a background load runs one eager forward per first-call row count
+    beside the weights, never beside the stitching graph's unpickling (an FX trace, which intercepts every
+    module call and made such a forward fail), and the engine serves the eager model's tokens after it."""
+    monkeypatch.setattr(kernel_loads, "LAUNCH_ON", ("cuda", "cpu"))
+    for _ in range(3):  # the graph's unpickling and the launches used to race: a few loads to meet it
+        before = kernel_loads.forwards_launched()
+        net, tokenizer, _, pieces = read_weights(artifact, tiny_model_dir(), warm_rows=(1, 16))
+        assert kernel_loads.forwards_launched() == before + 2
+    llm = graphkiln.LLM(build_engine(net, None, EngineConfig(kv_cache_tokens=2048), pieces=pieces), tokenizer)
     assert greedy_tokens(llm) == eager_tokens
     llm.close()
 

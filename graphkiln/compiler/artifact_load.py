@@ -6,6 +6,7 @@ shared lock on the artifact so that no compile replaces it meanwhile.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -33,6 +34,8 @@ from .artifact_dir import locked
 from .artifacts import QUANTIZED_FILE, TOKENIZER_FILE, load_compiled, load_graph
 from .compiled_model import CompiledModel
 from .manifest import FIX, MANIFEST, REWRITE, check_environment, check_files, read_manifest
+
+log = logging.getLogger(__name__)
 
 
 def check_artifact(
@@ -95,36 +98,46 @@ def _fill_on(device: torch.device, model: CausalLM, model_dir: Path, clock: Stop
 
 @contextlib.contextmanager
 def _weights_beside(model: CausalLM, model_dir: Path, clock: Stopwatch, switch_interval: float | None,
-                    kernels: bool = False, warm_rows: tuple[int, ...] = ()) -> Iterator[None]:  # fmt: skip
+                    kernels: bool = False, warm_rows: tuple[int, ...] = ()) -> Iterator[Callable[[], None]]:
     """Read the weights into `model` on a thread of their own while the block runs (stage "weights"), under
     the lowered switch interval so that the reading threads wait less for the interpreter lock; done at exit.
     With `kernels`, another thread imports the kernels meanwhile (then the only thread to import triton: two
     importing it at once could deadlock), and this one makes its cuBLAS handle, which its eager steps use.
-    With `warm_rows`, a third launches the eager model's kernels at those row counts (kernel_loads.py), after
-    the kernels' import where the model's projections call Triton."""
+    The block gets a function that has a third thread launch the eager model's kernels at `warm_rows`
+    (kernel_loads.py; after the kernels' import where the model's projections call Triton): the block calls
+    it once no FX trace runs beside it."""
     device = _device(model)
     with (
         lowered_switch_interval(switch_interval),
         ThreadPoolExecutor(3, thread_name_prefix="graphkiln-fill") as pool,
     ):
         weights = pool.submit(_fill_on, indexed(device), model, model_dir, clock)
-        imported = pool.submit(import_kernels, device) if kernels else None
-        after = imported if calls_triton(model) else None
-        warmed = pool.submit(_launch_after, after, model, warm_rows) if warm_rows else None
+        jobs = [pool.submit(import_kernels, device)] if kernels else []
+        after = jobs[0] if jobs and calls_triton(model) else None
+
+        def launch_kernels() -> None:
+            if warm_rows:
+                jobs.append(pool.submit(_launch_after, after, model, warm_rows))
+
         if kernels and device.type == "cuda":
             with torch.cuda.device(device):
                 torch.cuda.current_blas_handle()
-        yield
+        yield launch_kernels
         weights.result()
-        for job in (imported, warmed):
-            if job is not None:
-                job.result()
+        for job in jobs:
+            job.result()
 
 
 def _launch_after(imported: Future | None, model: CausalLM, rows: tuple[int, ...]) -> None:
+    """The launches, after the kernels' import where given; a launch that fails is logged, not raised: the
+    engine's first calls then load what it did not, and report what is wrong with the model themselves."""
     if imported is not None:
         imported.result()
-    launch_eager_kernels(model, rows)
+    try:
+        launch_eager_kernels(model, rows)
+    except Exception as e:  # noqa: BLE001  (an optimisation: the load goes on without it)
+        log.warning("launching the eager model's kernels beside the weights failed (%s: %s); the first calls "
+                    "load them instead", type(e).__name__, e)
 
 
 def read_artifact(
@@ -166,10 +179,11 @@ def read_weights(
     threads = torch.get_num_threads()  # per thread in torch: the job's thread takes the caller's
     with locked(out, shared=True):
         manifest, model = _checked_model(out, model_dir, device, dtype, trusted_keys, clock, Shard())
-        with (_weights_beside(model, model_dir, clock, switch_interval, kernels=True, warm_rows=warm_rows),
-              clock.stage("tokenizer")):
-            tokenizer = read_tokenizer(manifest, out, model_dir)
+        with (_weights_beside(model, model_dir, clock, switch_interval, kernels=True, warm_rows=warm_rows)
+              as launch_kernels, clock.stage("tokenizer")):
             graph = load_graph(out)  # here: unpickling it traces, which must not run beside the engine's steps
+            launch_kernels()  # nor beside these launches
+            tokenizer = read_tokenizer(manifest, out, model_dir)
 
     def pieces() -> CompiledModel:
         with locked(out, shared=True):
