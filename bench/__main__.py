@@ -19,6 +19,7 @@ COMMANDS = {  # command -> (module, one line of help)
     "passes": ("passes", "each optional graph pass on and off"),
     "bf16-ties": ("bf16_ties", "where bfloat16 greedy tokens differ between eager and compiled (CPU)"),
     "serve": ("serve", "graphkiln serve over HTTP at concurrency 1/16/64 against the offline engine"),
+    "steps": ("steps", "each engine step beside the background preparation, with every thread's stack in slow ones"),
     "startup": ("startup", "start-up breakdown in fresh processes: import, weights, pieces, capture, first token"),
     "weights": ("weights", "safetensors weights from the page cache to the device: graphkiln's reader vs safe_open"),
     "tp-share": ("tp_share", "whether tensor-parallel ranks compiled on their own produce the same code"),

@@ -166,3 +166,16 @@ def test_aoti_load_study_smoke(tmp_path: Path) -> None:
     assert rows["library"]["matches"] and rows["custom_op"]["matches"]
     assert not (rows["library"]["inductor"] or rows["library"]["dynamo"] or rows["library"]["sympy"])
     assert rows["custom_op"]["dynamo"]
+
+
+def test_steps_study_smoke(tmp_path: Path) -> None:
+    """Steps beside the background preparation, in a fresh process: every step of the six requests timed, the
+    pieces job recorded first, a slow step's sample holding the main thread's stack."""
+    cmd = [sys.executable, "-m", "bench", "steps", "--smoke", "--processes", "1", "--slow-ms", "1", "--out",
+           str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    [run] = json.loads((tmp_path / "steps.json").read_text())["processes"]
+    assert len(run["steps_s"]) >= 32 and all(s > 0 for s in run["steps_s"][:-1])
+    assert run["prepared"][0][:2] == ["pieces", "compiled"]
+    assert run["slow_steps"] and "MainThread" in run["slow_steps"][0]["stacks"]

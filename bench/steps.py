@@ -1,0 +1,92 @@
+"""Steps served beside the background preparation: how long each engine step takes while the pieces job
+imports Inductor and the graphs are captured, and where every thread was during a slow one.
+
+    python -m bench steps --out $OUT [--processes 3] [--slow-ms 150]
+
+The built-in `tiny` model is compiled into a scratch artifact, then each fresh process loads it (background
+preparation, the default buckets), submits six requests right away (32 new tokens each, as
+tests/gpu/test_startup_gpu.py does) and times every step until they finish. A watcher thread takes
+every thread's Python stack once a step has run `--slow-ms`. The first process on a machine also
+builds our Triton kernels for the sizes it meets (a cold Triton cache); the next ones show a warm
+start. Installed packages' bytecode is written first (`startup.ensure_bytecode`), as `pip install`
+does: without it the job compiles torch's sources, holding the interpreter lock for each module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+from .common import Study, add_study_arguments, log
+from .startup import ensure_bytecode
+
+CHILD = """
+import dataclasses, json, sys, threading, time, traceback
+import graphkiln
+
+slow_s = float(sys.argv[2])
+llm = graphkiln.load(sys.argv[1], kv_cache_tokens=16384)
+engine = llm.engine
+prompts = [[5 + i] * (1 + 3 * i) for i in range(6)]
+seqs = [engine.add_request(p, graphkiln.SamplingParams(max_tokens=32, ignore_eos=True)) for p in prompts]
+steps, samples = [], []
+state = {"step": 0, "start": None, "done": False}
+
+def watch():
+    sampled = set()
+    while not state["done"]:
+        time.sleep(0.005)
+        start, step = state["start"], state["step"]
+        if start is not None and step not in sampled and time.perf_counter() - start > slow_s:
+            sampled.add(step)
+            names = {t.ident: t.name for t in threading.enumerate()}
+            samples.append({"step": step, "stacks": {names.get(i, str(i)): traceback.format_stack(f)[-12:]
+                                                     for i, f in sys._current_frames().items()}})
+
+watcher = threading.Thread(target=watch, daemon=True)
+watcher.start()
+while any(s.finish_reason is None for s in seqs):
+    state["step"], state["start"] = len(steps), time.perf_counter()
+    engine.step()
+    steps.append(time.perf_counter() - state["start"])
+    state["start"] = None
+state["done"] = True
+llm.wait_ready()
+stats = llm.stats()
+print("GK_STEPS " + json.dumps({"steps_s": steps, "slow_steps": samples,
+      "step_waits": dataclasses.asdict(stats.step_waits),
+      "prepared": [[p.kind, p.key, p.seconds, p.done_at_s] for p in stats.prepared]}))
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_study_arguments(p, model="tiny")  # the built-in tiny model whatever --model says
+    p.add_argument("--processes", type=int, default=3, help="fresh processes, one after another (default 3)")
+    p.add_argument("--slow-ms", type=float, default=150, help="a step past this is sampled (default 150)")
+
+
+def main(a: argparse.Namespace) -> int:
+    import graphkiln
+
+    study = Study.of("steps", a)
+    results: dict = {"bytecode": ensure_bytecode(), "processes": []}
+    with study.scratch() as scratch:
+        artifact = scratch / "tiny"
+        graphkiln.compile_model("tiny", artifact, graphkiln.CompileConfig(device=study.device, dtype=study.dtype_name))
+        for i in range(a.processes):
+            proc = subprocess.run([sys.executable, "-c", CHILD, str(artifact), str(a.slow_ms / 1000)],
+                                  capture_output=True, text=True, timeout=600)
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("GK_STEPS ")]
+            if proc.returncode != 0 or not lines:
+                raise SystemExit(f"process {i} exited {proc.returncode}: {proc.stderr[-2000:]}")
+            run = json.loads(lines[-1].removeprefix("GK_STEPS "))
+            results["processes"].append(run)
+            steps = run["steps_s"]
+            slowest = sorted(range(len(steps)), key=lambda j: -steps[j])[:4]
+            log(f"process {i}: {len(steps)} steps, first {steps[0] * 1e3:.0f} ms, slowest "
+                + ", ".join(f"#{j} {steps[j] * 1e3:.0f} ms" for j in slowest)
+                + f"; pieces in at {run['prepared'][0][3]:.2f} s; {len(run['slow_steps'])} sampled")
+    log(f"wrote {study.save(results)}")
+    return 0
