@@ -5,11 +5,11 @@ are [N, K/G] (any float dtype, or integer zeros).
 
 Up to TINYGEMM_ROWS rows, where the layer keeps its weight also in the layout of torch's own int4 kernel
 (tinygemm, `aten._weight_int4pack_mm`; quantized_linear.tinygemm_layout), that kernel takes them: it
-measured faster than ours there (`python -m bench quantized`). Otherwise one row (decode at batch 1) goes
-to a GEMV in gemv.py's layout that sums q * x and x per group. From
-2 to DOT_ROWS rows a tensor-core kernel reads the weight as 32-bit words and turns nibbles into floats
-without int-to-float conversions (int4_words.py), where the groups hold a dot's 16 words. Both apply a
-scale and zero point per group, not per weight, and split K so that every multiprocessor has loads in
+measured faster than ours there (`python -m bench quantized`). Otherwise one row (decode at batch 1)
+goes to a GEMV in gemv.py's layout that sums q * x and x per group. From 2 to DOT_ROWS rows a
+tensor-core kernel reads the weight as 32-bit words and turns nibbles into floats without
+int-to-float conversions (int4_words.py), where the groups hold a dot's 16 words. Both apply a scale
+and zero point per group, not per weight, and split K so that every multiprocessor has loads in
 flight (split_k.py: partials summed in a second kernel, the same result on every call).
 
 A tiled byte kernel, which dequantizes each weight tile in registers for tensor-core dots, takes what

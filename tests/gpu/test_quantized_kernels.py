@@ -20,7 +20,7 @@ from graphkiln.kernels.split_k import MIN_SPLIT_K, RESIDENT, k_steps, multiproce
 from graphkiln.models.quantized_linear import tinygemm_inner_k_tiles, tinygemm_layout  # noqa: E402
 
 ROWS = [1, 2, 8, 16, 17, 33, 64, 128, 1024]  # 17: the fewest rows fp8 quantizes in a kernel of its own
-INT4_ROWS = sorted({*ROWS, 3, 4, 5, 32})  # 4 | 5: where int4_linear leaves the CUDA-core word kernel
+INT4_ROWS = sorted({*ROWS, 3, 4, 5, 32})  # our kernels at every row count (these calls give no tinygemm layout)
 SPLITS = [1, 2, 3, 8]  # K splits forced on the few-row kernels (fewer where the K steps do not share evenly)
 ROWS_AND_SWAPS = [(1, False), (5, False), (5, True), (64, False), (64, True)]  # swap_ab: tensor-core kernels only
 MODEL_SHAPES = {  # (N, K) of q/k/v fused, o, gate/up fused, down
