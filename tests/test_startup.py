@@ -25,6 +25,7 @@ from graphkiln.compiler.artifact_load import read_weights
 from graphkiln.compiler.compiled_model import CompiledModel
 from graphkiln.runtime.builder import build_engine
 from graphkiln.runtime.preparation import Preparation, WarmupJob
+from graphkiln.runtime.late_steps import LATE_S, MAX_WAIT_S, late_steps_first
 from graphkiln.runtime.step_lock import StepLock
 
 MANY_SIZES = tuple(range(1, 97))  # 96 decode warm-ups (and prefill 16..64): long enough to step beside
@@ -348,3 +349,57 @@ def test_a_taker_held_up_by_a_background_turn_gets_its_wait() -> None:
         pass
     holder.join()
     assert 0.09 <= waited < 10
+
+
+def _import_fresh(folder: Path, name: str) -> float:
+    """Seconds to import a new module `name` written into `folder` (on sys.path)."""
+    (folder / f"{name}.py").write_text("VALUE = 1\n")
+    start = time.perf_counter()
+    __import__(name)
+    return time.perf_counter() - start
+
+
+def test_a_jobs_imports_give_way_to_a_late_step_and_only_to_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside late_steps_first, an import waits for a step that has held the lock past LATE_S (once a step, at
+    most MAX_WAIT_S), not for a step that has just begun, nor for a background turn; other threads' imports
+    never wait."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    lock = StepLock()
+    held, release = threading.Event(), threading.Event()
+
+    def hold(background: bool) -> None:
+        with lock(background=background):
+            held.set()
+            release.wait(10)
+
+    def timed_import_while_held(name: str, background: bool, age_s: float, release_after_s: float) -> tuple:
+        held.clear(), release.clear()
+        holder = threading.Thread(target=hold, args=(background,))
+        holder.start()
+        assert held.wait(10)
+        time.sleep(age_s)
+        threading.Timer(release_after_s, release.set).start()
+        with late_steps_first(lock) as finder:
+            seconds = _import_fresh(tmp_path, name)
+        holder.join()
+        return seconds, finder.waits
+
+    seconds, waits = timed_import_while_held("gk_late_step", False, LATE_S * 2, 0.05)
+    assert waits == 1 and seconds >= 0.04  # waited for the late step to end
+    seconds, waits = timed_import_while_held("gk_long_step", False, LATE_S * 2, 1.0)
+    assert waits == 1 and MAX_WAIT_S * 0.9 <= seconds < 0.9  # no longer than MAX_WAIT_S
+    seconds, waits = timed_import_while_held("gk_background_turn", True, LATE_S * 2, 0.2)
+    assert waits == 0 and seconds < 0.1
+    release.clear(), held.clear()
+    holder = threading.Thread(target=hold, args=(False,))
+    holder.start()
+    assert held.wait(10)
+    time.sleep(LATE_S * 2)
+    with late_steps_first(lock) as finder:
+        elsewhere = threading.Thread(target=_import_fresh, args=(tmp_path, "gk_other_thread"))
+        start = time.perf_counter()
+        elsewhere.start()
+        elsewhere.join()
+        assert time.perf_counter() - start < 0.1 and finder.waits == 0  # another thread's import: no wait
+    release.set()
+    holder.join()

@@ -36,6 +36,7 @@ from graphkiln.models.weights_reader import indexed
 
 from .capture_pause import captures_paused, paused_here
 from .lockstep import Lockstep, RankReport
+from .late_steps import late_steps_first
 from .step_lock import StepLock
 
 log = logging.getLogger("graphkiln.runtime")
@@ -164,7 +165,10 @@ class Preparation:
                 if self._stop.is_set():
                     return
                 start = time.perf_counter()
-                error = self._attempt(job.unlocked, job) if hasattr(job, "unlocked") else None
+                error = None
+                if hasattr(job, "unlocked"):
+                    with late_steps_first(self.lock):
+                        error = self._attempt(job.unlocked, job)
                 with captures_paused(), self.lock(background=background):  # in this order: capture_pause.py
                     if self._stop.is_set():
                         return

@@ -39,6 +39,8 @@ class StepLock:
         self._background_waiting = 0
         self._steps_waiting = 0
         self._step_turn = False  # a background turn just ended while a step waited: that step goes next
+        self._steps = 0  # steps that took the lock so far
+        self._step_since = 0.0  # when the step holding the lock took it
 
     @contextlib.contextmanager
     def __call__(self, background: bool = False) -> Iterator[float]:
@@ -75,6 +77,8 @@ class StepLock:
             self._owner, self._depth, self._background = me, 1, background
             if not background:
                 self._step_turn = False
+                self._steps += 1
+                self._step_since = time.perf_counter()
             return time.perf_counter() - asked if waited else 0.0
 
     def _release(self) -> None:
@@ -84,3 +88,15 @@ class StepLock:
                 self._owner = None
                 self._step_turn = self._background and self._steps_waiting > 0
                 self._cond.notify_all()
+
+    def running_step(self) -> tuple[int, float] | None:
+        """(which step, seconds it has held the lock) of the step holding it; None when no step does."""
+        with self._cond:
+            if self._owner is None or self._background:
+                return None
+            return self._steps, time.perf_counter() - self._step_since
+
+    def wait_for_step(self, step: int, timeout: float) -> None:
+        """Wait until step number `step` has let the lock go, or `timeout` seconds."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._steps != step or self._owner is None or self._background, timeout)
