@@ -25,7 +25,7 @@ from graphkiln.compiler.artifact_load import read_weights
 from graphkiln.compiler.compiled_model import CompiledModel
 from graphkiln.runtime.builder import build_engine
 from graphkiln.runtime.preparation import Preparation, WarmupJob
-from graphkiln.runtime.late_steps import LATE_S, MAX_WAIT_S, late_steps_first
+from graphkiln.runtime.late_steps import LATE_S, MAX_WAIT_S, SHARE, late_steps_first
 from graphkiln.runtime.step_lock import StepLock
 
 MANY_SIZES = tuple(range(1, 97))  # 96 decode warm-ups (and prefill 16..64): long enough to step beside
@@ -403,3 +403,31 @@ def test_a_jobs_imports_give_way_to_a_late_step_and_only_to_it(tmp_path: Path, m
         assert time.perf_counter() - start < 0.1 and finder.waits == 0  # another thread's import: no wait
     release.set()
     holder.join()
+
+
+def test_a_job_among_late_steps_gives_way_for_at_most_its_share(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps back to back, each late (a large model's eager steps): the job's imports give way to some of them,
+    and its waits add up to at most SHARE of its time plus one MAX_WAIT_S."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    lock, stop = StepLock(), threading.Event()
+
+    def steps() -> None:
+        while not stop.is_set():
+            with lock():
+                time.sleep(LATE_S * 4)
+
+    stepping = threading.Thread(target=steps)
+    stepping.start()
+    try:
+        start = time.perf_counter()
+        with late_steps_first(lock) as finder:
+            for i in range(30):
+                _import_fresh(tmp_path, f"gk_among_steps_{i}")
+                time.sleep(0.01)
+        elapsed = time.perf_counter() - start
+    finally:
+        stop.set()
+        stepping.join()
+    assert finder.waits > 1
+    assert finder.waited_s <= SHARE * elapsed + MAX_WAIT_S + 0.02
