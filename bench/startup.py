@@ -243,7 +243,7 @@ def main(a: argparse.Namespace) -> int:
     rows = []
     try:
         for name in models:
-            model_dir = _model_dir(name, scratch, device, dtype)
+            model_dir = saved_model_dir(name, scratch, device, dtype)
             spec = {"model_dir": model_dir, "artifact": str(scratch / f"{name}-artifact"), "device": device,
                     "profile": a.profile,
                     "dtype": dtype, "engine": engine, "prompt": random_prompts(1, 16 if a.smoke else 128, 4096, 7)[0]}
@@ -277,7 +277,7 @@ def main(a: argparse.Namespace) -> int:
     return 0
 
 
-def _model_dir(name: str, scratch: Path, device: str, dtype: str) -> str:
+def saved_model_dir(name: str, scratch: Path, device: str, dtype: str) -> str:
     """`tiny` as shipped; `1b`/`8b` random-weight models of those shapes, saved to the scratch folder."""
     if name == "tiny":
         return "tiny"

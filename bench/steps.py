@@ -1,11 +1,12 @@
 """Steps served beside the background preparation: how long each engine step takes while the pieces job
 imports Inductor and the graphs are captured, and where every thread was during a slow one.
 
-    python -m bench steps --out $OUT [--processes 3] [--slow-ms 150]
+    python -m bench steps --out $OUT [--model tiny|1b|8b] [--processes 3] [--slow-ms 150]
 
-The built-in `tiny` model is compiled into a scratch artifact, then each fresh process loads it (background
-preparation, the default buckets), submits six requests right away (32 new tokens each, as
-tests/gpu/test_startup_gpu.py does) and times every step until they finish. A watcher thread takes
+The model (the built-in `tiny` by default and with --smoke; `1b`/`8b`: random weights of those shapes) is
+compiled into a scratch artifact, then each fresh process loads it (background preparation, the default
+buckets), submits six requests right away (32 new tokens each, as tests/gpu/test_startup_gpu.py does) and
+times every step until they finish. A watcher thread takes
 every thread's Python stack once a step has run `--slow-ms`. The first process on a machine also
 builds our Triton kernels for the sizes it meets (a cold Triton cache); the next ones show a warm
 start. Installed packages' bytecode is written first (`startup.ensure_bytecode`), as `pip install`
@@ -20,7 +21,7 @@ import subprocess
 import sys
 
 from .common import Study, add_study_arguments, log
-from .startup import ensure_bytecode
+from .startup import ensure_bytecode, saved_model_dir
 
 CHILD = """
 import dataclasses, json, sys, threading, time, traceback
@@ -62,7 +63,7 @@ print("GK_STEPS " + json.dumps({"steps_s": steps, "slow_steps": samples,
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_study_arguments(p, model="tiny")  # the built-in tiny model whatever --model says
+    add_study_arguments(p, model="tiny")
     p.add_argument("--processes", type=int, default=3, help="fresh processes, one after another (default 3)")
     p.add_argument("--slow-ms", type=float, default=150, help="a step past this is sampled (default 150)")
 
@@ -72,9 +73,12 @@ def main(a: argparse.Namespace) -> int:
 
     study = Study.of("steps", a)
     results: dict = {"bytecode": ensure_bytecode(), "processes": []}
+    name = "tiny" if study.smoke else study.model
+    results["model"] = name
     with study.scratch() as scratch:
-        artifact = scratch / "tiny"
-        graphkiln.compile_model("tiny", artifact, graphkiln.CompileConfig(device=study.device, dtype=study.dtype_name))
+        artifact = scratch / f"{name}-artifact"
+        source = saved_model_dir(name, scratch, study.device, study.dtype_name)
+        graphkiln.compile_model(source, artifact, graphkiln.CompileConfig(device=study.device, dtype=study.dtype_name))
         for i in range(a.processes):
             proc = subprocess.run([sys.executable, "-c", CHILD, str(artifact), str(a.slow_ms / 1000)],
                                   capture_output=True, text=True, timeout=600)
