@@ -1,8 +1,8 @@
 """The eager model's kernels launched once on dummy rows while its weights are still being read.
 
 CUDA loads a kernel's code at its first launch (lazy loading), cuBLAS picks and loads its kernels per
-shape at the first product of that shape: a few tenths of a second over the kernels of one decoder
-forward, which the engine's first calls would otherwise pay after the weights are in. Launched here
+shape at the first product of that shape: over the kernels of one decoder forward, work that the
+engine's first calls would otherwise do after the weights are in. Launched here
 on a thread of their own beside the reading threads, attention left out (it needs the KV cache, not
 built yet), the engine's first calls find them loaded. The parameters may be half written meanwhile:
 the results are thrown away, and no value of them is checked. No FX trace may run in the process
