@@ -24,8 +24,17 @@ from .common import Study, add_study_arguments, log
 from .startup import ensure_bytecode, saved_model_dir
 
 CHILD = """
-import dataclasses, json, sys, threading, time, traceback
+import dataclasses, json, os, site, sys, sysconfig, threading, time, traceback
 import graphkiln
+
+roots = [(p, "site-packages") for p in site.getsitepackages()] + [(sysconfig.get_paths()["stdlib"], "stdlib"),
+         (os.path.dirname(os.path.dirname(graphkiln.__file__)), "")]
+roots = sorted(((p.rstrip("/") + "/", n + "/" if n else n) for p, n in roots), key=lambda r: -len(r[0]))
+
+def short(line):  # paths named from the package root, site-packages or the standard library
+    for root, name in roots:
+        line = line.replace(root, name)
+    return line
 
 slow_s = float(sys.argv[2])
 llm = graphkiln.load(sys.argv[1], kv_cache_tokens=16384)
@@ -43,8 +52,9 @@ def watch():
         if start is not None and step not in sampled and time.perf_counter() - start > slow_s:
             sampled.add(step)
             names = {t.ident: t.name for t in threading.enumerate()}
-            samples.append({"step": step, "stacks": {names.get(i, str(i)): traceback.format_stack(f)[-12:]
-                                                     for i, f in sys._current_frames().items()}})
+            stacks = {names.get(i, str(i)): [short(x) for x in traceback.format_stack(f)[-12:]]
+                      for i, f in sys._current_frames().items()}
+            samples.append({"step": step, "stacks": stacks})
 
 watcher = threading.Thread(target=watch, daemon=True)
 watcher.start()
