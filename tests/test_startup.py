@@ -3,12 +3,9 @@ engine's background preparation (on the CPU: one warm-up run per bucket) is stil
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import threading
-import time
 import weakref
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,7 +22,6 @@ from graphkiln.compiler.artifact_load import read_weights
 from graphkiln.compiler.compiled_model import CompiledModel
 from graphkiln.runtime.builder import build_engine
 from graphkiln.runtime.preparation import Preparation, WarmupJob
-from graphkiln.runtime.late_steps import LATE_S, MAX_WAIT_S, SHARE, late_steps_first
 from graphkiln.runtime.step_lock import StepLock
 
 MANY_SIZES = tuple(range(1, 97))  # 96 decode warm-ups (and prefill 16..64): long enough to step beside
@@ -276,158 +272,3 @@ def test_a_failing_job_is_recorded_and_the_rest_still_run() -> None:
     assert [(p.key, p.error) for p in preparation.done] == [("1", None), ("2", "RuntimeError: no graph for you"),
                                                             ("4", None)]  # fmt: skip
     assert isinstance(preparation.errors[0], RuntimeError)
-
-
-@contextlib.contextmanager
-def taken_over_and_over(lock: StepLock, background: bool) -> Iterator[list[float]]:
-    """A thread that takes `lock` (as a step, or as a background turn) without pause; the times of its turns."""
-    turns, stop = [], threading.Event()
-
-    def take() -> None:
-        while not stop.is_set():
-            with lock(background=background):
-                turns.append(time.perf_counter())
-                time.sleep(0.002)
-
-    thread = threading.Thread(target=take)
-    thread.start()
-    try:
-        time.sleep(0.02)
-        yield turns
-    finally:
-        stop.set()
-        thread.join()
-
-
-def test_a_waiting_background_turn_comes_before_the_next_step() -> None:
-    """A thread that steps without pause cannot starve a background turn: it gets the lock within one step."""
-    lock = StepLock()
-    with taken_over_and_over(lock, background=False) as steps:
-        asked = time.perf_counter()
-        with lock(background=True):
-            got = time.perf_counter()
-            before = len(steps)
-        assert len([t for t in steps[:before] if t > asked]) <= 1  # at most the step that held the lock
-        assert got - asked < 1.0
-
-
-def test_reentrant_for_its_holder() -> None:
-    lock = StepLock()
-    with lock(), lock():
-        pass
-    with lock(background=True), lock():
-        pass
-
-
-def test_a_waiting_step_comes_before_the_next_background_turn() -> None:
-    """Background turns back to back (a preparation's jobs) let a waiting step in after the current one."""
-    lock = StepLock()
-    with taken_over_and_over(lock, background=True) as turns:
-        asked = time.perf_counter()
-        with lock():
-            before = len(turns)
-        assert len([t for t in turns[:before] if t > asked]) <= 1
-
-
-def test_a_taker_held_up_by_a_background_turn_gets_its_wait() -> None:
-    """A taker that finds the lock free waited 0 s; one that waits behind a background turn gets its wait."""
-    lock = StepLock()
-    with lock() as waited:
-        assert waited == 0.0
-    taken, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with lock(background=True):
-            taken.set()
-            release.wait(10)
-
-    holder = threading.Thread(target=hold)
-    holder.start()
-    taken.wait(10)
-    threading.Timer(0.1, release.set).start()
-    with lock() as waited:
-        pass
-    holder.join()
-    assert 0.09 <= waited < 10
-
-
-def _import_fresh(folder: Path, name: str) -> float:
-    """Seconds to import a new module `name` written into `folder` (on sys.path)."""
-    (folder / f"{name}.py").write_text("VALUE = 1\n")
-    start = time.perf_counter()
-    __import__(name)
-    return time.perf_counter() - start
-
-
-def test_a_jobs_imports_give_way_to_a_late_step_and_only_to_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Inside late_steps_first, an import waits for a step that has held the lock past LATE_S (once a step, at
-    most MAX_WAIT_S), not for a step that has just begun, nor for a background turn; other threads' imports
-    never wait."""
-    monkeypatch.syspath_prepend(str(tmp_path))
-    lock = StepLock()
-    held, release = threading.Event(), threading.Event()
-
-    def hold(background: bool) -> None:
-        with lock(background=background):
-            held.set()
-            release.wait(10)
-
-    def timed_import_while_held(name: str, background: bool, age_s: float, release_after_s: float) -> tuple:
-        held.clear(), release.clear()
-        holder = threading.Thread(target=hold, args=(background,))
-        holder.start()
-        assert held.wait(10)
-        time.sleep(age_s)
-        threading.Timer(release_after_s, release.set).start()
-        with late_steps_first(lock) as finder:
-            seconds = _import_fresh(tmp_path, name)
-        holder.join()
-        return seconds, finder.waits
-
-    seconds, waits = timed_import_while_held("gk_late_step", False, LATE_S * 2, 0.05)
-    assert waits == 1 and seconds >= 0.04  # waited for the late step to end
-    seconds, waits = timed_import_while_held("gk_long_step", False, LATE_S * 2, 1.0)
-    assert waits == 1 and MAX_WAIT_S * 0.9 <= seconds < 0.9  # no longer than MAX_WAIT_S
-    seconds, waits = timed_import_while_held("gk_background_turn", True, LATE_S * 2, 0.2)
-    assert waits == 0 and seconds < 0.1
-    release.clear(), held.clear()
-    holder = threading.Thread(target=hold, args=(False,))
-    holder.start()
-    assert held.wait(10)
-    time.sleep(LATE_S * 2)
-    with late_steps_first(lock) as finder:
-        elsewhere = threading.Thread(target=_import_fresh, args=(tmp_path, "gk_other_thread"))
-        start = time.perf_counter()
-        elsewhere.start()
-        elsewhere.join()
-        assert time.perf_counter() - start < 0.1 and finder.waits == 0  # another thread's import: no wait
-    release.set()
-    holder.join()
-
-
-def test_a_job_among_late_steps_gives_way_for_at_most_its_share(tmp_path: Path,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """Steps back to back, each late (a large model's eager steps): the job's imports give way to some of them,
-    and its waits add up to at most SHARE of its time plus one MAX_WAIT_S."""
-    monkeypatch.syspath_prepend(str(tmp_path))
-    lock, stop = StepLock(), threading.Event()
-
-    def steps() -> None:
-        while not stop.is_set():
-            with lock():
-                time.sleep(LATE_S * 4)
-
-    stepping = threading.Thread(target=steps)
-    stepping.start()
-    try:
-        start = time.perf_counter()
-        with late_steps_first(lock) as finder:
-            for i in range(30):
-                _import_fresh(tmp_path, f"gk_among_steps_{i}")
-                time.sleep(0.01)
-        elapsed = time.perf_counter() - start
-    finally:
-        stop.set()
-        stepping.join()
-    assert finder.waits > 1
-    assert finder.waited_s <= SHARE * elapsed + MAX_WAIT_S + 0.02
