@@ -35,8 +35,8 @@ from graphkiln.errors import GraphkilnError, RankFailedError
 from graphkiln.models.weights_reader import indexed
 
 from .capture_pause import captures_paused, paused_here
-from .lockstep import Lockstep, RankReport
 from .late_steps import late_steps_first
+from .lockstep import Lockstep, RankReport
 from .step_lock import StepLock
 
 log = logging.getLogger("graphkiln.runtime")
