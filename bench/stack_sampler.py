@@ -17,14 +17,19 @@ from types import FrameType
 TOP = 40
 
 
-def _where(frame: FrameType) -> str:
-    code = frame.f_code
-    path = code.co_filename
+def short_path(path: str) -> str:
+    """A source path named from site-packages or from the repository (graphkiln/, bench/), not by this machine's
+    folders; others (the standard library) as they are."""
     for marker in ("site-packages/", "graphkiln/", "bench/"):
         if marker in path:
-            path = marker + path.split(marker, 1)[1] if marker != "site-packages/" else path.split(marker, 1)[1]
-            break
-    return f"{path}:{code.co_firstlineno} {code.co_name}"
+            rest = path.split(marker, 1)[1]
+            return rest if marker == "site-packages/" else marker + rest
+    return path
+
+
+def _where(frame: FrameType) -> str:
+    code = frame.f_code
+    return f"{short_path(code.co_filename)}:{code.co_firstlineno} {code.co_name}"
 
 
 class StackSampler:

@@ -20,21 +20,13 @@ import json
 import subprocess
 import sys
 
-from .common import Study, add_study_arguments, log
+from .common import REPO, Study, add_study_arguments, log
 from .startup import ensure_bytecode, saved_model_dir
 
 CHILD = """
-import dataclasses, json, os, site, sys, sysconfig, threading, time, traceback
+import dataclasses, json, sys, threading, time, traceback
 import graphkiln
-
-roots = [(p, "site-packages") for p in site.getsitepackages()] + [(sysconfig.get_paths()["stdlib"], "stdlib"),
-         (os.path.dirname(os.path.dirname(graphkiln.__file__)), "")]
-roots = sorted(((p.rstrip("/") + "/", n + "/" if n else n) for p, n in roots), key=lambda r: -len(r[0]))
-
-def short(line):  # paths named from the package root, site-packages or the standard library
-    for root, name in roots:
-        line = line.replace(root, name)
-    return line
+from bench.stack_sampler import short_path
 
 slow_s = float(sys.argv[2])
 llm = graphkiln.load(sys.argv[1], kv_cache_tokens=16384)
@@ -52,7 +44,8 @@ def watch():
         if start is not None and step not in sampled and time.perf_counter() - start > slow_s:
             sampled.add(step)
             names = {t.ident: t.name for t in threading.enumerate()}
-            stacks = {names.get(i, str(i)): [short(x) for x in traceback.format_stack(f)[-12:]]
+            stacks = {names.get(i, str(i)): [f"{short_path(s.filename)}:{s.lineno} {s.name}: {s.line}"
+                                             for s in traceback.extract_stack(f)[-12:]]
                       for i, f in sys._current_frames().items()}
             samples.append({"step": step, "stacks": stacks})
 
@@ -91,7 +84,7 @@ def main(a: argparse.Namespace) -> int:
         graphkiln.compile_model(source, artifact, graphkiln.CompileConfig(device=study.device, dtype=study.dtype_name))
         for i in range(a.processes):
             proc = subprocess.run([sys.executable, "-c", CHILD, str(artifact), str(a.slow_ms / 1000)],
-                                  capture_output=True, text=True, timeout=600)
+                                  cwd=REPO, capture_output=True, text=True, timeout=600)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("GK_STEPS ")]
             if proc.returncode != 0 or not lines:
                 raise SystemExit(f"process {i} exited {proc.returncode}: {proc.stderr[-2000:]}")
