@@ -16,7 +16,9 @@ counts, with sweeps of the few-row kernels' tiles. A few minutes on the 8b shape
   --quality   instead: each format's logits against the unquantized model's and the tiny model's held-out
               perplexity per format (bench/quality.py)
   --sweep     fp8: at 1 row every GEMV tiling of SWEEP_GEMV, at 2 to 64 rows every tiling of SWEEP_MMA;
-              int4: every tiling of SWEEP_WORD_DOT at 2 to 64 rows; each with every split of K in SPLITS. The five
+              int4: every tiling of SWEEP_WORD_DOT at 2 to 64 rows, of SWEEP_MM (the byte kernel, which
+              int4_linear leaves to dequantize + mm there) at 65 to 256; each with every split of K in
+              SPLITS. The five
               fastest, the rule's own tiles (`*_tiling`) and its time are kept per shape and row count
               (quantized-sweep-<formats>.json), and the best per shape printed at the end, one line each
 
@@ -45,6 +47,10 @@ SWEEP_GEMV = {  # format -> (BLOCK_N, BLOCK_K, warps, stages) tried at 1 row; on
 # (BLOCK_N, warps, stages) of int4_dot tried at 2 to 64 rows; BLOCK_M: the rows up to a power of two (16 to 64),
 # BLOCK_K: 128 (a dot's 16 words)
 SWEEP_WORD_DOT = [(n, warps, 4) for n in (32, 64, 128) for warps in (4, 8)]
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the int4 byte kernel (int4_mm) tried above 64 rows; BLOCK_K
+# divides the group
+SWEEP_MM = [(m, n, k, warps, stages) for m in (64, 128) for n, k, warps, stages in
+            ((64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 8, 4), (128, 64, 4, 4))]
 # (BLOCK_N, BLOCK_K, warps, stages) of the fp8 tensor-core kernel (fp8_mma.py) tried at 2 to 64 rows
 SWEEP_MMA = [(n, k, warps, stages) for n in (64, 128) for k in (64, 128) for warps, stages in ((4, 3), (4, 5), (8, 4))]
 
@@ -158,6 +164,8 @@ def blockwise_scaled_mm(x, weight, scale):
 def sweep_tilings(fmt: str, rows: int) -> list[tuple]:
     """Every tiling the sweep tries for this format at this row count, in the form its kernel's `tiles` takes."""
     block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
+    if fmt == "int4" and rows > 64:
+        return [(m, n, k, False, split, warps, stages) for m, n, k, warps, stages in SWEEP_MM for split in SPLITS]
     if fmt == "int4":
         return [(block_m, n, 128, split, warps, stages) for n, warps, stages in SWEEP_WORD_DOT for split in SPLITS]
     if rows > 1:
@@ -165,8 +173,19 @@ def sweep_tilings(fmt: str, rows: int) -> list[tuple]:
     return [(n, k, split, warps, stages) for n, k, warps, stages in SWEEP_GEMV[fmt] for split in SPLITS]
 
 
+def swept(fmt: str, rows: int) -> bool:
+    """Whether --sweep tries tilings of this format's kernel at this row count."""
+    if fmt == "int4":
+        return 1 < rows <= 256
+    return fmt != "bf16" and rows <= 64
+
+
 def tiled(fmt: str, x, rows: int, tiles: tuple | None):
     """The few-row kernel of this format at this row count with `tiles` (None: its rule's), as fn(weight args)."""
+    if fmt == "int4" and rows > 64:
+        from graphkiln.kernels.int4_linear import int4_mm
+
+        return lambda q, s, z: int4_mm(x, q, s, z, GROUP, tiles=tiles)
     if fmt == "int4":
         from graphkiln.kernels import int4_words as words
 
@@ -181,11 +200,14 @@ def tiled(fmt: str, x, rows: int, tiles: tuple | None):
 def rule_tiles(fmt: str, rows: int, n: int, k: int, device) -> tuple:
     """The tiles the kernels' rule picks for this shape."""
     from graphkiln.kernels import fp8_linear as f
+    from graphkiln.kernels import int4_linear as i4
     from graphkiln.kernels import int4_words as w4
     from graphkiln.kernels.fp8_mma import mma_tiling
     from graphkiln.kernels.split_k import multiprocessors
 
     sms = multiprocessors(device)
+    if fmt == "int4" and rows > 64:
+        return i4.mm_tiling(rows, n, k, GROUP, sms)
     if fmt == "int4":
         return w4.dot_tiling(rows, n, k, sms)
     return f.gemv_tiling(n, k, sms) if rows == 1 else mma_tiling(rows, n, k, sms)
@@ -283,7 +305,7 @@ def main(a: argparse.Namespace) -> int:
                             log(f"{name} {fmt} m={m} {variant}: {row[f'{variant}_error']}")
                             continue
                         row[f"{variant}_us"], row[f"{variant}_of_floor"] = us, floor_us / us
-                    if a.sweep and study.cuda and fmt != "bf16" and m <= 64 and not (fmt == "int4" and m == 1):
+                    if a.sweep and study.cuda and swept(fmt, m):
                         row["sweep"] = sweep(fmt.removesuffix("-block"), x, m, weights, calls)
                     results["shapes"].append(row)
                     log(f"{model:5} {name:8} {fmt:9} m={m:<5} floor {floor_us:8.1f} us | " + " | ".join(

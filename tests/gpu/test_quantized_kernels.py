@@ -246,6 +246,18 @@ def test_int4_kernels_match_float32_with_every_split_of_k(shape, rows, swap_ab, 
     assert relative_error(y, x.float() @ reference_weight.t()) < 0.008
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape,group", [((1000, 2944), 128), ((200, 1152), 32), ((4096, 14336), 128)],
+                         ids=["ragged", "group-32", "8b-down"])
+def test_int4_dequantize_is_the_rounded_float32_weight(shape, group, dtype):
+    """The prefill path's dequantized weight (stored as 32-bit pairs of 16-bit floats) is the float32 weight
+    rounded once: bit for bit, in order along K."""
+    qweight, scales, zeros, reference_weight = int4_weight(*shape, group)
+    got = int4_kernels.dequantize(qweight, scales, zeros, group, dtype)
+    assert got.shape == shape and got.dtype == dtype
+    assert torch.equal(got, reference_weight.to(dtype))
+
+
 @pytest.mark.parametrize("rows", [1, 2, 8])
 @pytest.mark.parametrize("shape", MODEL_SHAPES.values(), ids=MODEL_SHAPES.keys())
 def test_decode_tilings_put_enough_programs_on_every_multiprocessor(shape, rows):
