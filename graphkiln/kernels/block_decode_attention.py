@@ -34,8 +34,8 @@ An fp8 cache (kv_format.py: a float32 scale per token and KV head) is copied the
 byte an element, so a box holds twice the heads' rows of a 16-bit cache for the same bytes. Its
 scales, contiguous in [num_blocks, BLOCK_SIZE, Hkv] beside the cache, are read per block as a
 [HEADS, BLOCK_SIZE] tile by pointer loads (a box of them would need Hkv a multiple of 4 for its
-16-byte strides); the tile is converted to the query's dtype in registers, and the keys' scales
-multiply the logits, the values' scales the probabilities, row by row, as the row kernel does.
+16-byte strides); the tile is converted to float16 in registers (kv_format.py says why), and the keys'
+scales multiply the logits, the values' scales the probabilities, row by row, as the row kernel does.
 The step's new key and value are quantized in registers and attended as stored.
 
 Not served here (the row kernel serves them; runtime/attention/block_decode.py says why): blocks
@@ -53,7 +53,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .decode_attention import merge_splits
-from .kv_format import fp8_scale, head_pad, lanes, to_fp8
+from .kv_format import MIN_TILE_SCALE, dot_query, fp8_scale, head_pad, lanes, to_fp8
 from .pdl import pdl_on
 
 
@@ -80,28 +80,33 @@ def block_scales(scales, row0, start, last, kv_heads, new_scale, NUM_KV_HEADS: t
 
 
 @triton.jit
-def attend_block(q, k, v, k_scale, v_scale, start, last, k_new, v_new, m_i, l_i, acc, scale_log2,
+def attend_block(q, k, v, k_scale, v_scale, start, last, k_new, v_new, m_i, l_i, acc, scale_log2, q_unit,
                  BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr):
     """Online-softmax update of (m_i, l_i, acc) [HEADS, BLOCK_G(, D)] with one block of keys and values
     k, v [BLOCK_SIZE, HEADS, D] at positions from `start`: the row at `last` takes the step's new key
     and value, rows past it are ignored (their values zeroed: a slot never written may hold anything).
-    With FP8 each row's logit and probability are scaled by its key's and value's scale, k_scale and
-    v_scale [HEADS, BLOCK_SIZE] (block_scales)."""
+    With FP8 (q from `dot_query`, divided by q_unit [HEADS, BLOCK_G]) each row's logit and probability are
+    scaled by its key's and value's scale, k_scale and v_scale [HEADS, BLOCK_SIZE] (block_scales)."""
     pos = start + tl.arange(0, BLOCK_SIZE)
     is_new = (pos == last)[:, None, None]
     k = tl.where(is_new, k_new[None, :, :], k)
     v = tl.where(is_new, v_new[None, :, :], tl.where((pos < last)[:, None, None], v, 0.0))
-    qk = tl.dot(q, tl.permute(k, (1, 2, 0)).to(q.dtype), input_precision=PRECISION) * scale_log2
+    qk = tl.dot(q, tl.permute(k, (1, 2, 0)).to(q.dtype), input_precision=PRECISION)
     if FP8:
-        qk = qk * k_scale[:, None, :]
+        qk = qk * (scale_log2 * q_unit)[:, :, None] * k_scale[:, None, :]
+    else:
+        qk = qk * scale_log2
     qk = tl.where((pos <= last)[None, None, :], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 2))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, :, None])
-    weights = p
     if FP8:
-        weights = p * v_scale[:, None, :]
-    pv = tl.dot(weights.to(q.dtype), tl.permute(v, (1, 0, 2)).to(q.dtype), input_precision=PRECISION)
+        v_max = tl.maximum(tl.max(v_scale, 1), MIN_TILE_SCALE)
+        weights = p * (v_scale / v_max[:, None])[:, None, :]
+        pv = tl.dot(weights.to(q.dtype), tl.permute(v, (1, 0, 2)).to(q.dtype), input_precision=PRECISION)
+        pv = pv * v_max[:, None, None]
+    else:
+        pv = tl.dot(p.to(q.dtype), tl.permute(v, (1, 0, 2)).to(q.dtype), input_precision=PRECISION)
     return m_new, l_i * alpha + tl.sum(p, 2), acc * alpha[:, :, None] + pv
 
 
@@ -148,7 +153,9 @@ def _block_decode_kernel(
                         mask=new_mask, other=0.0)
         k_new_scale = scale_log2  # placeholders without FP8
         v_new_scale = scale_log2
+        q_unit = scale_log2
         if FP8:
+            q, q_unit = dot_query(q, 2, PRECISION == "ieee")
             k_new_scale = fp8_scale(tl.max(tl.abs(k_new.to(tl.float32)), 1))
             v_new_scale = fp8_scale(tl.max(tl.abs(v_new.to(tl.float32)), 1))
             k_new = to_fp8(k_new.to(tl.float32), k_new_scale[:, None])
@@ -182,7 +189,7 @@ def _block_decode_kernel(
                 v_scale = block_scales(v_scales, row0, b * BLOCK_SIZE, last, kv_heads, v_new_scale, NUM_KV_HEADS,
                                        BLOCK_SIZE)
             m_i, l_i, acc = attend_block(q, k, v, k_scale, v_scale, b * BLOCK_SIZE, last, k_new, v_new, m_i, l_i, acc,
-                                         scale_log2, BLOCK_SIZE, PRECISION, FP8)
+                                         scale_log2, q_unit, BLOCK_SIZE, PRECISION, FP8)
 
         acc = acc / l_i[:, :, None]  # every running split holds at least one position
         out_row = out_ptr + seq * stride_ot

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .kv_format import fp8_scale, head_pad, lanes, to_fp8
+from .kv_format import MIN_TILE_SCALE, dot_query, fp8_scale, head_pad, lanes, to_fp8
 from .pdl import pdl_on
 
 
@@ -100,25 +100,30 @@ def merge_splits(part_out, part_lse, out_row, first_head, first_part, num_splits
 
 @triton.jit
 def attend_tile(q, k, v, k_scale, v_scale, pos, valid, last, k_new, v_new, k_new_scale, v_new_scale, m_i, l_i, acc,
-                scale_log2, PRECISION: tl.constexpr, FP8: tl.constexpr):
+                scale_log2, q_unit, PRECISION: tl.constexpr, FP8: tl.constexpr):
     """Online-softmax update of (m_i, l_i, acc) with one tile of keys and values at positions `pos`;
-    the tile's rows at `last` take the step's new key and value. With FP8 each row's logit and
-    probability are scaled by its key's and value's scale."""
+    the tile's rows at `last` take the step's new key and value. With FP8 (q from `dot_query`, divided by
+    q_unit per head) each row's logit and probability are scaled by its key's and value's scale."""
     is_new = (pos == last)[:, None]
     k = tl.where(is_new, k_new[None, :], k)
-    qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale_log2
+    qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
     if FP8:
-        qk = qk * tl.where(pos == last, k_new_scale, k_scale)[None, :]
+        qk = qk * (scale_log2 * q_unit)[:, None] * tl.where(pos == last, k_new_scale, k_scale)[None, :]
+    else:
+        qk = qk * scale_log2
     qk = tl.where(valid[None, :], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
     v = tl.where(is_new, v_new[None, :], v)
-    weights = p
     if FP8:
-        weights = p * tl.where(pos == last, v_new_scale, v_scale)[None, :]
-    acc = acc * alpha[:, None] + tl.dot(weights.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
-    return m_new, l_i * alpha + tl.sum(p, 1), acc
+        v_scale = tl.where(pos == last, v_new_scale, v_scale)
+        v_max = tl.maximum(tl.max(v_scale, 0), MIN_TILE_SCALE)
+        weights = p * (v_scale / v_max)[None, :]
+        pv = tl.dot(weights.to(q.dtype), v.to(q.dtype), input_precision=PRECISION) * v_max
+    else:
+        pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + pv
 
 
 @triton.jit
@@ -162,9 +167,11 @@ def _decode_kernel(
                     other=0.0)
         k_new = tl.load(k_ptr + seq * stride_kt + kv_head * stride_kh + dims * stride_kd, mask=dim_mask, other=0.0)
         v_new = tl.load(v_ptr + seq * stride_vt + kv_head * stride_vh + dims * stride_vd, mask=dim_mask, other=0.0)
-        k_new_scale = scale_log2
+        k_new_scale = scale_log2  # placeholders without FP8
         v_new_scale = scale_log2
+        q_unit = scale_log2
         if FP8:
+            q, q_unit = dot_query(q, 1, PRECISION == "ieee")
             k_new_scale = fp8_scale(tl.max(tl.abs(k_new.to(tl.float32)), 0))
             v_new_scale = fp8_scale(tl.max(tl.abs(v_new.to(tl.float32)), 0))
             k_new = to_fp8(k_new.to(tl.float32), k_new_scale)
@@ -186,13 +193,13 @@ def _decode_kernel(
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, HEAD_PAD], tl.float32)
         m_i, l_i, acc = attend_tile(q, k, v, k_scale, v_scale, pos, valid, last, k_new, v_new, k_new_scale,
-                                    v_new_scale, m_i, l_i, acc, scale_log2, PRECISION, FP8)
+                                    v_new_scale, m_i, l_i, acc, scale_log2, q_unit, PRECISION, FP8)
         for tile in range(start + BLOCK_N, end, BLOCK_N):
             pos, valid, k, v, k_scale, v_scale = load_kv_tile(
                 k_cache, v_cache, k_scales, v_scales, table_row, tile, end, last, kv_head, stride_cb, stride_ct,
                 stride_ch, BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_PAD, FP8)
             m_i, l_i, acc = attend_tile(q, k, v, k_scale, v_scale, pos, valid, last, k_new, v_new, k_new_scale,
-                                        v_new_scale, m_i, l_i, acc, scale_log2, PRECISION, FP8)
+                                        v_new_scale, m_i, l_i, acc, scale_log2, q_unit, PRECISION, FP8)
 
         acc = acc / l_i[:, None]  # every running split holds at least one position
         out_row = out_ptr + seq * stride_ot

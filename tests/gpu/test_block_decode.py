@@ -73,15 +73,16 @@ def test_block_decode_fp8_cache_against_float32(heads: tuple, case: str, record_
     run_and_check(block_backend(batch.cache), batch, record_property)
 
 
-def fp8_paged(heads: tuple, lens: list[int], block_size: int, seed: int):
-    """An fp8 cache [blocks, block_size, Hkv, D] (and its row scales) holding sequences of `lens` tokens in
-    shuffled blocks, their block tables and the slots of their last positions."""
+def fp8_paged(heads: tuple, lens: list[int], block_size: int, seed: int, value_scale: float = 3.0):
+    """An fp8 cache [blocks, block_size, Hkv, D] (and its row scales; values of `value_scale` times a normal
+    distribution) holding sequences of `lens` tokens in shuffled blocks, their block tables and the slots of
+    their last positions."""
     dtype, num_heads, num_kv_heads, head_dim = heads
     gen = torch.Generator(device=CUDA).manual_seed(seed)
     per_seq = [-(-n // block_size) for n in lens]
     shape = (sum(per_seq) + 1, block_size, num_kv_heads, head_dim)
     k_cache, k_scales = quantize(torch.randn(shape, generator=gen, device=CUDA))
-    v_cache, v_scales = quantize(torch.randn(shape, generator=gen, device=CUDA) * 3)
+    v_cache, v_scales = quantize(torch.randn(shape, generator=gen, device=CUDA) * value_scale)
     order = torch.randperm(sum(per_seq), generator=gen, device=CUDA) + 1
     tables = torch.zeros(len(lens), max(per_seq), dtype=torch.int32, device=CUDA)
     for i, blocks in enumerate(order.split(per_seq)):
@@ -139,6 +140,39 @@ def test_fp8_cache_at_every_block_size_and_split_count(heads: tuple, block_size:
         torch.testing.assert_close(row_scales.flatten(0, 1)[slots], want_scales, rtol=1e-5, atol=0)
         # one fp8 step: 1/8 of a normal value, 2^-9 below the smallest normal
         torch.testing.assert_close(rows.flatten(0, 1)[slots].float(), want_rows.float(), rtol=0.125, atol=2**-9)
+    expected = fp8_reference(q, k_cache, v_cache, scales, tables, lens, scale)
+    err = ((out.float() - expected).norm() / expected.norm()).item()
+    record_property("rel_err", err)
+    assert err <= TOLERANCE[dtype], f"relative error {err:.3e}"
+
+
+@pytest.mark.parametrize("kernel", ["rows", "blocks"])
+def test_fp8_dots_in_float16_keep_queries_past_its_range_and_values_in_its_subnormals(kernel: str,
+                                                                                     record_property) -> None:
+    """Both decode kernels dot an fp8 tile in float16 (kv_format.py): queries of magnitude 1e5 (past
+    float16's 65504; the softmax scale brings the logits back to order one) and values of 1e-6 (their scales
+    times the probabilities lie in float16's subnormals) still give float32 attention's result."""
+    from graphkiln.kernels.block_decode_attention import block_paged_decode
+    from graphkiln.kernels.decode_attention import paged_decode
+
+    heads = (torch.bfloat16, 32, 8, 128)
+    dtype, num_heads, num_kv_heads, head_dim = heads
+    lens = [1, 17, 300, 2000]
+    k_cache, v_cache, scales, tables, slots = fp8_paged(heads, lens, 16, seed=11, value_scale=1e-6)
+    gen = torch.Generator(device=CUDA).manual_seed(11)
+    q = (torch.randn(len(lens), num_heads, head_dim, generator=gen, device=CUDA) * 1e5).to(dtype)
+    k = torch.randn(len(lens), num_kv_heads, head_dim, generator=gen, device=CUDA).to(dtype)
+    v = (torch.randn(len(lens), num_kv_heads, head_dim, generator=gen, device=CUDA) * 1e-6).to(dtype)
+    assert q.abs().max() > torch.finfo(torch.float16).max
+    out = torch.full_like(q, float("nan"))
+    counters = torch.zeros(len(lens) * num_kv_heads, dtype=torch.int32, device=CUDA)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=CUDA)
+    scale = head_dim**-0.5 * 1e-5
+    args = (q, k, v, k_cache, v_cache, seq_lens, tables, slots, out, scale, counters)
+    if kernel == "rows":
+        paged_decode(*args, num_splits=4, block_n=64, num_warps=4, num_stages=3, scales=scales)
+    else:
+        block_paged_decode(*args, num_splits=4, heads=2, num_warps=4, num_stages=5, scales=scales)
     expected = fp8_reference(q, k_cache, v_cache, scales, tables, lens, scale)
     err = ((out.float() - expected).norm() / expected.norm()).item()
     record_property("rel_err", err)
