@@ -12,13 +12,13 @@ int-to-float conversions (int4_words.py), where the groups hold a dot's 16 words
 and zero point per group, not per weight, and split K so that every multiprocessor has loads in
 flight (split_k.py: partials summed in a second kernel, the same result on every call).
 
-A tiled byte kernel, which dequantizes each weight tile in registers for tensor-core dots, takes what
-the word kernel does not up to DOT_ROWS rows: a qweight whose rows do not start on 4-byte boundaries and
-groups under MIN_DOT_GROUP. Past DOT_ROWS rows (prefill), the weight is dequantized once to x's dtype and
-multiplied by torch.mm: there every fused kernel measured slower, since each weight tile is dequantized
+A tiled byte kernel, which dequantizes each weight tile in registers for tensor-core dots, takes
+DOT_ROWS to MM_ROWS rows, where it measured faster than the word kernel over a layer's products, and
+what the word kernel cannot read below: a qweight whose rows do not start on 4-byte boundaries and
+groups under MIN_DOT_GROUP. Past MM_ROWS rows (prefill), the weight is dequantized once to x's dtype
+and multiplied by torch.mm: there every fused kernel measured slower, since each weight tile is dequantized
 again for every row tile while cuBLAS runs near the compute rate (`python -m bench quantized --sweep`
-times every way). The dequantizing kernel stores each pair of inputs as one 32-bit word, so its stores
-are as wide as its loads. Kernels only, no host sync: capturable.
+times every way). Kernels only, no host sync: capturable.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ from .pdl import pdl_on
 from .split_k import finish, k_steps, multiprocessors, output, split_count
 
 TINYGEMM_ROWS = 4  # up to this many rows: tinygemm, where the layer carries its layout
-DOT_ROWS = 64  # up to this many rows: int4_dot where the groups allow it, else int4_mm; above: dequantize + mm
+DOT_ROWS = 32  # up to this many rows: int4_dot, where the groups allow it
+MM_ROWS = 64  # up to this many rows: int4_mm; above: dequantize the weight, then torch.mm
 MIN_MM_GROUP = 32  # smaller groups mean 16-wide K tiles, whose results were wrong on the H200 at 8 rows
 
 
@@ -174,21 +175,17 @@ def _int4_mm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, M, N, K, STEPS, G, stri
 
 @triton.jit
 def _int4_dequantize_kernel(q_ptr, s_ptr, z_ptr, out_ptr, N, K, G, stride_qn, stride_sn, stride_zn, stride_on,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BF16: tl.constexpr):
-    """out[N, K/2] int32: each word the dequantized pair (q - zeros) * scales of inputs 2j (low half) and 2j + 1
-    (high half) in bfloat16 (BF16) or float16, so that out viewed as [N, K] 16-bit floats is the weight."""
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[N, K] = (q - zeros) * scales, in out's dtype."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.program_id(1) * BLOCK_K
-    js = tl.arange(0, BLOCK_K // 2)
     col_mask = cols < N
-    mask = col_mask[:, None] & (k + 2 * js < K)[None, :]
     s, z = group_params(s_ptr, z_ptr, cols, col_mask, k, K, G, stride_sn, stride_zn, 1, BLOCK_K)
-    b = tl.load(q_ptr + cols[:, None].to(tl.int64) * stride_qn + k // 2 + js[None, :], mask=mask, other=0)
-    dtype: tl.constexpr = tl.bfloat16 if BF16 else tl.float16
-    low = (((b & 15).to(tl.float32) - z) * s).to(dtype).to(tl.uint16, bitcast=True).to(tl.uint32)
-    high = (((b >> 4).to(tl.float32) - z) * s).to(dtype).to(tl.uint16, bitcast=True).to(tl.uint32)
-    pair = (low | (high << 16)).to(tl.int32, bitcast=True)
-    tl.store(out_ptr + cols[:, None].to(tl.int64) * stride_on + k // 2 + js[None, :], pair, mask=mask)
+    w = _dequantize_tile(q_ptr, s, z, cols, col_mask, k, tl.arange(0, BLOCK_K // 2), K, stride_qn, BLOCK_N, BLOCK_K,
+                         out_ptr.dtype.element_ty)
+    ks = k + tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + cols[:, None].to(tl.int64) * stride_on + ks[None, :], w,
+             mask=col_mask[:, None] & (ks < K)[None, :])
 
 
 def gemv_tiling(n: int, k: int, sms: int = 132) -> tuple[int, int, int, int, int]:
@@ -203,7 +200,7 @@ def gemv_tiling(n: int, k: int, sms: int = 132) -> tuple[int, int, int, int, int
 
 def mm_tiling(m: int, n: int, k: int, group_size: int, sms: int = 132) -> tuple[int, int, int, bool, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, swap_ab, splits, warps, stages) of the tiled kernel; BLOCK_K divides the group
-    size. One row tile covers the rows (DOT_ROWS at most, beyond which int4_linear does not take this kernel);
+    size. One row tile covers the rows (MM_ROWS at most, beyond which int4_linear does not take this kernel);
     64-wide slabs, with K split so that every multiprocessor streams."""
     block_m, block_n, block_k, warps, stages = max(16, triton.next_power_of_2(m)), 64, min(group_size, 128), 4, 4
     programs = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
@@ -265,13 +262,13 @@ def int4_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
 
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
                dtype: torch.dtype) -> torch.Tensor:
-    """The weight [N, K] = (q - zeros) * scales, in `dtype` (bfloat16 or float16)."""
+    """The weight [N, K] = (q - zeros) * scales, in `dtype`."""
     n, k = qweight.shape[0], 2 * qweight.shape[1]
     out = torch.empty(n, k, dtype=dtype, device=qweight.device)
     block_k = min(group_size, 128)
     _int4_dequantize_kernel[(triton.cdiv(n, 64), triton.cdiv(k, block_k))](
-        qweight, scales, zeros, out.view(torch.int32), n, k, group_size, qweight.stride(0), scales.stride(0),
-        zeros.stride(0), k // 2, BLOCK_N=64, BLOCK_K=block_k, BF16=dtype == torch.bfloat16,
+        qweight, scales, zeros, out, n, k, group_size, qweight.stride(0), scales.stride(0), zeros.stride(0),
+        out.stride(0), BLOCK_N=64, BLOCK_K=block_k,
     )
     return out
 
@@ -294,6 +291,6 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     qwords = words(qweight)
     if qwords is not None and m <= DOT_ROWS and group_size >= MIN_DOT_GROUP:
         return int4_dot(x, qwords, scales, zeros, group_size)
-    if m <= DOT_ROWS and group_size >= MIN_MM_GROUP:
+    if m <= MM_ROWS and group_size >= MIN_MM_GROUP:
         return int4_mm(x, qweight, scales, zeros, group_size)
     return torch.mm(x, dequantize(qweight, scales, zeros, group_size, x.dtype).t())

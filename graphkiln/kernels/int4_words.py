@@ -1,5 +1,5 @@
 """int4 products that read the packed weight as 32-bit words: the tensor-core kernel behind int4_linear.py at 2
-to 64 rows.
+to 32 rows.
 
 At decode sizes an int4 product is bound by the instructions per weight, not by its bytes: the bytes are
 a quarter of bf16's while the work per weight is not. So the kernel keeps that work to three
@@ -112,11 +112,9 @@ def _int4_dot_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, M, N, K, STEPS, G, str
 
 def dot_tiling(m: int, n: int, k: int, sms: int = 132) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, splits, warps, stages) of `int4_dot`: the rows padded to a power of two (16
-    at least, 64 at most a tile), 64 weight rows a tile (128 from 33 rows, where the sweep of `python -m bench
-    quantized --sweep` found them faster on every 8B-like projection), one 128-input part of a group a step, K
-    split so that every multiprocessor streams."""
-    block_m, block_k = min(64, max(16, triton.next_power_of_2(m))), MIN_DOT_GROUP
-    block_n = 128 if block_m == 64 else 64
+    at least, 64 at most a tile), 64 weight rows a tile, one 128-input part of a group a step, K split so
+    that every multiprocessor streams."""
+    block_m, block_n, block_k = min(64, max(16, triton.next_power_of_2(m))), 64, MIN_DOT_GROUP
     programs = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     splits = split_count(programs, k, block_k, 4 * m * n, n * k // 2, sms)
     return block_m, block_n, block_k, splits, 4, 4
