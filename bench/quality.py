@@ -66,7 +66,7 @@ def perplexity(llm, windows: list[list[int]]) -> float:
     nll, count = 0.0, 0
     for w in windows:
         logits = llm.score(w)
-        nll += F.cross_entropy(logits[:-1], torch.tensor(w[1:]), reduction="sum").item()
+        nll += F.cross_entropy(logits[:-1], torch.tensor(w[1:], device=logits.device), reduction="sum").item()
         count += len(w) - 1
     return math.exp(nll / count)
 
@@ -171,6 +171,7 @@ def main(a: argparse.Namespace) -> int:
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
         prompts = random_prompts(count, length, vocab, seed=0)
         results["logits"] = logit_quality(llms, prompts)
+        study.save(results, study.model)  # a run stopped in the perplexity part keeps the logits
         if not study.smoke:
             close_all(llms)
             llms = engines(tiny_model_dir(), study, work)
