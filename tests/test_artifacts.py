@@ -9,12 +9,14 @@ corruption tests edit private copies of it (`art`).
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import pickle
 import re
 from pathlib import Path
 
 import pytest
+import torch
 
 import graphkiln
 from artifact_helpers import (
@@ -87,6 +89,20 @@ def test_copied_artifact_loads_and_matches_eager(art: Path, eager_tokens: list[l
     llm = graphkiln.load(art, **ENGINE)
     assert llm.manifest["format_version"] == FORMAT_VERSION
     assert greedy_tokens(llm) == eager_tokens
+
+
+def test_graph_keeps_the_attention_submodules_and_no_piece_graphs(artifact: Path) -> None:
+    """graph.pkl holds the stitching graph and its attention submodules; each piece is an empty module, since its
+    compiled code replaces it at load and unpickling its FX graph would only trace it again."""
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    gm = pickle.loads((artifact / "graph.pkl").read_bytes())
+    submodules = manifest["compiled"]["submodules"]
+    assert any(attn for _, attn in submodules) and any(not attn for _, attn in submodules)
+    for name, attn in submodules:
+        module = gm.get_submodule(name)
+        assert isinstance(module, torch.fx.GraphModule) == attn, name
+        assert attn or not list(module.children()) and not list(module.parameters()), name
+    assert [n.target for n in gm.graph.nodes if n.op == "call_module"] == [name for name, _ in submodules]
 
 
 # ---------------------------------------------------------------- refused artifacts

@@ -40,9 +40,17 @@ TOKENIZER_FILE = "tokenizer.json"
 QUANTIZED_FILE = "quantized-weights.safetensors"
 
 
+def stitching_graph(split: SplitGraph) -> torch.fx.GraphModule:
+    """The split graph as the artifact keeps it: the attention submodules, and an empty module in place of each
+    piece, whose compiled code takes its place at load. Unpickling a GraphModule traces its code again, so the
+    pieces' own graphs would cost most of the graph's read and serve nothing there."""
+    modules = {name: split.gm.get_submodule(name) if attn else torch.nn.Module() for name, attn in split.submodules}
+    return torch.fx.GraphModule(modules, split.gm.graph)
+
+
 def save_compiled(compiled: CompiledModel, out: Path) -> dict:
     """Write graph and pieces under `out`; return the manifest section that describes them."""
-    (out / GRAPH_FILE).write_bytes(pickle.dumps(compiled.split.gm))
+    (out / GRAPH_FILE).write_bytes(pickle.dumps(stitching_graph(compiled.split)))
     unique: dict[str, CompiledPiece] = {p.key: p for p in compiled.pieces.values()}
     for key, piece in unique.items():
         folder = out / PIECES_DIR / key
