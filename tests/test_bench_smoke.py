@@ -94,9 +94,13 @@ def test_quantized_study_smoke(bench: Bench, tmp_path: Path) -> None:
     assert all(r["format"] == "bf16" and r["cublas_us"] > 0 and r["floor_us"] > 0 for r in rows)
 
 
-def test_quantized_quality_smoke(bench: Bench, tmp_path: Path) -> None:
+def test_quantized_quality_smoke(bench: Bench, tmp_path: Path, held_out_windows: list[list[int]],
+                                 monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """`bench quantized --quality --smoke`: the tiny model's fp8 and int4 logits against the unquantized ones and
     its held-out perplexity per format, compiled on the CPU; fp8 stays closer to the unquantized model than int4."""
+    from bench import quality
+
+    monkeypatch.setattr(quality, "held_out_windows", lambda: held_out_windows)  # built by the same function, once
     bench("quantized", "--quality", "--smoke", "--out", str(tmp_path))
     results = json.loads((tmp_path / "quality-smoke.json").read_text())
     logits, ppl = results["logits"], results["perplexity"]
