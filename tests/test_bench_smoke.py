@@ -2,9 +2,9 @@
 run --smoke`, `python -m bench serve --smoke`, ...), so the harness keeps pace with the API it measures. Start-up
 children and transformers' compiled row are left out to stay near 30 s each (bench/README.md runs them).
 
-A study whose work is in its own process (compiles, loads, a tensor-parallel group) runs through `python -m
-bench`'s entry point in this process, whose Inductor is already imported and set up; one that times fresh
-processes of its own (startup, weights) runs as `python -m bench` in a subprocess."""
+A study runs through `python -m bench`'s entry point in this process, whose torch and Inductor are already
+imported and set up (its own children, the start-up ones among them, are still fresh processes); the weights
+study, which times reads in its own process under switch intervals it sets, runs as `python -m bench`."""
 
 from __future__ import annotations
 
@@ -116,11 +116,11 @@ def test_quantized_quality_smoke(bench: Bench, tmp_path: Path, held_out_windows:
     markdown = (tmp_path / "quality-smoke.md").read_text()
     assert "| fp8 |" in markdown and "| int4 |" in markdown and "| fp8-rounded |" in markdown
     assert "tiny perplexity" in markdown
-def test_startup_study_smoke(tmp_path: Path) -> None:
+
+
+def test_startup_study_smoke(bench: Bench, tmp_path: Path) -> None:
     """`python -m bench startup --smoke`: the tiny model's warm starts in fresh processes, one breakdown table."""
-    cmd = [sys.executable, "-m", "bench", "startup", "--smoke", "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    stdout = bench("startup", "--smoke", "--out", str(tmp_path))
     results = json.loads((tmp_path / "startup-cpu.json").read_text())
     starts = results["starts"]
     assert list(starts) == ["tiny warm", "tiny warm (again)"]
@@ -136,7 +136,7 @@ def test_startup_study_smoke(tmp_path: Path) -> None:
         seconds = [job["seconds"] for job in child["slowest_jobs"]]  # the pieces job and warm-ups, slowest first
         assert seconds and seconds == sorted(seconds, reverse=True) and seconds[0] > 0
         assert {job["kind"] for job in child["slowest_jobs"]} <= {"pieces", "decode-warmup", "prefill-warmup"}
-    assert "| tiny warm |" in proc.stdout and "| tiny warm |" in (tmp_path / "startup-cpu.md").read_text()
+    assert "| tiny warm |" in stdout and "| tiny warm |" in (tmp_path / "startup-cpu.md").read_text()
 
 
 def test_serving_study_smoke(bench: Bench, tmp_path: Path) -> None:
