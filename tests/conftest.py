@@ -163,6 +163,15 @@ def eager_tokens() -> list[list[int]]:
     return greedy_tokens(graphkiln.LLM.eager("tiny", **ENGINE))
 
 
+@pytest.fixture(scope="session")
+def held_out_windows() -> list[list[int]]:
+    """The tiny model's held-out windows (bench/quality.py parses the standard library's docstrings for them:
+    seconds), built once for the session."""
+    from bench import quality
+
+    return quality.held_out_windows()
+
+
 @pytest.fixture
 def art(artifact: Path, tmp_path: Path) -> Path:
     """A private copy of the session's artifact, free to corrupt."""

@@ -1,25 +1,57 @@
-"""The benchmark's main run and its serving study, end to end on the CPU with tiny shapes (`python -m bench
-run --smoke`, `python -m bench serve --smoke`), so the harness keeps pace with the API it measures. Start-up
-children and transformers' compiled row are left out to stay near 30 s each (bench/README.md runs them)."""
+"""The benchmark's main run and its studies, end to end on the CPU with tiny shapes (`python -m bench
+run --smoke`, `python -m bench serve --smoke`, ...), so the harness keeps pace with the API it measures. Start-up
+children and transformers' compiled row are left out to stay near 30 s each (bench/README.md runs them).
+
+A study runs through `python -m bench`'s entry point in this process, whose torch and Inductor are already
+imported and set up (its own children, the start-up ones among them, are still fresh processes); the weights
+study, which times reads in its own process under switch intervals it sets, runs as `python -m bench`."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent
+Bench = Callable[..., str]
 
 
-def test_main_run_smoke(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "bench", "run", "--smoke", "--no-start", "--static-models", "", "--no-plot",
-           "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+@pytest.fixture
+def bench(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> Bench:
+    """bench(*argv): `python -m bench ARGV` in this process, which must return 0; what it printed. The global
+    random state is kept, and no process group is left behind."""
+    monkeypatch.syspath_prepend(str(REPO))
+    from bench.__main__ import main
+
+    def run(*argv: str) -> str:
+        capsys.readouterr()
+        with torch.random.fork_rng():
+            assert main(list(argv)) == 0
+        assert not dist.is_initialized()
+        return capsys.readouterr().out
+
+    return run
+
+
+def test_main_run_smoke(bench: Bench, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from bench import run
+
+    monkeypatch.setattr(run, "T0", time.time())  # the command's start, from which its budget counts
+    for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):  # it points them at fresh caches it then removes
+        monkeypatch.setenv(name, os.environ.get(name, str(tmp_path / name)))
+    alarm = signal.getsignal(signal.SIGALRM)
+    stdout = bench("run", "--smoke", "--no-start", "--static-models", "", "--no-plot", "--out", str(tmp_path))
+    signal.signal(signal.SIGALRM, alarm)  # its watchdog's handler (the alarm itself is off once it returns)
     [result] = tmp_path.glob("*-cpu-smoke.json")
     results = json.loads(result.read_text())
     assert results["errors"] == []
@@ -35,14 +67,12 @@ def test_main_run_smoke(tmp_path: Path) -> None:
     assert compiled["stats"]["steps_without_graph"]["decode"] > 0
     markdown = result.with_suffix(".md").read_text()
     assert "| graphkiln compiled + CUDA graphs |" in markdown
-    assert "| graphkiln compiled + CUDA graphs |" in proc.stdout
+    assert "| graphkiln compiled + CUDA graphs |" in stdout
 
 
-def test_serve_study_smoke(tmp_path: Path) -> None:
+def test_serve_study_smoke(bench: Bench, tmp_path: Path) -> None:
     """`graphkiln serve` driven over HTTP beside the offline engine: every cell measured both ways."""
-    cmd = [sys.executable, "-m", "bench", "serve", "--smoke", "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    stdout = bench("serve", "--smoke", "--out", str(tmp_path))
     results = json.loads((tmp_path / "serve.json").read_text())
     assert results["errors"] == [] and results["meta"]["smoke"]
     cells = [cell for by_level in results["cells"].values() for cell in by_level.values()]
@@ -53,25 +83,25 @@ def test_serve_study_smoke(tmp_path: Path) -> None:
             assert cell[side]["ttft_ms"]["p50"] <= cell[side]["ttft_ms"]["p99"]
         assert cell["overhead"] > 0
     assert results["server_metrics"]['graphkiln_steps_without_graph_total{kind="decode"}'] > 0
-    assert "overhead" in proc.stdout
+    assert "overhead" in stdout
 
 
-def test_quantized_study_smoke(tmp_path: Path) -> None:
+def test_quantized_study_smoke(bench: Bench, tmp_path: Path) -> None:
     """The quantized products study on the CPU: its bf16 rows and floors (the fp8 and int4 kernels need CUDA)."""
-    cmd = [sys.executable, "-m", "bench", "quantized", "--smoke", "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    bench("quantized", "--smoke", "--out", str(tmp_path))
     rows = json.loads((tmp_path / "quantized.json").read_text())["shapes"]
     assert {(r["name"], r["m"]) for r in rows} == {(n, m) for n in ("qkv", "o", "gate_up", "down") for m in (1, 8)}
     assert all(r["format"] == "bf16" and r["cublas_us"] > 0 and r["floor_us"] > 0 for r in rows)
 
 
-def test_quantized_quality_smoke(tmp_path: Path) -> None:
+def test_quantized_quality_smoke(bench: Bench, tmp_path: Path, held_out_windows: list[list[int]],
+                                 monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """`bench quantized --quality --smoke`: the tiny model's fp8 and int4 logits against the unquantized ones and
     its held-out perplexity per format, compiled on the CPU; fp8 stays closer to the unquantized model than int4."""
-    cmd = [sys.executable, "-m", "bench", "quantized", "--quality", "--smoke", "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    from bench import quality
+
+    monkeypatch.setattr(quality, "held_out_windows", lambda: held_out_windows)  # built by the same function, once
+    bench("quantized", "--quality", "--smoke", "--out", str(tmp_path))
     results = json.loads((tmp_path / "quality-smoke.json").read_text())
     logits, ppl = results["logits"], results["perplexity"]
     for fmt, worst in (("fp8", 0.1), ("int4", 0.2)):
@@ -86,11 +116,11 @@ def test_quantized_quality_smoke(tmp_path: Path) -> None:
     markdown = (tmp_path / "quality-smoke.md").read_text()
     assert "| fp8 |" in markdown and "| int4 |" in markdown and "| fp8-rounded |" in markdown
     assert "tiny perplexity" in markdown
-def test_startup_study_smoke(tmp_path: Path) -> None:
+
+
+def test_startup_study_smoke(bench: Bench, tmp_path: Path) -> None:
     """`python -m bench startup --smoke`: the tiny model's warm starts in fresh processes, one breakdown table."""
-    cmd = [sys.executable, "-m", "bench", "startup", "--smoke", "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    stdout = bench("startup", "--smoke", "--out", str(tmp_path))
     results = json.loads((tmp_path / "startup-cpu.json").read_text())
     starts = results["starts"]
     assert list(starts) == ["tiny warm", "tiny warm (again)"]
@@ -106,14 +136,12 @@ def test_startup_study_smoke(tmp_path: Path) -> None:
         seconds = [job["seconds"] for job in child["slowest_jobs"]]  # the pieces job and warm-ups, slowest first
         assert seconds and seconds == sorted(seconds, reverse=True) and seconds[0] > 0
         assert {job["kind"] for job in child["slowest_jobs"]} <= {"pieces", "decode-warmup", "prefill-warmup"}
-    assert "| tiny warm |" in proc.stdout and "| tiny warm |" in (tmp_path / "startup-cpu.md").read_text()
+    assert "| tiny warm |" in stdout and "| tiny warm |" in (tmp_path / "startup-cpu.md").read_text()
 
 
-def test_serving_study_smoke(tmp_path: Path) -> None:
+def test_serving_study_smoke(bench: Bench, tmp_path: Path) -> None:
     """`python -m bench serving --smoke`: decode rows and a long prompt on the CPU (SDPA), each with its floor."""
-    cmd = [sys.executable, "-m", "bench", "serving", "--smoke", "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    bench("serving", "--smoke", "--out", str(tmp_path))
     result = json.loads((tmp_path / "serving-smoke.json").read_text())
     assert [(r["batch"], r["prompt"]) for r in result["decode"]] == [(1, 16), (2, 64)]
     assert all(r["backend"] == "sdpa" and r["ms_per_step"] > 0 and r["floor_ms"] > 0 for r in result["decode"])
@@ -121,13 +149,11 @@ def test_serving_study_smoke(tmp_path: Path) -> None:
     assert result["errors"] == {} and set(result["load_s"]) == {"sdpa"}
 
 
-def test_tp_decode_study_smoke(tmp_path: Path) -> None:
+def test_tp_decode_study_smoke(bench: Bench, tmp_path: Path) -> None:
     """`python -m bench tp-decode --smoke`: the tiny shapes on 2 gloo ranks, decode and prefill timed, tokens and
     logits compared; the symm_mem_all_reduce row is skipped on the CPU, saying why."""
-    cmd = [sys.executable, "-m", "bench", "tp-decode", "--smoke", "--configs", "tp2,tp2-symm-mem", "--batches", "1",
-           "--prefill", "16", "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    bench("tp-decode", "--smoke", "--configs", "tp2,tp2-symm-mem", "--batches", "1", "--prefill", "16", "--out",
+          str(tmp_path))
     rows = json.loads((tmp_path / "tp-decode.json").read_text())["rows"]
     assert rows["tp2-symm-mem"] == {"config": "tp2-symm-mem", "skipped": "needs CUDA and 2 GPUs"}
     tp2 = rows["tp2"]
@@ -155,26 +181,21 @@ def test_weights_study_smoke(tmp_path: Path) -> None:
     assert "| import | 0.0001 | graphkiln |" in proc.stdout
 
 
-def test_aoti_load_study_smoke(tmp_path: Path) -> None:
+def test_aoti_load_study_smoke(bench: Bench, tmp_path: Path) -> None:
     """`python -m bench aoti-load --smoke`: an AOTInductor package with a mutating op loads and runs in fresh
     processes; with the op registered through torch.library.Library nothing of Inductor, Dynamo or sympy is
     imported, while a torch.library.custom_op imports Dynamo at its first call."""
-    cmd = [sys.executable, "-m", "bench", "aoti-load", "--smoke", "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    bench("aoti-load", "--smoke", "--out", str(tmp_path))
     rows = {r["registration"]: r for r in json.loads((tmp_path / "aoti-load.json").read_text())["rows"]}
     assert rows["library"]["matches"] and rows["custom_op"]["matches"]
     assert not (rows["library"]["inductor"] or rows["library"]["dynamo"] or rows["library"]["sympy"])
     assert rows["custom_op"]["dynamo"]
 
 
-def test_steps_study_smoke(tmp_path: Path) -> None:
+def test_steps_study_smoke(bench: Bench, tmp_path: Path) -> None:
     """Steps beside the background preparation, in a fresh process: every step of the six requests timed, the
     pieces job recorded first, a slow step's sample holding the main thread's stack."""
-    cmd = [sys.executable, "-m", "bench", "steps", "--smoke", "--processes", "1", "--slow-ms", "1", "--out",
-           str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    bench("steps", "--smoke", "--processes", "1", "--slow-ms", "1", "--out", str(tmp_path))
     [run] = json.loads((tmp_path / "steps.json").read_text())["processes"]
     assert len(run["steps_s"]) >= 32 and all(s > 0 for s in run["steps_s"][:-1])
     assert run["prepared"][0][:2] == ["pieces", "compiled"]

@@ -7,7 +7,6 @@ checks call the entry points in-process.
 
 from __future__ import annotations
 
-import io
 import json
 import re
 import shutil
@@ -20,11 +19,8 @@ import pytest
 import graphkiln
 from artifact_helpers import (
     RESULT_PREFIX,
-    SMALL_CONFIG,
-    SMALL_ENGINE,
     SMALL_CONFIG_ARGS,
     compile_cmd,
-    graphkiln_cmd,
     run,
     run_python_json,
     single_error_line,
@@ -206,9 +202,10 @@ def test_dump_dir_without_depyf_is_one_line_naming_the_extra(
     assert not out.exists() and not dump.exists() and not temp_folders(out)
 
 
-def test_piece_keys_are_reproducible(compiled: tuple[Path, dict, str], manifest: dict, tmp_path: Path) -> None:
-    """The same model and config compiled in another process names its pieces the same."""
-    again, _ = graphkiln.compile_model("tiny", tmp_path / "again", SMALL_CONFIG, engine=SMALL_ENGINE)
+def test_piece_keys_are_reproducible(manifest: dict, artifact: Path) -> None:
+    """The same model and config compiled in another process names its pieces the same: the session's artifact,
+    compiled in this process with SMALL_CONFIG and SMALL_ENGINE, against the subprocess's."""
+    again = json.loads((artifact / "manifest.json").read_text())
     assert again["compiled"]["pieces"] == manifest["compiled"]["pieces"]
 
 
@@ -254,12 +251,13 @@ def test_inspect_corrupt_manifest_exits_2(tmp_path: Path, capsys: pytest.Capture
 # ---------------------------------------------------------------- generate
 
 
-def test_generate(compiled: tuple[Path, dict, str]) -> None:
-    proc = run(graphkiln_cmd("generate", compiled[0], "--prompt", "hi", "--max-tokens", "4"))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = proc.stdout.splitlines()
-    assert lines[0].startswith("'hi' -> ")
-    assert re.search(r"\b[1-4] tokens, first token [\d.]+ ms, [\d.]+ tokens/s", proc.stdout), proc.stdout
+def test_generate(compiled: tuple[Path, dict, str], capsys: pytest.CaptureFixture[str]) -> None:
+    """With the engine's own defaults (no --kv-cache-tokens); `python -m graphkiln generate` itself runs in
+    test_tensor_parallel.py's torchrun test."""
+    assert cli.main(["generate", str(compiled[0]), "--prompt", "hi", "--max-tokens", "4"]) == 0
+    stdout = capsys.readouterr().out
+    assert stdout.splitlines()[0].startswith("'hi' -> ")
+    assert re.search(r"\b[1-4] tokens, first token [\d.]+ ms, [\d.]+ tokens/s", stdout), stdout
 
 
 def test_generate_missing_artifact_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

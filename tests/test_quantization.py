@@ -266,11 +266,6 @@ def test_quantized_graph_calls_the_quantized_ops_and_the_linear_passes_leave_the
     assert records["silu_mul_linear"].runs == 1 and records["silu_mul_linear"].matches == 0
 
 
-@pytest.fixture(scope="module")
-def held_out_windows() -> list[list[int]]:
-    return quality.held_out_windows()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("scheme,max_error,min_top1", [("fp8", 0.1, 0.9), ("int4", 0.2, 0.8)])
 def test_quantized_tiny_logits_stay_close_to_bf16(

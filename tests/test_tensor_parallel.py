@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 import graphkiln
-from artifact_helpers import ENGINE, SMALL_CONFIG_ARGS, SMALL_ENGINE, compile_cmd, popen, run, subprocess_env
-from graphkiln import CompileConfig, SamplingParams
+from artifact_helpers import ENGINE, SMALL_CONFIG_ARGS, SMALL_ENGINE, popen, run, subprocess_env
+from graphkiln import CompileConfig, SamplingParams, cli
 from graphkiln.compat import fake_process_group
 from graphkiln.compiler.capture import capture
 from graphkiln.compiler.inductor import structure_key
@@ -190,10 +190,11 @@ def test_more_ranks_than_gpus_is_a_config_error() -> None:
 
 @pytest.fixture(scope="module")
 def tiny_tp(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model (tied embeddings, a tokenizer) compiled for 2 ranks by `compile-model`."""
+    """The tiny model (tied embeddings, a tokenizer) compiled for 2 ranks by `compile-model` (its entry point, in
+    this process: the compile's fake process group is the same in a fresh one)."""
     out = tmp_path_factory.mktemp("tp") / "tiny-tp2"
-    result = run([*compile_cmd("tiny", "-o", out, "--tensor-parallel-size", "2", *SMALL_CONFIG_ARGS), "--quiet"])
-    assert result.returncode == 0, result.stderr
+    assert cli.compile_model_main(["tiny", "-o", str(out), "--tensor-parallel-size", "2", *SMALL_CONFIG_ARGS,
+                                   "--quiet"]) == 0  # fmt: skip
     return out
 
 
