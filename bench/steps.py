@@ -1,13 +1,14 @@
 """Steps served beside the background preparation: how long each engine step takes while the pieces job
 imports Inductor and the graphs are captured, and where every thread was during a slow one.
 
-    python -m bench steps --out $OUT [--model tiny|1b|8b] [--processes 3] [--slow-ms 150]
+    python -m bench steps --out $OUT [--model tiny|1b|8b] [--processes 3] [--slow-ms 50]
 
 The model (the built-in `tiny` by default and with --smoke; `1b`/`8b`: random weights of those shapes) is
 compiled into a scratch artifact, then each fresh process loads it (background preparation, the default
 buckets), submits six requests right away (32 new tokens each, as tests/gpu/test_startup_gpu.py does) and
 times every step until they finish. A watcher thread takes
-every thread's Python stack once a step has run `--slow-ms`. The first process on a machine also
+every thread's Python stack once a step has run `--slow-ms` (and up to three times more, 30 ms apart),
+and Triton's hooks record every kernel built or read from its cache, with the step it fell in. The first process on a machine also
 builds our Triton kernels for the sizes it meets (a cold Triton cache); the next ones show a warm
 start. Installed packages' bytecode is written first (`startup.ensure_bytecode`), as `pip install`
 does: without it the job compiles torch's sources, holding the interpreter lock for each module.
@@ -29,26 +30,48 @@ import graphkiln
 from bench.stack_sampler import short_path
 
 slow_s = float(sys.argv[2])
-llm = graphkiln.load(sys.argv[1], kv_cache_tokens=16384)
-engine = llm.engine
-prompts = [[5 + i] * (1 + 3 * i) for i in range(6)]
-seqs = [engine.add_request(p, graphkiln.SamplingParams(max_tokens=32, ignore_eos=True)) for p in prompts]
-steps, samples = [], []
+SAMPLES, SAMPLE_EVERY_S = 4, 0.03  # stacks a slow step, and how far apart
+steps, samples, kernel_loads, started = [], [], [], {}
 state = {"step": 0, "start": None, "done": False}
 
 def watch():
-    sampled = set()
+    taken = {}
     while not state["done"]:
         time.sleep(0.005)
         start, step = state["start"], state["step"]
-        if start is not None and step not in sampled and time.perf_counter() - start > slow_s:
-            sampled.add(step)
+        if start is None:
+            continue
+        ran, count = time.perf_counter() - start, taken.get(step, 0)
+        if count < SAMPLES and ran > slow_s + SAMPLE_EVERY_S * count:
+            taken[step] = count + 1
             names = {t.ident: t.name for t in threading.enumerate()}
             stacks = {names.get(i, str(i)): [f"{short_path(s.filename)}:{s.lineno} {s.name}: {s.line}"
                                              for s in traceback.extract_stack(f)[-12:]]
                       for i, f in sys._current_frames().items()}
-            samples.append({"step": step, "stacks": stacks})
+            samples.append({"step": step, "at_s": ran, "stacks": stacks})
 
+def kernel_load_started(**kwargs):
+    started[threading.get_ident()] = time.perf_counter()
+    return False
+
+def kernel_loaded(**kwargs):
+    fn = kwargs.get("fn")
+    began = started.pop(threading.get_ident(), None)
+    kernel_loads.append({"step": state["step"] if state["start"] is not None else None,
+                         "thread": threading.current_thread().name,
+                         "kernel": getattr(getattr(fn, "jit_function", fn), "__name__", str(fn)),
+                         "seconds": None if began is None else time.perf_counter() - began})
+
+try:  # before the load, so that its hooks see every Triton kernel built or read from its cache
+    import triton
+    triton.knobs.runtime.jit_cache_hook = kernel_load_started
+    triton.knobs.runtime.jit_post_compile_hook = kernel_loaded
+except ImportError:  # no Triton (the CPU): nothing to see
+    pass
+llm = graphkiln.load(sys.argv[1], kv_cache_tokens=16384)
+engine = llm.engine
+prompts = [[5 + i] * (1 + 3 * i) for i in range(6)]
+seqs = [engine.add_request(p, graphkiln.SamplingParams(max_tokens=32, ignore_eos=True)) for p in prompts]
 watcher = threading.Thread(target=watch, daemon=True)
 watcher.start()
 while any(s.finish_reason is None for s in seqs):
@@ -59,7 +82,7 @@ while any(s.finish_reason is None for s in seqs):
 state["done"] = True
 llm.wait_ready()
 stats = llm.stats()
-print("GK_STEPS " + json.dumps({"steps_s": steps, "slow_steps": samples,
+print("GK_STEPS " + json.dumps({"steps_s": steps, "slow_steps": samples, "kernel_loads": kernel_loads,
       "step_waits": dataclasses.asdict(stats.step_waits),
       "prepared": [[p.kind, p.key, p.seconds, p.done_at_s] for p in stats.prepared]}))
 """
@@ -68,7 +91,7 @@ print("GK_STEPS " + json.dumps({"steps_s": steps, "slow_steps": samples,
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_study_arguments(p, model="tiny")
     p.add_argument("--processes", type=int, default=3, help="fresh processes, one after another (default 3)")
-    p.add_argument("--slow-ms", type=float, default=150, help="a step past this is sampled (default 150)")
+    p.add_argument("--slow-ms", type=float, default=50, help="a step past this is sampled (default 50)")
 
 
 def main(a: argparse.Namespace) -> int:
@@ -94,6 +117,7 @@ def main(a: argparse.Namespace) -> int:
             slowest = sorted(range(len(steps)), key=lambda j: -steps[j])[:4]
             log(f"process {i}: {len(steps)} steps, first {steps[0] * 1e3:.0f} ms, slowest "
                 + ", ".join(f"#{j} {steps[j] * 1e3:.0f} ms" for j in slowest)
-                + f"; pieces in at {run['prepared'][0][3]:.2f} s; {len(run['slow_steps'])} sampled")
+                + f"; pieces in at {run['prepared'][0][3]:.2f} s; {len(run['slow_steps'])} sampled; "
+                + f"{sum(k['step'] is not None for k in run['kernel_loads'])} Triton kernels loaded during steps")
     log(f"wrote {study.save(results)}")
     return 0
