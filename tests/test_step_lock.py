@@ -1,5 +1,5 @@
 """The engine's step lock: steps and background turns alternate, a taker gets its wait, and a background
-job's imports give way to a late step (runtime/late_steps.py) for at most their share of its time."""
+job's Python gives way to a late step (runtime/late_steps.py) for at most its share of the job's time."""
 
 from __future__ import annotations
 
@@ -91,6 +91,10 @@ def test_a_taker_held_up_by_a_background_turn_gets_its_wait() -> None:
 def _import_fresh(folder: Path, name: str) -> float:
     """Seconds to import a new module `name` written into `folder` (on sys.path)."""
     (folder / f"{name}.py").write_text("VALUE = 1\n")
+    return _timed_import(name)
+
+
+def _timed_import(name: str) -> float:
     start = time.perf_counter()
     __import__(name)
     return time.perf_counter() - start
@@ -116,8 +120,9 @@ def test_a_jobs_imports_give_way_to_a_late_step_and_only_to_it(tmp_path: Path, m
         assert held.wait(10)
         time.sleep(age_s)
         threading.Timer(release_after_s, release.set).start()
+        (tmp_path / f"{name}.py").write_text("VALUE = 1\n")  # outside: writing it is a checkpoint too
         with late_steps_first(lock) as finder:
-            seconds = _import_fresh(tmp_path, name)
+            seconds = _timed_import(name)
         holder.join()
         return seconds, finder.waits
 
@@ -168,3 +173,37 @@ def test_a_job_among_late_steps_gives_way_for_at_most_its_share(tmp_path: Path,
         stepping.join()
     assert finder.waits > 1
     assert finder.waited_s <= SHARE * elapsed + MAX_WAIT_S + 0.02
+
+
+def test_a_jobs_long_module_body_gives_way_to_a_step_that_turns_late_inside_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A module whose body runs long (here: code compiled and run in a loop, as dataclasses do) looks at the
+    step lock at its audit events, not only at its imports: a step that starts during the body and turns late
+    pauses the body until it ends."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "gk_long_body.py").write_text(
+        "import time\nTIMES = []\nwhile not TIMES or time.perf_counter() - TIMES[0] < 0.6:\n"
+        "    exec('x = 1')\n    TIMES.append(time.perf_counter())\n    time.sleep(0.002)\n"
+    )
+    lock = StepLock()
+    window = []
+
+    def step() -> None:
+        time.sleep(0.15)
+        with lock():
+            window.append(time.perf_counter())
+            time.sleep(0.08)
+            window.append(time.perf_counter())
+
+    stepping = threading.Thread(target=step)
+    stepping.start()
+    with late_steps_first(lock) as finder:
+        import gk_long_body  # noqa: PLC0415
+    stepping.join()
+    times = gk_long_body.TIMES
+    gaps = [(b - a, a) for a, b in zip(times, times[1:])]
+    longest, at = max(gaps)
+    assert finder.waits == 1
+    assert longest >= 0.08 - LATE_S - 0.01  # paused from the step's turning late to its end
+    assert window[0] <= at <= window[1]
