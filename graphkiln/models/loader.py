@@ -251,7 +251,8 @@ def _fill_weights(model: CausalLM, cfg: ModelConfig, files: dict[Path, Path], de
             staged.append((quantized, entry, dest))
     with torch.no_grad():
         stats = WeightsReader(device).read(reads)
-        sums = [(r.entry, r.dest, _sum(r.dest)) for r in reads]
+        floats = [r for r in reads if r.dest.is_floating_point()]  # integers (packed int4) hold no NaN
+        sums = list(zip([r.entry for r in floats], [r.dest for r in floats], _magnitudes([r.dest for r in floats])))
         for (module, kind, index), entry, tensor in staged:
             fill_quantized(module, kind, index, tensor, f"{entry.path}: tensor {entry.name!r}")
         _check_finite(sums, dtype)
@@ -270,9 +271,15 @@ def _quantized_owner(model: CausalLM, cfg: ModelConfig, entry: TensorEntry) -> t
     return (module, kind, index) if isinstance(module, QuantizedLinear) else None
 
 
-def _sum(tensor: torch.Tensor) -> torch.Tensor:
-    """The sum, accumulated and returned in float32 for float16 (whose sums of finite weights overflow) and fp8."""
-    return _numeric(tensor).sum(dtype=torch.float32 if tensor.dtype == torch.float16 else None)
+def _magnitudes(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each floating-point tensor's sum of magnitudes in float32, finite unless the tensor holds NaN or Inf (or the
+    sum overflows): one launch for all but the fp8 ones (a sum each would be a launch each), which torch cannot
+    reduce, so those one at a time as float32."""
+    out = [t.float().abs().sum() if t.dtype == FP8 else None for t in tensors]
+    plain = [i for i, t in enumerate(tensors) if t.dtype != FP8]
+    for i, total in zip(plain, torch._foreach_norm([tensors[i] for i in plain], 1, dtype=torch.float32)):
+        out[i] = total
+    return out
 
 
 def _numeric(tensor: torch.Tensor) -> torch.Tensor:
