@@ -27,6 +27,7 @@ from graphkiln.models.sharding import Shard
 from graphkiln.runtime.builder import build_engine
 from graphkiln.runtime.capture_pause import captures_paused
 from graphkiln.runtime.config import EngineConfig
+from graphkiln.runtime.gc_pauses import collections_deferred
 from graphkiln.runtime.stats import LoadStats
 from graphkiln.timing import Stopwatch
 from graphkiln.runtime.tensor_parallel import parallel_engine
@@ -136,12 +137,13 @@ def load(
         return _load_parallel(out, source, model_dir, device, dtype, on_mismatch, keys, trusted_keys, serving, manifest)
     pieces = None
     try:
-        if serving.capture == "background":  # serve eagerly until the pieces are in
-            first_rows = (serving.decode_batch_sizes[0], serving.prefill_token_buckets[0])  # the first calls'
-            net, tokenizer, manifest, pieces = read_weights(out, model_dir, device, dtype, keys, clock, first_rows)
-            compiled = None
-        else:
-            net, compiled, tokenizer, manifest = read_artifact(out, model_dir, device, dtype, keys, clock)
+        with collections_deferred():  # no collection pauses among the load's imports (runtime/gc_pauses.py)
+            if serving.capture == "background":  # serve eagerly until the pieces are in
+                first_rows = (serving.decode_batch_sizes[0], serving.prefill_token_buckets[0])  # the first calls'
+                net, tokenizer, manifest, pieces = read_weights(out, model_dir, device, dtype, keys, clock, first_rows)
+                compiled = None
+            else:
+                net, compiled, tokenizer, manifest = read_artifact(out, model_dir, device, dtype, keys, clock)
     except ArtifactError:
         if on_mismatch == "error":
             raise

@@ -20,7 +20,6 @@ score, stats read and close holds the step lock (step_lock.py), which a capture 
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 import weakref
@@ -33,6 +32,7 @@ from graphkiln.errors import CapacityError, ConfigError, RankFailedError, Reques
 
 from .batch import PendingIds
 from .config import EngineConfig
+from .gc_pauses import collect_all
 from .kv_cache import BlockAllocator
 from .preparation import PiecesJob, Preparation
 from .readback import LaunchedStep, ReadBack, TokenEvent, token_logprobs
@@ -156,7 +156,7 @@ class Engine:
         self.runner.release()
         self.pieces = None  # a background load's pieces job: its loader and what it loaded hold the model
         if weights() is not None:  # still held: by such cycles, or by the caller
-            gc.collect()
+            collect_all()  # frozen ones too (gc_pauses.py)
         if cuda:
             torch.cuda.empty_cache()
 

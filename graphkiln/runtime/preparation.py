@@ -35,6 +35,7 @@ from graphkiln.errors import GraphkilnError, RankFailedError
 from graphkiln.models.weights_reader import indexed
 
 from .capture_pause import captures_paused, paused_here
+from .gc_pauses import collections_deferred
 from .late_steps import late_steps_first
 from .lockstep import Lockstep, RankReport
 from .step_lock import StepLock
@@ -166,8 +167,8 @@ class Preparation:
                     return
                 start = time.perf_counter()
                 error = None
-                if hasattr(job, "unlocked"):
-                    with late_steps_first(self.lock):
+                if hasattr(job, "unlocked"):  # the pieces: Inductor's import beside the eager steps
+                    with late_steps_first(self.lock), collections_deferred():
                         error = self._attempt(job.unlocked, job)
                 with captures_paused(), self.lock(background=background):  # in this order: capture_pause.py
                     if self._stop.is_set():
