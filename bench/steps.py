@@ -8,7 +8,8 @@ compiled into a scratch artifact, then each fresh process loads it (background p
 buckets), submits six requests right away (32 new tokens each, as tests/gpu/test_startup_gpu.py does) and
 times every step until they finish. A watcher thread takes
 every thread's Python stack once a step has run `--slow-ms` (and up to three times more, 30 ms apart),
-and Triton's hooks record every kernel built or read from its cache, with the step it fell in. The first process on a machine also
+Triton's hooks record every kernel built or read from its cache, and the collector's callbacks every full
+collection, with the step each fell in. The first process on a machine also
 builds our Triton kernels for the sizes it meets (a cold Triton cache); the next ones show a warm
 start. Installed packages' bytecode is written first (`startup.ensure_bytecode`), as `pip install`
 does: without it the job compiles torch's sources, holding the interpreter lock for each module.
@@ -25,13 +26,13 @@ from .common import REPO, Study, add_study_arguments, log
 from .startup import ensure_bytecode, saved_model_dir
 
 CHILD = """
-import dataclasses, json, sys, threading, time, traceback
+import dataclasses, gc, json, sys, threading, time, traceback
 import graphkiln
 from bench.stack_sampler import short_path
 
 slow_s = float(sys.argv[2])
 SAMPLES, SAMPLE_EVERY_S = 4, 0.03  # stacks a slow step, and how far apart
-steps, samples, kernel_loads, started = [], [], [], {}
+steps, samples, kernel_loads, full_collections, started = [], [], [], [], {}
 state = {"step": 0, "start": None, "done": False}
 
 def watch():
@@ -62,6 +63,15 @@ def kernel_loaded(**kwargs):
                          "kernel": getattr(getattr(fn, "jit_function", fn), "__name__", str(fn)),
                          "seconds": None if began is None else time.perf_counter() - began})
 
+def on_collection(phase, info):
+    if phase == "start":
+        started["gc"] = time.perf_counter()
+    elif info["generation"] == 2:
+        full_collections.append({"step": state["step"] if state["start"] is not None else None,
+                                 "thread": threading.current_thread().name,
+                                 "seconds": time.perf_counter() - started["gc"]})
+
+gc.callbacks.append(on_collection)
 try:  # before the load, so that its hooks see every Triton kernel built or read from its cache
     import triton
     triton.knobs.runtime.jit_cache_hook = kernel_load_started
@@ -83,6 +93,7 @@ state["done"] = True
 llm.wait_ready()
 stats = llm.stats()
 print("GK_STEPS " + json.dumps({"steps_s": steps, "slow_steps": samples, "kernel_loads": kernel_loads,
+      "full_collections": full_collections,
       "step_waits": dataclasses.asdict(stats.step_waits),
       "prepared": [[p.kind, p.key, p.seconds, p.done_at_s] for p in stats.prepared]}))
 """
@@ -118,6 +129,7 @@ def main(a: argparse.Namespace) -> int:
             log(f"process {i}: {len(steps)} steps, first {steps[0] * 1e3:.0f} ms, slowest "
                 + ", ".join(f"#{j} {steps[j] * 1e3:.0f} ms" for j in slowest)
                 + f"; pieces in at {run['prepared'][0][3]:.2f} s; {len(run['slow_steps'])} sampled; "
-                + f"{sum(k['step'] is not None for k in run['kernel_loads'])} Triton kernels loaded during steps")
+                + f"{sum(k['step'] is not None for k in run['kernel_loads'])} Triton kernels loaded and "
+                + f"{sum(c['step'] is not None for c in run['full_collections'])} full collections during steps")
     log(f"wrote {study.save(results)}")
     return 0
