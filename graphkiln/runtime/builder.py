@@ -73,7 +73,7 @@ def build_engine(
     if compiled is not None:
         jobs = use(compiled)
     elif pieces is not None:
-        sizes = (config.decode_batch_sizes[0], config.prefill_token_buckets[0], max_blocks)
+        sizes = (config.decode_batch_sizes[:2], config.prefill_token_buckets[0], max_blocks)
         with torch.inference_mode():
             first_calls(runner, *sizes)
         jobs = [PiecesJob(partial(_first_called, pieces, runner, sizes), use)]
@@ -100,7 +100,7 @@ def prepare(engine: Engine, config: EngineConfig) -> None:
         preparation.start()
 
 
-def _first_called(pieces: Callable[[], CompiledModel], runner: ModelRunner, sizes: tuple[int, int, int]
+def _first_called(pieces: Callable[[], CompiledModel], runner: ModelRunner, sizes: tuple[tuple[int, ...], int, int]
                   ) -> CompiledModel:  # fmt: skip
     """The compiled model `pieces` loads, after its first calls where the attention backend lets them run beside
     the eager steps (off the step lock)."""

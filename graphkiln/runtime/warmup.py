@@ -19,6 +19,9 @@ from .kv_cache import DUMMY_BLOCK
 from .preparation import WarmupJob
 from .prefill_graphs import dummy_slices
 from .runner import ModelRunner
+from .sampler import SamplingTensors, sample
+
+SAMPLED_ROWS = 2  # the sampler's first calls: on more than one row, as a first step serving several requests
 
 
 def warmup_jobs(runner: ModelRunner, decode_sizes: tuple[int, ...], prefill_sizes: tuple[int, ...],
@@ -32,16 +35,23 @@ def warmup_jobs(runner: ModelRunner, decode_sizes: tuple[int, ...], prefill_size
     return decode + prefill
 
 
-def first_calls(runner: ModelRunner, decode_size: int, prefill_size: int, max_blocks: int,
+def first_calls(runner: ModelRunner, decode_sizes: tuple[int, ...], prefill_size: int, max_blocks: int,
                 forward: Callable[..., torch.Tensor] | None = None) -> None:  # fmt: skip
-    """One decode and one prefill forward of `forward` (default: the runner's) on dummy batches, now. Before
-    the engine serves beside a background job, the model's kernels' first calls (launchers, lazy loading) and
-    the lazy imports they make happen here, not in a request's first step and not beside that job's imports
-    (two threads importing the same modules can hand one of them a half-initialized module). The background
-    job calls it for the compiled pieces, off the step lock, before the runner switches to them: their first
-    calls then stall no step."""
-    _run(runner, _decode_slices(decode_size), decode_size, forward)
-    _run(runner, dummy_slices(prefill_size, runner.kv_cache.block_size, max_blocks), prefill_size, forward)
+    """A decode forward of `forward` (default: the runner's) at each of `decode_sizes` and one prefill forward,
+    on dummy batches, now; for the runner's own forward also the logits and the greedy sampler of SAMPLED_ROWS
+    rows. Before the engine serves beside a background job, the model's kernels' first calls (launchers, lazy
+    loading, a kernel's build for one row and for several, which Triton specializes apart) and the lazy imports
+    they make happen here, not in a request's first step and not beside that job's imports (two threads
+    importing the same modules can hand one of them a half-initialized module). The background job calls it for
+    the compiled pieces, off the step lock, before the runner switches to them: their first calls then stall no
+    step."""
+    for n in decode_sizes:
+        _run(runner, _decode_slices(n), n, forward)
+    hidden = _run(runner, dummy_slices(prefill_size, runner.kv_cache.block_size, max_blocks), prefill_size, forward)
+    if forward is None:
+        rows = min(SAMPLED_ROWS, hidden.shape[0])
+        sample(runner.model.compute_logits(hidden[:rows]).float(), SamplingTensors.empty(rows, runner.device),
+               "greedy")
 
 
 def _decode_slices(n: int) -> list[SequenceSlice]:
@@ -50,8 +60,8 @@ def _decode_slices(n: int) -> list[SequenceSlice]:
 
 
 def _run(runner: ModelRunner, slices: list[SequenceSlice], num_tokens: int,
-         forward: Callable[..., torch.Tensor] | None = None) -> None:  # fmt: skip
+         forward: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
     meta = build_metadata(slices, runner.kv_cache.block_size, num_tokens, runner.device)
     zeros = torch.zeros(num_tokens, dtype=torch.int64, device=runner.device)
     with forward_context(ForwardContext(runner.backend.plan(meta))):
-        (forward or runner.forward)(zeros, zeros)
+        return (forward or runner.forward)(zeros, zeros)
