@@ -110,7 +110,7 @@ def attend_block(q, k, v, k_scale, v_scale, start, last, k_new, v_new, m_i, l_i,
     return m_new, l_i * alpha + tl.sum(p, 2), acc * alpha[:, :, None] + pv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])  # the table width varies per eager batch: one build
 def _block_decode_kernel(
     q_ptr, k_ptr, v_ptr, k_desc, v_desc, k_cache, v_cache, k_scales, v_scales, seq_lens, block_tables, slot_mapping,
     out_ptr, part_out, part_lse, counters, scale_log2, num_splits,

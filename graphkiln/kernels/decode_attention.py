@@ -126,7 +126,7 @@ def attend_tile(q, k, v, k_scale, v_scale, pos, valid, last, k_new, v_new, k_new
     return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + pv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])  # the table width varies per eager batch: one build
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, k_cache, v_cache, k_scales, v_scales, seq_lens, block_tables, slot_mapping, out_ptr, part_out,
     part_lse, counters, scale_log2, num_splits,

@@ -94,7 +94,7 @@ def _attend_item(
     tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])  # the table width varies per eager batch: one build
 def _prefill_kernel(
     q_ptr, k_cache, v_cache, k_scales, v_scales, out_ptr, work, query_start, seq_lens, block_tables, scale_log2,
     stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
