@@ -226,8 +226,8 @@ def serving_sweep(h: Heads, shapes: str, copy_bw: float, num_sms: int) -> list[d
     for batch, context in parse_shapes(shapes):
         planned = bench_decode(h, batch, context, copy_bw, num_sms)
         rows.append(dict(planned, planned=True))
-        variants = [DecodeTiles(s, n, w, st) for s in (1, 2, 4, 8, 16, 32) for n, w, st in SERVING_TILES
-                    if s * 64 <= context]
+        variants = [DecodeTiles(s, n, w, st) for s in (1, 2, 4, 8, 16, 32, 64) for n, w, st in SERVING_TILES
+                    if s * 32 <= context]  # splits down to 32 tokens: a lone sequence's latency, below the plan's floor
         best = fitting(lambda t, b=batch, c=context: bench_decode(h, b, c, copy_bw, num_sms, t), variants)
         best.sort(key=lambda r: r["us"])
         rows += best[:8]
