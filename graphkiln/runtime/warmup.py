@@ -40,11 +40,10 @@ def first_calls(runner: ModelRunner, decode_sizes: tuple[int, ...], prefill_size
     """A decode forward of `forward` (default: the runner's) at each of `decode_sizes` and one prefill forward,
     on dummy batches, now; for the runner's own forward also the logits and the greedy sampler of SAMPLED_ROWS
     rows. Before the engine serves beside a background job, the model's kernels' first calls (launchers, lazy
-    loading, a kernel's build for one row and for several, which Triton specializes apart) and the lazy imports
-    they make happen here, not in a request's first step and not beside that job's imports (two threads
-    importing the same modules can hand one of them a half-initialized module). The background job calls it for
-    the compiled pieces, off the step lock, before the runner switches to them: their first calls then stall no
-    step."""
+    loading; the projections' GEMV at one row and cuBLAS at several) and the lazy imports they make happen
+    here, not in a request's first step and not beside that job's imports (two threads importing the same
+    modules can hand one of them a half-initialized module). The background job calls it for the compiled
+    pieces, off the step lock, before the runner switches to them: their first calls then stall no step."""
     for n in decode_sizes:
         _run(runner, _decode_slices(n), n, forward)
     hidden = _run(runner, dummy_slices(prefill_size, runner.kv_cache.block_size, max_blocks), prefill_size, forward)
