@@ -252,7 +252,7 @@ def _fill_weights(model: CausalLM, cfg: ModelConfig, files: dict[Path, Path], de
     with torch.no_grad():
         stats = WeightsReader(device).read(reads)
         floats = [r for r in reads if r.dest.is_floating_point()]  # integers (packed int4) hold no NaN
-        sums = list(zip([r.entry for r in floats], [r.dest for r in floats], _magnitudes([r.dest for r in floats])))
+        sums = [(r.entry, r.dest, total) for r, total in zip(floats, _magnitudes([r.dest for r in floats]))]
         for (module, kind, index), entry, tensor in staged:
             fill_quantized(module, kind, index, tensor, f"{entry.path}: tensor {entry.name!r}")
         _check_finite(sums, dtype)
@@ -277,8 +277,9 @@ def _magnitudes(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     reduce, so those one at a time as float32."""
     out = [t.float().abs().sum() if t.dtype == FP8 else None for t in tensors]
     plain = [i for i, t in enumerate(tensors) if t.dtype != FP8]
-    for i, total in zip(plain, torch._foreach_norm([tensors[i] for i in plain], 1, dtype=torch.float32)):
-        out[i] = total
+    if plain:  # _foreach_norm refuses an empty list
+        for i, total in zip(plain, torch._foreach_norm([tensors[i] for i in plain], 1, dtype=torch.float32)):
+            out[i] = total
     return out
 
 
