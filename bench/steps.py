@@ -32,7 +32,8 @@ from bench.stack_sampler import short_path
 
 slow_s = float(sys.argv[2])
 SAMPLES, SAMPLE_EVERY_S = 4, 0.03  # stacks a slow step, and how far apart
-steps, samples, kernel_loads, full_collections, started = [], [], [], [], {}
+steps, samples, kernel_loads, full_collections = [], [], [], []
+building, collecting = {}, {}  # when each thread began a kernel's build or read; when a collection began
 state = {"step": 0, "start": None, "done": False}
 
 def watch():
@@ -52,12 +53,12 @@ def watch():
             samples.append({"step": step, "at_s": ran, "stacks": stacks})
 
 def kernel_load_started(**kwargs):
-    started[threading.get_ident()] = time.perf_counter()
+    building[threading.get_ident()] = time.perf_counter()
     return False
 
 def kernel_loaded(**kwargs):
     fn = kwargs.get("fn")
-    began = started.pop(threading.get_ident(), None)
+    began = building.pop(threading.get_ident(), None)
     kernel_loads.append({"step": state["step"] if state["start"] is not None else None,
                          "thread": threading.current_thread().name,
                          "kernel": getattr(getattr(fn, "jit_function", fn), "__name__", str(fn)),
@@ -65,11 +66,11 @@ def kernel_loaded(**kwargs):
 
 def on_collection(phase, info):
     if phase == "start":
-        started["gc"] = time.perf_counter()
+        collecting["at"] = time.perf_counter()
     elif info["generation"] == 2:
         full_collections.append({"step": state["step"] if state["start"] is not None else None,
                                  "thread": threading.current_thread().name,
-                                 "seconds": time.perf_counter() - started["gc"]})
+                                 "seconds": time.perf_counter() - collecting["at"]})
 
 gc.callbacks.append(on_collection)
 try:  # before the load, so that its hooks see every Triton kernel built or read from its cache
