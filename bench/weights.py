@@ -180,9 +180,12 @@ def child_main(spec: dict) -> None:
     result: dict = {}
 
     def read() -> None:
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        result.update(read_once(spec["way"], path, dests, device))
+        try:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            result.update(read_once(spec["way"], path, dests, device))
+        except Exception as e:  # reported to the parent, which raises it with the row it was for
+            result["error"] = f"{type(e).__name__}: {e}"
 
     with lowered_switch_interval(spec["switch_interval"]):
         start = time.perf_counter()
@@ -203,7 +206,10 @@ def beside_import(way: str, path: Path, device, interval: float | None, dest_dty
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(CHILD_PREFIX)]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"weights child {way} exited {proc.returncode}: {(proc.stderr or proc.stdout)[-1500:]}")
-    return json.loads(lines[-1][len(CHILD_PREFIX) :])
+    result = json.loads(lines[-1][len(CHILD_PREFIX) :])
+    if "error" in result:
+        raise RuntimeError(f"weights child {way}: the read beside the import failed: {result['error']}")
+    return result
 
 
 def measure(way: str, condition: str, interval: float | None, path: Path, dests: dict, device, a) -> dict:
