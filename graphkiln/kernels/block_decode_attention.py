@@ -54,6 +54,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .decode_attention import merge_splits
 from .kv_format import MIN_TILE_SCALE, dot_query, fp8_scale, head_pad, lanes, to_fp8
+from .launch import launch
 from .pdl import pdl_on
 
 
@@ -237,7 +238,8 @@ def block_paged_decode(
     if num_splits > 1:
         part_out = torch.empty((num_seqs, num_heads, num_splits, padded), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
-    _block_decode_kernel[(triton.cdiv(num_kv_heads, heads), num_splits, num_seqs)](
+    launch(
+        _block_decode_kernel, (triton.cdiv(num_kv_heads, heads), num_splits, num_seqs),
         q, k, v, k_desc, v_desc, k_cache, v_cache, k_scales, v_scales, seq_lens, block_tables, slot_mapping, out,
         part_out, part_lse, counters, scale * 1.4426950408889634, num_splits,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),

@@ -30,6 +30,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .kv_format import MIN_TILE_SCALE, dot_query, fp8_scale, head_pad, lanes, to_fp8
+from .launch import launch
 from .pdl import pdl_on
 
 
@@ -239,7 +240,8 @@ def paged_decode(
     if num_splits > 1:
         part_out = torch.empty((num_seqs, num_heads, num_splits, padded), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
-    _decode_kernel[(num_kv_heads, num_splits, num_seqs)](
+    launch(
+        _decode_kernel, (num_kv_heads, num_splits, num_seqs),
         q, k, v, k_cache, v_cache, k_scales, v_scales, seq_lens, block_tables, slot_mapping, out, part_out, part_lse,
         counters, scale * 1.4426950408889634, num_splits,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),

@@ -30,6 +30,7 @@ from graphkiln.errors import ConfigError
 from .few_rows import FEW_ROWS
 from .fp8_mma import fp8_mma
 from .gemv import _k_mask
+from .launch import launch
 from .pdl import pdl_on
 from .split_k import finish, k_steps, multiprocessors, output, split_count
 
@@ -169,7 +170,8 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     sub = min(block_k, BLOCK)
     out = output(1, n, splits, x.dtype, x.device)
     launch_pdl = pdl_on(x.device)
-    _fp8_gemv_kernel[(triton.cdiv(n, block_n), splits)](
+    launch(
+        _fp8_gemv_kernel, (triton.cdiv(n, block_n), splits),
         x, weight, weight_scale, out, n, k, steps, weight.stride(0), weight_scale.stride(0), n, BLOCK_N=block_n,
         BLOCK_K=block_k, SUB=sub, ACC_K=block_k // sub if block_scales else block_k, EVEN_K=k % block_k == 0,
         BLOCK_SCALES=block_scales, STAGES=stages, PDL=launch_pdl,
@@ -192,7 +194,8 @@ def quantize_rows(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tens
         width = group
     block = triton.next_power_of_2(width)
     if m:
-        _quantize_groups_kernel[(m, groups)](
+        launch(
+            _quantize_groups_kernel, (m, groups),
             x, q, scales, k, x.stride(0), q.stride(0), scales.stride(0), scales.stride(1), GROUP=width, BLOCK=block,
             num_warps=max(1, min(16, block // 512)),
         )
@@ -208,7 +211,8 @@ def dequantize_blocks(weight: torch.Tensor, weight_scale: torch.Tensor, dtype: t
     """weight [N, K] times its 128 x 128 block scales, in `dtype`."""
     n, k = weight.shape
     out = torch.empty(n, k, dtype=dtype, device=weight.device)
-    _dequantize_blocks_kernel[(triton.cdiv(n, 64), triton.cdiv(k, 128))](
+    launch(
+        _dequantize_blocks_kernel, (triton.cdiv(n, 64), triton.cdiv(k, 128)),
         weight, weight_scale, out, n, k, weight.stride(0), weight_scale.stride(0), out.stride(0),
         BLOCK_N=64, BLOCK_K=128,
     )

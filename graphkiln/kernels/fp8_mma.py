@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from .launch import launch
 from .pdl import pdl_on
 from .split_k import finish, k_steps, multiprocessors, output, split_count
 
@@ -87,7 +88,8 @@ def fp8_mma(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     splits, steps = k_steps(k, splits, block_k)
     out = output(m, n, splits, x.dtype, x.device)
     launch_pdl = pdl_on(x.device)
-    _fp8_mma_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m), splits)](
+    launch(
+        _fp8_mma_kernel, (triton.cdiv(n, block_n), triton.cdiv(m, block_m), splits),
         x, weight, weight_scale, out, m, n, k, steps, x.stride(0), weight.stride(0), weight_scale.stride(0),
         m * n, n, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_SCALES=weight_scale.dim() == 2,
         PDL=launch_pdl, num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from .launch import launch
 from .pdl import pdl_on
 
 
@@ -82,7 +83,8 @@ def gemv(
     block_n, block_k, warps, stages = tiles or tiling(n, k)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     launch_pdl = pdl_on(x.device)
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
+    launch(
+        _gemv_kernel, (triton.cdiv(n, block_n),),
         x, weight, y, n, k, weight.stride(0), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         GATED=gated, PDL=launch_pdl, num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,
     )
@@ -106,5 +108,5 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     y = torch.empty(rows, half, dtype=x.dtype, device=x.device)
     block = 1024
     if rows:
-        _silu_mul_kernel[(rows, triton.cdiv(half, block))](x, y, half, x.stride(0), y.stride(0), BLOCK=block)
+        launch(_silu_mul_kernel, (rows, triton.cdiv(half, block)), x, y, half, x.stride(0), y.stride(0), BLOCK=block)
     return y

@@ -33,6 +33,7 @@ from graphkiln.errors import ConfigError
 from .fp8_linear import gemv_tiling as fp8_gemv_tiling
 from .gemv import _k_mask
 from .int4_words import MIN_DOT_GROUP, group_params, int4_dot, words
+from .launch import launch
 from .pdl import pdl_on
 from .split_k import finish, k_steps, multiprocessors, output, split_count
 
@@ -234,7 +235,8 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     splits, steps = k_steps(k, splits, block_k)
     out = output(1, n, splits, x.dtype, x.device)
     launch_pdl = pdl_on(x.device)
-    _int4_gemv_kernel[(triton.cdiv(n, block_n), splits)](
+    launch(
+        _int4_gemv_kernel, (triton.cdiv(n, block_n), splits),
         x, qweight, scales, zeros, out, n, k, steps, group_size, qweight.stride(0), scales.stride(0),
         zeros.stride(0), n, BLOCK_N=block_n, BLOCK_K=block_k, SUB=min(block_k, group_size), EVEN_K=k % block_k == 0,
         STAGES=stages, PDL=launch_pdl, num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,
@@ -252,7 +254,8 @@ def int4_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     splits, steps = k_steps(k, splits, block_k)
     out = output(m, n, splits, x.dtype, x.device)
     launch_pdl = pdl_on(x.device)
-    _int4_mm_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m), splits)](
+    launch(
+        _int4_mm_kernel, (triton.cdiv(n, block_n), triton.cdiv(m, block_m), splits),
         x, qweight, scales, zeros, out, m, n, k, steps, group_size, x.stride(0), qweight.stride(0),
         scales.stride(0), zeros.stride(0), m * n, n, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         SWAP_AB=swap_ab, PDL=launch_pdl, num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,
@@ -266,7 +269,8 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     n, k = qweight.shape[0], 2 * qweight.shape[1]
     out = torch.empty(n, k, dtype=dtype, device=qweight.device)
     block_k = min(group_size, 128)
-    _int4_dequantize_kernel[(triton.cdiv(n, 64), triton.cdiv(k, block_k))](
+    launch(
+        _int4_dequantize_kernel, (triton.cdiv(n, 64), triton.cdiv(k, block_k)),
         qweight, scales, zeros, out, n, k, group_size, qweight.stride(0), scales.stride(0), zeros.stride(0),
         out.stride(0), BLOCK_N=64, BLOCK_K=block_k,
     )

@@ -28,6 +28,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from graphkiln.errors import ConfigError
 
+from .launch import launch
 from .pdl import pdl_on
 from .split_k import finish, k_steps, multiprocessors, output, split_count
 
@@ -133,7 +134,8 @@ def int4_dot(x: torch.Tensor, qwords: torch.Tensor, scales: torch.Tensor, zeros:
     splits, steps = k_steps(k, splits, block_k)
     out = output(m, n, splits, x.dtype, x.device)
     launch_pdl = pdl_on(x.device)
-    _int4_dot_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m), splits)](
+    launch(
+        _int4_dot_kernel, (triton.cdiv(n, block_n), triton.cdiv(m, block_m), splits),
         x, qwords, scales, zeros, out, m, n, k, steps, group_size, x.stride(0), qwords.stride(0), scales.stride(0),
         zeros.stride(0), m * n, n, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PDL=launch_pdl,
         num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from .kv_format import fp8_scale, head_pad, lanes, to_fp8
+from .launch import launch
 
 
 @triton.jit
@@ -59,7 +60,8 @@ def write_kv(
     slots_k = k_cache.view(-1, heads, dim)
     slots_v = v_cache.view(-1, heads, dim)
     k_scales, v_scales = scales if scales is not None else (slots_k, slots_v)
-    _write_kv_kernel[(tokens,)](
+    launch(
+        _write_kv_kernel, (tokens,),
         k, v, slots_k, slots_v, k_scales, v_scales, slot_mapping,
         *k.stride(), *v.stride(),
         slots_k.stride(0), slots_k.stride(1),

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from .decode_attention import load_paged_scales, load_paged_tile
 from .kv_format import head_pad, lanes
+from .launch import launch
 
 
 @triton.jit
@@ -125,7 +126,8 @@ def paged_prefill(
     """
     num_heads, head_dim = q.shape[1:]
     k_scales, v_scales = scales if scales is not None else (k_cache, v_cache)
-    _prefill_kernel[(programs, num_heads)](
+    launch(
+        _prefill_kernel, (programs, num_heads),
         q, k_cache, v_cache, k_scales, v_scales, out, work, query_start, seq_lens, block_tables,
         scale * 1.4426950408889634, *q.stride(), *out.stride(),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),

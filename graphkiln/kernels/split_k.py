@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from .launch import launch
 from .pdl import pdl_on
 
 RESIDENT = 4  # programs per multiprocessor the split count aims for
@@ -90,7 +91,8 @@ def finish(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     splits, m, n = out.shape
     y = torch.empty(m, n, dtype=dtype, device=out.device)
     launch_pdl = pdl_on(out.device)
-    _sum_splits_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
+    launch(
+        _sum_splits_kernel, (triton.cdiv(m * n, SUM_BLOCK),),
         out, y, m * n, splits, PDL=launch_pdl, BLOCK=SUM_BLOCK, num_warps=4, launch_pdl=launch_pdl,
     )
     return y

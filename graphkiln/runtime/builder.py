@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from graphkiln.compiler.compiled_model import CompiledModel
+from graphkiln.kernels.launch import builds_ahead
 from graphkiln.models.sharding import local_config
 from graphkiln.models.transformer import CausalLM
 
@@ -19,6 +20,7 @@ from .config import EngineConfig
 from .decode_graphs import DecodeGraphs
 from .engine import Engine
 from .graphs import CaptureSetup, GraphPool
+from .kernel_builds import KernelBuildsJob
 from .kv_cache import BlockAllocator
 from .kv_dtype import cache_dtype
 from .lockstep import Lockstep
@@ -75,6 +77,9 @@ def build_engine(
     elif pieces is not None:
         sizes = (config.decode_batch_sizes[:2], config.prefill_token_buckets[0], max_blocks)
         with torch.inference_mode():
+            if device.type == "cuda":
+                with builds_ahead():  # their kernels' builds all at once (kernels/launch.py)
+                    first_calls(runner, *sizes)
             first_calls(runner, *sizes)
         jobs = [PiecesJob(partial(_first_called, pieces, runner, sizes), use)]
     scheduler = Scheduler(allocator, max_context, config.max_num_batched_tokens, config.max_num_seqs)
@@ -87,13 +92,14 @@ def build_engine(
 
 
 def prepare(engine: Engine, config: EngineConfig) -> None:
-    """Start the engine's preparation: in the background, or all of it now (largest first: smaller graphs
-    reuse the pool's memory)."""
+    """Start the engine's preparation: in the background, or all of it now (the kernels' builds, then the
+    captures largest first: smaller graphs reuse the pool's memory)."""
     preparation = engine.preparation
     if not preparation.jobs:
         preparation.skip()
     elif config.capture == "blocking":
-        preparation.jobs.reverse()
+        builds = [job for job in preparation.jobs if isinstance(job, KernelBuildsJob)]
+        preparation.jobs = builds + [job for job in reversed(preparation.jobs) if job not in builds]
         preparation.run_now()
         log.info("prepared %d buckets in %.2f s", preparation.planned, sum(d.seconds for d in preparation.done))
     else:
@@ -124,8 +130,8 @@ def _use_compiled(runner: ModelRunner, config: EngineConfig, max_blocks: int, ca
 
 def _graphs(runner: ModelRunner, compiled: CompiledModel, config: EngineConfig, max_blocks: int,
             prefill_sizes: tuple[int, ...], decode_sizes: tuple[int, ...]) -> list[Job]:  # fmt: skip
-    """The graph strategies, in one pool, and their capture jobs: decode buckets (a step's most common
-    kind), then prefill buckets, each smallest first."""
+    """The graph strategies, in one pool, and their jobs: the kernels' builds (kernel_builds.py), then the
+    captures of decode buckets (a step's most common kind) and of prefill buckets, each smallest first."""
     setup = CaptureSetup(GraphPool(), runner.backend, config.block_size, max_blocks, runner.device)
     split_at_attention = any(attn for _, attn in compiled.split.submodules)
     if prefill_sizes and runner.backend.capturable_prefill:
@@ -134,4 +140,9 @@ def _graphs(runner: ModelRunner, compiled: CompiledModel, config: EngineConfig, 
         runner.prefill_graphs = PiecewisePrefillGraphs(setup, prefill_sizes, compiled, config.max_num_seqs)
     if runner.backend.capturable_decode and decode_sizes:
         runner.decode_graphs = DecodeGraphs(setup, decode_sizes, compiled, runner.model.compute_logits)
-    return [job for strategy in (runner.decode_graphs, runner.prefill_graphs) if strategy for job in strategy.jobs()]
+    strategies = [strategy for strategy in (runner.decode_graphs, runner.prefill_graphs) if strategy]
+    captures = [job for strategy in strategies for job in strategy.jobs()]
+    if not captures or not runner.backend.concurrent_plans:  # (the builds' dry steps plan off the step lock)
+        return captures
+    dry = [strategy for strategy in strategies if isinstance(strategy, (DecodeGraphs, PrefillGraphs))]
+    return [KernelBuildsJob([step for strategy in dry for step in strategy.dry_steps()]), *captures]

@@ -49,6 +49,11 @@ class DecodeGraphs:
         with self.graphs.capturing((size, mode)):
             self.graphs.capture((size, mode), partial(self._step, size, mode))
 
+    def dry_steps(self) -> list[Callable[[], Sampled]]:
+        """Each bucket's greedy step, to run once outside any capture (kernel_builds.py): the kernels the
+        captures launch are the same in every sampling mode."""
+        return [partial(self._step, size, "greedy") for size in self.graphs.sizes]
+
     def jobs(self) -> list[CaptureJob]:
         """One capture per bucket and sampling mode, smallest bucket first."""
         return [CaptureJob(self.graphs, f"{size}/{mode}", partial(self._capture_one, size, mode), (size, mode))

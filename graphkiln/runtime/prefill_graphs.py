@@ -102,13 +102,24 @@ class PrefillGraphs(_StaticPrefill):
         return min(self.batch.max_seqs, size)
 
     def _capture_bucket(self, size: int) -> None:
+        self.graphs.capture(size, self._planned_step(size))
+
+    def dry_steps(self) -> list[Callable[[], torch.Tensor]]:
+        """Each bucket's step on its dummy batch, to run once outside any capture (kernel_builds.py)."""
+        return [partial(self._dry_step, size) for size in self.graphs.sizes]
+
+    def _dry_step(self, size: int) -> torch.Tensor:
+        return self._planned_step(size)()
+
+    def _planned_step(self, size: int) -> Callable[[], torch.Tensor]:
+        """The bucket's forward, attention planned for its dummy batch."""
         attention = self._load(self._dummy(size), size)
 
         def step() -> torch.Tensor:
             with forward_context(attention):
                 return self.forward(*self._inputs(size))
 
-        self.graphs.capture(size, step)
+        return step
 
     def run(self, batch: Batch, pending: InputIds | None, size: int) -> torch.Tensor:
         """Hidden states [batch tokens, hidden] of a prefill (or mixed) step in bucket `size` (`bucket`)."""

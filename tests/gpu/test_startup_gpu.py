@@ -86,6 +86,40 @@ print(json.dumps({{"tokens": tokens, "ready_at_first_step": ready_at_first_step,
     assert max(result["steps_s"][1:]) < result["longest_job_s"] + 0.05
 
 
+def test_kernels_are_built_on_the_builders_pool_with_triton_cache_empty(tmp_path: Path) -> None:
+    """With Triton's cache empty (a fresh machine or container), every graphkiln kernel that load's first calls
+    and the captures launch is built on the builders' pool (kernels/launch.py), several at once, none by the
+    thread that launches it; the builds job comes before the captures, and every graph is captured."""
+    out = tmp_path / "art"
+    graphkiln.compile_model("tiny", out, CompileConfig(device="cuda", dtype="bfloat16"))
+    script = f"""
+import json, threading, triton, graphkiln
+builds = []
+def built(**kw):
+    info = kw["fn"]
+    builds.append([threading.current_thread().name, info.module, info.name, kw.get("is_manual_warmup")])
+triton.knobs.runtime.jit_post_compile_hook = built
+llm = graphkiln.load({str(out)!r}, **{ENGINE!r})
+llm.wait_ready()
+done = llm.generate([[5, 6, 7], [9] * 40], graphkiln.SamplingParams(max_tokens=8, ignore_eos=True))
+stats = llm.stats()
+print(json.dumps({{"builds": builds, "prepared": [[p.kind, p.key, p.error] for p in stats.prepared],
+                  "tokens": [len(o.token_ids) for o in done], "replays": sum(stats.graphs["decode"].replays.values())}}))
+"""
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton"))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    ours = [b for b in result["builds"] if b[1].startswith("graphkiln.kernels")]
+    record("startup_kernel_builds", {"builds": len(ours), "threads": len({b[0] for b in ours})})
+    assert ours, "no graphkiln kernel was built: nothing was tested"
+    assert [b for b in ours if not b[0].startswith("graphkiln-kernel-build") or not b[3]] == []
+    assert len({b[0] for b in ours}) > 1 or len(ours) == 1 or os.cpu_count() < 4
+    kinds = [p[0] for p in result["prepared"]]
+    assert kinds.index("kernels") < kinds.index("decode") and [p for p in result["prepared"] if p[2]] == []
+    assert result["tokens"] == [8, 8] and result["replays"] > 0
+
+
 def test_random_draws_inside_captures_paused_beside_background_captures(tmp_path: Path) -> None:
     """While an engine captures its graphs in the background, random draws on the device inside
     `captures_paused()` succeed and every graph is still captured; without the capture lock a draw raises

@@ -1,0 +1,1 @@
+"""kernels: graphkiln's Triton kernels (GEMV, attention, KV writes, quantized products) and their launches."""
