@@ -6,8 +6,9 @@ later process: a second or more per build, one at a time, on the launching threa
 a dozen or more such builds of its attention and GEMV kernels. Within a `builds_ahead()` block, a launch on
 that thread builds its kernel on a pool of threads instead of running it (Triton's `warmup`), and returns
 at once: a dry run of the code that will launch them (a capture's step, say) starts every build it needs
-together. A launch outside such a block first waits for the builds of its kernel still under way, so it
-never builds what the pool is building.
+together, and a launch that specializes as one already started (every layer's, which differ in their
+pointers only) starts none. A launch outside such a block first waits for the builds of its kernel still
+under way, so it never builds what the pool is building.
 
 Triton spends most of a build outside the interpreter lock (its compiler passes, ptxas), so builds on
 several threads overlap. The module imports no Triton itself: it only calls the kernels it is handed.
@@ -16,9 +17,10 @@ several threads overlap. The module imports no Triton itself: it only calls the 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextvars import ContextVar
 from typing import Any
@@ -29,6 +31,7 @@ MAX_BUILDERS = 8
 
 _ahead: ContextVar[ThreadPoolExecutor | None] = ContextVar("graphkiln_builds_ahead", default=None)
 _pending: dict[Any, list[Future]] = {}  # kernel -> builds started and not yet waited for
+_started: set[tuple] = set()  # the builds started, by what they specialize on (`_specialized`)
 _pending_lock = threading.Lock()
 
 
@@ -36,8 +39,12 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Non
     """`kernel[grid](*args, **kwargs)`, or, within `builds_ahead()` on this thread, its build started."""
     pool = _ahead.get()
     if pool is not None:
-        device = torch.cuda.current_device()
-        future = pool.submit(_build, kernel, device, grid, args, kwargs)
+        key = (kernel, tuple(_specialized(a) for a in args), tuple(sorted(kwargs.items())))
+        with _pending_lock:
+            if key in _started:
+                return
+            _started.add(key)
+        future = pool.submit(_build, kernel, torch.cuda.current_device(), grid, args, kwargs)
         with _pending_lock:
             _pending.setdefault(kernel, []).append(future)
         return
@@ -90,6 +97,26 @@ def _forget(futures: list[Future]) -> None:
                 _pending[kernel] = left
             else:
                 del _pending[kernel]
+
+
+def _specialized(arg: Any, exact: bool = False) -> Hashable:
+    """What a build specializes on of a runtime argument, as Triton does: a tensor's dtype and 16-byte alignment,
+    an integer's width and whether it is 1 or a multiple of 16, a float's type; a host-side tensor descriptor by
+    its fields, their numbers `exact` (its block shape is compiled in). So the launches of every layer, which
+    differ only in their pointers, start one build. Constexprs and options, passed by keyword, count by value."""
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() % 16 == 0
+    if isinstance(arg, (bool, str)) or arg is None or (exact and isinstance(arg, (int, float))):
+        return arg
+    if isinstance(arg, int):
+        return int, arg == 1, arg % 16 == 0, -(2**31) <= arg < 2**31
+    if isinstance(arg, float):
+        return float
+    if isinstance(arg, (tuple, list)):
+        return tuple(_specialized(a, exact) for a in arg)
+    if dataclasses.is_dataclass(arg):
+        return type(arg), tuple(_specialized(getattr(arg, f.name), True) for f in dataclasses.fields(arg))
+    return id(arg)  # unknown: a build of its own
 
 
 def _build(kernel: Any, device: int, grid: tuple[int, ...], args: tuple, kwargs: dict) -> None:

@@ -77,9 +77,6 @@ def build_engine(
     elif pieces is not None:
         sizes = (config.decode_batch_sizes[:2], config.prefill_token_buckets[0], max_blocks)
         with torch.inference_mode():
-            if device.type == "cuda":
-                with builds_ahead():  # their kernels' builds all at once (kernels/launch.py)
-                    first_calls(runner, *sizes)
             first_calls(runner, *sizes)
         jobs = [PiecesJob(partial(_first_called, pieces, runner, sizes), use)]
     scheduler = Scheduler(allocator, max_context, config.max_num_batched_tokens, config.max_num_seqs)
@@ -112,6 +109,9 @@ def _first_called(pieces: Callable[[], CompiledModel], runner: ModelRunner, size
     the eager steps (off the step lock)."""
     compiled = pieces()
     if runner.backend.concurrent_plans:
+        if runner.device.type == "cuda":
+            with builds_ahead():  # the kernels they launch, built at once (kernels/launch.py)
+                first_calls(runner, *sizes, forward=compiled)
         first_calls(runner, *sizes, forward=compiled)
     return compiled
 
