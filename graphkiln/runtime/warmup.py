@@ -22,6 +22,8 @@ from .runner import ModelRunner
 from .sampler import SamplingTensors, sample
 
 SAMPLED_ROWS = 2  # the sampler's first calls: on more than one row, as a first step serving several requests
+FIRST_PROMPT_TOKENS = 64  # the first calls' prefill: a prompt this long or longer takes the prefill kernel's
+# tallest tiles (runtime/attention/triton_backend.py), as most prompts do; a shorter one builds its own
 
 
 def warmup_jobs(runner: ModelRunner, decode_sizes: tuple[int, ...], prefill_sizes: tuple[int, ...],
@@ -39,18 +41,19 @@ def first_calls(runner: ModelRunner, decode_sizes: tuple[int, ...], prefill_size
                 forward: Callable[..., torch.Tensor] | None = None) -> None:  # fmt: skip
     """A decode forward of `forward` (default: the runner's) at each of `decode_sizes` and one prefill forward,
     on dummy batches, now; for the runner's own forward also the logits and the greedy sampler of SAMPLED_ROWS
-    rows. Before the engine serves beside a background job, the model's kernels' first calls (launchers, lazy
-    loading; the projections' GEMV at one row and cuBLAS at several) and the lazy imports they make happen
-    here, not in a request's first step and not beside that job's imports (two threads importing the same
-    modules can hand one of them a half-initialized module). The background job calls it for the compiled
-    pieces, off the step lock, before the runner switches to them: their first calls then stall no step."""
+    rows and of one (a single request's first token). Before the engine serves beside a background job, the
+    model's kernels' first calls (launchers, lazy loading; the projections' GEMV at one row and cuBLAS at
+    several) and the lazy imports they make happen here, not in a request's first step and not beside that
+    job's imports (two threads importing the same modules can hand one of them a half-initialized module). The
+    background job calls it for the compiled pieces, off the step lock, before the runner switches to them:
+    their first calls then stall no step."""
     for n in decode_sizes:
         _run(runner, _decode_slices(n), n, forward)
     hidden = _run(runner, dummy_slices(prefill_size, runner.kv_cache.block_size, max_blocks), prefill_size, forward)
     if forward is None:
-        rows = min(SAMPLED_ROWS, hidden.shape[0])
-        sample(runner.model.compute_logits(hidden[:rows]).float(), SamplingTensors.empty(rows, runner.device),
-               "greedy")
+        for rows in sorted({1, min(SAMPLED_ROWS, hidden.shape[0])}):  # one row's LM head is our GEMV, more cuBLAS
+            sample(runner.model.compute_logits(hidden[:rows]).float(), SamplingTensors.empty(rows, runner.device),
+                   "greedy")
 
 
 def _decode_slices(n: int) -> list[SequenceSlice]:
