@@ -26,7 +26,7 @@ from collections.abc import Iterator
 
 from .step_lock import StepLock
 
-LATE_S = 0.02  # a step that has run this long gets the interpreter to itself at the job's next checkpoint
+LATE_S = 0.005  # a step that has run this long gets the interpreter to itself at the job's next checkpoint
 MAX_WAIT_S = 0.1
 SHARE = 0.5  # of the job's time, at most, spent giving way
 
