@@ -30,7 +30,7 @@ import torch
 MAX_BUILDERS = 8
 
 _ahead: ContextVar[ThreadPoolExecutor | None] = ContextVar("graphkiln_builds_ahead", default=None)
-_pending: dict[Any, list[Future]] = {}  # kernel -> builds started and not yet waited for
+_pending: list[tuple[Any, Future]] = []  # (kernel, build) of the builds started and not yet seen done
 _started: set[tuple] = set()  # the builds started, by what they specialize on (`_specialized`)
 _pending_lock = threading.Lock()
 
@@ -46,9 +46,10 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Non
             _started.add(key)
         future = pool.submit(_build, kernel, torch.cuda.current_device(), grid, args, kwargs)
         with _pending_lock:
-            _pending.setdefault(kernel, []).append(future)
+            _pending.append((kernel, future))
         return
-    _wait_for(kernel)
+    if _pending:  # (empty once every build was waited for: a launch then takes no lock)
+        wait_for_builds(kernel)
     kernel[grid](*args, **kwargs)
 
 
@@ -71,32 +72,14 @@ def builds_ahead() -> Iterator[None]:
         pool.shutdown(wait=False)
 
 
-def wait_for_builds() -> None:
-    """Wait for every build started so far; a build that failed is left to its launch, which builds the kernel
-    itself and raises the error where it is called."""
+def wait_for_builds(kernel: Any = None) -> None:
+    """Wait for every build started so far (of `kernel` only, if given); a build that failed is left to its
+    launch, which builds the kernel itself and raises the error where it is called."""
     with _pending_lock:
-        futures = [f for builds in _pending.values() for f in builds]
+        futures = [future for k, future in _pending if kernel is None or k is kernel]
     wait(futures)
-    _forget(futures)
-
-
-def _wait_for(kernel: Any) -> None:
     with _pending_lock:
-        futures = _pending.get(kernel)
-    if futures:
-        wait(futures)
-        _forget(futures)
-
-
-def _forget(futures: list[Future]) -> None:
-    done = set(futures)
-    with _pending_lock:
-        for kernel in list(_pending):
-            left = [f for f in _pending[kernel] if f not in done]
-            if left:
-                _pending[kernel] = left
-            else:
-                del _pending[kernel]
+        _pending[:] = [(k, future) for k, future in _pending if not future.done()]
 
 
 def _specialized(arg: Any, exact: bool = False) -> Hashable:
