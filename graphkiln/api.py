@@ -29,6 +29,7 @@ from graphkiln.runtime.capture_pause import captures_paused
 from graphkiln.runtime.config import EngineConfig
 from graphkiln.runtime.gc_pauses import collections_deferred
 from graphkiln.runtime.stats import LoadStats
+from graphkiln.runtime.warmup import first_call_sizes
 from graphkiln.timing import Stopwatch
 from graphkiln.runtime.tensor_parallel import parallel_engine
 from graphkiln.version import __version__
@@ -139,7 +140,8 @@ def load(
     try:
         with collections_deferred():  # no collection pauses among the load's imports (runtime/gc_pauses.py)
             if serving.capture == "background":  # serve eagerly until the pieces are in
-                first_rows = (serving.decode_batch_sizes[0], serving.prefill_token_buckets[0])  # the first calls'
+                decode_sizes, prefill_size = first_call_sizes(serving)
+                first_rows = (*decode_sizes, prefill_size)  # the engine's first calls'
                 net, tokenizer, manifest, pieces = read_weights(out, model_dir, device, dtype, keys, clock, first_rows)
                 compiled = None
             else:

@@ -30,7 +30,7 @@ from .preparation import Job, PiecesJob, Preparation
 from .runner import ModelRunner, Padding
 from .scheduler import Scheduler
 from .step_lock import StepLock
-from .warmup import FIRST_PROMPT_TOKENS, first_calls, warmup_jobs
+from .warmup import first_call_sizes, first_calls, warmup_jobs
 
 if TYPE_CHECKING:
     from .tensor_parallel import Peers
@@ -75,7 +75,7 @@ def build_engine(
     if compiled is not None:
         jobs = use(compiled)
     elif pieces is not None:
-        sizes = (config.decode_batch_sizes[:2], max(config.prefill_token_buckets[0], FIRST_PROMPT_TOKENS), max_blocks)
+        sizes = (*first_call_sizes(config), max_blocks)
         with torch.inference_mode():
             first_calls(runner, *sizes)
         jobs = [PiecesJob(partial(_first_called, pieces, runner, sizes), use)]

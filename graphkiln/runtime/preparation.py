@@ -167,7 +167,7 @@ class Preparation:
                     return
                 start = time.perf_counter()
                 error = None
-                if hasattr(job, "unlocked"):  # the pieces: Inductor's import beside the eager steps
+                if hasattr(job, "unlocked"):  # the pieces (Inductor's import), the kernels' builds: beside the steps
                     with late_steps_first(self.lock), collections_deferred():
                         error = self._attempt(job.unlocked, job)
                 with captures_paused(), self.lock(background=background):  # in this order: capture_pause.py

@@ -15,6 +15,7 @@ import torch
 from graphkiln.models.attention import ForwardContext, forward_context
 
 from .attention.metadata import SequenceSlice, build_metadata
+from .config import EngineConfig
 from .kv_cache import DUMMY_BLOCK
 from .preparation import WarmupJob
 from .prefill_graphs import dummy_slices
@@ -35,6 +36,11 @@ def warmup_jobs(runner: ModelRunner, decode_sizes: tuple[int, ...], prefill_size
     prefill = [WarmupJob("prefill-warmup", str(n), partial(_run, runner, dummy_slices(n, block, max_blocks), n))
                for n in prefill_sizes]  # fmt: skip
     return decode + prefill
+
+
+def first_call_sizes(config: EngineConfig) -> tuple[tuple[int, ...], int]:
+    """The decode batch sizes and the prefill token count of an engine's first calls (`first_calls`)."""
+    return config.decode_batch_sizes[:2], max(config.prefill_token_buckets[0], FIRST_PROMPT_TOKENS)
 
 
 def first_calls(runner: ModelRunner, decode_sizes: tuple[int, ...], prefill_size: int, max_blocks: int,
