@@ -5,7 +5,8 @@ counts, with sweeps of the few-row kernels' tiles. A few minutes on the 8b shape
 
   bf16        cuBLAS (torch.mm); at 1 row the Triton GEMV behind graphkiln::linear
   fp8         fp8_linear with per-channel scales (what it picks), and each candidate: the one-row GEMV,
-              the fp8 tensor-core kernel quantizing x in registers (mma), per-token quantization +
+              the fp8 tensor-core kernel quantizing x in registers (mma) or, above FEW_ROWS rows, multiplying x
+              quantized per token by a kernel before it (mma_quantized), per-token quantization +
               torch._scaled_mm (rowwise)
   fp8-block   the same with 128 x 128 block scales; candidates: the GEMV, the mma kernel, 1 x 128
               quantization + block-scaled _scaled_mm (where this torch has it), dequantize + torch.mm
@@ -15,7 +16,8 @@ counts, with sweeps of the few-row kernels' tiles. A few minutes on the 8b shape
               (the GEMV at 1 row, the tiled mm_kernel), dequantize + mm
   --quality   instead: each format's logits against the unquantized model's and the tiny model's held-out
               perplexity per format (bench/quality.py)
-  --sweep     fp8: at 1 row every GEMV tiling of SWEEP_GEMV, at 2 to 64 rows every tiling of SWEEP_MMA;
+  --sweep     fp8: at 1 row every GEMV tiling of SWEEP_GEMV, at 2 to 64 rows every tiling of SWEEP_MMA (above
+              FEW_ROWS rows on x quantized first, as mma_quantized);
               int4: every tiling of SWEEP_WORD_DOT at 2 to 64 rows, of SWEEP_MM (the byte kernel, which
               int4_linear leaves to dequantize + mm there) at 65 to 256; each with every split of K in
               SPLITS. The five
@@ -53,6 +55,7 @@ SWEEP_MM = [(m, n, k, warps, stages) for m in (64, 128) for n, k, warps, stages 
             ((64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 8, 4), (128, 64, 4, 4))]
 # (BLOCK_N, BLOCK_K, warps, stages) of the fp8 tensor-core kernel (fp8_mma.py) tried at 2 to 64 rows
 SWEEP_MMA = [(n, k, warps, stages) for n in (64, 128) for k in (64, 128) for warps, stages in ((4, 3), (4, 5), (8, 4))]
+SWEEP_MMA += [(256, 128, 8, stages) for stages in (3, 4)]
 
 
 def weight_bytes(fmt: str, n: int, k: int) -> int:
@@ -118,6 +121,8 @@ def candidates(fmt: str, x, rows: int, tinygemm: dict | None = None) -> dict:
             out["gemv"] = lambda w, s: f.fp8_gemv(x, w, s)
         if rows <= 256:
             out["mma"] = lambda w, s: fp8_mma(x, w, s)
+        if f.FEW_ROWS < rows <= 256:
+            out["mma_quantized"] = lambda w, s: quantized_mma(x, w, s)
         if fmt == "fp8":
             out["scaled_mm"] = lambda w, s: rowwise_scaled_mm(x, w, s)
         else:
@@ -143,6 +148,16 @@ def candidates(fmt: str, x, rows: int, tinygemm: dict | None = None) -> dict:
 
         out["tinygemm"] = tiny
     return out
+
+
+def quantized_mma(x, weight, scale, tiles=None):
+    """x quantized as for torch._scaled_mm (per token, per 1 x 128 group for block scales), then fp8_mma on the
+    fp8 rows: what fp8_linear runs from FEW_ROWS + 1 to MMA_ROWS rows."""
+    from graphkiln.kernels.fp8_linear import BLOCK, quantize_rows
+    from graphkiln.kernels.fp8_mma import fp8_mma
+
+    q, scale_a = quantize_rows(x, BLOCK if scale.dim() == 2 else None)
+    return fp8_mma(q, weight, scale, tiles, x_scale=scale_a, out_dtype=x.dtype)
 
 
 def rowwise_scaled_mm(x, weight, scale):
@@ -190,9 +205,11 @@ def tiled(fmt: str, x, rows: int, tiles: tuple | None):
         from graphkiln.kernels import int4_words as words
 
         return lambda q, s, z: words.int4_dot(x, words.words(q), s, z, GROUP, tiles=tiles)
-    from graphkiln.kernels.fp8_linear import fp8_gemv
+    from graphkiln.kernels.fp8_linear import FEW_ROWS, fp8_gemv
     from graphkiln.kernels.fp8_mma import fp8_mma
 
+    if rows > FEW_ROWS:
+        return lambda w, s: quantized_mma(x, w, s, tiles)
     kernel = fp8_gemv if rows == 1 else fp8_mma
     return lambda w, s: kernel(x, w, s, tiles=tiles)
 

@@ -8,7 +8,8 @@ One row: the GEMV layout of gemv.py (a slab of weight rows per program over a ra
 weight converted in registers and multiplied by the unquantized activation. 2 to FEW_ROWS rows:
 fp8_mma.py, the fp8 weight straight into fp8 tensor cores and the activation quantized in
 registers per 1 x 128 group. Both split K so that every multiprocessor has loads in flight
-(split_k.py: partials summed in a second kernel, the same result on every call).
+(split_k.py: partials summed in a second kernel, the same result on every call). FEW_ROWS + 1 to
+MMA_ROWS rows: the activation quantized first, as for torch._scaled_mm below, then fp8_mma on it.
 More rows (prefill): the activation is quantized to fp8 (per token for per-channel weights, per
 1 x 128 group for block weights; with `input_scale`, by that static per-tensor scale) and the
 product runs on fp8 tensor cores in torch._scaled_mm; block weights where that torch build has no
@@ -37,6 +38,7 @@ from .split_k import finish, k_steps, multiprocessors, output, split_count
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 BLOCK = 128  # the side of a weight-scale block
+MMA_ROWS = 64  # up to this many rows fp8_mma multiplies the quantized activation; torch._scaled_mm above
 
 
 @triton.jit
@@ -262,7 +264,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     weight_scale: float32 [N] per output channel or [ceil(N/128), ceil(K/128)] per block. input_scale:
     a static per-tensor activation scale (float32, one element) used where a kernel of its own quantizes the
     activation (more than FEW_ROWS rows); without it activations are scaled per token or per 1 x 128 group.
-    One row is multiplied unquantized; 2 to FEW_ROWS rows are quantized per 1 x 128 group in registers."""
+    One row is multiplied unquantized; 2 to FEW_ROWS rows are quantized per 1 x 128 group in registers; up to
+    MMA_ROWS fp8_mma multiplies the quantized rows, torch._scaled_mm more."""
     _check(x, weight, weight_scale)
     block_scales = _block_scales(weight, weight_scale)
     x, weight_scale = x if x.stride(1) == 1 else x.contiguous(), weight_scale.contiguous()
@@ -274,20 +277,25 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         return fp8_gemv(x, weight, weight_scale)
     if m <= FEW_ROWS:
         return fp8_mma(x, weight, weight_scale)
-    if not scaled_mm_fits(x, weight, block_scales):
+    if m > MMA_ROWS and not scaled_mm_fits(x, weight, block_scales):
         if block_scales:  # no block-scaled _scaled_mm: cuBLAS on the dequantized weight
             return torch.mm(x, dequantize_blocks(weight, weight_scale, x.dtype).t())
         return fp8_mma(x, weight, weight_scale)
-    if block_scales:
-        if input_scale is None:
-            xq, scale_a = quantize_rows(x, BLOCK)
-        else:
-            xq = quantize_static(x, input_scale)
-            scale_a = input_scale.reshape(1, 1).expand(k // BLOCK, m).contiguous().t()
-        return scaled_mm(xq, weight.t(), scale_a, weight_scale.t(), x.dtype)
     if input_scale is None:
-        xq, scale_a = quantize_rows(x)
+        xq, scale_a = quantize_rows(x, BLOCK if block_scales else None)
     else:
         xq = quantize_static(x, input_scale)
-        scale_a = input_scale.reshape(1, 1).expand(m, 1).contiguous()
-    return scaled_mm(xq, weight.t(), scale_a, weight_scale.view(1, n), x.dtype)
+        groups = triton.cdiv(k, BLOCK) if block_scales else 1
+        scale_a = input_scale.reshape(1, 1).expand(groups, m).contiguous().t()
+    return quantized_product(xq, scale_a, weight, weight_scale, x.dtype)
+
+
+def quantized_product(xq: torch.Tensor, scale_a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """fp8 rows xq [M, K] times their scales (float32 [M, 1] per row, or [M, K/128] per 1 x 128 group, column-major
+    as quantize_rows makes them) @ the dequantized fp8 weight^T, in `dtype`: fp8_mma up to MMA_ROWS rows (a
+    tiling of its own for every row count), torch._scaled_mm above."""
+    if xq.shape[0] <= MMA_ROWS:
+        return fp8_mma(xq, weight, weight_scale, x_scale=scale_a, out_dtype=dtype)
+    scale_b = weight_scale.t() if weight_scale.dim() == 2 else weight_scale.view(1, -1)
+    return scaled_mm(xq, weight.t(), scale_a, scale_b, dtype)

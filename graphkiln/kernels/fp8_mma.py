@@ -14,6 +14,11 @@ K step's fp32 partial is scaled by its activation groups' scales (and, for 128 x
 by the weight block's) before it is added up. K is split across programs as in split_k.py.
 Weight scales are per output channel ([N]) or per 128 x 128 block; BLOCK_K divides 128, so a step
 sits in one block. Only kernels are launched, so the product can be captured in a CUDA graph.
+
+Past a few rows quantizing x in every program costs more than it saves: each of the N / BLOCK_N
+programs rounds the same rows again. There x comes already quantized (fp8 with a float32 scale per
+row or per 1 x 128 group, as fp8_linear.quantize_rows makes it, one launch for all programs) and the
+kernel only loads it.
 """
 
 from __future__ import annotations
@@ -29,11 +34,12 @@ from .split_k import finish, k_steps, multiprocessors, output, split_count
 
 
 @triton.jit(do_not_specialize=["M", "STEPS", "stride_os"])  # one build for every row count and split
-def _fp8_mma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, STEPS, stride_xm, stride_wn, stride_sn, stride_os,
-                    stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    BLOCK_SCALES: tl.constexpr, PDL: tl.constexpr):
+def _fp8_mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, M, N, K, STEPS, stride_xm, stride_xsm, stride_xsg,
+                    stride_wn, stride_sn, stride_os, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, BLOCK_SCALES: tl.constexpr, X_FP8: tl.constexpr,
+                    X_GROUPS: tl.constexpr, PDL: tl.constexpr):
     """out[split, M, N] for one BLOCK_N slab of weight rows and one BLOCK_M tile of x rows over a split of K
-    (STEPS steps of BLOCK_K)."""
+    (STEPS steps of BLOCK_K). X_FP8: x is fp8 already, scaled by xs per row or (X_GROUPS) per 128-wide group."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     split = tl.program_id(2)
@@ -54,15 +60,24 @@ def _fp8_mma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, STEPS, stride_xm, str
         k = k_start + step * BLOCK_K
         k_mask = (k + ks) < K
         w = tl.load(w_ptrs + k, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-        x = tl.load(x_ptrs + k, mask=row_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        x_scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-30) / 448.0
-        xq = (x / x_scale[:, None]).to(tl.float8e4nv)
-        part = tl.dot(w, tl.trans(xq)) * x_scale[None, :]
+        if X_FP8:
+            xq = tl.load(x_ptrs + k, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            part = tl.dot(w, tl.trans(xq))
+            if X_GROUPS:
+                part = part * tl.load(xs_ptr + rows * stride_xsm + (k // 128) * stride_xsg, mask=row_mask,
+                                      other=0.0)[None, :]
+        else:
+            x = tl.load(x_ptrs + k, mask=row_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+            x_scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-30) / 448.0
+            xq = (x / x_scale[:, None]).to(tl.float8e4nv)
+            part = tl.dot(w, tl.trans(xq)) * x_scale[None, :]
         if BLOCK_SCALES:
             part = part * tl.load(s_ptr + (cols // 128) * stride_sn + k // 128, mask=col_mask, other=0.0)[:, None]
         acc += part
     if not BLOCK_SCALES:
         acc = acc * tl.load(s_ptr + cols, mask=col_mask, other=0.0)[:, None]
+    if X_FP8 and not X_GROUPS:
+        acc = acc * tl.load(xs_ptr + rows * stride_xsm, mask=row_mask, other=0.0)[None, :]
     out_ptrs = out_ptr + split * stride_os + rows[None, :].to(tl.int64) * stride_om + cols[:, None]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=col_mask[:, None] & row_mask[None, :])
 
@@ -79,19 +94,25 @@ def mma_tiling(m: int, n: int, k: int, sms: int = 132) -> tuple[int, int, int, i
 
 
 def fp8_mma(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-            tiles: tuple[int, int, int, int, int, int] | None = None) -> torch.Tensor:
-    """x [M, K] (bfloat16/float16, unit stride along K) @ dequantized fp8 weight [N, K]^T in x's dtype;
-    weight_scale float32 [N] or [ceil(N/128), ceil(K/128)] (contiguous); `tiles` defaults to `mma_tiling`."""
+            tiles: tuple[int, int, int, int, int, int] | None = None, x_scale: torch.Tensor | None = None,
+            out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [M, K] (unit stride along K) @ dequantized fp8 weight [N, K]^T in `out_dtype` (default x's dtype);
+    weight_scale float32 [N] or [ceil(N/128), ceil(K/128)] (contiguous); `tiles` defaults to `mma_tiling`.
+    x is bfloat16/float16, or fp8 with `x_scale` float32 [M, 1] (per row) or [M, ceil(K/128)] (per group)."""
     m, k = x.shape
     n = weight.shape[0]
     block_m, block_n, block_k, splits, warps, stages = tiles or mma_tiling(m, n, k, multiprocessors(x.device))
     splits, steps = k_steps(k, splits, block_k)
-    out = output(m, n, splits, x.dtype, x.device)
+    out_dtype = out_dtype or x.dtype
+    out = output(m, n, splits, out_dtype, x.device)
+    x_groups = x_scale is not None and x_scale.shape[1] > 1
+    xs = x_scale if x_scale is not None else weight_scale  # not read unless x is fp8
     launch_pdl = pdl_on(x.device)
     launch(
         _fp8_mma_kernel, (triton.cdiv(n, block_n), triton.cdiv(m, block_m), splits),
-        x, weight, weight_scale, out, m, n, k, steps, x.stride(0), weight.stride(0), weight_scale.stride(0),
-        m * n, n, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_SCALES=weight_scale.dim() == 2,
+        x, xs, weight, weight_scale, out, m, n, k, steps, x.stride(0), xs.stride(0), xs.stride(-1),
+        weight.stride(0), weight_scale.stride(0), m * n, n, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_SCALES=weight_scale.dim() == 2, X_FP8=x_scale is not None, X_GROUPS=x_groups,
         PDL=launch_pdl, num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,
     )
-    return finish(out, x.dtype)
+    return finish(out, out_dtype)

@@ -3,8 +3,8 @@ already quantized to fp8 per token and an fp8 weight with per-output-channel sca
 
 The pass `passes/fp8_activation_quant.py` writes the per-token quantization as ATen ops in
 Inductor's graph (so it joins the kernel that computes x) and calls this op on the result, in
-place of graphkiln::fp8_linear, which quantizes x itself. On CUDA the product is torch._scaled_mm;
-elsewhere (torch._scaled_mm is CUDA-only) a float32 reference on the dequantized operands.
+place of graphkiln::fp8_linear, which quantizes x itself. On CUDA the product is the one fp8_linear
+runs on quantized rows (kernels/fp8_linear.py, `quantized_product`); elsewhere (torch._scaled_mm is CUDA-only) a float32 reference on the dequantized operands.
 """
 
 from __future__ import annotations
@@ -21,10 +21,9 @@ def _fp8_scaled_mm(
     """xq [M, K] float8_e4m3fn times x_scale [M, 1] float32, @ (weight [N, K] float8_e4m3fn times
     weight_scale [N] float32)^T -> [M, N] in out_dtype."""
     if xq.is_cuda:  # triton is optional: the kernel module is imported only where it runs
-        from graphkiln.kernels.fp8_linear import scaled_mm
+        from graphkiln.kernels.fp8_linear import quantized_product
 
-        scale_b = weight_scale.reshape(1, -1)
-        return scaled_mm(xq.contiguous(), weight.t(), x_scale.contiguous(), scale_b, out_dtype)
+        return quantized_product(xq.contiguous(), x_scale.contiguous(), weight, weight_scale, out_dtype)
     return torch.mm(xq.float() * x_scale, dequantize_fp8(weight, weight_scale).t()).to(out_dtype)
 
 

@@ -2,7 +2,7 @@
 
 A post-grad pass, off by default (`CompileConfig(enabled_passes=("fp8_activation_quant",))`). Above
 FEW_ROWS rows graphkiln::fp8_linear quantizes its input per token in a Triton kernel of its own
-before torch._scaled_mm: one more launch, and one more read and write of x, right after the
+before the fp8 product: one more launch, and one more read and write of x, right after the
 RMSNorm or SiLU-and-mul kernel Inductor generated to write x. Where x comes from an RMSNorm or a
 SiLU-and-mul, this pass writes that quantization as ATen ops (row amax, scale, clamp, cast to
 float8_e4m3fn) and calls graphkiln::fp8_scaled_mm (models/fp8_scaled_mm.py) on the result, so

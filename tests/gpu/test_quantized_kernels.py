@@ -14,7 +14,9 @@ from graphkiln.kernels import fp8_linear as fp8_kernels  # noqa: E402
 from graphkiln.kernels import fp8_mma as mma_kernels  # noqa: E402
 from graphkiln.kernels import int4_linear as int4_kernels  # noqa: E402
 from graphkiln.kernels import int4_words as word_kernels  # noqa: E402
-from graphkiln.kernels.fp8_linear import FP8, FEW_ROWS, fp8_linear, quantize_rows, scaled_mm_fits  # noqa: E402
+from graphkiln.kernels.fp8_linear import (  # noqa: E402
+    FP8, MMA_ROWS, fp8_linear, quantize_rows, quantize_static, scaled_mm_fits,
+)
 from graphkiln.kernels.int4_linear import int4_linear  # noqa: E402
 from graphkiln.kernels.split_k import MIN_SPLIT_K, RESIDENT, k_steps, multiprocessors  # noqa: E402
 from graphkiln.models.quantized_linear import tinygemm_inner_k_tiles, tinygemm_layout  # noqa: E402
@@ -86,11 +88,11 @@ def test_fp8_linear_matches_float32(shape, rows, blocks):
     y = fp8_linear(x, weight, scale)
     expected = x.float() @ reference_weight.t()
     assert y.shape == (rows, n) and y.dtype == torch.bfloat16
-    unquantized = rows == 1 or (blocks and rows > FEW_ROWS and not scaled_mm_fits(x, weight, blocks))
+    unquantized = rows == 1 or (blocks and rows > MMA_ROWS and not scaled_mm_fits(x, weight, blocks))
     assert relative_error(y, expected) < (0.005 if unquantized else 0.05)
 
 
-@pytest.mark.parametrize("rows", [1, 8, 128])
+@pytest.mark.parametrize("rows", [1, 8, 33, 128])
 def test_fp8_linear_float16_and_static_input_scale(rows):
     n, k = 4096, 4096
     weight, scale, reference_weight = fp8_weight(n, k, False)
@@ -226,6 +228,33 @@ def test_fp8_mma_rounds_the_activation_per_group(rows):
     rounded = ((groups / group_scale).to(FP8).float() * group_scale).view(rows, k)
     y = mma_kernels.fp8_mma(x, weight, scale)
     assert relative_error(y, rounded @ reference_weight.t()) < 0.006
+
+
+@pytest.mark.parametrize("splits", SPLITS)
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("blocks", [False, True], ids=["per-channel", "block"])
+@pytest.mark.parametrize("rows", [17, 33, 64, 100])
+@pytest.mark.parametrize("shape", SPLIT_SHAPES.values(), ids=SPLIT_SHAPES.keys())
+def test_fp8_mma_on_quantized_rows_is_the_float32_product_of_what_it_reads(shape, rows, blocks, static, splits):
+    """fp8_mma on x already in fp8 (scaled per token, per 1 x 128 group for block weights, or by one static
+    scale, as fp8_linear hands it over above FEW_ROWS rows) against the float32 product of those fp8 rows
+    times their scales and the dequantized weight: only accumulation order and the output rounding differ,
+    so a scale read from the wrong row, group or split fails the bound."""
+    n, k = shape
+    weight, scale, reference_weight = fp8_weight(n, k, blocks)
+    x = activation(rows, k) * torch.linspace(0.01, 4, k, device="cuda")  # groups of very different ranges
+    if static:
+        input_scale = (x.float().abs().amax() / 448).reshape(1)
+        xq, x_scale = quantize_static(x, input_scale), input_scale.reshape(1, 1).expand(rows, 1)
+        per_element = x_scale
+    else:
+        xq, x_scale = quantize_rows(x, 128 if blocks else None)
+        per_element = x_scale.repeat_interleave(128, 1)[:, :k] if blocks else x_scale
+    tiles = mma_kernels.mma_tiling(rows, n, k, multiprocessors(x.device))
+    y = mma_kernels.fp8_mma(xq, weight, scale, tiles=(*tiles[:3], splits, *tiles[4:]), x_scale=x_scale,
+                            out_dtype=torch.bfloat16)
+    assert y.shape == (rows, n) and y.dtype == torch.bfloat16
+    assert relative_error(y, (xq.float() * per_element) @ reference_weight.t()) < 0.006
 
 
 @pytest.mark.parametrize("splits", SPLITS)
