@@ -227,7 +227,9 @@ def rule_tiles(fmt: str, rows: int, n: int, k: int, device) -> tuple:
         return i4.mm_tiling(rows, n, k, GROUP, sms)
     if fmt == "int4":
         return w4.dot_tiling(rows, n, k, sms)
-    return f.gemv_tiling(n, k, sms) if rows == 1 else mma_tiling(rows, n, k, sms)
+    if rows == 1:
+        return f.gemv_tiling(n, k, sms)
+    return mma_tiling(rows, n, k, sms, x_fp8=rows > f.FEW_ROWS, block_scales=fmt == "fp8-block")
 
 
 def sweep(fmt: str, x, rows: int, weights: list, calls: int) -> dict:

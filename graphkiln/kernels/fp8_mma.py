@@ -30,7 +30,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .launch import launch
 from .pdl import pdl_on
-from .split_k import finish, k_steps, multiprocessors, output, split_count
+from .split_k import RESIDENT, finish, k_steps, multiprocessors, output, split_count
 
 
 @triton.jit(do_not_specialize=["M", "STEPS", "stride_os"])  # one build for every row count and split
@@ -82,14 +82,24 @@ def _fp8_mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, M, N, K, STEPS, stride
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=col_mask[:, None] & row_mask[None, :])
 
 
-def mma_tiling(m: int, n: int, k: int, sms: int = 132) -> tuple[int, int, int, int, int, int]:
+def mma_tiling(m: int, n: int, k: int, sms: int = 132, x_fp8: bool = False,
+               block_scales: bool = False) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, splits, warps, stages): the rows in one tile up to 64 (16 at least, the
     narrow side of a tensor-core tile), 64-row weight slabs in 128-wide K steps (one fp8 tensor-core tile of
-    one warp group), K split until every multiprocessor streams (split_k.split_count)."""
+    one warp group), K split until every multiprocessor streams (split_k.split_count).
+
+    On x already in fp8 (`x_fp8`, more than FEW_ROWS rows) a program does less per byte and holds more in
+    flight: K is split only until there is a program per multiprocessor, per-channel weights take 5 stages
+    when K is split, and 64-row x tiles take 128-row weight slabs where those alone fill the multiprocessors
+    (the fastest of `python -m bench quantized --sweep` at 32 and 64 rows on the 8B-like projections)."""
     block_m = min(64, max(16, triton.next_power_of_2(m)))
     block_n, block_k, warps, stages = 64, 128, 4, 4
+    if x_fp8 and block_m == 64 and triton.cdiv(n, 128) >= sms:
+        block_n = 128
     programs = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
-    splits = split_count(programs, k, block_k, 4 * m * n, n * k, sms)
+    splits = split_count(programs, k, block_k, 4 * m * n, n * k, sms, resident=1 if x_fp8 else RESIDENT)
+    if x_fp8:
+        stages = 5 if splits > 1 and not block_scales else 3
     return block_m, block_n, block_k, splits, warps, stages
 
 
@@ -101,7 +111,9 @@ def fp8_mma(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     x is bfloat16/float16, or fp8 with `x_scale` float32 [M, 1] (per row) or [M, ceil(K/128)] (per group)."""
     m, k = x.shape
     n = weight.shape[0]
-    block_m, block_n, block_k, splits, warps, stages = tiles or mma_tiling(m, n, k, multiprocessors(x.device))
+    block_scales = weight_scale.dim() == 2
+    block_m, block_n, block_k, splits, warps, stages = tiles or mma_tiling(
+        m, n, k, multiprocessors(x.device), x_fp8=x_scale is not None, block_scales=block_scales)
     splits, steps = k_steps(k, splits, block_k)
     out_dtype = out_dtype or x.dtype
     out = output(m, n, splits, out_dtype, x.device)
@@ -112,7 +124,7 @@ def fp8_mma(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
         _fp8_mma_kernel, (triton.cdiv(n, block_n), triton.cdiv(m, block_m), splits),
         x, xs, weight, weight_scale, out, m, n, k, steps, x.stride(0), xs.stride(0), xs.stride(-1),
         weight.stride(0), weight_scale.stride(0), m * n, n, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        BLOCK_SCALES=weight_scale.dim() == 2, X_FP8=x_scale is not None, X_GROUPS=x_groups,
+        BLOCK_SCALES=block_scales, X_FP8=x_scale is not None, X_GROUPS=x_groups,
         PDL=launch_pdl, num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,
     )
     return finish(out, out_dtype)

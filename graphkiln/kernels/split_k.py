@@ -57,14 +57,15 @@ def multiprocessors(device: torch.device) -> int:
     return _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def split_count(programs: int, k: int, block_k: int, partial_bytes: int, weight_bytes: int, sms: int) -> int:
-    """The fewest K splits (a power of two) that bring `programs` (slabs x row tiles) to RESIDENT per
+def split_count(programs: int, k: int, block_k: int, partial_bytes: int, weight_bytes: int, sms: int,
+                resident: int = RESIDENT) -> int:
+    """The fewest K splits (a power of two) that bring `programs` (slabs x row tiles) to `resident` per
     multiprocessor, with each split at least MIN_SPLIT_K inputs (and one K step) and all the partials
     (`partial_bytes` a split) within 1/PARTIAL_SHARE of the weight bytes; fewer where the K steps do not
     share evenly among them (`k_steps`)."""
     most = max(1, min(k // max(MIN_SPLIT_K, block_k), weight_bytes // (PARTIAL_SHARE * partial_bytes)))
     splits = 1
-    while programs * splits < RESIDENT * sms and 2 * splits <= most:
+    while programs * splits < resident * sms and 2 * splits <= most:
         splits *= 2
     return k_steps(k, splits, block_k)[0]
 
