@@ -24,5 +24,6 @@ class AttentionBackend(Protocol):
     capturable_decode: bool
     capturable_prefill: bool
     concurrent_plans: bool  # two threads may plan and run forwards at once (the plan keeps no state of its own)
+    prompt_lengths: tuple[int, ...]  # prefills of these token counts launch every kernel variant of its own
 
     def plan(self, meta: BatchMetadata) -> AttentionFn: ...

@@ -164,6 +164,7 @@ class FlashInferBackend:
     capturable_decode = True
     capturable_prefill = False  # its prefill plan is host work per batch: prefill runs piecewise
     concurrent_plans = False  # a wrapper holds the last plan
+    prompt_lengths = ()  # FlashInfer's kernels, built when its wrappers are made
 
     def __init__(self, kv_cache: KVCache, workspace_bytes: int = WORKSPACE_BYTES) -> None:
         if kv_cache.key_scales is not None:

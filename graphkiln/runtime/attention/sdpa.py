@@ -24,6 +24,7 @@ class SdpaBackend:
     capturable_decode = False
     capturable_prefill = False
     concurrent_plans = True
+    prompt_lengths = ()  # torch's kernels
 
     def __init__(self, kv_cache: KVCache) -> None:
         self.kv_cache = kv_cache

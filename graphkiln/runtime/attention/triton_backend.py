@@ -154,6 +154,7 @@ class TritonBackend:
     capturable_decode = True
     capturable_prefill = True
     concurrent_plans = True
+    prompt_lengths = (16, 32, 64)  # one of each query tile height (`prefill_tiles`)
 
     def __init__(self, kv_cache: KVCache, decode_kernel: str = "auto") -> None:
         # triton is optional: import the kernels only when this backend is chosen.
