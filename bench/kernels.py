@@ -157,6 +157,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="decode batches (smoke: 1 2)")
     p.add_argument("--prefill", type=int, nargs="*", default=[128], help="prefill lengths profiled (smoke: 16)")
     p.add_argument("--disable-pass", action="append", default=[], help="a graph pass to switch off (repeatable)")
+    p.add_argument("--enable-pass", action="append", default=[], help="an optional graph pass to switch on (repeatable)")
+    p.add_argument("--quantization", choices=("fp8", "int4"), default=None, help="compile with --quantization")
+    p.add_argument("--specialize-sizes", type=int, nargs="*", default=[],
+                   help="token counts compiled specialized (CompileConfig.specialize_sizes)")
 
 
 def main(a: argparse.Namespace) -> int:
@@ -167,10 +171,13 @@ def main(a: argparse.Namespace) -> int:
     if not cuda:
         log("CPU smoke: no CUDA graphs on the CPU; profiling engine steps' operators instead of graph replays")
     with study.scratch() as work:
-        llm = compiled_llm(study, work, disabled_passes=tuple(a.disable_pass), decode_batch_sizes=tuple(batches),
+        options = {"enabled_passes": tuple(a.enable_pass), "quantization": a.quantization,
+                   "specialize_sizes": tuple(a.specialize_sizes)}
+        llm = compiled_llm(study, work, disabled_passes=tuple(a.disable_pass), compile_options=options,
+                           decode_batch_sizes=tuple(batches),
                            prefill_token_buckets=tuple(sorted({16, 128, *lengths})),
                            max_num_batched_tokens=max(2048, *lengths), kv_cache_tokens=4096 if study.smoke else 65536)
-        results: dict = {"batches": {}, "prefill": {}, "disabled_passes": a.disable_pass}
+        results: dict = {"batches": {}, "prefill": {}, "disabled_passes": a.disable_pass, **options}
         for batch in batches:
             r = {**step_and_replay(llm, batch, steps, cuda, prompt), **pipelined(llm, batch, steps, cuda, prompt),
                  **decode_kernels(llm, batch, cuda, prompt)}

@@ -131,14 +131,17 @@ def save_model(name: str, folder: Path, device: str, dtype, layers: int | None =
 # Engine helpers for the studies: public API only (LLM.stats, Engine.add_request/step/abort/cuda_graph).
 
 
-def compiled_llm(study, work: Path, tag: str = "art", disabled_passes: tuple[str, ...] = (), **engine):
-    """The study's model, saved once under `work`, compiled into work/<tag> and loaded with `engine`."""
+def compiled_llm(study, work: Path, tag: str = "art", disabled_passes: tuple[str, ...] = (),
+                 compile_options: dict | None = None, **engine):
+    """The study's model, saved once under `work`, compiled into work/<tag> (CompileConfig fields beyond device,
+    dtype and disabled passes in `compile_options`) and loaded with `engine`."""
     import graphkiln
 
     model = work / "model"
     if not (model / "config.json").is_file():
         save_model(study.model, model, study.device, study.dtype, study.layers)
-    config = graphkiln.CompileConfig(device=study.device, dtype=study.dtype_name, disabled_passes=disabled_passes)
+    config = graphkiln.CompileConfig(device=study.device, dtype=study.dtype_name, disabled_passes=disabled_passes,
+                                     **(compile_options or {}))
     graphkiln.compile_model(model, work / tag, config, force=True)
     llm = graphkiln.load(work / tag, **engine)
     llm.wait_ready()
