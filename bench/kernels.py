@@ -176,7 +176,7 @@ def main(a: argparse.Namespace) -> int:
         llm = compiled_llm(study, work, disabled_passes=tuple(a.disable_pass), compile_options=options,
                            decode_batch_sizes=tuple(batches),
                            prefill_token_buckets=tuple(sorted({16, 128, *lengths})),
-                           max_num_batched_tokens=max(2048, *lengths), kv_cache_tokens=4096 if study.smoke else 65536)
+                           max_num_batched_tokens=max([2048, *lengths]), kv_cache_tokens=4096 if study.smoke else 65536)
         results: dict = {"batches": {}, "prefill": {}, "disabled_passes": a.disable_pass, **options}
         for batch in batches:
             r = {**step_and_replay(llm, batch, steps, cuda, prompt), **pipelined(llm, batch, steps, cuda, prompt),
