@@ -1,7 +1,6 @@
 """What each optional graph pass buys (a few minutes, 1B).
 
     python -m bench passes --out $OUT [--model 8b --layers 4]
-    python -m bench passes --fp8-activation-quant --model 8b --out $OUT
 
 
 The bench's model is compiled in this process (`compile_module`) with every pass, with each
@@ -10,13 +9,6 @@ noise). Per configuration: Inductor compiles, tensors crossing the piece boundar
 compiled model's split graph), the kernels of one decode step at batch 1 (torch.profiler over
 graph replays), the decode replay at batch 1 and 64, and the time to first token of a 1024-token
 prompt. On the CPU (--smoke) engine steps are timed instead of replays and no kernels are counted.
-
---fp8-activation-quant: the model quantized to fp8 (`--quantization fp8`), compiled with the pass
-fp8_activation_quant off, on, and off again, each with one compile specialized to the prefill
-bucket (--prefill, default 4096 tokens, where the pass applies); the same columns, decode at
-batch 1 and 64 and the prefill of one --prefill-token prompt, and the pass's rewrites (counted where
-Inductor compiled afresh: a warm Inductor cache runs no post-grad pass). Written to
-passes-fp8-activation-quant.json.
 """
 
 from __future__ import annotations
@@ -31,7 +23,6 @@ from .models import decode_timer, decoding, save_model, stop
 from .report import text_table
 
 OPTIONAL = ("boundary_recompute", "silu_mul_linear", "linear_op")
-FP8_PASS = "fp8_activation_quant"  # off by default: measured on and off on the fp8 model
 COLUMNS = ["config", "inductor_compiles", "boundary_tensors", "decode_kernels_b1", "decode_ms_b1", "decode_ms_b64",
            "prefill_ms"]
 
@@ -81,17 +72,15 @@ def measure(study: Study, model_dir: Path, batches: tuple[int, int], prefill: in
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_study_arguments(p)
-    p.add_argument("--fp8-activation-quant", action="store_true",
-                   help="the fp8 model with the pass fp8_activation_quant off, on and off again")
     p.add_argument("--prefill", type=int, default=None,
-                   help="prefill tokens (default 1024; 4096 with --fp8-activation-quant; smoke 48)")
+                   help="prefill tokens (default 1024; smoke 48)")
 
 
 def main(a: argparse.Namespace) -> int:
     import torch
 
     study = Study.of("passes", a)
-    batches, prefill = ((1, 2), 48) if study.smoke else ((1, 64), 4096 if a.fp8_activation_quant else 1024)
+    batches, prefill = ((1, 2), 48) if study.smoke else ((1, 64), 1024)
     prefill = a.prefill or prefill
     if study.cuda:  # the profiler's own first-use setup, outside every measurement
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]):
@@ -100,22 +89,15 @@ def main(a: argparse.Namespace) -> int:
         log("CPU smoke: engine steps timed instead of graph replays; no kernels counted")
     configs = {"all passes": {}, **{f"no {name}": {"disabled_passes": (name,)} for name in OPTIONAL},
                "all passes (again)": {}}
-    suffix = ""
-    if a.fp8_activation_quant:
-        fp8 = {"quantization": "fp8", "specialize_sizes": (prefill,)}
-        configs = {"fp8, pass off": fp8, "fp8, pass on": {**fp8, "enabled_passes": (FP8_PASS,)},
-                   "fp8, pass off (again)": fp8}
-        suffix = "fp8-activation-quant"
     results = {}
     with study.scratch() as work:
         model_dir = save_model(study.model, work / "model", study.device, study.dtype, study.layers)
         for name, options in configs.items():
             results[name] = {"config": name, **measure(study, model_dir, batches, prefill, **options)}
-            results[name]["fp8_rewrites"] = results[name]["pass_matches"].get(FP8_PASS, 0)
             numbers = {k: v for k, v in results[name].items() if isinstance(v, (int, float))}
             log(f"{name}: " + ", ".join(f"{k} {v:.4g}" for k, v in numbers.items()))
-            study.save({"configs": results, "prefill_tokens": prefill}, suffix)
-    columns = [c.replace("b64", f"b{batches[1]}") for c in COLUMNS] + (["fp8_rewrites"] if suffix else [])
+            study.save({"configs": results, "prefill_tokens": prefill})
+    columns = [c.replace("b64", f"b{batches[1]}") for c in COLUMNS]
     print(text_table(list(results.values()), columns))
-    log(f"wrote {study.save({'configs': results, 'prefill_tokens': prefill}, suffix)}")
+    log(f"wrote {study.save({'configs': results, 'prefill_tokens': prefill})}")
     return 0

@@ -34,7 +34,7 @@ from graphkiln.passes.pipeline import default_passes
 from graphkiln.passes.silu_mul_linear import SiluMulLinear
 
 DYNAMO_NAMES = ["boundary_recompute", "silu_mul_linear", "attention_split"]
-OFF_BY_DEFAULT = ["fp8_activation_quant", "symm_mem_all_reduce"]
+OFF_BY_DEFAULT = ["symm_mem_all_reduce"]
 NAMES = [*DYNAMO_NAMES, "linear_op", *OFF_BY_DEFAULT]
 
 

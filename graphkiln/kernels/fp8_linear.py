@@ -28,7 +28,6 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from graphkiln.errors import ConfigError
 
-from .few_rows import FEW_ROWS
 from .fp8_mma import fp8_mma
 from .gemv import _k_mask
 from .launch import launch
@@ -38,6 +37,7 @@ from .split_k import finish, k_steps, multiprocessors, output, split_count
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 BLOCK = 128  # the side of a weight-scale block
+FEW_ROWS = 16  # up to this many rows x goes unquantized to kernels of ours (rounded per group in registers)
 MMA_ROWS = 64  # up to this many rows fp8_mma multiplies the quantized activation; torch._scaled_mm above
 
 

@@ -11,7 +11,7 @@ nibble first; the optional tinygemm tensors hold the same weight in the layout o
 
 On CUDA both ops call the Triton kernels of `graphkiln.kernels`; elsewhere they dequantize to
 float32 and multiply, quantizing the activations as the CUDA path does above FEW_ROWS rows
-(kernels/few_rows.py) at every row count. Up to FEW_ROWS rows the CUDA kernel quantizes them per
+(kernels/fp8_linear.py) at every row count. Up to FEW_ROWS rows the CUDA kernel quantizes them per
 1 x 128 group instead, a finer grouping of the same one fp8 rounding. The ops are opaque to Inductor
 and to the linear passes.
 """

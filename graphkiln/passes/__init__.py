@@ -8,10 +8,7 @@ Pipeline (`pipeline.default_passes`), each switchable with `CompileConfig.disabl
 3. `attention_split`: cuts the graph at every graphkiln::attention call into pieces.
 4. `linear_op` (post-grad): routes weight products through graphkiln::linear, whose one-row
    Triton GEMV reads the narrow projections faster than cuBLAS (see models/linear.py).
-5. `fp8_activation_quant` (post-grad, off unless `CompileConfig.enabled_passes` names it): in
-   compiles specialized to more than FEW_ROWS tokens, the per-token fp8 quantization of an
-   RMSNorm's or SiLU-mul's output joins that Inductor kernel, feeding graphkiln::fp8_scaled_mm.
-6. `symm_mem_all_reduce` (post-grad, off unless named; CUDA, 2+ ranks): in compiles specialized to a
+5. `symm_mem_all_reduce` (post-grad, off unless named; CUDA, 2+ ranks): in compiles specialized to a
    token count, an all-reduce of at most 128 KiB becomes PyTorch's symmetric-memory one-shot kernel
    instead of NCCL's; the residual add + RMSNorm after it stay one Inductor kernel.
 
