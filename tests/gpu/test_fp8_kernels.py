@@ -1,0 +1,134 @@
+"""The fp8 weight kernels (the one-row GEMV, the tensor-core kernel on activations quantized in registers or
+before it, fp8_linear's choice among them and torch._scaled_mm) against float32 products of the dequantized
+weight, at decode and prefill row counts, on the bench models' projections and ragged shapes, with every split
+of K."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from graphkiln.kernels import fp8_linear as fp8_kernels  # noqa: E402
+from graphkiln.kernels import fp8_mma as mma_kernels  # noqa: E402
+from graphkiln.kernels.fp8_linear import (  # noqa: E402
+    FP8, MMA_ROWS, fp8_linear, quantize_rows, quantize_static, scaled_mm_fits,
+)
+from graphkiln.kernels.split_k import multiprocessors  # noqa: E402
+from kernel_weights import (  # noqa: E402
+    MODEL_SHAPES, ROWS, SPLITS, activation, fp8_weight, relative_error, with_splits,
+)
+
+FP8_SHAPES = {**MODEL_SHAPES, "ragged": (1000, 3000), "tiny": (37, 100), "odd-blocks": (200, 1160)}
+SPLIT_SHAPES = {"ragged": (1000, 3000), "odd-blocks": (200, 1160), "8b-down": (4096, 14336)}
+
+
+@pytest.mark.parametrize("blocks", [False, True], ids=["per-channel", "block"])
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("shape", FP8_SHAPES.values(), ids=FP8_SHAPES.keys())
+def test_fp8_linear_matches_float32(shape, rows, blocks):
+    """The activation is quantized to fp8 (per 1 x 128 group from 2 to FEW_ROWS rows, per token or group above):
+    within fp8's step of the float32 product. One row, and block weights beyond what _scaled_mm takes, are
+    multiplied unquantized (bf16 output rounding only)."""
+    n, k = shape
+    weight, scale, reference_weight = fp8_weight(n, k, blocks)
+    x = activation(rows, k)
+    y = fp8_linear(x, weight, scale)
+    expected = x.float() @ reference_weight.t()
+    assert y.shape == (rows, n) and y.dtype == torch.bfloat16
+    unquantized = rows == 1 or (blocks and rows > MMA_ROWS and not scaled_mm_fits(x, weight, blocks))
+    assert relative_error(y, expected) < (0.005 if unquantized else 0.05)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 33, 128])
+def test_fp8_linear_float16_and_static_input_scale(rows):
+    n, k = 4096, 4096
+    weight, scale, reference_weight = fp8_weight(n, k, False)
+    x = activation(rows, k, torch.float16)
+    input_scale = (x.float().abs().amax() / 448).reshape(1)
+    y = fp8_linear(x, weight, scale, input_scale)
+    assert y.dtype == torch.float16  # up to FEW_ROWS rows the kernel's own groups quantize, not the static scale
+    assert relative_error(y, x.float() @ reference_weight.t()) < 0.06
+
+
+@pytest.mark.parametrize("group", [None, 128])
+def test_activation_quantization_is_within_half_an_fp8_step(group):
+    x = activation(64, 4096) * 5
+    q, scales = quantize_rows(x, group)
+    per_element = scales if group is None else scales.repeat_interleave(group, 1)
+    assert q.dtype == FP8 and scales.shape == ((64, 1) if group is None else (64, 32))
+    amax = x.float().abs().amax(dim=1, keepdim=True) if group is None else x.float().abs().view(64, 32, 128).amax(2)
+    torch.testing.assert_close(scales, amax / 448, rtol=1e-6, atol=0)
+    error = (q.float() * per_element - x.float()).abs()
+    assert (error <= x.float().abs() * 2**-4 + per_element * 2**-9).all()
+
+
+@pytest.mark.parametrize("splits", SPLITS)
+@pytest.mark.parametrize("blocks", [False, True], ids=["per-channel", "block"])
+@pytest.mark.parametrize("shape", SPLIT_SHAPES.values(), ids=SPLIT_SHAPES.keys())
+def test_fp8_gemv_matches_float32_with_every_split_of_k(shape, blocks, splits):
+    """Each split's partial product, summed in the second kernel: the float32 product up to the output rounding."""
+    n, k = shape
+    weight, scale, reference_weight = fp8_weight(n, k, blocks)
+    x = activation(1, k)
+    tiles = with_splits(fp8_kernels.gemv_tiling(n, k, multiprocessors(x.device)), splits, False)
+    y = fp8_kernels.fp8_gemv(x, weight, scale, tiles=tiles)
+    assert y.shape == (1, n) and y.dtype == torch.bfloat16
+    assert relative_error(y, x.float() @ reference_weight.t()) < 0.005
+
+
+@pytest.mark.parametrize("splits", SPLITS)
+@pytest.mark.parametrize("blocks", [False, True], ids=["per-channel", "block"])
+@pytest.mark.parametrize("rows", [1, 5, 16, 33, 64, 100])
+@pytest.mark.parametrize("shape", SPLIT_SHAPES.values(), ids=SPLIT_SHAPES.keys())
+def test_fp8_mma_matches_float32_with_every_split_of_k(shape, rows, blocks, splits):
+    """The fp8 tensor-core kernel, its activation rounded to fp8 per 1 x 128 group in registers: within fp8's
+    step of the float32 product for every split of K and for rows beyond one row tile (100)."""
+    n, k = shape
+    weight, scale, reference_weight = fp8_weight(n, k, blocks)
+    x = activation(rows, k)
+    tiles = mma_kernels.mma_tiling(rows, n, k, multiprocessors(x.device))
+    y = mma_kernels.fp8_mma(x, weight, scale, tiles=(*tiles[:3], splits, *tiles[4:]))
+    assert y.shape == (rows, n) and y.dtype == torch.bfloat16
+    assert relative_error(y, x.float() @ reference_weight.t()) < 0.05
+
+
+@pytest.mark.parametrize("rows", [1, 16, 64])
+def test_fp8_mma_rounds_the_activation_per_group(rows):
+    """Against the float32 product of the weight and the activation rounded to fp8 per 1 x 128 group (as
+    torch rounds): only accumulation order and the output rounding differ, so a kernel that quantized per
+    token, or not at all, would fail this bound."""
+    n, k = 4096, 4096
+    weight, scale, reference_weight = fp8_weight(n, k, False)
+    x = activation(rows, k) * torch.linspace(0.01, 4, k, device="cuda")  # groups of very different ranges
+    groups = x.float().view(rows, k // 128, 128)
+    group_scale = groups.abs().amax(-1, keepdim=True) / 448
+    rounded = ((groups / group_scale).to(FP8).float() * group_scale).view(rows, k)
+    y = mma_kernels.fp8_mma(x, weight, scale)
+    assert relative_error(y, rounded @ reference_weight.t()) < 0.006
+
+
+@pytest.mark.parametrize("splits", SPLITS)
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("blocks", [False, True], ids=["per-channel", "block"])
+@pytest.mark.parametrize("rows", [17, 33, 64, 100])
+@pytest.mark.parametrize("shape", SPLIT_SHAPES.values(), ids=SPLIT_SHAPES.keys())
+def test_fp8_mma_on_quantized_rows_is_the_float32_product_of_what_it_reads(shape, rows, blocks, static, splits):
+    """fp8_mma on x already in fp8 (scaled per token, per 1 x 128 group for block weights, or by one static
+    scale, as fp8_linear hands it over above FEW_ROWS rows) against the float32 product of those fp8 rows
+    times their scales and the dequantized weight: only accumulation order and the output rounding differ,
+    so a scale read from the wrong row, group or split fails the bound."""
+    n, k = shape
+    weight, scale, reference_weight = fp8_weight(n, k, blocks)
+    x = activation(rows, k) * torch.linspace(0.01, 4, k, device="cuda")  # groups of very different ranges
+    if static:
+        input_scale = (x.float().abs().amax() / 448).reshape(1)
+        xq, x_scale = quantize_static(x, input_scale), input_scale.reshape(1, 1).expand(rows, 1)
+        per_element = x_scale
+    else:
+        xq, x_scale = quantize_rows(x, 128 if blocks else None)
+        per_element = x_scale.repeat_interleave(128, 1)[:, :k] if blocks else x_scale
+    tiles = mma_kernels.mma_tiling(rows, n, k, multiprocessors(x.device), x_fp8=True, block_scales=blocks)
+    y = mma_kernels.fp8_mma(xq, weight, scale, tiles=(*tiles[:3], splits, *tiles[4:]), x_scale=x_scale,
+                            out_dtype=torch.bfloat16)
+    assert y.shape == (rows, n) and y.dtype == torch.bfloat16
+    assert relative_error(y, (xq.float() * per_element) @ reference_weight.t()) < 0.006
