@@ -1,5 +1,5 @@
-"""What quantized weights cost in quality: each format's logits against the unquantized model's, and the
-trained `tiny` model's held-out perplexity per format (`python -m bench quantized --quality`).
+"""What quantized weights and the fp8 KV cache cost in quality: each format's logits against the unquantized
+model's, and the trained `tiny` model's held-out perplexity per format (`python -m bench quantized --quality`).
 
     python -m bench quantized --quality --model 1b|8b --out $OUT [--layers N]
 
@@ -12,7 +12,9 @@ its held-out perplexity per format (the documents tools/train_tiny.py held out).
 `fp8-rounded`: the unquantized engine on a copy of the checkpoint whose projection weights were
 rounded through fp8 (per output channel) and stored back in their dtype, what fp8 does to the
 weights alone with no fp8 kernel or activation rounding: on a random-weight model it shows how far
-any such perturbation carries through the layers. On the CPU
+any such perturbation carries through the layers. And `fp8-kv-cache`: the unquantized model on an engine whose
+KV cache is fp8 (`kv_cache_dtype="fp8_e4m3"`, a scale per token and KV head); scoring a prompt attends every
+position through the cache as stored, as decoding does. On the CPU
 (--smoke) the logits come from `tiny` too, over a few short prompts, in float32, and the perplexity
 from the first few held-out windows.
 Written to <out>/quality-<model>.json and .md.
@@ -32,7 +34,7 @@ from .models import save_model
 from .report import markdown_table, text_table
 
 FORMATS = ("fp8", "int4")
-VARIANTS = (*FORMATS, "fp8-rounded")  # compared with the unquantized engine
+VARIANTS = (*FORMATS, "fp8-rounded", "fp8-kv-cache")  # compared with the unquantized engine
 PROJECTIONS = tuple(f"{p}_proj.weight" for p in ("q", "k", "v", "o", "gate", "up", "down"))
 PROMPTS, PROMPT_TOKENS = 64, 256
 SMOKE_PROMPTS, SMOKE_TOKENS, SMOKE_WINDOWS = 4, 64, 6
@@ -71,8 +73,9 @@ def perplexity(llm, windows: list[list[int]]) -> float:
     return math.exp(nll / count)
 
 
-def compiled_engine(model_dir: Path, study: Study, quantization: str | None):
-    """The model compiled in this process (no artifact written), quantized as asked, with a small engine."""
+def compiled_engine(model_dir: Path, study: Study, quantization: str | None, kv_cache_dtype: str = "auto"):
+    """The model compiled in this process (no artifact written), quantized as asked, with a small engine whose KV
+    cache is `kv_cache_dtype`."""
     import graphkiln
     from graphkiln.compiler.compile import compile_module
     from graphkiln.models import load_model
@@ -81,7 +84,8 @@ def compiled_engine(model_dir: Path, study: Study, quantization: str | None):
     net = load_model(model_dir, study.device, study.dtype_name, quantization=quantization)
     config = graphkiln.CompileConfig(device=study.device, dtype=study.dtype_name, quantization=quantization)
     compiled, _ = compile_module(net, config)
-    engine = graphkiln.EngineConfig(cuda_graphs=False, kv_cache_tokens=4096, decode_batch_sizes=(1,))
+    engine = graphkiln.EngineConfig(cuda_graphs=False, kv_cache_tokens=4096, decode_batch_sizes=(1,),
+                                    kv_cache_dtype=kv_cache_dtype)
     llm = graphkiln.LLM(build_engine(net, compiled, engine), None)
     llm.wait_ready()  # the warm-up runs before any scoring
     return llm
@@ -107,14 +111,15 @@ def fp8_rounded_copy(model_dir: Path, out: Path) -> Path:
 
 
 def engines(model_dir: Path, study: Study, work: Path) -> dict:
-    """'unquantized', every format and 'fp8-rounded', compiled and loaded."""
+    """'unquantized', every format, 'fp8-rounded' and 'fp8-kv-cache', compiled and loaded."""
     out = {}
     for fmt in (None, *FORMATS):
         out[fmt or "unquantized"] = compiled_engine(model_dir, study, fmt)
         log(f"{model_dir.name}: {fmt or 'unquantized'} compiled and loaded")
     rounded = fp8_rounded_copy(model_dir, work / f"{model_dir.name}-fp8-rounded")
     out["fp8-rounded"] = compiled_engine(rounded, study, None)
-    log(f"{model_dir.name}: fp8-rounded compiled and loaded")
+    out["fp8-kv-cache"] = compiled_engine(model_dir, study, None, kv_cache_dtype="fp8_e4m3")
+    log(f"{model_dir.name}: fp8-rounded and fp8-kv-cache compiled and loaded")
     return out
 
 
@@ -142,7 +147,7 @@ def close_all(llms: dict) -> None:
 
 def to_markdown(results: dict) -> str:
     meta = results["meta"]
-    lines = [f"# Quantized weights: quality against the unquantized model ({meta['device_name']}, {meta['date']})",
+    lines = [f"# Quantized weights and fp8 KV cache: quality against the unquantized model ({meta['device_name']}, {meta['date']})",
              "", f"commit `{meta['git_commit']}`; torch {meta['torch']}; {results['prompts']} random prompts of "
              f"{results['prompt_tokens']} tokens on the {results['model']} model ({results['dtype']}); held-out "
              f"perplexity of the trained tiny model over {results['held_out_tokens']} tokens.", ""]

@@ -96,8 +96,9 @@ def test_quantized_study_smoke(bench: Bench, tmp_path: Path) -> None:
 
 def test_quantized_quality_smoke(bench: Bench, tmp_path: Path, held_out_windows: list[list[int]],
                                  monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    """`bench quantized --quality --smoke`: the tiny model's fp8 and int4 logits against the unquantized ones and
-    its held-out perplexity per format, compiled on the CPU; fp8 stays closer to the unquantized model than int4."""
+    """`bench quantized --quality --smoke`: the tiny model's fp8 and int4 logits (and those of its fp8 KV cache)
+    against the unquantized ones and its held-out perplexity per format, compiled on the CPU; fp8 stays closer to
+    the unquantized model than int4."""
     from bench import quality
 
     monkeypatch.setattr(quality, "held_out_windows", lambda: held_out_windows)  # built by the same function, once
@@ -113,8 +114,14 @@ def test_quantized_quality_smoke(bench: Bench, tmp_path: Path, held_out_windows:
     # a few windows only: the formats land on either side of the unquantized model (the full set is in
     # tests/test_quantization.py), but within the issue's 1% and 5%
     assert abs(ppl["fp8"] / ppl["unquantized"] - 1) < 0.01 and abs(ppl["int4"] / ppl["unquantized"] - 1) < 0.05
+    # the fp8 KV cache: within the 0.9-1.3% of the logits' norm and 99% greedy agreement tests/test_kv_cache_dtype.py
+    # measures on this model, and within 1% of its perplexity
+    cache = logits["fp8-kv-cache"]
+    assert 0 < cache["median_relative_l2"] <= cache["worst_relative_l2"] < 0.03 and cache["top1_agreement"] > 0.95
+    assert abs(ppl["fp8-kv-cache"] / ppl["unquantized"] - 1) < 0.01, ppl
     markdown = (tmp_path / "quality-smoke.md").read_text()
     assert "| fp8 |" in markdown and "| int4 |" in markdown and "| fp8-rounded |" in markdown
+    assert "| fp8-kv-cache |" in markdown
     assert "tiny perplexity" in markdown
 
 
