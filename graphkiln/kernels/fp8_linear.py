@@ -39,32 +39,31 @@ FP8_MAX = 448.0
 BLOCK = 128  # the side of a weight-scale block
 FEW_ROWS = 16  # up to this many rows x goes unquantized to kernels of ours (rounded per group in registers)
 MMA_ROWS = 64  # up to this many rows fp8_mma multiplies the quantized activation; torch._scaled_mm above
+GEMV_RESIDENT = 2  # programs per multiprocessor below which the one-row kernel splits K
 
 
 @triton.jit
 def _gemv_step(acc, w, k, ks, k_mask, cols, col_mask, x_ptr, s_ptr, K, stride_sn, BLOCK_N: tl.constexpr,
                CHUNKS: tl.constexpr, SUB: tl.constexpr, BLOCK_SCALES: tl.constexpr):
-    """acc + this K step's products: elementwise for per-channel scales (scaled at the end); for block
-    scales, the sum over each SUB-wide chunk (inside one scale block) times that block's scale."""
+    """acc + this K step's products summed over each SUB-wide chunk (inside one scale block), times that
+    block's scale for block scales (per-channel scales multiply at the end). The accumulator is one column
+    per chunk rather than one per input: fewer registers, so more loads in flight."""
     x = tl.load(x_ptr + k + ks, mask=k_mask, other=0.0).to(tl.float32)
-    prod = w.to(tl.float32) * x[None, :]
+    sums = tl.sum(tl.reshape(w.to(tl.float32) * x[None, :], (BLOCK_N, CHUNKS, SUB)), axis=2)
     if BLOCK_SCALES:
         chunk_k = k + tl.arange(0, CHUNKS) * SUB
         s = tl.load(s_ptr + (cols // 128)[:, None] * stride_sn + (chunk_k // 128)[None, :],
                     mask=col_mask[:, None] & (chunk_k < K)[None, :], other=0.0)
-        out = acc + tl.sum(tl.reshape(prod, (BLOCK_N, CHUNKS, SUB)), axis=2) * s
-    else:
-        out = acc + prod
-    return out
+        sums = sums * s
+    return acc + sums
 
 
 @triton.jit(do_not_specialize=["STEPS"])  # a loop bound: one build for every split
 def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, STEPS, stride_wn, stride_sn, stride_os,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr, ACC_K: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
                      EVEN_K: tl.constexpr, BLOCK_SCALES: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
     """out[split, 0, N] for one row x[0, K]: one program per slab of BLOCK_N weight rows and split of K (STEPS
-    steps of BLOCK_K); the accumulator is [BLOCK_N, BLOCK_K] (per-channel scales) or one column per SUB-wide
-    chunk (block scales)."""
+    steps of BLOCK_K); the accumulator has one column per SUB-wide chunk of a step."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     if PDL:  # the next kernel may start once every program has begun
@@ -74,7 +73,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, STEPS, stride_wn, strid
     ks = tl.arange(0, BLOCK_K)
     col_mask = cols < N
     w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
-    acc = tl.zeros((BLOCK_N, ACC_K), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_K // SUB), dtype=tl.float32)
     k_mask = _k_mask(ks, k_start, K, EVEN_K)
     w = tl.load(w_ptrs + k_start, mask=col_mask[:, None] & k_mask[None, :], other=0.0)  # the weight: no wait
     if PDL:  # x is: wait for the previous kernel to finish and its writes to land
@@ -123,18 +122,19 @@ def _dequantize_blocks_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn,
 
 
 def gemv_tiling(n: int, k: int, sms: int = 132) -> tuple[int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, splits, warps, stages) of the one-row kernel: gemv.py's slabs with twice the K step,
-    so a step still loads as many bytes, and K split where the slabs alone leave multiprocessors idle (the
-    benchmark's sweep checks them). `sms`: the device's multiprocessors."""
+    """(BLOCK_N, BLOCK_K, splits, warps, stages) of the one-row kernel, from the benchmark's sweep of the
+    8B-like projections: long K steps for the narrow projections, short ones deeply pipelined for gate_up,
+    and K split only where the slabs leave fewer than GEMV_RESIDENT programs a multiprocessor, as the split's
+    second launch (the sum) costs more than the loads it adds. `sms`: the device's multiprocessors."""
     if n <= 8192:
-        tiles = (4, 4096, 4, 2) if k <= 2048 else (8, 1024, 4, 3) if k < 8192 else (8, 2048, 8, 2)
+        tiles = (4, 4096, 4, 2) if k <= 2048 else (16 if n > 4096 else 8, 2048, 8, 2)
     elif n <= 32768:
-        tiles = 32, 256, 4, 6
+        tiles = 8, 1024, 4, 4
     else:
         tiles = 16, 512, 4, 4
     block_n, block_k, warps, stages = tiles
     block_k = min(block_k, max(triton.next_power_of_2(k), 16))
-    splits = split_count(triton.cdiv(n, block_n), k, block_k, 4 * n, n * k, sms)
+    splits = split_count(triton.cdiv(n, block_n), k, block_k, 4 * n, n * k, sms, GEMV_RESIDENT)
     return block_n, block_k, splits, warps, stages
 
 
@@ -169,13 +169,12 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     block_n, block_k, splits, warps, stages = tiles or gemv_tiling(n, k, multiprocessors(x.device))
     splits, steps = k_steps(k, splits, block_k)
     block_scales = weight_scale.dim() == 2
-    sub = min(block_k, BLOCK)
     out = output(1, n, splits, x.dtype, x.device)
     launch_pdl = pdl_on(x.device)
     launch(
         _fp8_gemv_kernel, (triton.cdiv(n, block_n), splits),
         x, weight, weight_scale, out, n, k, steps, weight.stride(0), weight_scale.stride(0), n, BLOCK_N=block_n,
-        BLOCK_K=block_k, SUB=sub, ACC_K=block_k // sub if block_scales else block_k, EVEN_K=k % block_k == 0,
+        BLOCK_K=block_k, SUB=min(block_k, BLOCK), EVEN_K=k % block_k == 0,
         BLOCK_SCALES=block_scales, STAGES=stages, PDL=launch_pdl,
         num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,
     )
