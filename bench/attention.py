@@ -231,7 +231,8 @@ def serving_sweep(h: Heads, shapes: str, copy_bw: float, num_sms: int) -> list[d
         best = fitting(lambda t, b=batch, c=context: bench_decode(h, b, c, copy_bw, num_sms, t), variants)
         best.sort(key=lambda r: r["us"])
         rows += best[:8]
-        log(f"{batch}x{context}: planned {planned['us']:.1f} us ({planned['pct_copy']:.0f}% copy), best {best[0]}")
+        log(f"{batch}x{context}: planned {planned['us']:.1f} us ({planned['pct_copy']:.0f}% copy), "
+            f"best {best[0] if best else 'the plan (no other split fits the context)'}")
         if not h.head_major:  # the block kernel reads the block-major layout only
             rows += block_sweep(h, batch, context, copy_bw, num_sms)
     return rows

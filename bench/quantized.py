@@ -16,7 +16,7 @@ counts, with sweeps of the few-row kernels' tiles. A few minutes on the 8b shape
               (the GEMV at 1 row, the tiled mm_kernel), dequantize + mm
   --quality   instead: each format's logits against the unquantized model's and the tiny model's held-out
               perplexity per format (bench/quality.py)
-  --sweep     fp8: at 1 row every GEMV tiling of SWEEP_GEMV, at 2 to 64 rows every tiling of SWEEP_MMA (above
+  --sweep     fp8, fp8-block: at 1 row every GEMV tiling of SWEEP_GEMV, at 2 to 64 rows every tiling of SWEEP_MMA (above
               FEW_ROWS rows on x quantized first, as mma_quantized);
               int4: every tiling of SWEEP_WORD_DOT at 2 to 64 rows, of SWEEP_MM (the byte kernel, which
               int4_linear leaves to dequantize + mm there) at 65 to 256; each with every split of K in
@@ -43,9 +43,9 @@ from .report import text_table
 FORMATS = ("fp8", "fp8-block", "int4")
 GROUP = 128
 SPLITS = (1, 2, 4, 8)  # K splits tried with every tiling (split K is a run-time argument: no extra compiles)
-SWEEP_GEMV = {  # format -> (BLOCK_N, BLOCK_K, warps, stages) tried at 1 row; one stage: loads not pipelined
-    "fp8": [(n, k, 4, 4) for n in (8, 16, 32) for k in (512, 1024, 2048)] + [(n, 1024, 4, 1) for n in (8, 16, 32)],
-}
+# (BLOCK_N, BLOCK_K, warps, stages) of the fp8 GEMV (either scale layout) tried at 1 row; one stage: loads not pipelined
+SWEEP_GEMV = [(n, k, 4, 4) for n in (8, 16, 32) for k in (512, 1024, 2048)] + [(n, 1024, 4, 1) for n in (8, 16, 32)]
+SWEEP_GEMV += [(n, k, 8, stages) for n in (8, 16) for k, stages in ((1024, 3), (2048, 2))]
 # (BLOCK_N, warps, stages) of int4_dot tried at 2 to 64 rows; BLOCK_M: the rows up to a power of two (16 to 64),
 # BLOCK_K: 128 (a dot's 16 words)
 SWEEP_WORD_DOT = [(n, warps, 4) for n in (32, 64, 128) for warps in (4, 8)]
@@ -185,7 +185,7 @@ def sweep_tilings(fmt: str, rows: int) -> list[tuple]:
         return [(block_m, n, 128, split, warps, stages) for n, warps, stages in SWEEP_WORD_DOT for split in SPLITS]
     if rows > 1:
         return [(block_m, n, k, split, warps, stages) for n, k, warps, stages in SWEEP_MMA for split in SPLITS]
-    return [(n, k, split, warps, stages) for n, k, warps, stages in SWEEP_GEMV[fmt] for split in SPLITS]
+    return [(n, k, split, warps, stages) for n, k, warps, stages in SWEEP_GEMV for split in SPLITS]
 
 
 def swept(fmt: str, rows: int) -> bool:

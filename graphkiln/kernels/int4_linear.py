@@ -30,7 +30,6 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from graphkiln.errors import ConfigError
 
-from .fp8_linear import gemv_tiling as fp8_gemv_tiling
 from .gemv import _k_mask
 from .int4_words import MIN_DOT_GROUP, group_params, int4_dot, words
 from .launch import launch
@@ -190,11 +189,17 @@ def _int4_dequantize_kernel(q_ptr, s_ptr, z_ptr, out_ptr, N, K, G, stride_qn, st
 
 
 def gemv_tiling(n: int, k: int, sms: int = 132) -> tuple[int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, splits, warps, stages) of the one-row kernel: fp8_linear's slabs with twice its K step
-    (half the bytes an element), so a step still loads as many bytes, and K split where the slabs alone leave
-    multiprocessors idle (the benchmark's sweep checks them)."""
-    block_n, block_k, _, warps, stages = fp8_gemv_tiling(n, k, sms)
-    block_k = min(2 * block_k, max(triton.next_power_of_2(k), 32))
+    """(BLOCK_N, BLOCK_K, splits, warps, stages) of the one-row kernel: slabs of a few weight rows over long K
+    steps (a step loads 2-8 KiB of each row's packed bytes), a deep pipeline of short steps for the wide
+    projections, and K split where the slabs alone leave multiprocessors idle (the benchmark's sweep checks them)."""
+    if n <= 8192:
+        tiles = (4, 8192, 4, 2) if k <= 2048 else (8, 2048, 4, 3) if k < 8192 else (8, 4096, 8, 2)
+    elif n <= 32768:
+        tiles = 32, 512, 4, 6
+    else:
+        tiles = 16, 1024, 4, 4
+    block_n, block_k, warps, stages = tiles
+    block_k = min(block_k, max(triton.next_power_of_2(k), 32))
     splits = split_count(triton.cdiv(n, block_n), k, block_k, 4 * n, n * k // 2, sms)
     return block_n, block_k, splits, warps, stages
 
