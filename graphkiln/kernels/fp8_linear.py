@@ -123,13 +123,14 @@ def _dequantize_blocks_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn,
 
 def gemv_tiling(n: int, k: int, sms: int = 132) -> tuple[int, int, int, int, int]:
     """(BLOCK_N, BLOCK_K, splits, warps, stages) of the one-row kernel, from the benchmark's sweep of the
-    8B-like projections: long K steps for the narrow projections, short ones deeply pipelined for gate_up,
-    and K split only where the slabs leave fewer than GEMV_RESIDENT programs a multiprocessor, as the split's
-    second launch (the sum) costs more than the loads it adds. `sms`: the device's multiprocessors."""
+    1B- and 8B-like projections: 2048-wide K steps on 8 warps for the narrow projections, 1024-wide ones for
+    gate_up (pipelined 4 deep where K has more than two), and K split only where the slabs leave fewer than
+    GEMV_RESIDENT programs a multiprocessor, as the split's second launch (the sum) costs more than the loads
+    it adds. `sms`: the device's multiprocessors."""
     if n <= 8192:
-        tiles = (4, 4096, 4, 2) if k <= 2048 else (16 if n > 4096 else 8, 2048, 8, 2)
+        tiles = 16 if n > 4096 else 8, 2048, 8, 2
     elif n <= 32768:
-        tiles = 8, 1024, 4, 4
+        tiles = 8, 1024, 4, 4 if k > 2048 else 1
     else:
         tiles = 16, 512, 4, 4
     block_n, block_k, warps, stages = tiles

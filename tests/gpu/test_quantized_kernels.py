@@ -18,19 +18,20 @@ from kernel_weights import MODEL_SHAPES, activation, fp8_weight, int4_weight, ti
 @pytest.mark.parametrize("rows", [1, 2, 8])
 @pytest.mark.parametrize("shape", MODEL_SHAPES.values(), ids=MODEL_SHAPES.keys())
 def test_decode_tilings_put_enough_programs_on_every_multiprocessor(shape, rows):
-    """The rule's tiles at batch 1 to 8: slabs x K splits reach RESIDENT programs a multiprocessor, unless K
-    cannot be split further (twice the splits would cover fewer than MIN_SPLIT_K inputs or share unevenly)."""
+    """The rule's tiles at batch 1 to 8: slabs x K splits reach their kernel's programs a multiprocessor
+    (GEMV_RESIDENT for the fp8 GEMV, RESIDENT for the others), unless K cannot be split further (twice the
+    splits would cover fewer than MIN_SPLIT_K inputs or share unevenly)."""
     n, k = shape
     sms = multiprocessors(torch.device("cuda"))
     if rows == 1:
-        tilings = [fp8_kernels.gemv_tiling(n, k, sms), int4_kernels.gemv_tiling(n, k, sms)]
-        shapes = [(t[0], t[1], t[2]) for t in tilings]
+        fp8, int4 = fp8_kernels.gemv_tiling(n, k, sms), int4_kernels.gemv_tiling(n, k, sms)
+        shapes = [(fp8[0], fp8[1], fp8[2], fp8_kernels.GEMV_RESIDENT), (int4[0], int4[1], int4[2], RESIDENT)]
     else:
         mma, mm = mma_kernels.mma_tiling(rows, n, k, sms), int4_kernels.mm_tiling(rows, n, k, 128, sms)
-        shapes = [(mma[1], mma[2], mma[3]), (mm[1], mm[2], mm[4])]
-    for block_n, block_k, splits in shapes:
+        shapes = [(mma[1], mma[2], mma[3], RESIDENT), (mm[1], mm[2], mm[4], RESIDENT)]
+    for block_n, block_k, splits, resident in shapes:
         finest = k // (2 * splits) < max(MIN_SPLIT_K, block_k) or k_steps(k, 2 * splits, block_k)[0] == splits
-        assert -(-n // block_n) * splits >= RESIDENT * sms or finest, (block_n, block_k, splits)
+        assert -(-n // block_n) * splits >= resident * sms or finest, (block_n, block_k, splits)
 
 
 def captured(fn, x: torch.Tensor):
