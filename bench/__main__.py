@@ -15,6 +15,7 @@ COMMANDS = {  # command -> (module, one line of help)
     "quantized": ("quantized", "fp8 and int4 weight products vs bf16 and each format's bytes floor, tile sweeps"),
     "tiles": ("tiles", "GEMV tilings tried inside the real decode graph"),
     "attention": ("attention", "Triton attention kernels vs SDPA and the copy rate"),
+    "resources": ("resources", "registers, spills, shared memory and waves of our Triton kernels, compiled without a GPU"),
     "serving": ("serving", "decode and long prefill at serving shapes, per attention backend, vs the floor"),
     "passes": ("passes", "each optional graph pass on and off"),
     "bf16-ties": ("bf16_ties", "where bfloat16 greedy tokens differ between eager and compiled (CPU)"),

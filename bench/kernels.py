@@ -2,7 +2,7 @@
 step adds to its replay; and where a short prefill's time to first token goes (about a minute).
 
     python -m bench kernels --out $OUT [--batches 1 8] [--prefill 128] [--model 8b --layers 4]
-                            [--disable-pass NAME]
+                            [--disable-pass NAME] [--max-seq-len 512]
 
 Compiles the bench's random model for the decode batches asked for, decodes 128-token prompts,
 then per batch: the engine step's host time against its graph's replay (CUDA events); the
@@ -159,6 +159,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-pass", action="append", default=[], help="a graph pass to switch off (repeatable)")
     p.add_argument("--enable-pass", action="append", default=[], help="an optional graph pass to switch on (repeatable)")
     p.add_argument("--quantization", choices=("fp8", "int4"), default=None, help="compile with --quantization")
+    p.add_argument("--max-seq-len", type=int, default=None,
+                   help="EngineConfig.max_seq_len (default: the model's 8192); it sizes the decode graphs' block tables, "
+                        "and with them the decode attention's planned splits")
     p.add_argument("--specialize-sizes", type=int, nargs="*", default=[],
                    help="token counts compiled specialized (CompileConfig.specialize_sizes)")
 
@@ -176,8 +179,10 @@ def main(a: argparse.Namespace) -> int:
         llm = compiled_llm(study, work, disabled_passes=tuple(a.disable_pass), compile_options=options,
                            decode_batch_sizes=tuple(batches),
                            prefill_token_buckets=tuple(sorted({16, 128, *lengths})),
-                           max_num_batched_tokens=max([2048, *lengths]), kv_cache_tokens=4096 if study.smoke else 65536)
-        results: dict = {"batches": {}, "prefill": {}, "disabled_passes": a.disable_pass, **options}
+                           max_num_batched_tokens=max([2048, *lengths]), kv_cache_tokens=4096 if study.smoke else 65536,
+                           max_seq_len=a.max_seq_len)
+        results: dict = {"batches": {}, "prefill": {}, "disabled_passes": a.disable_pass, "max_seq_len": a.max_seq_len,
+                         **options}
         for batch in batches:
             r = {**step_and_replay(llm, batch, steps, cuda, prompt), **pipelined(llm, batch, steps, cuda, prompt),
                  **decode_kernels(llm, batch, cuda, prompt)}

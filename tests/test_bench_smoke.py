@@ -207,3 +207,29 @@ def test_steps_study_smoke(bench: Bench, tmp_path: Path) -> None:
     assert len(run["steps_s"]) >= 32 and all(s > 0 for s in run["steps_s"][:-1])
     assert run["prepared"][0][:2] == ["pieces", "compiled"]
     assert run["slow_steps"] and "MainThread" in run["slow_steps"][0]["stacks"]
+
+
+def test_resources_occupancy_is_the_tightest_of_registers_warps_and_shared_memory() -> None:
+    """Programs a Hopper multiprocessor holds: registers (8 a thread at a time), warps, shared memory, 32 at most."""
+    from bench.resources import occupancy
+
+    assert occupancy(255, 4, 106752) == 2  # 256 registers x 128 threads: 2 of 64K
+    assert occupancy(64, 8, 20480) == 4  # registers, though warps allow 8 and shared memory 11
+    assert occupancy(32, 4, 200 * 1024) == 1  # shared memory
+    assert occupancy(24, 16, 0) == 4  # warps: 64 / 16
+    assert occupancy(16, 1, 0) == 32
+
+
+def test_resources_study_smoke(bench: Bench, tmp_path: Path) -> None:
+    """Our kernels compiled for sm90 without a GPU (where Triton is installed): one row per decode batch and per
+    one-row product, the decode grid as the engine plans it, every kernel fitting a multiprocessor."""
+    pytest.importorskip("triton")
+    from graphkiln.runtime.attention.triton_backend import decode_tiles
+
+    bench("resources", "--models", "smoke", "--batches", "1", "2", "--max-context", "256", "--out", str(tmp_path))
+    rows = json.loads((tmp_path / "resources.json").read_text())["kernels"]
+    assert [r["what"] for r in rows[:2]] == ["decode b=1", "decode b=2"]
+    assert len(rows) == 2 + 5 * 3  # qkv, o, gate_up, down, lm_head: bf16, fp8 per channel, fp8 per block
+    plan = decode_tiles(2, 2, 256, 16, 2, 132)
+    assert rows[1]["grid"] == f"2x{plan.num_splits}x2"
+    assert all(0 < r["registers"] <= 255 and r["per_sm"] >= 1 and r["waves"] >= 1 for r in rows)

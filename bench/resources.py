@@ -1,0 +1,205 @@
+"""Registers, spills and shared memory of graphkiln's Triton kernels at the tiles their rules pick, and how many
+programs a multiprocessor holds and in how many waves a grid runs, compiled by Triton for a GPU target on any
+machine: no GPU needed (a minute or so).
+
+    python -m bench resources --out $OUT [--models 1b 8b] [--batches 1 64] [--max-context 8192] [--arch 90]
+
+Per model: the row decode kernel at each batch, planned as the engine plans it for a block table of
+`--max-context` tokens (its grid is that plan's, whatever the context), and the one-row GEMVs of each projection
+(bf16, fp8 with per-channel and with 128 x 128 block scales). Each kernel is built through graphkiln's own
+wrappers on CPU tensors, their launches turned into Triton's warmup against a stand-in driver that names the
+target, so the specializations are the ones a launch makes there (PDL aside: it is decided per CUDA device, and
+is off here). `ptxas -v`, which Triton ships, counts registers and spilled bytes; programs a multiprocessor
+holds are bounded by its registers, warps and shared memory (Hopper's: 64K registers, 64 warps, 227 KiB); waves
+= programs / (that x `--sms`). Timings need the GPU (bench attention, quantized, kernels).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import glob
+import os
+import re
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from .common import environment, log, write_json
+from .models import projections, shape_of
+from .report import text_table
+
+REGISTERS_PER_SM = 65536
+WARPS_PER_SM = 64
+SHARED_PER_SM = 227 * 1024
+COLUMNS = ["model", "kernel", "what", "tiles", "grid", "warps", "shared", "registers", "spilled", "per_sm", "waves"]
+
+
+class _TargetDriver:
+    """What Triton's launch path asks of the active driver, for a target without a device."""
+
+    def __init__(self, target) -> None:
+        self.target = target
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def map_python_to_cpp_type(self, ty: str) -> str:
+        return ty
+
+
+@contextlib.contextmanager
+def compiled_for(arch: int) -> Iterator[list]:
+    """Within the block, graphkiln's kernel launches compile for sm_<arch> instead of running: each appends
+    (kernel name, grid, compiled kernel) to the list yielded."""
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+
+    import graphkiln.kernels as kernels
+
+    built: list = []
+
+    def build(kernel, grid, *args, **kwargs) -> None:
+        built.append((kernel.fn.__name__, grid, kernel.warmup(*args, grid=grid, **kwargs)))
+
+    modules = [m for name in os.listdir(os.path.dirname(kernels.__file__)) if name.endswith(".py")
+               for m in [_module(name[:-3])] if hasattr(m, "launch")]
+    previous = driver._active  # (reset_active() would look for a GPU)
+    driver.set_active(_TargetDriver(GPUTarget("cuda", arch, 32)))
+    saved = [(m, m.launch) for m in modules]
+    for m in modules:
+        m.launch = build
+    try:
+        yield built
+    finally:
+        for m, launch in saved:
+            m.launch = launch
+        driver.set_active(previous)
+
+
+def _module(name: str):
+    import importlib
+
+    return importlib.import_module(f"graphkiln.kernels.{name}")
+
+
+def ptxas_usage(kernel, arch: int) -> tuple[int, int]:
+    """(registers a thread, bytes of local-memory stack, which is where registers spill) of a compiled kernel,
+    from `ptxas -v`."""
+    import triton
+
+    ptxas = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"))[0]
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(kernel.asm["ptx"])
+        f.flush()
+        out = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}a", f.name, "-o", os.devnull],
+                             capture_output=True, text=True, check=True).stderr
+    registers = int(re.search(r"Used (\d+) registers", out).group(1))
+    stack = re.search(r"(\d+) bytes cumulative stack size", out)
+    return registers, int(stack.group(1)) if stack else 0
+
+
+def occupancy(registers: int, warps: int, shared: int) -> int:
+    """Programs a Hopper multiprocessor holds at once: registers (allocated per warp, 8 a thread at a time),
+    warps and shared memory."""
+    by_registers = REGISTERS_PER_SM // (-(-registers // 8) * 8 * 32 * warps)
+    by_shared = SHARED_PER_SM // shared if shared else 32
+    return max(0, min(by_registers, WARPS_PER_SM // warps, by_shared, 32))
+
+
+def decode_launches(model: str, batch: int, max_context: int) -> list[tuple[str, str]]:
+    """The row decode kernel's launch for `batch` sequences, planned for a table of `max_context` tokens; its
+    (label, tiles)."""
+    import torch
+
+    from graphkiln.kernels.decode_attention import paged_decode
+    from graphkiln.runtime.attention.triton_backend import decode_tiles
+
+    s = shape_of(model)
+    hq, hkv, d, block = s["num_attention_heads"], s["num_key_value_heads"], s["head_dim"], 16
+    tiles = decode_tiles(batch, hkv, max_context, d, 2, 132)
+    blocks = batch * (max_context // block)
+    q = torch.zeros(batch, hq, d, dtype=torch.bfloat16)
+    k = torch.zeros(batch, hkv, d, dtype=torch.bfloat16)
+    cache = torch.zeros(blocks, block, hkv, d, dtype=torch.bfloat16)
+    tables = torch.arange(blocks, dtype=torch.int32).view(batch, -1)
+    paged_decode(q, k, k.clone(), cache, cache.clone(), torch.full((batch,), 200, dtype=torch.int32), tables,
+                 torch.zeros(batch, dtype=torch.int64), torch.empty_like(q), d ** -0.5,
+                 torch.zeros(batch * hkv, dtype=torch.int32), num_splits=tiles.num_splits, block_n=tiles.block_n,
+                 num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    return [(f"decode b={batch}", f"splits={tiles.num_splits} block_n={tiles.block_n} stages={tiles.num_stages}")]
+
+
+def gemv_launches(name: str, n: int, k: int) -> list[tuple[str, str]]:
+    """The one-row products of an N x K weight: bf16, fp8 per channel, fp8 per block; their (label, tiles)."""
+    import torch
+
+    from graphkiln.kernels.fp8_linear import FP8, fp8_gemv, gemv_tiling
+    from graphkiln.kernels.gemv import gemv, tiling
+
+    x = torch.zeros(1, k, dtype=torch.bfloat16)
+    gemv(x, torch.zeros(n, k, dtype=torch.bfloat16))
+    weight = torch.zeros(n, k, dtype=FP8)
+    fp8_gemv(x, weight, torch.ones(n))
+    fp8_gemv(x, weight, torch.ones(-(-n // 128), -(-k // 128)))
+    bf16_n, bf16_k, _, bf16_stages = tiling(n, k)
+    fp8_n, fp8_k, splits, _, fp8_stages = gemv_tiling(n, k)
+    fp8 = f"block_n={fp8_n} block_k={fp8_k} splits={splits} stages={fp8_stages}"
+    return [(f"{name} bf16", f"block_n={bf16_n} block_k={bf16_k} stages={bf16_stages}"),
+            (f"{name} fp8 per channel", fp8), (f"{name} fp8 per block", fp8)]
+
+
+def rows_of(model: str, built: list, launches: list[tuple[str, str]], arch: int, sms: int) -> list[dict]:
+    """One row per kernel launched, given each one's (label, tiles); split products' sum kernels left out."""
+    rows = []
+    launched = [b for b in built if b[0] != "_sum_splits_kernel"]
+    for (name, grid, kernel), (what, tiles) in zip(launched, launches, strict=True):
+        registers, spilled = ptxas_usage(kernel, arch)
+        warps, shared = kernel.metadata.num_warps, kernel.metadata.shared
+        programs = 1
+        for g in grid:
+            programs *= g
+        per_sm = occupancy(registers, warps, shared)
+        rows.append(dict(model=model, kernel=name.strip("_"), what=what, tiles=tiles,
+                         grid="x".join(str(g) for g in grid), warps=warps, shared=shared, registers=registers,
+                         spilled=spilled, per_sm=per_sm, waves=-(-programs // (per_sm * sms)) if per_sm else None))
+    built.clear()
+    return rows
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default=None, help="results folder (default $OUT, else the current folder)")
+    p.add_argument("--models", nargs="+", default=["1b", "8b"], help="model shapes (default 1b 8b)")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64], help="decode batches (default 1 8 64)")
+    p.add_argument("--max-context", type=int, default=8192,
+                   help="tokens the block table holds, which the decode plan is sized by (default 8192: bench's models)")
+    p.add_argument("--arch", type=int, default=90, help="compute capability to compile for (default 90: H100/H200)")
+    p.add_argument("--sms", type=int, default=132, help="multiprocessors of the device (default 132)")
+    p.add_argument("--commit", help="git commit to record where the tree has no .git")
+
+
+def main(a: argparse.Namespace) -> int:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        raise SystemExit("bench resources: needs Triton (pip install triton); no GPU needed") from None
+    rows: list[dict] = []
+    with compiled_for(a.arch) as built:
+        for model in a.models:
+            for batch in a.batches:
+                rows += rows_of(model, built, decode_launches(model, batch, a.max_context), a.arch, a.sms)
+            for name, (n, k) in projections(model).items():
+                rows += rows_of(model, built, gemv_launches(name, n, k), a.arch, a.sms)
+            log(f"{model}: {len(rows)} kernels compiled")
+    print(text_table(rows, COLUMNS))
+    out = Path(a.out or os.environ.get("OUT") or ".") / "resources.json"
+    meta = {**environment("cpu", a.commit), "arch": a.arch, "sms": a.sms, "max_context": a.max_context}
+    log(f"wrote {write_json(out, {'meta': meta, 'kernels': rows})}")
+    return 0
