@@ -19,6 +19,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import glob
+import importlib
+import importlib.util
 import os
 import re
 import subprocess
@@ -85,8 +87,6 @@ def compiled_for(arch: int) -> Iterator[list]:
 
 
 def _module(name: str):
-    import importlib
-
     return importlib.import_module(f"graphkiln.kernels.{name}")
 
 
@@ -186,10 +186,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(a: argparse.Namespace) -> int:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        raise SystemExit("bench resources: needs Triton (pip install triton); no GPU needed") from None
+    if importlib.util.find_spec("triton") is None:
+        raise SystemExit("bench resources: needs Triton (pip install triton); no GPU needed")
     rows: list[dict] = []
     with compiled_for(a.arch) as built:
         for model in a.models:
