@@ -5,8 +5,9 @@ machine: no GPU needed (a minute or so).
     python -m bench resources --out $OUT [--models 1b 8b] [--batches 1 64] [--max-context 8192] [--arch 90]
 
 Per model: the row decode kernel at each batch, planned as the engine plans it for a block table of
-`--max-context` tokens (its grid is that plan's, whatever the context), and the one-row GEMVs of each projection
-(bf16, fp8 with per-channel and with 128 x 128 block scales). Each kernel is built through graphkiln's own
+`--max-context` tokens (its grid is that plan's, whatever the context), the prefill kernel for one prompt of
+`--prefill-tokens`, and the one-row GEMVs of each projection (bf16, fp8 with per-channel and with 128 x 128
+block scales). Each kernel is built through graphkiln's own
 wrappers on CPU tensors, their launches turned into Triton's warmup against a stand-in driver that names the
 target, so the specializations are the ones a launch makes there (PDL aside: it is decided per CUDA device, and
 is off here). `ptxas -v`, which Triton ships, counts registers and spilled bytes; programs a multiprocessor
@@ -137,6 +138,27 @@ def decode_launches(model: str, batch: int, max_context: int) -> list[tuple[str,
     return [(f"decode b={batch}", f"splits={tiles.num_splits} block_n={tiles.block_n} stages={tiles.num_stages}")]
 
 
+def prefill_launches(model: str, tokens: int) -> list[tuple[str, str]]:
+    """The prefill kernel's launch for one prompt of `tokens` tokens at the planned tiles; its (label, tiles)."""
+    import torch
+
+    from graphkiln.kernels.prefill_attention import paged_prefill
+    from graphkiln.runtime.attention.triton_backend import graph_programs, prefill_tiles, prefill_work, work_table
+
+    s = shape_of(model)
+    hq, hkv, d, block = s["num_attention_heads"], s["num_key_value_heads"], s["head_dim"], 16
+    tiles = prefill_tiles(tokens, d, 2)
+    items = prefill_work((tokens,), (tokens,), tiles.block_m)
+    q = torch.zeros(tokens, hq, d, dtype=torch.bfloat16)
+    cache = torch.zeros(-(-tokens // block), block, hkv, d, dtype=torch.bfloat16)
+    paged_prefill(q, cache, cache.clone(), torch.tensor([0, tokens], dtype=torch.int32),
+                  torch.tensor([tokens], dtype=torch.int32), torch.arange(cache.shape[0], dtype=torch.int32)[None],
+                  torch.tensor(work_table(items), dtype=torch.int32), torch.empty_like(q), d ** -0.5,
+                  graph_programs(tokens, len(items), tiles.block_m, hq, 132), block_m=tiles.block_m,
+                  block_n=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    return [(f"prefill {tokens}", f"block_m={tiles.block_m} block_n={tiles.block_n} stages={tiles.num_stages}")]
+
+
 def gemv_launches(name: str, n: int, k: int) -> list[tuple[str, str]]:
     """The one-row products of an N x K weight: bf16, fp8 per channel, fp8 per block; their (label, tiles)."""
     import torch
@@ -180,6 +202,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64], help="decode batches (default 1 8 64)")
     p.add_argument("--max-context", type=int, default=8192,
                    help="tokens the block table holds, which the decode plan is sized by (default 8192: bench's models)")
+    p.add_argument("--prefill-tokens", type=int, default=2048,
+                   help="the prompt the prefill kernel's row is planned for (default 2048: a chunk's budget)")
     p.add_argument("--arch", type=int, default=90, help="compute capability to compile for (default 90: H100/H200)")
     p.add_argument("--sms", type=int, default=132, help="multiprocessors of the device (default 132)")
     p.add_argument("--commit", help="git commit to record where the tree has no .git")
@@ -193,6 +217,7 @@ def main(a: argparse.Namespace) -> int:
         for model in a.models:
             for batch in a.batches:
                 rows += rows_of(model, built, decode_launches(model, batch, a.max_context), a.arch, a.sms)
+            rows += rows_of(model, built, prefill_launches(model, a.prefill_tokens), a.arch, a.sms)
             for name, (n, k) in projections(model).items():
                 rows += rows_of(model, built, gemv_launches(name, n, k), a.arch, a.sms)
             log(f"{model}: {len(rows)} kernels compiled")

@@ -221,15 +221,17 @@ def test_resources_occupancy_is_the_tightest_of_registers_warps_and_shared_memor
 
 
 def test_resources_study_smoke(bench: Bench, tmp_path: Path) -> None:
-    """Our kernels compiled for sm90 without a GPU (where Triton is installed): one row per decode batch and per
-    one-row product, the decode grid as the engine plans it, every kernel fitting a multiprocessor."""
+    """Our kernels compiled for sm90 without a GPU (where Triton is installed): one row per decode batch, one for
+    prefill and one per one-row product, the decode grid as the engine plans it, every kernel fitting a
+    multiprocessor."""
     pytest.importorskip("triton")
     from graphkiln.runtime.attention.triton_backend import decode_tiles
 
-    bench("resources", "--models", "smoke", "--batches", "1", "2", "--max-context", "256", "--out", str(tmp_path))
+    bench("resources", "--models", "smoke", "--batches", "1", "2", "--max-context", "256", "--prefill-tokens", "32",
+          "--out", str(tmp_path))
     rows = json.loads((tmp_path / "resources.json").read_text())["kernels"]
-    assert [r["what"] for r in rows[:2]] == ["decode b=1", "decode b=2"]
-    assert len(rows) == 2 + 5 * 3  # qkv, o, gate_up, down, lm_head: bf16, fp8 per channel, fp8 per block
+    assert [r["what"] for r in rows[:3]] == ["decode b=1", "decode b=2", "prefill 32"]
+    assert len(rows) == 3 + 5 * 3  # qkv, o, gate_up, down, lm_head: bf16, fp8 per channel, fp8 per block
     plan = decode_tiles(2, 2, 256, 16, 2, 132)
     assert rows[1]["grid"] == f"2x{plan.num_splits}x2"
     assert all(0 < r["registers"] <= 255 and r["per_sm"] >= 1 and r["waves"] >= 1 for r in rows)
