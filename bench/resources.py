@@ -3,6 +3,7 @@ programs a multiprocessor holds and in how many waves a grid runs, compiled by T
 machine: no GPU needed (a minute or so).
 
     python -m bench resources --out $OUT [--models 1b 8b] [--batches 1 64] [--max-context 8192] [--arch 90]
+                              [--decode-variants 64x128x8x2,16x32x4x2]
 
 Per model: the row decode kernel at each batch, planned as the engine plans it for a block table of
 `--max-context` tokens (its grid is that plan's, whatever the context), the prefill kernel for one prompt of
@@ -115,17 +116,18 @@ def occupancy(registers: int, warps: int, shared: int) -> int:
     return max(0, min(by_registers, WARPS_PER_SM // warps, by_shared, 32))
 
 
-def decode_launches(model: str, batch: int, max_context: int) -> list[tuple[str, str]]:
-    """The row decode kernel's launch for `batch` sequences, planned for a table of `max_context` tokens; its
-    (label, tiles)."""
+def decode_launches(model: str, batch: int, max_context: int, variant: tuple[int, int, int, int] | None = None
+                    ) -> list[tuple[str, str]]:
+    """The row decode kernel's launch for `batch` sequences, planned for a table of `max_context` tokens, or at
+    `variant` (splits, block_n, warps, stages); its (label, tiles)."""
     import torch
 
     from graphkiln.kernels.decode_attention import paged_decode
-    from graphkiln.runtime.attention.triton_backend import decode_tiles
+    from graphkiln.runtime.attention.triton_backend import DecodeTiles, decode_tiles
 
     s = shape_of(model)
     hq, hkv, d, block = s["num_attention_heads"], s["num_key_value_heads"], s["head_dim"], 16
-    tiles = decode_tiles(batch, hkv, max_context, d, 2, 132)
+    tiles = DecodeTiles(*variant) if variant else decode_tiles(batch, hkv, max_context, d, 2, 132)
     blocks = batch * (max_context // block)
     q = torch.zeros(batch, hq, d, dtype=torch.bfloat16)
     k = torch.zeros(batch, hkv, d, dtype=torch.bfloat16)
@@ -135,7 +137,8 @@ def decode_launches(model: str, batch: int, max_context: int) -> list[tuple[str,
                  torch.zeros(batch, dtype=torch.int64), torch.empty_like(q), d ** -0.5,
                  torch.zeros(batch * hkv, dtype=torch.int32), num_splits=tiles.num_splits, block_n=tiles.block_n,
                  num_warps=tiles.num_warps, num_stages=tiles.num_stages)
-    return [(f"decode b={batch}", f"splits={tiles.num_splits} block_n={tiles.block_n} stages={tiles.num_stages}")]
+    label = f"decode b={batch}" + (" variant" if variant else "")
+    return [(label, f"splits={tiles.num_splits} block_n={tiles.block_n} stages={tiles.num_stages}")]
 
 
 def prefill_launches(model: str, tokens: int) -> list[tuple[str, str]]:
@@ -196,12 +199,19 @@ def rows_of(model: str, built: list, launches: list[tuple[str, str]], arch: int,
     return rows
 
 
+def parse_variants(text: str) -> list[tuple[int, int, int, int]]:
+    """'SPLITSxBLOCK_NxWARPSxSTAGES,...' as tuples."""
+    return [tuple(int(v) for v in item.lower().split("x")) for item in filter(None, text.split(","))]
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="results folder (default $OUT, else the current folder)")
     p.add_argument("--models", nargs="+", default=["1b", "8b"], help="model shapes (default 1b 8b)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64], help="decode batches (default 1 8 64)")
     p.add_argument("--max-context", type=int, default=8192,
                    help="tokens the block table holds, which the decode plan is sized by (default 8192: bench's models)")
+    p.add_argument("--decode-variants", default="",
+                   help="SPLITSxBLOCK_NxWARPSxSTAGES,...: the decode kernel at the first batch with these tiles too")
     p.add_argument("--prefill-tokens", type=int, default=2048,
                    help="the prompt the prefill kernel's row is planned for (default 2048: a chunk's budget)")
     p.add_argument("--arch", type=int, default=90, help="compute capability to compile for (default 90: H100/H200)")
@@ -217,6 +227,9 @@ def main(a: argparse.Namespace) -> int:
         for model in a.models:
             for batch in a.batches:
                 rows += rows_of(model, built, decode_launches(model, batch, a.max_context), a.arch, a.sms)
+            for variant in parse_variants(a.decode_variants):
+                rows += rows_of(model, built, decode_launches(model, a.batches[0], a.max_context, variant), a.arch,
+                                a.sms)
             rows += rows_of(model, built, prefill_launches(model, a.prefill_tokens), a.arch, a.sms)
             for name, (n, k) in projections(model).items():
                 rows += rows_of(model, built, gemv_launches(name, n, k), a.arch, a.sms)

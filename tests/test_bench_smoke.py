@@ -228,10 +228,11 @@ def test_resources_study_smoke(bench: Bench, tmp_path: Path) -> None:
     from graphkiln.runtime.attention.triton_backend import decode_tiles
 
     bench("resources", "--models", "smoke", "--batches", "1", "2", "--max-context", "256", "--prefill-tokens", "32",
-          "--out", str(tmp_path))
+          "--decode-variants", "1x16x2x1", "--out", str(tmp_path))
     rows = json.loads((tmp_path / "resources.json").read_text())["kernels"]
-    assert [r["what"] for r in rows[:3]] == ["decode b=1", "decode b=2", "prefill 32"]
-    assert len(rows) == 3 + 5 * 3  # qkv, o, gate_up, down, lm_head: bf16, fp8 per channel, fp8 per block
+    assert [r["what"] for r in rows[:4]] == ["decode b=1", "decode b=2", "decode b=1 variant", "prefill 32"]
+    assert (rows[2]["grid"], rows[2]["warps"]) == ("2x1x1", 2)
+    assert len(rows) == 4 + 5 * 3  # qkv, o, gate_up, down, lm_head: bf16, fp8 per channel, fp8 per block
     plan = decode_tiles(2, 2, 256, 16, 2, 132)
     assert rows[1]["grid"] == f"2x{plan.num_splits}x2"
     assert all(0 < r["registers"] <= 255 and r["per_sm"] >= 1 and r["waves"] >= 1 for r in rows)
