@@ -6,7 +6,8 @@ machine: no GPU needed (a minute or so).
                               [--decode-variants 64x128x8x2,16x32x4x2]
 
 Per model: the row decode kernel at each batch, planned as the engine plans it for a block table of
-`--max-context` tokens (its grid is that plan's, whatever the context), the prefill kernel for one prompt of
+`--max-context` tokens (its grid is that plan's, whatever the context), at the last batch also on an fp8 cache
+and the block kernel on both caches, the prefill kernel for one prompt of
 `--prefill-tokens`, and the one-row GEMVs of each projection (bf16, fp8 with per-channel and with 128 x 128
 block scales). Each kernel is built through graphkiln's own
 wrappers on CPU tensors, their launches turned into Triton's warmup against a stand-in driver that names the
@@ -116,28 +117,38 @@ def occupancy(registers: int, warps: int, shared: int) -> int:
     return max(0, min(by_registers, WARPS_PER_SM // warps, by_shared, 32))
 
 
-def decode_launches(model: str, batch: int, max_context: int, variant: tuple[int, int, int, int] | None = None
-                    ) -> list[tuple[str, str]]:
-    """The row decode kernel's launch for `batch` sequences, planned for a table of `max_context` tokens, or at
-    `variant` (splits, block_n, warps, stages); its (label, tiles)."""
+def decode_launches(model: str, batch: int, max_context: int, variant: tuple[int, int, int, int] | None = None,
+                    fp8: bool = False, blocks: bool = False) -> list[tuple[str, str]]:
+    """The decode kernel's launch for `batch` sequences, planned for a table of `max_context` tokens, or at
+    `variant` (splits, block_n, warps, stages); on an fp8 cache with its row scales if `fp8`; the block kernel
+    (by tensor-descriptor copies) if `blocks`. Its (label, tiles)."""
     import torch
 
+    from graphkiln.kernels.block_decode_attention import block_paged_decode
     from graphkiln.kernels.decode_attention import paged_decode
-    from graphkiln.runtime.attention.triton_backend import DecodeTiles, decode_tiles
+    from graphkiln.runtime.attention.block_decode import block_decode_tiles, lane_bytes
+    from graphkiln.runtime.attention.triton_backend import DecodeTiles, decode_tiles, padded_head_dim
 
     s = shape_of(model)
     hq, hkv, d, block = s["num_attention_heads"], s["num_key_value_heads"], s["head_dim"], 16
-    tiles = DecodeTiles(*variant) if variant else decode_tiles(batch, hkv, max_context, d, 2, 132)
-    blocks = batch * (max_context // block)
+    cache_dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    blocks_count = batch * (max_context // block)
     q = torch.zeros(batch, hq, d, dtype=torch.bfloat16)
     k = torch.zeros(batch, hkv, d, dtype=torch.bfloat16)
-    cache = torch.zeros(blocks, block, hkv, d, dtype=torch.bfloat16)
-    tables = torch.arange(blocks, dtype=torch.int32).view(batch, -1)
-    paged_decode(q, k, k.clone(), cache, cache.clone(), torch.full((batch,), 200, dtype=torch.int32), tables,
-                 torch.zeros(batch, dtype=torch.int64), torch.empty_like(q), d ** -0.5,
-                 torch.zeros(batch * hkv, dtype=torch.int32), num_splits=tiles.num_splits, block_n=tiles.block_n,
-                 num_warps=tiles.num_warps, num_stages=tiles.num_stages)
-    label = f"decode b={batch}" + (" variant" if variant else "")
+    cache = torch.zeros(blocks_count, block, hkv, d, dtype=cache_dtype)
+    scales = (torch.ones(blocks_count, block, hkv), torch.ones(blocks_count, block, hkv)) if fp8 else None
+    args = (q, k, k.clone(), cache, cache.clone(), torch.full((batch,), 200, dtype=torch.int32),
+            torch.arange(blocks_count, dtype=torch.int32).view(batch, -1), torch.zeros(batch, dtype=torch.int64),
+            torch.empty_like(q), d ** -0.5, torch.zeros(batch * hkv, dtype=torch.int32))
+    label = f"{'block ' if blocks else ''}decode b={batch}{' fp8 cache' if fp8 else ''}{' variant' if variant else ''}"
+    if blocks:
+        plan = block_decode_tiles(batch, hkv, max_context, block, padded_head_dim(d), lane_bytes(cache_dtype), 132)
+        block_paged_decode(*args, num_splits=plan.num_splits, heads=plan.heads, num_warps=plan.num_warps,
+                           num_stages=plan.num_stages, scales=scales)
+        return [(label, f"splits={plan.num_splits} heads={plan.heads} stages={plan.num_stages}")]
+    tiles = DecodeTiles(*variant) if variant else decode_tiles(batch, hkv, max_context, d, 2, 132)
+    paged_decode(*args, num_splits=tiles.num_splits, block_n=tiles.block_n, num_warps=tiles.num_warps,
+                 num_stages=tiles.num_stages, scales=scales)
     return [(label, f"splits={tiles.num_splits} block_n={tiles.block_n} stages={tiles.num_stages}")]
 
 
@@ -227,6 +238,10 @@ def main(a: argparse.Namespace) -> int:
         for model in a.models:
             for batch in a.batches:
                 rows += rows_of(model, built, decode_launches(model, batch, a.max_context), a.arch, a.sms)
+            last = a.batches[-1]
+            for fp8, blocks in ((True, False), (False, True), (True, True)):
+                rows += rows_of(model, built, decode_launches(model, last, a.max_context, fp8=fp8, blocks=blocks),
+                                a.arch, a.sms)
             for variant in parse_variants(a.decode_variants):
                 rows += rows_of(model, built, decode_launches(model, a.batches[0], a.max_context, variant), a.arch,
                                 a.sms)

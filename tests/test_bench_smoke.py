@@ -221,18 +221,20 @@ def test_resources_occupancy_is_the_tightest_of_registers_warps_and_shared_memor
 
 
 def test_resources_study_smoke(bench: Bench, tmp_path: Path) -> None:
-    """Our kernels compiled for sm90 without a GPU (where Triton is installed): one row per decode batch, one for
-    prefill and one per one-row product, the decode grid as the engine plans it, every kernel fitting a
-    multiprocessor."""
+    """Our kernels compiled for sm90 without a GPU (where Triton is installed): one row per decode batch, the row
+    and block kernels on bf16 and fp8 caches at the last batch, a variant, prefill, and one per one-row product;
+    the decode grid as the engine plans it, every kernel fitting a multiprocessor."""
     pytest.importorskip("triton")
     from graphkiln.runtime.attention.triton_backend import decode_tiles
 
     bench("resources", "--models", "smoke", "--batches", "1", "2", "--max-context", "256", "--prefill-tokens", "32",
           "--decode-variants", "1x16x2x1", "--out", str(tmp_path))
     rows = json.loads((tmp_path / "resources.json").read_text())["kernels"]
-    assert [r["what"] for r in rows[:4]] == ["decode b=1", "decode b=2", "decode b=1 variant", "prefill 32"]
-    assert (rows[2]["grid"], rows[2]["warps"]) == ("2x1x1", 2)
-    assert len(rows) == 4 + 5 * 3  # qkv, o, gate_up, down, lm_head: bf16, fp8 per channel, fp8 per block
+    assert [r["what"] for r in rows[:7]] == [
+        "decode b=1", "decode b=2", "decode b=2 fp8 cache", "block decode b=2", "block decode b=2 fp8 cache",
+        "decode b=1 variant", "prefill 32"]
+    assert (rows[5]["grid"], rows[5]["warps"]) == ("2x1x1", 2)
+    assert len(rows) == 7 + 5 * 3  # qkv, o, gate_up, down, lm_head: bf16, fp8 per channel, fp8 per block
     plan = decode_tiles(2, 2, 256, 16, 2, 132)
     assert rows[1]["grid"] == f"2x{plan.num_splits}x2"
     assert all(0 < r["registers"] <= 255 and r["per_sm"] >= 1 and r["waves"] >= 1 for r in rows)
