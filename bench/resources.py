@@ -7,14 +7,14 @@ machine: no GPU needed (a minute or so).
 
 Per model: the row decode kernel at each batch, planned as the engine plans it for a block table of
 `--max-context` tokens (its grid is that plan's, whatever the context), at the last batch also on an fp8 cache
-and the block kernel on both caches, the prefill kernel for one prompt of
-`--prefill-tokens`, and the one-row GEMVs of each projection (bf16, fp8 with per-channel and with 128 x 128
-block scales). Each kernel is built through graphkiln's own
-wrappers on CPU tensors, their launches turned into Triton's warmup against a stand-in driver that names the
-target, so the specializations are the ones a launch makes there (PDL aside: it is decided per CUDA device, and
-is off here). `ptxas -v`, which Triton ships, counts registers and spilled bytes; programs a multiprocessor
-holds are bounded by its registers, warps and shared memory (Hopper's: 64K registers, 64 warps, 227 KiB); waves
-= programs / (that x `--sms`). Timings need the GPU (bench attention, quantized, kernels).
+and the block kernel on both caches, the prefill kernel for one prompt of `--prefill-tokens`, and the one-row
+GEMVs of each projection (bf16, fp8 with per-channel and with 128 x 128 block scales). Each kernel is built
+through graphkiln's own wrappers on CPU tensors, their launches turned into Triton's warmup against a stand-in
+driver that names the target, so the specializations are the ones a launch makes there (PDL aside: it is
+decided per CUDA device, and is off here). `ptxas -v`, which Triton ships, counts registers and spilled bytes;
+programs a multiprocessor holds are bounded by its registers, warps and shared memory (Hopper's: 64K
+registers, 64 warps, 227 KiB); waves = programs / (that x `--sms`). Timings need the GPU (bench attention,
+quantized, kernels).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import contextlib
 import glob
 import importlib
 import importlib.util
+import math
 import os
 import re
 import subprocess
@@ -199,9 +200,7 @@ def rows_of(model: str, built: list, launches: list[tuple[str, str]], arch: int,
     for (name, grid, kernel), (what, tiles) in zip(launched, launches, strict=True):
         registers, spilled = ptxas_usage(kernel, arch)
         warps, shared = kernel.metadata.num_warps, kernel.metadata.shared
-        programs = 1
-        for g in grid:
-            programs *= g
+        programs = math.prod(grid)
         per_sm = occupancy(registers, warps, shared)
         rows.append(dict(model=model, kernel=name.strip("_"), what=what, tiles=tiles,
                          grid="x".join(str(g) for g in grid), warps=warps, shared=shared, registers=registers,

@@ -8,8 +8,9 @@ One row: the GEMV layout of gemv.py (a slab of weight rows per program over a ra
 weight converted in registers and multiplied by the unquantized activation. 2 to FEW_ROWS rows:
 fp8_mma.py, the fp8 weight straight into fp8 tensor cores and the activation quantized in
 registers per 1 x 128 group. Both split K where their slabs alone leave multiprocessors without
-loads in flight (split_k.py: partials summed in a second kernel, the same result on every call). FEW_ROWS + 1 to
-MMA_ROWS rows: the activation quantized first, as for torch._scaled_mm below, then fp8_mma on it.
+loads in flight (split_k.py: partials summed in a second kernel, the same result on every call).
+FEW_ROWS + 1 to MMA_ROWS rows: the activation quantized first, as for torch._scaled_mm below, then
+fp8_mma on it.
 More rows (prefill): the activation is quantized to fp8 (per token for per-channel weights, per
 1 x 128 group for block weights; with `input_scale`, by that static per-tensor scale) and the
 product runs on fp8 tensor cores in torch._scaled_mm; block weights where that torch build has no
