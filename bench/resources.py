@@ -3,18 +3,19 @@ programs a multiprocessor holds and in how many waves a grid runs, compiled by T
 machine: no GPU needed (a minute or so).
 
     python -m bench resources --out $OUT [--models 1b 8b] [--batches 1 64] [--max-context 8192] [--arch 90]
-                              [--decode-variants 64x128x8x2,16x32x4x2]
+                              [--decode-variants 64x128x8x2,16x32x4x2] [--rows 1 8 32]
 
 Per model: the row decode kernel at each batch, planned as the engine plans it for a block table of
 `--max-context` tokens (its grid is that plan's, whatever the context), at the last batch also on an fp8 cache
-and the block kernel on both caches, the prefill kernel for one prompt of `--prefill-tokens`, and the one-row
-GEMVs of each projection (bf16, fp8 with per-channel and with 128 x 128 block scales). Each kernel is built
-through graphkiln's own wrappers on CPU tensors, their launches turned into Triton's warmup against a stand-in
-driver that names the target, so the specializations are the ones a launch makes there (PDL aside: it is
-decided per CUDA device, and is off here). `ptxas -v`, which Triton ships, counts registers and spilled bytes;
-programs a multiprocessor holds are bounded by its registers, warps and shared memory (Hopper's: 64K
-registers, 64 warps, 227 KiB); waves = programs / (that x `--sms`). Timings need the GPU (bench attention,
-quantized, kernels).
+and the block kernel on both caches, the prefill kernel for one prompt of `--prefill-tokens`, and each
+projection's products: the bf16 one-row GEMV, and fp8 (per-channel and 128 x 128 block scales) at each of
+`--rows` as fp8_linear dispatches it, with the kernels around it (x's quantization, a split-K sum). Each
+kernel is built through graphkiln's own wrappers on CPU tensors, their launches turned into Triton's warmup
+against a stand-in driver that names the target, so the specializations are the ones a launch makes there
+(PDL aside: it is decided per CUDA device, and is off here). `ptxas -v`, which Triton ships, counts
+registers and spilled bytes; programs a multiprocessor holds are bounded by its registers, warps and shared
+memory (Hopper's: 64K registers, 64 warps, 227 KiB); waves = programs / (that x `--sms`). Timings need the
+GPU (bench attention, quantized, kernels).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from .report import text_table
 REGISTERS_PER_SM = 65536
 WARPS_PER_SM = 64
 SHARED_PER_SM = 227 * 1024
+HELPERS = ("_quantize_groups_kernel", "_sum_splits_kernel")  # launched around a product by its wrapper
 COLUMNS = ["model", "kernel", "what", "tiles", "grid", "warps", "shared", "registers", "spilled", "per_sm", "waves"]
 
 
@@ -119,7 +121,7 @@ def occupancy(registers: int, warps: int, shared: int) -> int:
 
 
 def decode_launches(model: str, batch: int, max_context: int, variant: tuple[int, int, int, int] | None = None,
-                    fp8: bool = False, blocks: bool = False) -> list[tuple[str, str]]:
+                    fp8: bool = False, blocks: bool = False) -> tuple[str, str]:
     """The decode kernel's launch for `batch` sequences, planned for a table of `max_context` tokens, or at
     `variant` (splits, block_n, warps, stages); on an fp8 cache with its row scales if `fp8`; the block kernel
     (by tensor-descriptor copies) if `blocks`. Its (label, tiles)."""
@@ -146,14 +148,14 @@ def decode_launches(model: str, batch: int, max_context: int, variant: tuple[int
         plan = block_decode_tiles(batch, hkv, max_context, block, padded_head_dim(d), lane_bytes(cache_dtype), 132)
         block_paged_decode(*args, num_splits=plan.num_splits, heads=plan.heads, num_warps=plan.num_warps,
                            num_stages=plan.num_stages, scales=scales)
-        return [(label, f"splits={plan.num_splits} heads={plan.heads} stages={plan.num_stages}")]
+        return label, f"splits={plan.num_splits} heads={plan.heads} stages={plan.num_stages}"
     tiles = DecodeTiles(*variant) if variant else decode_tiles(batch, hkv, max_context, d, 2, 132)
     paged_decode(*args, num_splits=tiles.num_splits, block_n=tiles.block_n, num_warps=tiles.num_warps,
                  num_stages=tiles.num_stages, scales=scales)
-    return [(label, f"splits={tiles.num_splits} block_n={tiles.block_n} stages={tiles.num_stages}")]
+    return label, f"splits={tiles.num_splits} block_n={tiles.block_n} stages={tiles.num_stages}"
 
 
-def prefill_launches(model: str, tokens: int) -> list[tuple[str, str]]:
+def prefill_launches(model: str, tokens: int) -> tuple[str, str]:
     """The prefill kernel's launch for one prompt of `tokens` tokens at the planned tiles; its (label, tiles)."""
     import torch
 
@@ -171,40 +173,56 @@ def prefill_launches(model: str, tokens: int) -> list[tuple[str, str]]:
                   torch.tensor(work_table(items), dtype=torch.int32), torch.empty_like(q), d ** -0.5,
                   graph_programs(tokens, len(items), tiles.block_m, hq, 132), block_m=tiles.block_m,
                   block_n=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
-    return [(f"prefill {tokens}", f"block_m={tiles.block_m} block_n={tiles.block_n} stages={tiles.num_stages}")]
+    return f"prefill {tokens}", f"block_m={tiles.block_m} block_n={tiles.block_n} stages={tiles.num_stages}"
 
 
-def gemv_launches(name: str, n: int, k: int) -> list[tuple[str, str]]:
-    """The one-row products of an N x K weight: bf16, fp8 per channel, fp8 per block; their (label, tiles)."""
+def product_launches(name: str, n: int, k: int, rows: int, block_scales: bool) -> tuple[str, str]:
+    """fp8_linear's launches for `rows` rows of x and an N x K weight with per-channel or 128 x 128 block scales,
+    as it dispatches them (the GEMV, fp8_mma on x quantized in registers or by a kernel before it, split-K
+    sums; above MMA_ROWS the CPU takes the fp8_mma fallback, not torch._scaled_mm); its (label, tiles of
+    the product kernel)."""
     import torch
 
-    from graphkiln.kernels.fp8_linear import FP8, fp8_gemv, gemv_tiling
+    from graphkiln.kernels.fp8_linear import FEW_ROWS, FP8, fp8_linear, gemv_tiling
+    from graphkiln.kernels.fp8_mma import mma_tiling
+
+    scale = torch.ones(-(-n // 128), -(-k // 128)) if block_scales else torch.ones(n)
+    fp8_linear(torch.zeros(rows, k, dtype=torch.bfloat16), torch.zeros(n, k, dtype=FP8), scale)
+    if rows == 1:
+        block_n, block_k, splits, _, stages = gemv_tiling(n, k)
+        tiles = f"block_n={block_n} block_k={block_k} splits={splits} stages={stages}"
+    else:
+        block_m, block_n, block_k, splits, _, stages = mma_tiling(rows, n, k, 132, x_fp8=rows > FEW_ROWS,
+                                                                  block_scales=block_scales)
+        tiles = f"block_m={block_m} block_n={block_n} block_k={block_k} splits={splits} stages={stages}"
+    return f"{name} fp8 {'per block' if block_scales else 'per channel'} m={rows}", tiles
+
+
+def bf16_gemv_launch(name: str, n: int, k: int) -> tuple[str, str]:
+    """The bf16 one-row GEMV of an N x K weight (more rows go to cuBLAS); its (label, tiles)."""
+    import torch
+
     from graphkiln.kernels.gemv import gemv, tiling
 
-    x = torch.zeros(1, k, dtype=torch.bfloat16)
-    gemv(x, torch.zeros(n, k, dtype=torch.bfloat16))
-    weight = torch.zeros(n, k, dtype=FP8)
-    fp8_gemv(x, weight, torch.ones(n))
-    fp8_gemv(x, weight, torch.ones(-(-n // 128), -(-k // 128)))
-    bf16_n, bf16_k, _, bf16_stages = tiling(n, k)
-    fp8_n, fp8_k, splits, _, fp8_stages = gemv_tiling(n, k)
-    fp8 = f"block_n={fp8_n} block_k={fp8_k} splits={splits} stages={fp8_stages}"
-    return [(f"{name} bf16", f"block_n={bf16_n} block_k={bf16_k} stages={bf16_stages}"),
-            (f"{name} fp8 per channel", fp8), (f"{name} fp8 per block", fp8)]
+    gemv(torch.zeros(1, k, dtype=torch.bfloat16), torch.zeros(n, k, dtype=torch.bfloat16))
+    block_n, block_k, _, stages = tiling(n, k)
+    return f"{name} bf16 m=1", f"block_n={block_n} block_k={block_k} stages={stages}"
 
 
-def rows_of(model: str, built: list, launches: list[tuple[str, str]], arch: int, sms: int) -> list[dict]:
-    """One row per kernel launched, given each one's (label, tiles); split products' sum kernels left out."""
+def rows_of(model: str, built: list, launch: tuple[str, str], arch: int, sms: int) -> list[dict]:
+    """One row per kernel one call launched (`built`, emptied after), all under the call's label; the tiles on
+    the call's main kernel (the first built), not on its helpers (a quantization before, a split-K sum after)."""
+    what, tiles = launch
+    main = next((b[0] for b in built if b[0] not in HELPERS), built[0][0])
     rows = []
-    launched = [b for b in built if b[0] != "_sum_splits_kernel"]
-    for (name, grid, kernel), (what, tiles) in zip(launched, launches, strict=True):
+    for name, grid, kernel in built:
         registers, spilled = ptxas_usage(kernel, arch)
         warps, shared = kernel.metadata.num_warps, kernel.metadata.shared
-        programs = math.prod(grid)
         per_sm = occupancy(registers, warps, shared)
-        rows.append(dict(model=model, kernel=name.strip("_"), what=what, tiles=tiles,
+        rows.append(dict(model=model, kernel=name.strip("_"), what=what, tiles=tiles if name == main else "",
                          grid="x".join(str(g) for g in grid), warps=warps, shared=shared, registers=registers,
-                         spilled=spilled, per_sm=per_sm, waves=-(-programs // (per_sm * sms)) if per_sm else None))
+                         spilled=spilled, per_sm=per_sm,
+                         waves=-(-math.prod(grid) // (per_sm * sms)) if per_sm else None))
     built.clear()
     return rows
 
@@ -224,6 +242,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="SPLITSxBLOCK_NxWARPSxSTAGES,...: the decode kernel at the first batch with these tiles too")
     p.add_argument("--prefill-tokens", type=int, default=2048,
                    help="the prompt the prefill kernel's row is planned for (default 2048: a chunk's budget)")
+    p.add_argument("--rows", type=int, nargs="+", default=[1],
+                   help="rows of x for the fp8 products of each projection (default 1: decode at batch 1)")
     p.add_argument("--arch", type=int, default=90, help="compute capability to compile for (default 90: H100/H200)")
     p.add_argument("--sms", type=int, default=132, help="multiprocessors of the device (default 132)")
     p.add_argument("--commit", help="git commit to record where the tree has no .git")
@@ -246,7 +266,10 @@ def main(a: argparse.Namespace) -> int:
                                 a.sms)
             rows += rows_of(model, built, prefill_launches(model, a.prefill_tokens), a.arch, a.sms)
             for name, (n, k) in projections(model).items():
-                rows += rows_of(model, built, gemv_launches(name, n, k), a.arch, a.sms)
+                rows += rows_of(model, built, bf16_gemv_launch(name, n, k), a.arch, a.sms)
+                for m in a.rows:
+                    for block_scales in (False, True):
+                        rows += rows_of(model, built, product_launches(name, n, k, m, block_scales), a.arch, a.sms)
             log(f"{model}: {len(rows)} kernels compiled")
     print(text_table(rows, COLUMNS))
     out = Path(a.out or os.environ.get("OUT") or ".") / "resources.json"
