@@ -170,9 +170,9 @@ def test_tp_decode_study_smoke(bench: Bench, tmp_path: Path) -> None:
 
 def test_weights_study_smoke(tmp_path: Path) -> None:
     """`python -m bench weights` on the CPU: the reader and the one before it, alone, beside a thread running
-    Python and beside the Inductor import in fresh processes (and that import alone), under two intervals."""
+    Python and beside the Inductor import in fresh processes (and that import alone), under a lowered interval."""
     cmd = [sys.executable, "-m", "bench", "weights", "--device", "cpu", "--gib", "0.1", "--ways", "graphkiln,baseline",
-           "--beside-busy-thread", "--beside-import", "--switch-intervals", "0.005,0.0001", "--reps", "1",
+           "--beside-busy-thread", "--beside-import", "--switch-intervals", "0.0001", "--reps", "1",
            "--out", str(tmp_path)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -180,8 +180,8 @@ def test_weights_study_smoke(tmp_path: Path) -> None:
     cells = {(r["condition"], r["switch_interval"], r["way"]) for r in rows}
     ways = {"graphkiln", "baseline"}
     assert cells == {("alone", 0.005, w) for w in ways} | {
-        (c, s, w) for c in ("busy-thread", "import") for s in (0.005, 0.0001) for w in ways
-    } | {("import", s, "none") for s in (0.005, 0.0001)}
+        (c, 0.0001, w) for c in ("busy-thread", "import") for w in ways
+    } | {("import", 0.0001, "none")}
     for r in rows:
         assert r["way"] == "none" or r["best_GBps"] >= r["median_GBps"] > 0
         assert r["condition"] != "import" or r["import_s"] > 0

@@ -59,7 +59,9 @@ def test_collection_turned_off_by_the_caller_stays_off_and_nothing_is_frozen() -
         frozen = gc.get_freeze_count()
         with collections_deferred():
             node = Node()
-        assert not gc.isenabled() and gc.get_freeze_count() == frozen
+        # Frozen objects freed by their last reference leave the count, so it may fall; a freeze would raise it
+        # by every object alive.
+        assert not gc.isenabled() and gc.get_freeze_count() <= frozen
         freed = weakref.ref(node)
         del node
         gc.collect()

@@ -41,6 +41,9 @@ if TYPE_CHECKING:
     from conftest import Checkpoint
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+# Compiled on 2 ranks as well: the families whose graphs hold more than Llama's (biases, q/k norms). Llama's
+# compiled 2-rank graphs are `tiny_tp`'s; Mistral's are Llama's.
+COMPILED_FAMILIES = ("qwen2", "qwen3")
 TP = CompileConfig(tensor_parallel_size=2)
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 DEAD_RANK_LIMIT_S = 30  # a killed rank is noticed at the next collective: its sockets close
@@ -82,12 +85,15 @@ def check_against(llm: graphkiln.LLM, checkpoint: Checkpoint, logits: torch.Tens
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_two_ranks_match_one_rank(family: str, hf_checkpoint, tmp_path: Path) -> None:
-    """Eager and compiled (compile-model, then load) on 2 ranks against the single-rank engine."""
+    """Eager and, for COMPILED_FAMILIES, compiled (compile-model, then load) on 2 ranks against the single-rank
+    engine."""
     checkpoint = with_random_biases(hf_checkpoint(family), tmp_path / "model")
     logits, tokens = single_rank(checkpoint)
     with graphkiln.LLM.eager(checkpoint.path, tensor_parallel_size=2, **ENGINE) as llm:
         check_against(llm, checkpoint, logits, tokens)
     assert not dist.is_initialized()
+    if family not in COMPILED_FAMILIES:
+        return
     manifest, _ = graphkiln.compile_model(checkpoint.path, tmp_path / "art", TP, engine=SMALL_ENGINE)
     assert manifest["config"]["tensor_parallel_size"] == 2
     with graphkiln.load(tmp_path / "art", **ENGINE) as llm:
