@@ -149,7 +149,7 @@ def decode_launches(model: str, batch: int, max_context: int, variant: tuple[int
         block_paged_decode(*args, num_splits=plan.num_splits, heads=plan.heads, num_warps=plan.num_warps,
                            num_stages=plan.num_stages, scales=scales)
         return label, f"splits={plan.num_splits} heads={plan.heads} stages={plan.num_stages}"
-    tiles = DecodeTiles(*variant) if variant else decode_tiles(batch, hkv, max_context, d, 2, 132)
+    tiles = DecodeTiles(*variant) if variant else decode_tiles(batch, hkv, max_context, d, cache_dtype.itemsize, 132)
     paged_decode(*args, num_splits=tiles.num_splits, block_n=tiles.block_n, num_warps=tiles.num_warps,
                  num_stages=tiles.num_stages, scales=scales)
     return label, f"splits={tiles.num_splits} block_n={tiles.block_n} stages={tiles.num_stages}"

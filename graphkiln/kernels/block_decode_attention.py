@@ -24,8 +24,9 @@ rebuilt by every program of every launch in scratch memory from a global allocat
 block tables, queries and the step's new key and value stay pointer loads read at replay. What
 the row kernel does, this one does the same way:
 split-K over the planned splits with the last program of a (sequence, head tile) merging the
-partials on a counter it resets, the step's new key and value taken from registers and stored by
-split 0, programmatic dependent launch. Splits cover whole blocks. Every block of a split goes
+partials on a counter it resets, the step's new keys and values stored by split 0 and attended from
+registers as the first state of the split that holds them (the blocks mask that position out),
+programmatic dependent launch. Splits cover whole blocks. Every block of a split goes
 through one pipelined loop, its rows masked at the sequence's end: a copy issued outside the loop
 (a first block ahead of the wait for q, k and v, as the row kernel does, or a last block of its
 own) is waited on at once, one round trip each, where the loop has them in flight together.
@@ -68,36 +69,50 @@ def cache_descriptor(cache: torch.Tensor, heads: int) -> TensorDescriptor:
 
 
 @triton.jit
-def block_scales(scales, row0, start, last, kv_heads, new_scale, NUM_KV_HEADS: tl.constexpr,
-                 BLOCK_SIZE: tl.constexpr):
+def block_scales(scales, row0, start, last, kv_heads, NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     """The fp8 scales [HEADS, BLOCK_SIZE] of the block of cache rows from `row0` (positions from `start`) for
-    `kv_heads`, from scales [num_blocks * BLOCK_SIZE, NUM_KV_HEADS]: the row at `last` takes the new row's
-    `new_scale` [HEADS], rows past it (and heads past the last) zeros."""
+    `kv_heads`, from scales [num_blocks * BLOCK_SIZE, NUM_KV_HEADS]: zeros from `last` on (the step's new row
+    and past it) and for heads past the last."""
     rows = tl.arange(0, BLOCK_SIZE)
-    pos = start + rows
     at = (row0.to(tl.int64) + rows)[None, :] * NUM_KV_HEADS + kv_heads[:, None]
-    cached = (pos < last)[None, :] & (kv_heads < NUM_KV_HEADS)[:, None]
-    return tl.where((pos == last)[None, :], new_scale[:, None], tl.load(scales + at, mask=cached, other=0.0))
+    cached = (start + rows < last)[None, :] & (kv_heads < NUM_KV_HEADS)[:, None]
+    return tl.load(scales + at, mask=cached, other=0.0)
 
 
 @triton.jit
-def attend_block(q, k, v, k_scale, v_scale, start, last, k_new, v_new, m_i, l_i, acc, scale_log2, q_unit,
+def new_rows_state(q, k_new, v_new, k_new_scale, v_new_scale, holds_last, scale_log2, q_unit,
+                   BLOCK_G: tl.constexpr, FP8: tl.constexpr):
+    """The online-softmax state (m_i, l_i, acc) [HEADS, BLOCK_G(, D)] of a split before its first block: the
+    step's new keys and values k_new, v_new [HEADS, D] attended alone where the split `holds_last`, nothing
+    otherwise; the blocks then leave that position out (attend_block)."""
+    logit = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[:, None, :], 2) * scale_log2
+    value = v_new.to(tl.float32)
+    if FP8:
+        logit = logit * q_unit * k_new_scale[:, None]
+        value = value * v_new_scale[:, None]
+    m_i = tl.where(holds_last, logit, float("-inf"))
+    l_i = tl.where(holds_last, 1.0, 0.0) + tl.zeros(logit.shape, tl.float32)
+    acc = tl.where(holds_last, value[:, None, :], 0.0) + tl.zeros([value.shape[0], BLOCK_G, value.shape[1]],
+                                                                  tl.float32)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def attend_block(q, k, v, k_scale, v_scale, start, last, m_i, l_i, acc, scale_log2, q_unit,
                  BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr):
     """Online-softmax update of (m_i, l_i, acc) [HEADS, BLOCK_G(, D)] with one block of keys and values
-    k, v [BLOCK_SIZE, HEADS, D] at positions from `start`: the row at `last` takes the step's new key
-    and value, rows past it are ignored (their values zeroed: a slot never written may hold anything).
-    With FP8 (q from `dot_query`, divided by q_unit [HEADS, BLOCK_G]) each row's logit and probability are
-    scaled by its key's and value's scale, k_scale and v_scale [HEADS, BLOCK_SIZE] (block_scales)."""
-    pos = start + tl.arange(0, BLOCK_SIZE)
-    is_new = (pos == last)[:, None, None]
-    k = tl.where(is_new, k_new[None, :, :], k)
-    v = tl.where(is_new, v_new[None, :, :], tl.where((pos < last)[:, None, None], v, 0.0))
+    k, v [BLOCK_SIZE, HEADS, D] at positions from `start`, the rows before `last` (the step's new row is
+    new_rows_state's; values from it on are zeroed: a slot never written may hold anything). With FP8 (q from
+    `dot_query`, divided by q_unit [HEADS, BLOCK_G]) each row's logit and probability are scaled by its key's
+    and value's scale, k_scale and v_scale [HEADS, BLOCK_SIZE] (block_scales)."""
+    cached = start + tl.arange(0, BLOCK_SIZE) < last
+    v = tl.where(cached[:, None, None], v, 0.0)
     qk = tl.dot(q, tl.permute(k, (1, 2, 0)).to(q.dtype), input_precision=PRECISION)
     if FP8:
         qk = qk * (scale_log2 * q_unit)[:, :, None] * k_scale[:, None, :]
     else:
         qk = qk * scale_log2
-    qk = tl.where((pos <= last)[None, None, :], qk, float("-inf"))
+    qk = tl.where(cached[None, None, :], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 2))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, :, None])
@@ -175,9 +190,8 @@ def _block_decode_kernel(
                 tl.store(k_scales + scale_dst, k_new_scale, mask=kv_heads < NUM_KV_HEADS)
                 tl.store(v_scales + scale_dst, v_new_scale, mask=kv_heads < NUM_KV_HEADS)
 
-        m_i = tl.full([HEADS, BLOCK_G], float("-inf"), tl.float32)
-        l_i = tl.zeros([HEADS, BLOCK_G], tl.float32)
-        acc = tl.zeros([HEADS, BLOCK_G, HEAD_PAD], tl.float32)
+        m_i, l_i, acc = new_rows_state(q, k_new, v_new, k_new_scale, v_new_scale, split == active - 1, scale_log2,
+                                       q_unit, BLOCK_G, FP8)
         for b in tl.range(first, stop, num_stages=STAGES):
             row0 = tl.load(table_row + b) * BLOCK_SIZE
             k = k_desc.load([row0, head0, 0])
@@ -185,12 +199,10 @@ def _block_decode_kernel(
             k_scale = row0  # placeholders without FP8
             v_scale = row0
             if FP8:
-                k_scale = block_scales(k_scales, row0, b * BLOCK_SIZE, last, kv_heads, k_new_scale, NUM_KV_HEADS,
-                                       BLOCK_SIZE)
-                v_scale = block_scales(v_scales, row0, b * BLOCK_SIZE, last, kv_heads, v_new_scale, NUM_KV_HEADS,
-                                       BLOCK_SIZE)
-            m_i, l_i, acc = attend_block(q, k, v, k_scale, v_scale, b * BLOCK_SIZE, last, k_new, v_new, m_i, l_i, acc,
-                                         scale_log2, q_unit, BLOCK_SIZE, PRECISION, FP8)
+                k_scale = block_scales(k_scales, row0, b * BLOCK_SIZE, last, kv_heads, NUM_KV_HEADS, BLOCK_SIZE)
+                v_scale = block_scales(v_scales, row0, b * BLOCK_SIZE, last, kv_heads, NUM_KV_HEADS, BLOCK_SIZE)
+            m_i, l_i, acc = attend_block(q, k, v, k_scale, v_scale, b * BLOCK_SIZE, last, m_i, l_i, acc, scale_log2,
+                                         q_unit, BLOCK_SIZE, PRECISION, FP8)
 
         acc = acc / l_i[:, :, None]  # every running split holds at least one position
         out_row = out_ptr + seq * stride_ot

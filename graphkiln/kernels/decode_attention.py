@@ -13,9 +13,11 @@ With programmatic dependent launch (kernels/pdl.py) a program loads its first ca
 the kernel before it (rope) drains, and the next kernel may launch once every program began.
 
 The step's new key and value (the context's last position) come from the projections, not the
-cache: split 0 of each (sequence, KV head) stores them into their slot, and every split that
-covers the last position takes them from registers. So the cache write needs no launch of its
-own and no split reads a slot while it is written.
+cache: split 0 of each (sequence, KV head) stores them into their slot, and the split that holds
+the last position starts its online softmax from them (new_row_state), while every tile leaves
+that position out. So the cache write needs no launch of its own, no split reads a slot while it
+is written, and the tiles reach the dots as loaded: putting the new row into a tile held each tile
+in registers and converted its layout, which cost more registers than the rest of the loop.
 
 Any head_dim up to 256 (tiles padded to a power of two) and an fp8 cache with per-row scales
 (kv_format.py): an fp8 step quantizes its new key and value in registers and attends them as
@@ -60,12 +62,11 @@ def load_paged_scales(scales, table_row, pos, valid, kv_head, stride_cb, stride_
 def load_kv_tile(k_cache, v_cache, k_scales, v_scales, table_row, tile, end, last, kv_head, stride_cb, stride_ct,
                  stride_ch, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                  HEAD_PAD: tl.constexpr, FP8: tl.constexpr):
-    """Positions, validity, cached keys and values of the tile from `tile` on, short of `end`, and their
-    fp8 scales (unused placeholders without FP8); the last position is left to the step's new key and
-    value (attend_tile puts them in)."""
+    """Which rows of the tile from `tile` on are cached positions (short of `end`, not `last`, which is the
+    step's new key and value: new_row_state), their keys and values (zeros elsewhere) and their fp8 scales
+    (unused placeholders without FP8)."""
     pos = tile + tl.arange(0, BLOCK_N)
-    valid = pos < end
-    cached = valid & (pos != last)
+    cached = (pos < end) & (pos != last)
     k = load_paged_tile(k_cache, table_row, pos, cached, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE,
                         HEAD_DIM, HEAD_PAD)
     v = load_paged_tile(v_cache, table_row, pos, cached, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE,
@@ -77,7 +78,7 @@ def load_kv_tile(k_cache, v_cache, k_scales, v_scales, table_row, tile, end, las
                                     BLOCK_SIZE, HEAD_DIM)
         v_scale = load_paged_scales(v_scales, table_row, pos, cached, kv_head, stride_cb, stride_ct, stride_ch,
                                     BLOCK_SIZE, HEAD_DIM)
-    return pos, valid, k, v, k_scale, v_scale
+    return cached, k, v, k_scale, v_scale
 
 
 @triton.jit
@@ -100,25 +101,38 @@ def merge_splits(part_out, part_lse, out_row, first_head, first_part, num_splits
 
 
 @triton.jit
-def attend_tile(q, k, v, k_scale, v_scale, pos, valid, last, k_new, v_new, k_new_scale, v_new_scale, m_i, l_i, acc,
-                scale_log2, q_unit, PRECISION: tl.constexpr, FP8: tl.constexpr):
-    """Online-softmax update of (m_i, l_i, acc) with one tile of keys and values at positions `pos`;
-    the tile's rows at `last` take the step's new key and value. With FP8 (q from `dot_query`, divided by
-    q_unit per head) each row's logit and probability are scaled by its key's and value's scale."""
-    is_new = (pos == last)[:, None]
-    k = tl.where(is_new, k_new[None, :], k)
+def new_row_state(q, k_new, v_new, k_new_scale, v_new_scale, holds_last, scale_log2, q_unit, BLOCK_H: tl.constexpr,
+                  HEAD_PAD: tl.constexpr, FP8: tl.constexpr):
+    """The online-softmax state (m_i, l_i, acc) of a split before its first tile: the step's new key and value
+    (the last position) attended alone where the split `holds_last`, nothing otherwise. The tiles then leave
+    that position out, so they reach the dots as loaded, with no row put in."""
+    logit = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale_log2
+    value = v_new.to(tl.float32)
+    if FP8:
+        logit = logit * q_unit * k_new_scale
+        value = value * v_new_scale
+    m_i = tl.where(holds_last, logit, float("-inf"))
+    l_i = tl.where(holds_last, 1.0, 0.0) + tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.where(holds_last, value[None, :], 0.0) + tl.zeros([BLOCK_H, HEAD_PAD], tl.float32)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def attend_tile(q, k, v, k_scale, v_scale, cached, m_i, l_i, acc, scale_log2, q_unit, PRECISION: tl.constexpr,
+                FP8: tl.constexpr):
+    """Online-softmax update of (m_i, l_i, acc) with one tile of keys and values, of which the `cached` rows
+    count. With FP8 (q from `dot_query`, divided by q_unit per head) each row's logit and probability are
+    scaled by its key's and value's scale."""
     qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
     if FP8:
-        qk = qk * (scale_log2 * q_unit)[:, None] * tl.where(pos == last, k_new_scale, k_scale)[None, :]
+        qk = qk * (scale_log2 * q_unit)[:, None] * k_scale[None, :]
     else:
         qk = qk * scale_log2
-    qk = tl.where(valid[None, :], qk, float("-inf"))
+    qk = tl.where(cached[None, :], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
-    v = tl.where(is_new, v_new[None, :], v)
     if FP8:
-        v_scale = tl.where(pos == last, v_new_scale, v_scale)
         v_max = tl.maximum(tl.max(v_scale, 0), MIN_TILE_SCALE)
         weights = p * (v_scale / v_max)[None, :]
         pv = tl.dot(weights.to(q.dtype), v.to(q.dtype), input_precision=PRECISION) * v_max
@@ -153,7 +167,7 @@ def _decode_kernel(
         last = seq_len - 1
         # The cached positions before the last were written by earlier steps, never by the kernels
         # this one may overlap: the first tile loads before waiting for q, k and v.
-        pos, valid, k, v, k_scale, v_scale = load_kv_tile(
+        cached, k, v, k_scale, v_scale = load_kv_tile(
             k_cache, v_cache, k_scales, v_scales, table_row, start, end, last, kv_head, stride_cb, stride_ct,
             stride_ch, BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_PAD, FP8)
         if PDL:
@@ -190,17 +204,16 @@ def _decode_kernel(
                 tl.store(k_scales + row // HEAD_DIM, k_new_scale)
                 tl.store(v_scales + row // HEAD_DIM, v_new_scale)
 
-        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, HEAD_PAD], tl.float32)
-        m_i, l_i, acc = attend_tile(q, k, v, k_scale, v_scale, pos, valid, last, k_new, v_new, k_new_scale,
-                                    v_new_scale, m_i, l_i, acc, scale_log2, q_unit, PRECISION, FP8)
+        m_i, l_i, acc = new_row_state(q, k_new, v_new, k_new_scale, v_new_scale, split == active - 1, scale_log2,
+                                      q_unit, BLOCK_H, HEAD_PAD, FP8)
+        m_i, l_i, acc = attend_tile(q, k, v, k_scale, v_scale, cached, m_i, l_i, acc, scale_log2, q_unit, PRECISION,
+                                    FP8)
         for tile in range(start + BLOCK_N, end, BLOCK_N):
-            pos, valid, k, v, k_scale, v_scale = load_kv_tile(
+            cached, k, v, k_scale, v_scale = load_kv_tile(
                 k_cache, v_cache, k_scales, v_scales, table_row, tile, end, last, kv_head, stride_cb, stride_ct,
                 stride_ch, BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_PAD, FP8)
-            m_i, l_i, acc = attend_tile(q, k, v, k_scale, v_scale, pos, valid, last, k_new, v_new, k_new_scale,
-                                        v_new_scale, m_i, l_i, acc, scale_log2, q_unit, PRECISION, FP8)
+            m_i, l_i, acc = attend_tile(q, k, v, k_scale, v_scale, cached, m_i, l_i, acc, scale_log2, q_unit,
+                                        PRECISION, FP8)
 
         acc = acc / l_i[:, None]  # every running split holds at least one position
         out_row = out_ptr + seq * stride_ot

@@ -1,0 +1,47 @@
+"""The decode attention kernels' arithmetic on the CPU, where Triton is installed: each kernel run by Triton's
+interpreter in a fresh process (tests/interpreted_kernels.py) against float32 attention over the cache it left.
+
+Speed, concurrency and the compiled code are the GPU tests' (tests/gpu/test_attention_backends.py); this
+checks a kernel change before a GPU sees it: masks, the step's new row, the split merge and the cache write.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from interpreted_kernels import CASES  # noqa: E402
+
+HERE = Path(__file__).parent
+ERROR = 1e-3
+BF16_ERROR = 5e-3  # a bfloat16 query's dots round the probabilities to 8 bits
+# The new key as stored: in 16 bits the key itself; in fp8 its scale, and its codes but for those the interpreter
+# rounds up to the next power of two without carrying into the exponent (a binade low; the GPU carries).
+FP8_CODES_EQUAL = 0.9
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, str(HERE / "interpreted_kernels.py")], cwd=HERE, env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_interpreted_decode_matches_float32_attention(results: dict, name: str) -> None:
+    kernel, dtype, *_, fp8 = CASES[name]
+    case = results[name]
+    assert case["error"] < (BF16_ERROR if dtype == torch.bfloat16 else ERROR)
+    assert case["new_key_equal"] >= (FP8_CODES_EQUAL if fp8 else 1.0)
+    assert case["new_key_scale_error"] < 1e-6
+    assert case["counters_zero"]
