@@ -53,7 +53,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .decode_attention import merge_splits
+from .decode_attention import merge_splits, new_row_state
 from .kv_format import MIN_TILE_SCALE, dot_query, fp8_scale, head_pad, lanes, to_fp8
 from .launch import launch
 from .pdl import pdl_on
@@ -80,29 +80,11 @@ def block_scales(scales, row0, start, last, kv_heads, NUM_KV_HEADS: tl.constexpr
 
 
 @triton.jit
-def new_rows_state(q, k_new, v_new, k_new_scale, v_new_scale, holds_last, scale_log2, q_unit,
-                   BLOCK_G: tl.constexpr, FP8: tl.constexpr):
-    """The online-softmax state (m_i, l_i, acc) [HEADS, BLOCK_G(, D)] of a split before its first block: the
-    step's new keys and values k_new, v_new [HEADS, D] attended alone where the split `holds_last`, nothing
-    otherwise; the blocks then leave that position out (attend_block)."""
-    logit = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[:, None, :], 2) * scale_log2
-    value = v_new.to(tl.float32)
-    if FP8:
-        logit = logit * q_unit * k_new_scale[:, None]
-        value = value * v_new_scale[:, None]
-    m_i = tl.where(holds_last, logit, float("-inf"))
-    l_i = tl.where(holds_last, 1.0, 0.0) + tl.zeros(logit.shape, tl.float32)
-    acc = tl.where(holds_last, value[:, None, :], 0.0) + tl.zeros([value.shape[0], BLOCK_G, value.shape[1]],
-                                                                  tl.float32)
-    return m_i, l_i, acc
-
-
-@triton.jit
 def attend_block(q, k, v, k_scale, v_scale, start, last, m_i, l_i, acc, scale_log2, q_unit,
                  BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr):
     """Online-softmax update of (m_i, l_i, acc) [HEADS, BLOCK_G(, D)] with one block of keys and values
     k, v [BLOCK_SIZE, HEADS, D] at positions from `start`, the rows before `last` (the step's new row is
-    new_rows_state's; values from it on are zeroed: a slot never written may hold anything). With FP8 (q from
+    new_row_state's; values from it on are zeroed: a slot never written may hold anything). With FP8 (q from
     `dot_query`, divided by q_unit [HEADS, BLOCK_G]) each row's logit and probability are scaled by its key's
     and value's scale, k_scale and v_scale [HEADS, BLOCK_SIZE] (block_scales)."""
     cached = start + tl.arange(0, BLOCK_SIZE) < last
@@ -167,8 +149,8 @@ def _block_decode_kernel(
                         mask=new_mask, other=0.0)
         v_new = tl.load(v_ptr + seq * stride_vt + kv_heads[:, None] * stride_vh + dims[None, :] * stride_vd,
                         mask=new_mask, other=0.0)
-        k_new_scale = scale_log2  # placeholders without FP8
-        v_new_scale = scale_log2
+        k_new_scale = tl.zeros([HEADS], tl.float32)  # placeholders without FP8, shaped as with it
+        v_new_scale = k_new_scale
         q_unit = scale_log2
         if FP8:
             q, q_unit = dot_query(q, 2, PRECISION == "ieee")
@@ -190,8 +172,8 @@ def _block_decode_kernel(
                 tl.store(k_scales + scale_dst, k_new_scale, mask=kv_heads < NUM_KV_HEADS)
                 tl.store(v_scales + scale_dst, v_new_scale, mask=kv_heads < NUM_KV_HEADS)
 
-        m_i, l_i, acc = new_rows_state(q, k_new, v_new, k_new_scale, v_new_scale, split == active - 1, scale_log2,
-                                       q_unit, BLOCK_G, FP8)
+        m_i, l_i, acc = new_row_state(q, k_new[:, None, :], v_new[:, None, :], k_new_scale[:, None],
+                                      v_new_scale[:, None, None], split == active - 1, scale_log2, q_unit, FP8)
         for b in tl.range(first, stop, num_stages=STAGES):
             row0 = tl.load(table_row + b) * BLOCK_SIZE
             k = k_desc.load([row0, head0, 0])

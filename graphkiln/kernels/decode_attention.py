@@ -101,19 +101,20 @@ def merge_splits(part_out, part_lse, out_row, first_head, first_part, num_splits
 
 
 @triton.jit
-def new_row_state(q, k_new, v_new, k_new_scale, v_new_scale, holds_last, scale_log2, q_unit, BLOCK_H: tl.constexpr,
-                  HEAD_PAD: tl.constexpr, FP8: tl.constexpr):
+def new_row_state(q, k_new, v_new, k_new_scale, v_new_scale, holds_last, scale_log2, q_unit, FP8: tl.constexpr):
     """The online-softmax state (m_i, l_i, acc) of a split before its first tile: the step's new key and value
     (the last position) attended alone where the split `holds_last`, nothing otherwise. The tiles then leave
-    that position out, so they reach the dots as loaded, with no row put in."""
-    logit = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale_log2
+    that position out, so they reach the dots as loaded, with no row put in. q is [..., G, D] (G query rows
+    a KV head); k_new, v_new broadcast against it ([..., 1, D]); q_unit, k_new_scale against its logits
+    [..., G], v_new_scale against v_new."""
+    logit = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), len(q.shape) - 1) * scale_log2
     value = v_new.to(tl.float32)
     if FP8:
         logit = logit * q_unit * k_new_scale
         value = value * v_new_scale
     m_i = tl.where(holds_last, logit, float("-inf"))
-    l_i = tl.where(holds_last, 1.0, 0.0) + tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.where(holds_last, value[None, :], 0.0) + tl.zeros([BLOCK_H, HEAD_PAD], tl.float32)
+    l_i = tl.where(holds_last, 1.0, 0.0) + tl.zeros(logit.shape, tl.float32)
+    acc = tl.where(holds_last, value, 0.0) + tl.zeros(q.shape, tl.float32)
     return m_i, l_i, acc
 
 
@@ -204,8 +205,8 @@ def _decode_kernel(
                 tl.store(k_scales + row // HEAD_DIM, k_new_scale)
                 tl.store(v_scales + row // HEAD_DIM, v_new_scale)
 
-        m_i, l_i, acc = new_row_state(q, k_new, v_new, k_new_scale, v_new_scale, split == active - 1, scale_log2,
-                                      q_unit, BLOCK_H, HEAD_PAD, FP8)
+        m_i, l_i, acc = new_row_state(q, k_new[None, :], v_new[None, :], k_new_scale, v_new_scale, split == active - 1,
+                                      scale_log2, q_unit, FP8)
         m_i, l_i, acc = attend_tile(q, k, v, k_scale, v_scale, cached, m_i, l_i, acc, scale_log2, q_unit, PRECISION,
                                     FP8)
         for tile in range(start + BLOCK_N, end, BLOCK_N):
