@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from graphkiln.cache_dir import cache_root
 from graphkiln.compiler.artifact_dir import write_artifact
 from graphkiln.compiler.artifact_load import check_artifact, read_artifact, read_tokenizer, read_weights
 from graphkiln.compiler.compile import CompileReport, Progress
@@ -63,13 +63,6 @@ def compile_model(
     with captures_paused():  # Inductor's autotuning draws CUDA random numbers: none beside an engine's capture
         return write_artifact(model_dir, source, Path(out), config, defaults, force=force, sign_key=key,
                               progress=progress)  # fmt: skip
-
-
-def cache_root() -> Path:
-    """graphkiln's cache folder: GRAPHKILN_CACHE_DIR, else $XDG_CACHE_HOME/graphkiln, else ~/.cache/graphkiln."""
-    if root := os.environ.get("GRAPHKILN_CACHE_DIR"):
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "graphkiln"
 
 
 def cached_artifact(

@@ -37,6 +37,9 @@ never `torch._...` themselves):
 - `inductor_output_code()`: collects the wrapper code (with every C++/Triton kernel inline) of
   each graph Inductor compiles or loads from its cache, through `GraphLowering.save_output_code`,
   the hook torch's own `run_and_get_code` uses; present and called on cache hits in 2.11-2.13.
+- Triton: `warm_triton()` replaces `triton.runtime.cache.triton_key` (Triton 3.x's hash of its own
+  sources, looked up by name at each use) with the value kept in graphkiln's cache for the installed
+  package's files; left alone where Triton has no such function.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from types import ModuleType
 
 import torch
 
+from graphkiln.cache_dir import kept_while_unchanged
 from graphkiln.errors import ConfigError
 
 __all__ = [
@@ -87,13 +91,20 @@ def import_inductor() -> None:
 
 
 def warm_triton() -> None:
-    """Compute Triton's hash of its own sources now (a process pays it once, tenths of a second, at its first
-    kernel launch), so that a load makes it while the weights are read rather than in the first step."""
+    """Have Triton's hash of its own sources (its cache key's first part, which a process computes at its first
+    kernel launch: tenths of a second hashing its library) ready now, while a load reads the weights, rather
+    than in the first step. The hash is kept in graphkiln's cache while the Triton package's files stay as they
+    are (cache_dir.kept_while_unchanged), and `triton.runtime.cache.triton_key`, which Triton's launches and
+    Inductor call, returns it."""
     try:
-        from triton.runtime.cache import triton_key
-    except ImportError:  # triton is optional, and its internals move between versions
+        from triton.runtime import cache
+    except ImportError:  # triton is optional
         return
-    triton_key()
+    compute = getattr(cache, "triton_key", None)
+    if compute is None:  # its internals move between versions: leave Triton to itself
+        return
+    key = kept_while_unchanged("triton-key", Path(cache.__file__).parents[1], compute)
+    cache.triton_key = lambda: key
 
 
 def graph_returns_tuple(gm: torch.fx.GraphModule) -> bool:
