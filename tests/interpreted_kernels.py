@@ -1,4 +1,4 @@
-"""Run graphkiln's decode attention kernels under Triton's interpreter (TRITON_INTERPRET=1, set by the caller
+"""Run graphkiln's attention kernels (decode, and prefill) under Triton's interpreter (TRITON_INTERPRET=1, set by the caller
 before Triton is imported) on CPU tensors, and print one JSON line: each case's relative error against float32
 attention over the cache as the kernel left it, and whether its split counters were zeros again.
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import random
-import sys
 
 import numpy as np
 import torch
@@ -19,6 +18,8 @@ import triton.runtime.interpreter as interpreter
 
 from graphkiln.kernels.block_decode_attention import block_paged_decode
 from graphkiln.kernels.decode_attention import paged_decode
+from graphkiln.kernels.prefill_attention import paged_prefill
+from graphkiln.runtime.attention.triton_backend import prefill_work, work_table
 from graphkiln.runtime.kv_dtype import dequantize, quantize
 
 BLOCK = 16
@@ -37,12 +38,10 @@ def _index_any_scalar() -> None:
     interpreter._patch_lang_tensor = patched
 
 
-def run_case(kernel: str, dtype: torch.dtype, hq: int, hkv: int, d: int, lens: list[int], splits: int, fp8: bool,
-             seed: int = 0) -> dict:
-    """One decode launch over sequences of `lens` tokens (the last of each the step's new row) in shuffled
-    blocks of a cache of random rows."""
-    torch.manual_seed(seed)
-    num_blocks = sum(-(-n // BLOCK) for n in lens) + 1
+def random_cache(hkv: int, d: int, seq_lens: list[int], dtype: torch.dtype, fp8: bool, seed: int):
+    """(keys, values, fp8 scales or None, block tables): a paged cache of random rows holding the sequences in
+    shuffled blocks (block 0 unused)."""
+    num_blocks = sum(-(-n // BLOCK) for n in seq_lens) + 1
     shape = (num_blocks, BLOCK, hkv, d)
     keys, values = torch.randn(shape), torch.randn(shape) * 3
     scales = None
@@ -53,27 +52,46 @@ def run_case(kernel: str, dtype: torch.dtype, hq: int, hkv: int, d: int, lens: l
         keys, values = keys.to(dtype), values.to(dtype)
     free = list(range(1, num_blocks))
     random.Random(seed).shuffle(free)
-    tables = torch.zeros(len(lens), max(-(-n // BLOCK) for n in lens), dtype=torch.int32)
-    for i, n in enumerate(lens):
+    tables = torch.zeros(len(seq_lens), max(-(-n // BLOCK) for n in seq_lens), dtype=torch.int32)
+    for i, n in enumerate(seq_lens):
         for j in range(-(-n // BLOCK)):
             tables[i, j] = free.pop()
+    return keys, values, scales, tables
+
+
+def stored(keys: torch.Tensor, values: torch.Tensor, scales) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cache as the kernels read it, in float32."""
+    if scales is None:
+        return keys.float(), values.float()
+    return dequantize(keys, scales[0], torch.float32), dequantize(values, scales[1], torch.float32)
+
+
+def context(keys: torch.Tensor, values: torch.Tensor, table: torch.Tensor, n: int, group: int):
+    """A sequence's first n keys and values [n, Hq, D] (each KV head repeated for its query heads)."""
+    rows = [int(table[p // BLOCK]) * BLOCK + p % BLOCK for p in range(n)]
+    hkv, d = keys.shape[2:]
+    return tuple(x.reshape(-1, hkv, d)[rows].repeat_interleave(group, 1) for x in (keys, values))
+
+
+def run_decode(kernel: str, dtype: torch.dtype, hq: int, hkv: int, d: int, lens: list[int], splits: int, fp8: bool,
+               seed: int = 0) -> dict:
+    """One decode launch over sequences of `lens` tokens, the last of each the step's new row."""
+    torch.manual_seed(seed)
+    keys, values, scales, tables = random_cache(hkv, d, lens, dtype, fp8, seed)
     slots = torch.tensor([int(tables[i, (n - 1) // BLOCK]) * BLOCK + (n - 1) % BLOCK for i, n in enumerate(lens)])
     q = torch.randn(len(lens), hq, d).to(dtype)
     k, v = torch.randn(len(lens), hkv, d).to(dtype), torch.randn(len(lens), hkv, d).to(dtype)
     out = torch.full_like(q, float("nan"))
-    counters = torch.zeros(num_blocks * hkv, dtype=torch.int32)
+    counters = torch.zeros(keys.shape[0] * hkv, dtype=torch.int32)
     args = (q, k, v, keys, values, torch.tensor(lens, dtype=torch.int32), tables, slots, out, d**-0.5, counters)
     if kernel == "rows":
         paged_decode(*args, num_splits=splits, block_n=32, num_warps=4, num_stages=2, scales=scales)
     else:
         block_paged_decode(*args, num_splits=splits, heads=2, num_warps=4, num_stages=2, scales=scales)
-    stored_k = dequantize(keys, scales[0], torch.float32) if fp8 else keys.float()
-    stored_v = dequantize(values, scales[1], torch.float32) if fp8 else values.float()
+    stored_k, stored_v = stored(keys, values, scales)
     errors = []
     for i, n in enumerate(lens):
-        rows = [int(tables[i, p // BLOCK]) * BLOCK + p % BLOCK for p in range(n)]
-        ctx_k = stored_k.reshape(-1, hkv, d)[rows].repeat_interleave(hq // hkv, 1)
-        ctx_v = stored_v.reshape(-1, hkv, d)[rows].repeat_interleave(hq // hkv, 1)
+        ctx_k, ctx_v = context(stored_k, stored_v, tables[i], n, hq // hkv)
         weights = (torch.einsum("hd,thd->ht", q[i].float(), ctx_k) * d**-0.5).softmax(-1)
         want = torch.einsum("ht,thd->hd", weights, ctx_v)
         errors.append(((out[i].float() - want).norm() / want.norm()).item())
@@ -86,6 +104,32 @@ def run_case(kernel: str, dtype: torch.dtype, hq: int, hkv: int, d: int, lens: l
             "new_key_scale_error": scale_error, "counters_zero": not counters.any().item()}
 
 
+def run_prefill(dtype: torch.dtype, hq: int, hkv: int, d: int, lens: list[tuple[int, int]], block_m: int,
+                fp8: bool, seed: int = 0) -> dict:
+    """One prefill launch: sequence i's query_len last tokens of its seq_len attend causally over the cache, the
+    work table planned as the backend plans it, fewer programs than items (each takes several)."""
+    torch.manual_seed(seed)
+    seq_lens = [s for _, s in lens]
+    keys, values, scales, tables = random_cache(hkv, d, seq_lens, dtype, fp8, seed)
+    query_lens = [q for q, _ in lens]
+    q = torch.randn(sum(query_lens), hq, d).to(dtype)
+    out = torch.full_like(q, float("nan"))
+    starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    items = work_table(prefill_work(tuple(query_lens), tuple(seq_lens), block_m))
+    paged_prefill(q, keys, values, starts, torch.tensor(seq_lens, dtype=torch.int32), tables,
+                  torch.tensor(items, dtype=torch.int32), out, d**-0.5, 2, block_m=block_m, block_n=32, num_warps=4,
+                  num_stages=2, scales=scales)  # fmt: skip
+    stored_k, stored_v = stored(keys, values, scales)
+    errors = []
+    for i, (q_len, s_len) in enumerate(lens):
+        ctx_k, ctx_v = context(stored_k, stored_v, tables[i], s_len, hq // hkv)
+        logits = torch.einsum("thd,shd->hts", q[starts[i]:starts[i + 1]].float(), ctx_k) * d**-0.5
+        causal = torch.arange(s_len)[None, :] <= (s_len - q_len + torch.arange(q_len))[:, None]
+        want = torch.einsum("hts,shd->thd", logits.masked_fill(~causal, float("-inf")).softmax(-1), ctx_v)
+        errors.append(((out[starts[i]:starts[i + 1]].float() - want).norm() / want.norm()).item())
+    return {"error": max(errors)}
+
+
 CASES = {  # name: (kernel, query dtype, q heads, kv heads, head_dim, lengths, splits, fp8 cache)
     "rows-gqa4-splits": ("rows", torch.float16, 8, 2, 64, [1, 17, 100, 33], 4, False),
     "rows-one-split": ("rows", torch.float16, 4, 4, 32, [40, 1], 1, False),
@@ -96,8 +140,13 @@ CASES = {  # name: (kernel, query dtype, q heads, kv heads, head_dim, lengths, s
     "blocks-gqa4-splits": ("blocks", torch.float16, 8, 2, 64, [1, 17, 100, 33], 4, False),
     "blocks-fp8": ("blocks", torch.float16, 8, 4, 64, [90, 1, 32], 2, True),
 }
+PREFILL_CASES = {  # name: (query dtype, q heads, kv heads, head_dim, (query_len, seq_len) each, block_m, fp8 cache)
+    "prefill-fresh-and-chunked": (torch.float16, 8, 2, 64, [(16, 16), (20, 50), (1, 33), (40, 40)], 16, False),
+    "prefill-padded-head-fp8": (torch.float16, 4, 2, 48, [(17, 17), (9, 70)], 16, True),
+}
 
 if __name__ == "__main__":
     _index_any_scalar()
-    names = sys.argv[1:] or list(CASES)
-    print(json.dumps({name: run_case(*CASES[name]) for name in names}))
+    results = {name: run_decode(*case) for name, case in CASES.items()}
+    results |= {name: run_prefill(*case) for name, case in PREFILL_CASES.items()}
+    print(json.dumps(results))

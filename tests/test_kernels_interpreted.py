@@ -1,8 +1,9 @@
-"""The decode attention kernels' arithmetic on the CPU, where Triton is installed: each kernel run by Triton's
+"""The attention kernels' arithmetic on the CPU, where Triton is installed: each kernel run by Triton's
 interpreter in a fresh process (tests/interpreted_kernels.py) against float32 attention over the cache it left.
 
 Speed, concurrency and the compiled code are the GPU tests' (tests/gpu/test_attention_backends.py); this
-checks a kernel change before a GPU sees it: masks, the step's new row, the split merge and the cache write.
+checks a kernel change before a GPU sees it: masks, the step's new row, the split merge and the cache write in
+decode; causal masks over cached prefixes and a work table shared by fewer programs in prefill.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from interpreted_kernels import CASES  # noqa: E402
+from interpreted_kernels import CASES, PREFILL_CASES  # noqa: E402
 
 HERE = Path(__file__).parent
 ERROR = 1e-3
@@ -45,3 +46,8 @@ def test_interpreted_decode_matches_float32_attention(results: dict, name: str) 
     assert case["new_key_equal"] >= (FP8_CODES_EQUAL if fp8 else 1.0)
     assert case["new_key_scale_error"] < 1e-6
     assert case["counters_zero"]
+
+
+@pytest.mark.parametrize("name", PREFILL_CASES)
+def test_interpreted_prefill_matches_float32_causal_attention(results: dict, name: str) -> None:
+    assert results[name]["error"] < ERROR
