@@ -1,12 +1,12 @@
-"""Run graphkiln's attention kernels (decode, and prefill) under Triton's interpreter (TRITON_INTERPRET=1, set by the caller
-before Triton is imported) on CPU tensors, and print one JSON line: each case's relative error against float32
-attention over the cache as the kernel left it, and whether its split counters were zeros again.
+"""Run graphkiln's attention kernels, decode and prefill, under Triton's interpreter (TRITON_INTERPRET=1, set by
+the caller before Triton is imported) on CPU tensors, and print one JSON line: each case's relative error
+against float32 attention over the cache as the kernel left it; for decode also the new key as stored and
+whether the split counters were zeros again.
 
 The interpreter runs a grid's programs one after another, so it checks a kernel's arithmetic, masks, split
 merge and cache write, not its concurrency or speed. Run by tests/test_kernels_interpreted.py in a fresh
 process (a kernel is interpreted or compiled from its decoration on).
 """
-
 from __future__ import annotations
 
 import json
