@@ -7,6 +7,7 @@ The interpreter runs a grid's programs one after another, so it checks a kernel'
 merge and cache write, not its concurrency or speed. Run by tests/test_kernels_interpreted.py in a fresh
 process (a kernel is interpreted or compiled from its decoration on).
 """
+
 from __future__ import annotations
 
 import json
