@@ -3,8 +3,8 @@
 `kept_while_unchanged` is for a value that costs tenths of a second to compute from a folder of files a process
 never changes (Triton's hash of its own 400 MB library, compat.warm_triton): it keeps the value beside the
 stamps of every file of the folder (its path, size, modification time and inode, which a reinstall changes)
-and gives it back while they match. A store it cannot read is computed again; one it cannot write (a read-only
-or full disk) leaves the value computed. It writes only its own files, atomically.
+and gives it back while they match. A folder it cannot walk or a store it cannot read means computing the value;
+a store it cannot write (a read-only or full disk) leaves it computed. It writes only its own files, atomically.
 """
 
 from __future__ import annotations
@@ -42,7 +42,10 @@ def kept_while_unchanged(name: str, folder: Path, compute: Callable[[], str]) ->
     """compute(), kept in cache_root()/kept/ for `folder` (one file per folder) while its files' stamps hold."""
     folder = folder.resolve()
     store = cache_root() / "kept" / f"{name}-{hashlib.sha256(str(folder).encode()).hexdigest()[:16]}.json"
-    stamp = files_stamp(folder)
+    try:
+        stamp = files_stamp(folder)
+    except OSError:  # a file gone or unreadable while walking: nothing to keep the value by
+        return compute()
     try:
         kept = json.loads(store.read_text())
         if isinstance(kept, dict) and kept.get("stamp") == stamp and isinstance(kept.get("value"), str):

@@ -90,3 +90,10 @@ def test_triton_hash_is_kept_for_the_next_process(tmp_path: Path) -> None:
         assert proc.returncode == 0, proc.stderr[-3000:]
         outputs.append(proc.stdout.strip())
     assert outputs == [triton_key(), triton_key()]
+
+
+def test_a_folder_that_cannot_be_walked_means_computing(folder: Path) -> None:
+    (folder / "gone.py").symlink_to(folder / "missing.py")  # stat of a dangling link fails
+    compute = Counting()
+    assert kept_while_unchanged("k", folder, compute) == "value-1"
+    assert kept_while_unchanged("k", folder, compute) == "value-2"
