@@ -15,6 +15,7 @@ import random
 
 import numpy as np
 import torch
+import triton.language as tl
 import triton.runtime.interpreter as interpreter
 
 from graphkiln.kernels.block_decode_attention import block_paged_decode
@@ -37,6 +38,20 @@ def _index_any_scalar() -> None:
         scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
 
     interpreter._patch_lang_tensor = patched
+
+
+def _round_to_fp8_as_the_gpu_does() -> None:
+    """The interpreter's float8_e4m3 rounding drops the carry of a value rounded up to the next power of two
+    (31.4 becomes 16, not 32); round float32 and float16 by torch's conversion instead, which the GPU matches."""
+    convert = interpreter._convert_float
+
+    def patched(values, input_dtype, output_dtype, rounding_mode):
+        if output_dtype == tl.float8e4nv and input_dtype in (tl.float32, tl.float16) and rounding_mode is not None:
+            rounded = torch.from_numpy(np.ascontiguousarray(values)).to(torch.float8_e4m3fn)
+            return rounded.view(torch.uint8).numpy().reshape(values.shape)
+        return convert(values, input_dtype, output_dtype, rounding_mode)
+
+    interpreter._convert_float = patched
 
 
 def random_cache(hkv: int, d: int, seq_lens: list[int], dtype: torch.dtype, fp8: bool, seed: int):
@@ -148,6 +163,7 @@ PREFILL_CASES = {  # name: (query dtype, q heads, kv heads, head_dim, (query_len
 
 if __name__ == "__main__":
     _index_any_scalar()
+    _round_to_fp8_as_the_gpu_does()
     results = {name: run_decode(*case) for name, case in CASES.items()}
     results |= {name: run_prefill(*case) for name, case in PREFILL_CASES.items()}
     print(json.dumps(results))
