@@ -1,7 +1,7 @@
-"""Run graphkiln's attention kernels, decode and prefill, under Triton's interpreter (TRITON_INTERPRET=1, set by
-the caller before Triton is imported) on CPU tensors, and print one JSON line: each case's relative error
-against float32 attention over the cache as the kernel left it; for decode also the new key as stored and
-whether the split counters were zeros again.
+"""Run graphkiln's attention kernels (decode, prefill) and quantized products under Triton's interpreter
+(TRITON_INTERPRET=1, set by the caller before Triton is imported) on CPU tensors, and print one JSON line: each
+case's relative error against float32 (attention over the cache as the kernel left it; the product of the
+dequantized weight); for decode also the new key as stored and whether the split counters were zeros again.
 
 The interpreter runs a grid's programs one after another, so it checks a kernel's arithmetic, masks, split
 merge and cache write, not its concurrency or speed. Run by tests/test_kernels_interpreted.py in a fresh
@@ -20,8 +20,13 @@ import triton.runtime.interpreter as interpreter
 
 from graphkiln.kernels.block_decode_attention import block_paged_decode
 from graphkiln.kernels.decode_attention import paged_decode
+from graphkiln.kernels.fp8_linear import fp8_linear
+from graphkiln.kernels.int4_linear import int4_linear
 from graphkiln.kernels.prefill_attention import paged_prefill
 from graphkiln.runtime.attention.triton_backend import prefill_work, work_table
+from graphkiln.models.quantized_linear import (
+    dequantize_fp8, dequantize_int4, pack_int4, quantize_activations_fp8,
+)
 from graphkiln.runtime.kv_dtype import dequantize, quantize
 
 BLOCK = 16
@@ -146,6 +151,37 @@ def run_prefill(dtype: torch.dtype, hq: int, hkv: int, d: int, lens: list[tuple[
     return {"error": max(errors)}
 
 
+def run_product(kind: str, rows: int, n: int, k: int, seed: int = 0) -> dict:
+    """fp8_linear ("fp8-channel", "fp8-block") or int4_linear ("int4", groups of 128) of `rows` float16 rows, as
+    they dispatch that many, against float32 products of the dequantized weight (models/quantized_linear.py) and
+    of x as the kernels round it: unquantized at one row, per 1 x 128 group in registers up to FEW_ROWS, per
+    token (channel scales) or group (block scales) by a kernel of its own up to MMA_ROWS; int4 keeps x."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=generator).to(torch.float16)
+    if kind == "int4":
+        groups = (n, k // 128)
+        qweight = pack_int4(torch.randint(0, 16, (n, k), generator=generator))
+        scales = (torch.rand(groups, generator=generator) * 0.02 + 0.005).to(torch.float16)
+        zeros = torch.randint(0, 16, groups, generator=generator).to(torch.float16)
+        got = int4_linear(x, qweight, scales, zeros, 128)
+        want = x.float() @ dequantize_int4(qweight, scales, zeros, 128).t()
+    else:
+        block = kind == "fp8-block"
+        weight = torch.randn(n, k, generator=generator)
+        if block:
+            tiles = torch.nn.functional.pad(weight, (0, -k % 128, 0, -n % 128)).unflatten(0, (-1, 128))
+            scale = tiles.unflatten(2, (-1, 128)).abs().amax((1, 3)) / 448
+            expanded = scale.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+        else:
+            scale = weight.abs().amax(1) / 448
+            expanded = scale[:, None]
+        weight = (weight / expanded).to(torch.float8_e4m3fn)
+        got = fp8_linear(x, weight, scale)
+        rounded = x.float() if rows == 1 else quantize_activations_fp8(x, rows <= 16 or block, None)
+        want = rounded @ dequantize_fp8(weight, scale).t()
+    return {"error": ((got.float() - want).norm() / want.norm()).item()}
+
+
 CASES = {  # name: (kernel, query dtype, q heads, kv heads, head_dim, lengths, splits, fp8 cache)
     "rows-gqa4-splits": ("rows", torch.float16, 8, 2, 64, [1, 17, 100, 33], 4, False),
     "rows-one-split": ("rows", torch.float16, 4, 4, 32, [40, 1], 1, False),
@@ -160,10 +196,15 @@ PREFILL_CASES = {  # name: (query dtype, q heads, kv heads, head_dim, (query_len
     "prefill-fresh-and-chunked": (torch.float16, 8, 2, 64, [(16, 16), (20, 50), (1, 33), (40, 40)], 16, False),
     "prefill-padded-head-fp8": (torch.float16, 4, 2, 48, [(17, 17), (9, 70)], 16, True),
 }
+PRODUCT_CASES = {  # name: (kind, rows, N, K); the rows pick each path fp8_linear and int4_linear dispatch
+    **{f"{kind}-{rows}-rows": (kind, rows, 200, 384) for kind in ("fp8-channel", "fp8-block") for rows in (1, 8, 24)},
+    **{f"int4-{rows}-rows": ("int4", rows, 160, 512) for rows in (1, 8, 48, 80)},
+}
 
 if __name__ == "__main__":
     _index_any_scalar()
     _round_to_fp8_as_the_gpu_does()
     results = {name: run_decode(*case) for name, case in CASES.items()}
     results |= {name: run_prefill(*case) for name, case in PREFILL_CASES.items()}
+    results |= {name: run_product(*case) for name, case in PRODUCT_CASES.items()}
     print(json.dumps(results))

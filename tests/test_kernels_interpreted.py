@@ -1,9 +1,10 @@
-"""The attention kernels' arithmetic on the CPU, where Triton is installed: each kernel run by Triton's
-interpreter in a fresh process (tests/interpreted_kernels.py) against float32 attention over the cache it left.
+"""The attention and quantized-product kernels' arithmetic on the CPU, where Triton is installed: each kernel run
+by Triton's interpreter in a fresh process (tests/interpreted_kernels.py) against float32 references.
 
-Speed, concurrency and the compiled code are the GPU tests' (tests/gpu/test_attention_backends.py); this
-checks a kernel change before a GPU sees it: masks, the step's new row, the split merge and the cache write in
-decode; causal masks over cached prefixes and a work table shared by fewer programs in prefill.
+Speed, concurrency and the compiled code are the GPU tests' (tests/gpu/); this checks a kernel change before a
+GPU sees it: masks, the step's new row, the split merge and the cache write in decode; causal masks over cached
+prefixes and a work table shared by fewer programs in prefill; and the fp8 and int4 weight products on every
+path their row count picks, x rounded as the kernels round it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from interpreted_kernels import CASES, PREFILL_CASES  # noqa: E402
+from interpreted_kernels import CASES, PREFILL_CASES, PRODUCT_CASES  # noqa: E402
 
 HERE = Path(__file__).parent
 ERROR = 1e-3
@@ -48,3 +49,8 @@ def test_interpreted_decode_matches_float32_attention(results: dict, name: str) 
 @pytest.mark.parametrize("name", PREFILL_CASES)
 def test_interpreted_prefill_matches_float32_causal_attention(results: dict, name: str) -> None:
     assert results[name]["error"] < ERROR
+
+
+@pytest.mark.parametrize("name", PRODUCT_CASES)
+def test_interpreted_quantized_product_matches_float32(results: dict, name: str) -> None:
+    assert results[name]["error"] < ERROR  # float16 output rounding
