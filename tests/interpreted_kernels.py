@@ -23,14 +23,11 @@ from graphkiln.kernels.decode_attention import paged_decode
 from graphkiln.kernels.fp8_linear import fp8_linear
 from graphkiln.kernels.int4_linear import int4_linear
 from graphkiln.kernels.prefill_attention import paged_prefill
+from graphkiln.models.quantized_linear import dequantize_fp8, dequantize_int4, pack_int4, quantize_activations_fp8
 from graphkiln.runtime.attention.triton_backend import prefill_work, work_table
-from graphkiln.models.quantized_linear import (
-    dequantize_fp8, dequantize_int4, pack_int4, quantize_activations_fp8,
-)
 from graphkiln.runtime.kv_dtype import dequantize, quantize
 
 BLOCK = 16
-FP8 = torch.float8_e4m3fn
 
 
 def _index_any_scalar() -> None:
