@@ -23,9 +23,10 @@ from graphkiln.kernels.decode_attention import paged_decode
 from graphkiln.kernels.fp8_linear import fp8_linear
 from graphkiln.kernels.int4_linear import int4_linear
 from graphkiln.kernels.prefill_attention import paged_prefill
-from graphkiln.models.quantized_linear import dequantize_fp8, dequantize_int4, pack_int4, quantize_activations_fp8
+from graphkiln.models.quantized_linear import quantize_activations_fp8
 from graphkiln.runtime.attention.triton_backend import prefill_work, work_table
 from graphkiln.runtime.kv_dtype import dequantize, quantize
+from gpu.kernel_weights import fp8_weight, int4_weight
 
 BLOCK = 16
 
@@ -150,32 +151,21 @@ def run_prefill(dtype: torch.dtype, hq: int, hkv: int, d: int, lens: list[tuple[
 
 def run_product(kind: str, rows: int, n: int, k: int, seed: int = 0) -> dict:
     """fp8_linear ("fp8-channel", "fp8-block") or int4_linear ("int4", groups of 128) of `rows` float16 rows, as
-    they dispatch that many, against float32 products of the dequantized weight (models/quantized_linear.py) and
-    of x as the kernels round it: unquantized at one row, per 1 x 128 group in registers up to FEW_ROWS, per
-    token (channel scales) or group (block scales) by a kernel of its own up to MMA_ROWS; int4 keeps x."""
-    generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, k, generator=generator).to(torch.float16)
+    they dispatch that many, on the GPU tests' weights (gpu/kernel_weights.py), against float32 products of the
+    dequantized weight and of x as the kernels round it (models/quantized_linear.py): unquantized at one row, per
+    1 x 128 group in registers up to FEW_ROWS, per token (channel scales) or group (block scales) by a kernel of
+    its own up to MMA_ROWS; int4 keeps x."""
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed)).to(torch.float16)
     if kind == "int4":
-        groups = (n, k // 128)
-        qweight = pack_int4(torch.randint(0, 16, (n, k), generator=generator))
-        scales = (torch.rand(groups, generator=generator) * 0.02 + 0.005).to(torch.float16)
-        zeros = torch.randint(0, 16, groups, generator=generator).to(torch.float16)
+        qweight, scales, zeros, reference = int4_weight(n, k, 128, "cpu")
         got = int4_linear(x, qweight, scales, zeros, 128)
-        want = x.float() @ dequantize_int4(qweight, scales, zeros, 128).t()
+        want = x.float() @ reference.t()
     else:
         block = kind == "fp8-block"
-        weight = torch.randn(n, k, generator=generator)
-        if block:
-            tiles = torch.nn.functional.pad(weight, (0, -k % 128, 0, -n % 128)).unflatten(0, (-1, 128))
-            scale = tiles.unflatten(2, (-1, 128)).abs().amax((1, 3)) / 448
-            expanded = scale.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
-        else:
-            scale = weight.abs().amax(1) / 448
-            expanded = scale[:, None]
-        weight = (weight / expanded).to(torch.float8_e4m3fn)
+        weight, scale, reference = fp8_weight(n, k, block, "cpu")
         got = fp8_linear(x, weight, scale)
         rounded = x.float() if rows == 1 else quantize_activations_fp8(x, rows <= 16 or block, None)
-        want = rounded @ dequantize_fp8(weight, scale).t()
+        want = rounded @ reference.t()
     return {"error": ((got.float() - want).norm() / want.norm()).item()}
 
 

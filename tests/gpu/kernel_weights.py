@@ -1,5 +1,5 @@
 """Weights and activations for the GPU tests of the quantized kernels (test_fp8_kernels.py, test_int4_kernels.py,
-test_quantized_kernels.py): random weights quantized the way the kernels read them, with their dequantized float32
+test_quantized_kernels.py; the weights also for tests/interpreted_kernels.py, on the CPU): random weights quantized the way the kernels read them, with their dequantized float32
 reference, and the shapes and splits the tests share."""
 
 import functools
@@ -23,13 +23,13 @@ def relative_error(y: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 @functools.cache
-def fp8_weight(n: int, k: int, blocks: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def fp8_weight(n: int, k: int, blocks: bool, device: str = "cuda") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(fp8 weight, its scales, the dequantized float32 weight) of a random bf16-range weight."""
-    gen = torch.Generator(device="cuda").manual_seed(n * 7 + k + blocks)
-    w = torch.randn(n, k, device="cuda", generator=gen) * k**-0.5
+    gen = torch.Generator(device=device).manual_seed(n * 7 + k + blocks)
+    w = torch.randn(n, k, device=device, generator=gen) * k**-0.5
     if blocks:
         rows, cols = -(-n // 128), -(-k // 128)
-        padded = torch.zeros(rows * 128, cols * 128, device="cuda")
+        padded = torch.zeros(rows * 128, cols * 128, device=device)
         padded[:n, :k] = w
         amax = padded.abs().view(rows, 128, cols, 128).amax(dim=(1, 3))
         scale = (amax / 448).clamp(min=1e-12)
@@ -42,12 +42,12 @@ def fp8_weight(n: int, k: int, blocks: bool) -> tuple[torch.Tensor, torch.Tensor
 
 
 @functools.cache
-def int4_weight(n: int, k: int, group: int = 128) -> tuple[torch.Tensor, ...]:
+def int4_weight(n: int, k: int, group: int = 128, device: str = "cuda") -> tuple[torch.Tensor, ...]:
     """(qweight [N, K/2] uint8, scales, zeros, the dequantized float32 weight)."""
-    gen = torch.Generator(device="cuda").manual_seed(n * 5 + k)
-    q = torch.randint(0, 16, (n, k), device="cuda", generator=gen, dtype=torch.int32)
-    scales = (torch.rand(n, k // group, device="cuda", generator=gen) + 0.5) * (0.1 * k**-0.5)
-    zeros = torch.randint(0, 16, (n, k // group), device="cuda", generator=gen).float()
+    gen = torch.Generator(device=device).manual_seed(n * 5 + k)
+    q = torch.randint(0, 16, (n, k), device=device, generator=gen, dtype=torch.int32)
+    scales = (torch.rand(n, k // group, device=device, generator=gen) + 0.5) * (0.1 * k**-0.5)
+    zeros = torch.randint(0, 16, (n, k // group), device=device, generator=gen).float()
     scales, zeros = scales.to(torch.bfloat16), zeros.to(torch.bfloat16)
     qweight = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)
     w = (q.float() - zeros.float().repeat_interleave(group, 1)) * scales.float().repeat_interleave(group, 1)
