@@ -45,6 +45,7 @@ never `torch._...` themselves):
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import os
 import shutil
@@ -90,12 +91,13 @@ def import_inductor() -> None:
     import torch._inductor.compile_fx  # noqa: F401  (the package, standalone_compile and CompiledArtifact with it)
 
 
+@functools.cache  # once a process, as Triton computes it: a later load does not walk Triton's files again
 def warm_triton() -> None:
     """Have Triton's hash of its own sources (its cache key's first part, which a process computes at its first
     kernel launch: tenths of a second hashing its library) ready now, while a load reads the weights, rather
     than in the first step. The hash is kept in graphkiln's cache while the Triton package's files stay as they
-    are (cache_dir.kept_while_unchanged), and `triton.runtime.cache.triton_key`, which Triton's launches and
-    Inductor call, returns it."""
+    are (cache_dir.kept_while_unchanged), and `triton.runtime.cache.triton_key`, which Triton's launches look up
+    by name at each use, returns it."""
     try:
         from triton.runtime import cache
     except ImportError:  # triton is optional
