@@ -14,6 +14,8 @@ from graphkiln.runtime.attention.block_decode import (
     BLOCK_PROGRAMS_PER_SM,
     MAX_SPLITS,
     MIN_SPLIT_BLOCKS,
+    NUM_STAGES,
+    BlockDecodeTiles,
     block_decode_tiles,
     block_decode_unsupported,
     check_decode_kernel,
@@ -50,10 +52,12 @@ def test_splits_fill_the_gpu_within_bounds(num_seqs: int, max_context: int, bloc
 
 
 def test_the_serving_shapes_plan_as_documented() -> None:
-    """1B-like heads (8 KV, 64 lanes, bf16) at 1 x 2000 split over 16 programs per head tile, 128 x 1000 in two."""
+    """1B-like heads (8 KV, 64 lanes, bf16) at 1 x 2000 split over 16 programs per head tile, 64 x 2000 in two,
+    128 x 1000 unsplit; 8B-like heads (128 lanes) two a program, 32 x 4000 in two splits."""
     assert block_decode_tiles(1, 8, 2048, 16, 64, 2, 132).num_splits == 16
-    assert block_decode_tiles(128, 8, 1024, 16, 64, 2, 132).num_splits == 2
-    assert block_decode_tiles(32, 8, 4096, 16, 128, 2, 132).heads == 2
+    assert block_decode_tiles(64, 8, 2048, 16, 64, 2, 132).num_splits == 2
+    assert block_decode_tiles(128, 8, 1024, 16, 64, 2, 132).num_splits == 1
+    assert block_decode_tiles(32, 8, 4096, 16, 128, 2, 132) == BlockDecodeTiles(2, 2, 4, NUM_STAGES)
 
 
 def _cache(dtype: torch.dtype = torch.bfloat16, head_dim: int = 64, block_size: int = 16) -> KVCache:
