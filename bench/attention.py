@@ -6,7 +6,7 @@ SDPA's flash kernel, and tile sweeps (a few minutes).
 Decode: the 8B-like heads (32 query, 8 KV, head_dim 128, bf16) at batch 1/32/128 and context
 1k/4k/16k, every sequence at full context in shuffled 16-token blocks; bandwidth counts the K and
 V bytes read, against a device-to-device copy of 1 GiB (bytes read and written); each launch is
-timed from a cold L2. Prefill: one causal sequence of 128, 1024 and 4096 tokens, timed in a CUDA
+replayed from a CUDA graph and timed from a cold L2. Prefill: one causal sequence of 128, 1024 and 4096 tokens, timed in a CUDA
 graph as the engine replays it (a 128-token call takes microseconds), against SDPA's flash
 kernel. The sweeps: decode tiles at batch 32 / 4k (and splits at 1 / 16k, 128 / 4k) and prefill
 tiles at 128 and 4096 tokens, each checked against float32 attention. On the CPU (--smoke,
@@ -18,7 +18,8 @@ smoke heads and lengths) the caches, the planning and SDPA run; the Triton kerne
 (the row kernel, `decode_kernel="rows"`, and the block kernel, `"blocks"`), then the block kernel
 at other tilings (BLOCK_TILES) and split counts; every row checked against float32. One line per
 shape ("A/B ...") gives both plans' times and shares of the copy rate, and the best block tiling.
-`--serving-sweep` times the block kernel's plan and tilings after the row kernel's.
+`--serving-sweep` times the row kernel at every split count of `--splits` and tiling of SERVING_TILES,
+then the block kernel's plan and tilings.
 
     python -m bench attention --model 1b --decode-ab 16x4000,64x2000 --kv-cache-dtype fp8_e4m3 --out $OUT
 
@@ -205,6 +206,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-sweep", action="store_true", help="skip the tile sweeps")
     p.add_argument("--serving-sweep", default="",
                    help="BATCHxCONTEXT list: sweep decode splits and tiles at each of these shapes only")
+    p.add_argument("--splits", default="1,2,4,8,16,32,64",
+                   help="split counts --serving-sweep tries at each tiling (comma list)")
     p.add_argument("--decode-ab", default="",
                    help="BATCHxCONTEXT list: both decode kernels (rows, blocks) at each of these shapes only")
     p.add_argument("--block-size", type=int, default=BLOCK, help=f"KV cache block size (default {BLOCK})")
@@ -218,16 +221,16 @@ SERVING_TILES = [(32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 4, 4), (64
                  (128, 8, 3), (16, 2, 4), (32, 2, 4)]  # (block_n, num_warps, num_stages)
 
 
-def serving_sweep(h: Heads, shapes: str, copy_bw: float, num_sms: int) -> list[dict]:
-    """Every split count and tiling of SERVING_TILES at each BATCHxCONTEXT shape, the planned one first;
-    then the block kernel's plan and tilings."""
+def serving_sweep(h: Heads, shapes: str, copy_bw: float, num_sms: int, splits: tuple[int, ...]) -> list[dict]:
+    """Every split count of `splits` at every tiling of SERVING_TILES at each BATCHxCONTEXT shape, the planned
+    one first; then the block kernel's plan and tilings."""
     from graphkiln.runtime.attention.triton_backend import DecodeTiles
 
     rows = []
     for batch, context in parse_shapes(shapes):
         planned = bench_decode(h, batch, context, copy_bw, num_sms)
         rows.append(dict(planned, planned=True))
-        variants = [DecodeTiles(s, n, w, st) for s in (1, 2, 4, 8, 16, 32, 64) for n, w, st in SERVING_TILES
+        variants = [DecodeTiles(s, n, w, st) for s in splits for n, w, st in SERVING_TILES
                     if s * 32 <= context]  # splits down to 32 tokens: a lone sequence's latency, below the plan's floor
         best = fitting(lambda t, b=batch, c=context: bench_decode(h, b, c, copy_bw, num_sms, t), variants)
         best.sort(key=lambda r: r["us"])
@@ -293,7 +296,8 @@ def main(a: argparse.Namespace) -> int:
         return 0
     if a.serving_sweep and study.gpu_only("the serving sweep"):
         num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-        result["serving_sweep"] = serving_sweep(h, a.serving_sweep, copy_bw, num_sms)
+        splits = tuple(int(x) for x in a.splits.split(",") if x.strip())
+        result["serving_sweep"] = serving_sweep(h, a.serving_sweep, copy_bw, num_sms, splits)
         print(text_table(result["serving_sweep"], AB_COLUMNS))
         layout = f"{'hnd' if h.head_major else 'nhd'}{h.block}"
         log(f"wrote {study.save(result, f'serving-{study.model}-{layout}{cache}')}")
