@@ -53,14 +53,22 @@ def first_calls(runner: ModelRunner, decode_sizes: tuple[int, ...], prefill_size
     several) and the lazy imports they make happen here, not in a request's first step and not beside that
     job's imports (two threads importing the same modules can hand one of them a half-initialized module). The
     background job calls it for the compiled pieces, off the step lock, before the runner switches to them:
-    their first calls then stall no step. On CUDA the runner's own first calls also start the builds of the
-    attention kernels that prompts of other lengths launch (`prompt_lengths`), on the builders' pool while
-    these calls run, so that a short first prompt finds its kernel built too."""
+    their first calls then stall no step. On CUDA the runner's own first calls run once as builds first, on
+    the builders' pool, with the attention kernels that prompts of other lengths launch (`prompt_lengths`):
+    where Triton's cache lacks them (a first start after a compile) they build at once rather than one after
+    another on this thread, and a short first prompt finds its kernel built too."""
     if forward is None and runner.device.type == "cuda":
         with builds_ahead():  # launches start builds instead of running (kernels/launch.py)
             for n in runner.backend.prompt_lengths:
                 if n != prefill_size:
                     _run(runner, dummy_slices(n, runner.kv_cache.block_size, max_blocks), n)
+            _calls(runner, decode_sizes, prefill_size, max_blocks, forward)
+    _calls(runner, decode_sizes, prefill_size, max_blocks, forward)
+
+
+def _calls(runner: ModelRunner, decode_sizes: tuple[int, ...], prefill_size: int, max_blocks: int,
+           forward: Callable[..., torch.Tensor] | None) -> None:  # fmt: skip
+    """`first_calls`' forwards, and for the runner's own forward its logits and sampler."""
     for n in decode_sizes:
         _run(runner, _decode_slices(n), n, forward)
     hidden = _run(runner, dummy_slices(prefill_size, runner.kv_cache.block_size, max_blocks), prefill_size, forward)

@@ -90,7 +90,8 @@ def test_kernels_are_built_on_the_builders_pool_with_triton_cache_empty(tmp_path
     """With Triton's cache empty (a fresh machine or container), every graphkiln kernel built after `load`
     returned (a short first prompt's prefill served eagerly, the compiled pieces' first calls, the captures) is
     built on the builders' pool (kernels/launch.py), several at once and each specialization once, none by the
-    thread that launches it; the builds job comes before the captures, and every graph is captured."""
+    thread that launches it; within `load`, the engine's own first calls build theirs there too, none on the
+    main thread; the builds job comes before the captures, and every graph is captured."""
     out = tmp_path / "art"
     graphkiln.compile_model("tiny", out, CompileConfig(device="cuda", dtype="bfloat16"))
     script = f"""
@@ -117,6 +118,8 @@ print(json.dumps({{"builds": builds, "prepared": [[p.kind, p.key, p.error] for p
     later = [b for b in result["builds"] if b[1].startswith("graphkiln.kernels") and b[4]]
     record("startup_kernel_builds", {"after_load": len(later), "threads": len({b[0] for b in later})})
     assert later, "no graphkiln kernel was built after load: nothing was tested"
+    ours = [b for b in result["builds"] if b[1].startswith("graphkiln.kernels")]
+    assert [b[:3] for b in ours if b[0] == "MainThread"] == [], "load's first calls built a kernel one at a time"
     assert [b[:3] for b in later if not b[0].startswith("graphkiln-kernel-build")] == []
     assert len({b[3] for b in later}) == len(later), "a specialization was built twice"
     assert len({b[0] for b in later}) > 1 or len(later) == 1 or (os.cpu_count() or 1) < 4
