@@ -26,6 +26,11 @@ then the block kernel's plan and tilings.
 `--kv-cache-dtype fp8_e4m3`: the caches in fp8 with a float32 scale per token and KV head (what the
 engine's option stores); bandwidth counts one byte an element and the scales, the float32
 reference reads the dequantized cache.
+
+    python -m bench attention --model 1b --prefill-sweep 4096,16384 --out $OUT
+
+`--prefill-sweep`: one causal prompt of each length through the prefill kernel at its plan and at every
+tiling of PREFILL_TILES, against SDPA's flash kernel, and nothing else.
 """
 
 from __future__ import annotations
@@ -210,6 +215,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="split counts --serving-sweep tries at each tiling (comma list)")
     p.add_argument("--decode-ab", default="",
                    help="BATCHxCONTEXT list: both decode kernels (rows, blocks) at each of these shapes only")
+    p.add_argument("--prefill-sweep", default="",
+                   help="prompt lengths (comma list): the prefill kernel's plan and PREFILL_TILES at each only")
     p.add_argument("--block-size", type=int, default=BLOCK, help=f"KV cache block size (default {BLOCK})")
     p.add_argument("--head-major", action="store_true",
                    help="cache blocks laid out [heads, block, dim] (each head's rows contiguous)")
@@ -240,6 +247,19 @@ def serving_sweep(h: Heads, shapes: str, copy_bw: float, num_sms: int, splits: t
         if not h.head_major:  # the block kernel reads the block-major layout only
             rows += block_sweep(h, batch, context, copy_bw, num_sms)
     return rows
+
+
+PREFILL_TILES = [(32, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2), (128, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3),
+                 (128, 128, 8, 2), (128, 128, 8, 3)]  # (block_m, block_n, num_warps, num_stages)
+
+
+def prefill_sweep(h: Heads, lengths: list[int]) -> list[dict]:
+    """The prefill kernel at its plan, then at every tiling of PREFILL_TILES that fits, at each prompt length."""
+    from graphkiln.runtime.attention.triton_backend import PrefillTiles
+
+    variants = [PrefillTiles(*t) for t in PREFILL_TILES]
+    return [row for tokens in lengths
+            for row in [bench_prefill(h, tokens), *fitting(lambda t, n=tokens: bench_prefill(h, n, t), variants)]]
 
 
 def parse_shapes(shapes: str) -> list[tuple[int, int]]:
@@ -294,6 +314,11 @@ def main(a: argparse.Namespace) -> int:
         print(text_table(result["decode_ab"], AB_COLUMNS))
         log(f"wrote {study.save(result, f'decode-ab-{study.model}{cache}')}")
         return 0
+    if a.prefill_sweep and study.gpu_only("the prefill sweep"):
+        result["prefill_sweep"] = prefill_sweep(h, [int(n) for n in a.prefill_sweep.split(",") if n.strip()])
+        print(text_table(result["prefill_sweep"], PREFILL_COLUMNS))
+        log(f"wrote {study.save(result, f'prefill-sweep-{study.model}{cache}')}")
+        return 0
     if a.serving_sweep and study.gpu_only("the serving sweep"):
         num_sms = torch.cuda.get_device_properties(0).multi_processor_count
         splits = tuple(int(x) for x in a.splits.split(",") if x.strip())
@@ -309,7 +334,7 @@ def main(a: argparse.Namespace) -> int:
     result["prefill"] = [bench_prefill(h, n) for n in prefill_lengths]
     print(text_table(result["prefill"], [c for c in PREFILL_COLUMNS if c in result["prefill"][0]]))
     if not a.no_sweep and study.gpu_only("the tile sweeps"):
-        from graphkiln.runtime.attention.triton_backend import DecodeTiles, PrefillTiles
+        from graphkiln.runtime.attention.triton_backend import DecodeTiles
 
         default = DecodeTiles(**{k: result["decode"][4][k] for k in DecodeTiles.__dataclass_fields__})  # 32 / 4k
         variants = [replace(default, num_splits=s) for s in (1, 2, 3, 4, 8)]
@@ -320,10 +345,7 @@ def main(a: argparse.Namespace) -> int:
         sweep += [bench_decode(h, 128, 4096, copy_bw, num_sms, replace(default, num_splits=2))]
         result["decode_sweep"] = sweep
         print(text_table(sweep, DECODE_COLUMNS + ["rel_err"]))
-        prefill_variants = [PrefillTiles(*t) for t in [(32, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3),
-                                                       (128, 128, 8, 2)]]
-        result["prefill_sweep"] = [row for tokens in (128, 4096)
-                                   for row in fitting(lambda t, n=tokens: bench_prefill(h, n, t), prefill_variants)]
+        result["prefill_sweep"] = prefill_sweep(h, [128, 4096])
         print(text_table(result["prefill_sweep"], PREFILL_COLUMNS))
     log(f"wrote {study.save(result, cache.lstrip('-'))}")
     return 0
