@@ -3,7 +3,8 @@ programs a multiprocessor holds and in how many waves a grid runs, compiled by T
 machine: no GPU needed (a minute or so).
 
     python -m bench resources --out $OUT [--models 1b 8b] [--batches 1 64] [--max-context 8192] [--arch 90]
-                              [--decode-variants 64x128x8x2,16x32x4x2] [--rows 1 8 32]
+                              [--decode-variants 64x128x8x2,16x32x4x2] [--prefill-variants 16x64x4x2x4]
+                              [--rows 1 8 32]
 
 Per model: the row decode kernel at each batch, planned as the engine plans it for a block table of
 `--max-context` tokens (its grid is that plan's, whatever the context), at the last batch also on an fp8 cache
@@ -31,6 +32,7 @@ import re
 import subprocess
 import tempfile
 from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
 
 from .common import environment, log, write_json
@@ -155,25 +157,32 @@ def decode_launches(model: str, batch: int, max_context: int, variant: tuple[int
     return label, f"splits={tiles.num_splits} block_n={tiles.block_n} stages={tiles.num_stages}"
 
 
-def prefill_launches(model: str, tokens: int) -> tuple[str, str]:
-    """The prefill kernel's launch for one prompt of `tokens` tokens at the planned tiles; its (label, tiles)."""
+def prefill_launches(model: str, tokens: int, variant: tuple[int, ...] | None = None) -> tuple[str, str]:
+    """The prefill kernel's launch for one prompt of `tokens` tokens at the planned tiles, or at `variant`
+    (block_m, block_n, warps, stages[, heads]); its (label, tiles)."""
     import torch
 
     from graphkiln.kernels.prefill_attention import paged_prefill
-    from graphkiln.runtime.attention.triton_backend import graph_programs, prefill_tiles, prefill_work, work_table
+    from graphkiln.runtime.attention.triton_backend import (
+        PrefillTiles,
+        graph_programs,
+        prefill_tiles,
+        prefill_work,
+        work_table,
+    )
 
     s = shape_of(model)
     hq, hkv, d, block = s["num_attention_heads"], s["num_key_value_heads"], s["head_dim"], 16
-    tiles = prefill_tiles(tokens, d, 2)
+    tiles = PrefillTiles(*variant) if variant else prefill_tiles(tokens, d, 2)
     items = prefill_work((tokens,), (tokens,), tiles.block_m)
     q = torch.zeros(tokens, hq, d, dtype=torch.bfloat16)
     cache = torch.zeros(-(-tokens // block), block, hkv, d, dtype=torch.bfloat16)
     paged_prefill(q, cache, cache.clone(), torch.tensor([0, tokens], dtype=torch.int32),
                   torch.tensor([tokens], dtype=torch.int32), torch.arange(cache.shape[0], dtype=torch.int32)[None],
                   torch.tensor(work_table(items), dtype=torch.int32), torch.empty_like(q), d ** -0.5,
-                  graph_programs(tokens, len(items), tiles.block_m, hq, 132), block_m=tiles.block_m,
-                  block_n=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
-    return f"prefill {tokens}", f"block_m={tiles.block_m} block_n={tiles.block_n} stages={tiles.num_stages}"
+                  graph_programs(tokens, len(items), tiles.block_m, hq // tiles.heads, 132), **asdict(tiles))
+    return (f"prefill {tokens}{' variant' if variant else ''}",
+            f"block_m={tiles.block_m} block_n={tiles.block_n} stages={tiles.num_stages} heads={tiles.heads}")
 
 
 def product_launches(name: str, n: int, k: int, rows: int, block_scales: bool) -> tuple[str, str]:
@@ -227,8 +236,9 @@ def rows_of(model: str, built: list, launch: tuple[str, str], arch: int, sms: in
     return rows
 
 
-def parse_variants(text: str) -> list[tuple[int, int, int, int]]:
-    """'SPLITSxBLOCK_NxWARPSxSTAGES,...' as tuples."""
+def parse_variants(text: str) -> list[tuple[int, ...]]:
+    """'AxBxCxD,...' (decode: splits, block_n, warps, stages; prefill: block_m, block_n, warps, stages[, heads])
+    as tuples."""
     return [tuple(int(v) for v in item.lower().split("x")) for item in filter(None, text.split(","))]
 
 
@@ -240,6 +250,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens the block table holds, which the decode plan is sized by (default 8192: bench's models)")
     p.add_argument("--decode-variants", default="",
                    help="SPLITSxBLOCK_NxWARPSxSTAGES,...: the decode kernel at the first batch with these tiles too")
+    p.add_argument("--prefill-variants", default="",
+                   help="BLOCK_MxBLOCK_NxWARPSxSTAGES[xHEADS],...: the prefill kernel with these tiles too")
     p.add_argument("--prefill-tokens", type=int, default=2048,
                    help="the prompt the prefill kernel's row is planned for (default 2048: a chunk's budget)")
     p.add_argument("--rows", type=int, nargs="+", default=[1],
@@ -265,6 +277,8 @@ def main(a: argparse.Namespace) -> int:
                 rows += rows_of(model, built, decode_launches(model, a.batches[0], a.max_context, variant), a.arch,
                                 a.sms)
             rows += rows_of(model, built, prefill_launches(model, a.prefill_tokens), a.arch, a.sms)
+            for variant in parse_variants(a.prefill_variants):
+                rows += rows_of(model, built, prefill_launches(model, a.prefill_tokens, variant), a.arch, a.sms)
             for name, (n, k) in projections(model).items():
                 rows += rows_of(model, built, bf16_gemv_launch(name, n, k), a.arch, a.sms)
                 for m in a.rows:

@@ -124,9 +124,10 @@ def run_decode(kernel: str, dtype: torch.dtype, hq: int, hkv: int, d: int, lens:
 
 
 def run_prefill(dtype: torch.dtype, hq: int, hkv: int, d: int, lens: list[tuple[int, int]], block_m: int,
-                fp8: bool, seed: int = 0) -> dict:
+                fp8: bool, heads: int = 1, seed: int = 0) -> dict:
     """One prefill launch: sequence i's query_len last tokens of its seq_len attend causally over the cache, the
-    work table planned as the backend plans it, fewer programs than items (each takes several)."""
+    work table planned as the backend plans it, fewer programs than items (each takes several), `heads` query
+    heads a program."""
     torch.manual_seed(seed)
     seq_lens = [s for _, s in lens]
     keys, values, scales, tables = random_cache(hkv, d, seq_lens, dtype, fp8, seed)
@@ -137,7 +138,7 @@ def run_prefill(dtype: torch.dtype, hq: int, hkv: int, d: int, lens: list[tuple[
     items = work_table(prefill_work(tuple(query_lens), tuple(seq_lens), block_m))
     paged_prefill(q, keys, values, starts, torch.tensor(seq_lens, dtype=torch.int32), tables,
                   torch.tensor(items, dtype=torch.int32), out, d**-0.5, 2, block_m=block_m, block_n=32, num_warps=4,
-                  num_stages=2, scales=scales)  # fmt: skip
+                  num_stages=2, heads=heads, scales=scales)  # fmt: skip
     stored_k, stored_v = stored(keys, values, scales)
     errors = []
     for i, (q_len, s_len) in enumerate(lens):
@@ -179,9 +180,12 @@ CASES = {  # name: (kernel, query dtype, q heads, kv heads, head_dim, lengths, s
     "blocks-gqa4-splits": ("blocks", torch.float16, 8, 2, 64, [1, 17, 100, 33], 4, False),
     "blocks-fp8": ("blocks", torch.float16, 8, 4, 64, [90, 1, 32], 2, True),
 }
-PREFILL_CASES = {  # name: (query dtype, q heads, kv heads, head_dim, (query_len, seq_len) each, block_m, fp8 cache)
+PREFILL_CASES = {  # name: (query dtype, q heads, kv heads, head_dim, (query_len, seq_len) each, block_m, fp8 cache
+    # [, query heads a program])
     "prefill-fresh-and-chunked": (torch.float16, 8, 2, 64, [(16, 16), (20, 50), (1, 33), (40, 40)], 16, False),
     "prefill-padded-head-fp8": (torch.float16, 4, 2, 48, [(17, 17), (9, 70)], 16, True),
+    "prefill-group-of-4-a-program": (torch.float16, 8, 2, 64, [(16, 16), (20, 50), (1, 33), (40, 40)], 16, False, 4),
+    "prefill-2-heads-a-program-fp8": (torch.float16, 8, 2, 48, [(17, 17), (9, 70)], 16, True, 2),
 }
 PRODUCT_CASES = {  # name: (kind, rows, N, K); the rows pick each path fp8_linear and int4_linear dispatch
     **{f"{kind}-{rows}-rows": (kind, rows, 200, 384) for kind in ("fp8-channel", "fp8-block") for rows in (1, 8, 24)},

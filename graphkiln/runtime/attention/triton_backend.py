@@ -57,10 +57,11 @@ class DecodeTiles:
 
 @dataclass(frozen=True)
 class PrefillTiles:
-    block_m: int
+    block_m: int  # query tokens a tile
     block_n: int
     num_warps: int
     num_stages: int
+    heads: int = 1  # query heads of a KV head's group a program (its tile: block_m x heads rows)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -132,11 +133,11 @@ def graph_work_capacity(num_tokens: int, num_seqs: int, block_m: int) -> int:
     return _cdiv(num_tokens, block_m) + min(num_seqs, num_tokens)
 
 
-def graph_programs(num_tokens: int, capacity: int, block_m: int, num_heads: int, num_sms: int) -> int:
-    """Prefill programs per query head of a captured grid: one per tile of a single `num_tokens`
-    prompt, or enough for PROGRAMS_PER_SM on every SM, whichever is more (never above `capacity`);
-    a batch of many short prompts has each program take several items."""
-    return min(capacity, max(_cdiv(num_tokens, block_m), _cdiv(PROGRAMS_PER_SM * num_sms, num_heads)))
+def graph_programs(num_tokens: int, capacity: int, block_m: int, head_groups: int, num_sms: int) -> int:
+    """Prefill programs per head group (the query heads one program takes) of a captured grid: one per tile
+    of a single `num_tokens` prompt, or enough for PROGRAMS_PER_SM on every SM, whichever is more (never
+    above `capacity`); a batch of many short prompts has each program take several items."""
+    return min(capacity, max(_cdiv(num_tokens, block_m), _cdiv(PROGRAMS_PER_SM * num_sms, head_groups)))
 
 
 def graph_prefill_work(
@@ -229,7 +230,7 @@ class TritonBackend:
         tiles = prefill_tiles(max(meta.query_lens, default=1), *self._row_shape())
         items = prefill_work(meta.query_lens, meta.seq_lens, tiles.block_m)
         work = upload(work_table(items), torch.int32, meta.seq_lens_t.device)
-        return self._prefill_fn(meta, tiles, work, lambda num_heads: max(1, len(items)), zero_padding=True)
+        return self._prefill_fn(meta, tiles, work, lambda head_groups: max(1, len(items)), zero_padding=True)
 
     def _plan_graph_prefill(self, meta: BatchMetadata) -> AttentionFn:
         """Tiles and grid fixed by the padded token count and sequence rows; the work table is rewritten
@@ -245,8 +246,8 @@ class TritonBackend:
         table = graph_prefill_work(meta.query_lens, meta.seq_lens, tiles.block_m, capacity)
         work[: len(table)].copy_(torch.tensor(table, dtype=torch.int32), non_blocking=True)
 
-        def programs(num_heads: int) -> int:
-            return graph_programs(padded, capacity, tiles.block_m, num_heads, self._num_sms)
+        def programs(head_groups: int) -> int:
+            return graph_programs(padded, capacity, tiles.block_m, head_groups, self._num_sms)
 
         return self._prefill_fn(meta, tiles, work, programs, zero_padding=False)
 
@@ -257,7 +258,7 @@ class TritonBackend:
         self, meta: BatchMetadata, tiles: PrefillTiles, work: torch.Tensor, programs: Callable[[int], int],
         zero_padding: bool,
     ) -> AttentionFn:
-        """The prefill call; `programs` gives the grid's programs per query head from the head count."""
+        """The prefill call; `programs` gives the grid's programs per head group from the group count."""
         tile_args = asdict(tiles)
 
         def run(layer: int, q, k, v, out, scale: float) -> None:
@@ -266,7 +267,7 @@ class TritonBackend:
             self._write_kv(k, v, k_cache, v_cache, meta.slot_mapping, scales)
             self._prefill(
                 q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens_t, meta.block_tables, work, out, scale,
-                programs(q.shape[1]), scales=scales, **tile_args,
+                programs(q.shape[1] // tiles.heads), scales=scales, **tile_args,
             )
             if zero_padding:
                 out[meta.num_tokens :] = 0
