@@ -22,7 +22,8 @@ program, so a box holds at most BOX_BYTES of each block row (4 heads of 64 bf16 
 so the grid has BLOCK_PROGRAMS_PER_SM programs on every SM, never fewer than MIN_SPLIT_BLOCKS
 blocks of the longest context a split: one program an SM, since each split's partial results,
 their merge and its own pipeline fill cost more than the loads a second wave would add in flight
-(`bench attention --decode-ab` at 16 x 4000, 64 x 2000, 128 x 1000 and 32 x 4000, both heads); NUM_STAGES of loop pipelining, which keeps two blocks
+(`bench attention --decode-ab` on the H200: 64 x 2000, 128 x 1000 and the 8B-like 32 x 4000 in
+two runs); NUM_STAGES of loop pipelining, which keeps two blocks
 of keys and values in flight per program (Triton spends the other stages on the block-table
 load each copy waits for). An fp8 cache is planned at the lanes of a 16-bit one (`lane_bytes`):
 its tiles are converted to the query's dtype in registers, and the accumulators, which bound the
@@ -41,7 +42,7 @@ from graphkiln.runtime.config import DECODE_KERNELS
 
 log = logging.getLogger(__name__)
 
-BLOCK_PROGRAMS_PER_SM = 1  # one wave: more splits measured slower at every batched shape (README)
+BLOCK_PROGRAMS_PER_SM = 1  # one wave: more splits measured slower at the batched shapes it serves (README)
 MIN_SPLIT_BLOCKS = 8
 MAX_SPLITS = 64
 BOX_BYTES = 512  # one block row's bytes of the heads a program reads
