@@ -6,9 +6,10 @@ SDPA's flash kernel, and tile sweeps (a few minutes).
 Decode: the 8B-like heads (32 query, 8 KV, head_dim 128, bf16) at batch 1/32/128 and context
 1k/4k/16k, every sequence at full context in shuffled 16-token blocks; bandwidth counts the K and
 V bytes read, against a device-to-device copy of 1 GiB (bytes read and written); each launch is
-replayed from a CUDA graph and timed from a cold L2. Prefill: one causal sequence of 128, 1024 and 4096 tokens, timed in a CUDA
-graph as the engine replays it (a 128-token call takes microseconds), against SDPA's flash
-kernel. The sweeps: decode tiles at batch 32 / 4k (and splits at 1 / 16k, 128 / 4k) and prefill
+replayed from a CUDA graph and timed from a cold L2. The decode plans follow the block tables'
+width, the context's unless `--table-tokens` widens them as an engine's max_seq_len does. Prefill:
+one causal sequence of 128, 1024 and 4096 tokens, timed in a CUDA graph as the engine replays it
+(a 128-token call takes microseconds), against SDPA's flash kernel. The sweeps: decode tiles at batch 32 / 4k (and splits at 1 / 16k, 128 / 4k) and prefill
 tiles at 128 and 4096 tokens, each checked against float32 attention. On the CPU (--smoke,
 smoke heads and lengths) the caches, the planning and SDPA run; the Triton kernels need CUDA.
 
@@ -60,6 +61,7 @@ class Heads:
         self.hq, self.hkv, self.d = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
         self.device, self.dtype = study.device, study.dtype
         self.block, self.head_major, self.fp8 = BLOCK, False, False
+        self.table_tokens = 0  # block tables this wide at least (an engine's are max_seq_len wide)
 
     def paged_cache(self, num_seqs: int, context: int):
         """K/V caches holding num_seqs sequences of `context` tokens in shuffled blocks; lengths; block tables;
@@ -81,6 +83,9 @@ class Heads:
             (k_cache, k_scales), (v_cache, v_scales) = quantize(k_cache), quantize(v_cache)
             scales = (k_scales, v_scales)
         tables = (torch.randperm(num_seqs * per_seq, device=self.device) + 1).view(num_seqs, per_seq).int()
+        width = -(-self.table_tokens // self.block)
+        if width > per_seq:  # columns past the context: block 0, which no sequence holds
+            tables = torch.nn.functional.pad(tables, (0, width - per_seq))
         seq_lens = torch.full((num_seqs,), context, dtype=torch.int32, device=self.device)
         return k_cache, v_cache, seq_lens, tables, scales
 
@@ -217,6 +222,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="BATCHxCONTEXT list: both decode kernels (rows, blocks) at each of these shapes only")
     p.add_argument("--prefill-sweep", default="",
                    help="prompt lengths (comma list): the prefill kernel's plan and PREFILL_TILES at each only")
+    p.add_argument("--table-tokens", type=int, default=0,
+                   help="block tables this many tokens wide at least, as an engine's are max_seq_len wide: the "
+                        "decode plans follow the width (default: the context)")
     p.add_argument("--block-size", type=int, default=BLOCK, help=f"KV cache block size (default {BLOCK})")
     p.add_argument("--head-major", action="store_true",
                    help="cache blocks laid out [heads, block, dim] (each head's rows contiguous)")
@@ -302,6 +310,7 @@ def main(a: argparse.Namespace) -> int:
     study = Study.of("attention", a)
     h = Heads(study)
     h.block, h.head_major, h.fp8 = a.block_size, a.head_major, a.kv_cache_dtype == "fp8_e4m3"
+    h.table_tokens = a.table_tokens
     if h.fp8 and h.head_major:
         raise SystemExit("--kv-cache-dtype fp8_e4m3 stores the block-major layout only; drop --head-major")
     copy_bw = copy_rate(study.device, (64 << 20) if study.smoke else (1 << 30))
