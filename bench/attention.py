@@ -9,8 +9,9 @@ V bytes read, against a device-to-device copy of 1 GiB (bytes read and written);
 replayed from a CUDA graph and timed from a cold L2. The decode plans follow the block tables'
 width, the context's unless `--table-tokens` widens them as an engine's max_seq_len does. Prefill:
 one causal sequence of 128, 1024 and 4096 tokens, timed in a CUDA graph as the engine replays it
-(a 128-token call takes microseconds), against SDPA's flash kernel. The sweeps: decode tiles at batch 32 / 4k (and splits at 1 / 16k, 128 / 4k) and prefill
-tiles at 128 and 4096 tokens, each checked against float32 attention. On the CPU (--smoke,
+(a 128-token call takes microseconds), against SDPA's flash kernel. The sweeps: decode tiles at
+batch 32 / 4k (and splits at 1 / 16k, 128 / 4k) and prefill tiles at 128 and 4096 tokens, each
+checked against float32 attention. On the CPU (--smoke,
 smoke heads and lengths) the caches, the planning and SDPA run; the Triton kernels need CUDA.
 
     python -m bench attention --model 1b --decode-ab 1x16,1x2000,16x4000,64x2000,128x1000 --out $OUT
