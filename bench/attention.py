@@ -264,12 +264,11 @@ PREFILL_TILES = [(32, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2), (128, 64, 8, 2
 
 
 def prefill_sweep(h: Heads, lengths: list[int]) -> list[dict]:
-    """The prefill kernel at its plan, then at every tiling of PREFILL_TILES that fits, at each prompt length."""
+    """The prefill kernel at every tiling of PREFILL_TILES that fits, at each prompt length."""
     from graphkiln.runtime.attention.triton_backend import PrefillTiles
 
     variants = [PrefillTiles(*t) for t in PREFILL_TILES]
-    return [row for tokens in lengths
-            for row in [bench_prefill(h, tokens), *fitting(lambda t, n=tokens: bench_prefill(h, n, t), variants)]]
+    return [row for tokens in lengths for row in fitting(lambda t, n=tokens: bench_prefill(h, n, t), variants)]
 
 
 def parse_shapes(shapes: str) -> list[tuple[int, int]]:
@@ -326,8 +325,10 @@ def main(a: argparse.Namespace) -> int:
         log(f"wrote {study.save(result, f'decode-ab-{study.model}{cache}')}")
         return 0
     if a.prefill_sweep and study.gpu_only("the prefill sweep"):
-        result["prefill_sweep"] = prefill_sweep(h, [int(n) for n in a.prefill_sweep.split(",") if n.strip()])
-        print(text_table(result["prefill_sweep"], PREFILL_COLUMNS))
+        lengths = [int(n) for n in a.prefill_sweep.split(",") if n.strip()]
+        result["prefill"] = [bench_prefill(h, n) for n in lengths]  # the plans
+        result["prefill_sweep"] = prefill_sweep(h, lengths)
+        print(text_table(result["prefill"] + result["prefill_sweep"], PREFILL_COLUMNS))
         log(f"wrote {study.save(result, f'prefill-sweep-{study.model}{cache}')}")
         return 0
     if a.serving_sweep and study.gpu_only("the serving sweep"):
