@@ -3,15 +3,17 @@
     python -m bench serving --model 1b --backends triton,flashinfer --out $OUT
     python -m bench serving --model 8b --shapes 1x16,1x2000,32x4000 --long '' --out $OUT
     python -m bench serving --model 1b --backends triton,triton:blocks --long '' --out $OUT
+    python -m bench serving --model 1b --backends triton --shapes '' --prefill-chunk-tokens 2048,8192 --out $OUT
     python -m bench serving --smoke --out /tmp/bench-smoke     # CPU, tiny shapes, SDPA
 
 One compiled artifact, loaded once per backend with `max_seq_len` raised so every prompt and its
 new tokens fit. Decode, per `BATCHxPROMPT` shape: the prompts are prefilled, a few warm-up steps
 run, then the time of --steps engine steps (the host's part included, as a server pays it) gives
 ms per step; the floor is (weight bytes read + KV bytes read at the steps' mean context, in the
-cache's dtype) / the measured copy rate. Long prompts: one request of each --long length with max_tokens=1 (chunked
-over --prefill-chunk-token steps); its rate counts the weight products and the causal attention's
-FLOPs against the measured bf16 matmul rate. The load time of each backend is recorded too.
+cache's dtype) / the measured copy rate. Long prompts: one request of each --long length with max_tokens=1, chunked
+over steps of at most `max_num_batched_tokens` (the engine's, or each of --prefill-chunk-tokens, an engine
+each); its rate counts the weight products and the causal attention's FLOPs against the measured bf16 matmul
+rate. The load time of each backend is recorded too.
 A backend named `triton:blocks` is Triton with `decode_kernel="blocks"` (`triton:rows` the row
 kernel, `triton` its default, `auto`), so one run compares the decode kernels end to end. On the
 H200 the first backend a run loads measured up to 17% slower at small shapes than the same backend
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 from .common import Study, add_study_arguments, log, random_prompts
 from .measure import copy_rate, matmul_rate, sync
@@ -95,8 +98,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shapes", default="1x16,1x2000,16x4000,64x2000,128x1000", help="decode BATCHxPROMPT list")
     p.add_argument("--long", default="16384,32768", help="long prompt lengths (prefill), comma-separated")
     p.add_argument("--steps", type=int, default=64, help="decode steps timed per shape")
-    p.add_argument("--prefill-chunk-tokens", type=int, default=None,
-                   help="max_num_batched_tokens for the long prompts (default: the engine's)")
+    p.add_argument("--prefill-chunk-tokens", default="",
+                   help="max_num_batched_tokens for the long prompts, comma-separated: one engine each "
+                        "(default: the engine's)")
     p.add_argument("--kv-cache-dtype", default=None, help="kv_cache_dtype engine option (default: the engine's)")
 
 
@@ -108,6 +112,7 @@ def main(a: argparse.Namespace) -> int:
     longs = [256] if study.smoke else [int(x) for x in a.long.split(",") if x.strip()]
     backends = ["sdpa"] if study.smoke else [b for b in a.backends.split(",") if b.strip()]
     steps = 4 if study.smoke else a.steps
+    chunks = [int(x) for x in a.prefill_chunk_tokens.split(",") if x.strip()] or [None]
     max_seq_len = max([p + steps + 16 for _, p in shapes] + [n + 16 for n in longs])
     max_position = 1 << (max_seq_len - 1).bit_length()
     shape = shape_of(study.model, max_position=max_position, layers=study.layers)
@@ -131,35 +136,43 @@ def main(a: argparse.Namespace) -> int:
         for backend in backends:
             name, _, kernel = backend.partition(":")
             backend_options = {"attention_backend": name, **({"decode_kernel": kernel} if kernel else {})}
-            try:
-                t0 = time.perf_counter()
-                llm = graphkiln.load(work / "art", **backend_options, **engine_options)
-                result["load_s"][backend] = time.perf_counter() - t0
-                llm.wait_ready()
-                result.setdefault("ready_s", {})[backend] = time.perf_counter() - t0
-            except graphkiln.errors.GraphkilnError as e:
-                result["errors"][backend] = str(e)
-                log(f"{backend}: {e}")
-                continue
-            with llm:
-                for batch, prompt in shapes:
-                    row = dict(backend=backend, **decode_row(llm, batch, prompt, steps, study.device, mb, copy_bw,
-                                                                      shape["vocab_size"]))
-                    result["decode"].append(row)
-                    log(f"{backend} decode {batch}x{prompt}: {row['ms_per_step']:.3f} ms ({row['x_floor']:.2f}x floor)")
-            chunk = a.prefill_chunk_tokens
-            long_options = {**engine_options, **({"max_num_batched_tokens": chunk} if chunk else {})}
-            if not longs:
-                continue
-            with graphkiln.load(work / "art", capture="blocking", **backend_options, **long_options) as llm:
-                for tokens in longs:
-                    row = dict(backend=backend, chunk=llm.engine.config.max_num_batched_tokens,
-                               **long_row(llm, tokens, study.device, mb, matmul_bw, 1 if study.smoke else 2,
-                                                 shape["vocab_size"]))
-                    result["long"].append(row)
-                    log(f"{backend} prefill {tokens}: {row['ms']:.1f} ms, {row['pct_matmul']:.0f}% of matmul")
+            if shapes:
+                decode_rows(work / "art", backend, backend_options, engine_options, shapes, steps, study, mb,
+                            copy_bw, shape["vocab_size"], result)
+            for chunk in chunks if longs else []:
+                long_options = {**engine_options, **({"max_num_batched_tokens": chunk} if chunk else {})}
+                with graphkiln.load(work / "art", capture="blocking", **backend_options, **long_options) as llm:
+                    for tokens in longs:
+                        row = dict(backend=backend, chunk=llm.engine.config.max_num_batched_tokens,
+                                   **long_row(llm, tokens, study.device, mb, matmul_bw, 1 if study.smoke else 2,
+                                              shape["vocab_size"]))
+                        result["long"].append(row)
+                        log(f"{backend} prefill {tokens} in chunks of {row['chunk']}: {row['ms']:.1f} ms, "
+                            f"{row['pct_matmul']:.0f}% of matmul")
     print(text_table(result["decode"], DECODE_COLUMNS))
     if result["long"]:
         print(text_table(result["long"], LONG_COLUMNS))
     log(f"load s: {result['load_s']}; wrote {study.save(result, study.model)}")
     return 0
+
+
+def decode_rows(art: Path, backend: str, backend_options: dict, engine_options: dict, shapes: list, steps: int,
+                study: Study, mb: dict, copy_bw: float, vocab: int, result: dict) -> None:
+    """Each decode shape on one engine of `backend`, its load and readiness times in `result`."""
+    import graphkiln
+
+    try:
+        t0 = time.perf_counter()
+        llm = graphkiln.load(art, **backend_options, **engine_options)
+        result["load_s"][backend] = time.perf_counter() - t0
+        llm.wait_ready()
+        result.setdefault("ready_s", {})[backend] = time.perf_counter() - t0
+    except graphkiln.errors.GraphkilnError as e:
+        result["errors"][backend] = str(e)
+        log(f"{backend}: {e}")
+        return
+    with llm:
+        for batch, prompt in shapes:
+            row = dict(backend=backend, **decode_row(llm, batch, prompt, steps, study.device, mb, copy_bw, vocab))
+            result["decode"].append(row)
+            log(f"{backend} decode {batch}x{prompt}: {row['ms_per_step']:.3f} ms ({row['x_floor']:.2f}x floor)")

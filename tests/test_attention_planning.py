@@ -39,12 +39,15 @@ def test_decode_splits_fill_the_gpu_within_bounds(num_seqs: int, max_context: in
     assert 1 <= tiles.num_splits <= MAX_SPLITS
     assert tiles.num_splits <= max(1, -(-max_context // MIN_SPLIT_TOKENS))
     capped = tiles.num_splits in (MAX_SPLITS, -(-max_context // MIN_SPLIT_TOKENS))
-    assert capped or num_seqs * 8 * tiles.num_splits >= DECODE_PROGRAMS_PER_SM * 132
-    assert (num_seqs * 8 * (tiles.num_splits - 1) < DECODE_PROGRAMS_PER_SM * 132) or tiles.num_splits == 1
+    budget = DECODE_PROGRAMS_PER_SM * 132
+    assert num_seqs * 8 * tiles.num_splits <= budget or tiles.num_splits == 1  # never over the budget
+    assert capped or num_seqs * 8 * (tiles.num_splits + 1) > budget  # one split more would be
 
 
 def test_decode_tiles_examples() -> None:
-    assert decode_tiles(64, 8, 4096, 64, 2, num_sms=132).num_splits == 2
+    assert decode_tiles(8, 8, 2048, 64, 2, num_sms=132).num_splits == 8
+    assert decode_tiles(32, 8, 4096, 128, 2, num_sms=132).num_splits == 2
+    assert decode_tiles(64, 8, 4096, 64, 2, num_sms=132).num_splits == 1
     assert decode_tiles(128, 8, 4096, 64, 2, num_sms=132).num_splits == 1
     assert decode_tiles(1, 8, 2048, 64, 2, num_sms=132).num_splits == 16  # 128 tokens a split at the least
     assert decode_tiles(1, 8, 16384, 128, 2, num_sms=132).num_splits == MAX_SPLITS

@@ -40,7 +40,7 @@ from .block_decode import (
 from .metadata import BatchMetadata
 
 PROGRAMS_PER_SM = 2  # prefill programs resident per SM at the default tiles (shared-memory bound)
-DECODE_PROGRAMS_PER_SM = 6  # decode programs a grid wants per SM: enough loads in flight to stream the cache
+DECODE_PROGRAMS_PER_SM = 4  # decode programs a grid wants per SM at most: the batched shapes measured fastest there
 MIN_SPLIT_TOKENS = 128  # a decode split never covers fewer tokens than this of the longest context
 MAX_SPLITS = 64
 MAX_HEAD_DIM = 256
@@ -89,14 +89,17 @@ def unsupported(dtype: torch.dtype, head_dim: int) -> str | None:
 def decode_tiles(
     num_seqs: int, num_kv_heads: int, max_context: int, head_dim: int, itemsize: int, num_sms: int
 ) -> DecodeTiles:
-    """Split each (sequence, KV head) so the grid has DECODE_PROGRAMS_PER_SM programs on every SM, but never
-    below MIN_SPLIT_TOKENS a split; tiles of 64 rows of up to 128 bytes, 128 rows of 256 bytes, 32 of more,
-    double-buffered: the fastest of `python -m bench attention --serving-sweep` at the serving shapes.
+    """Split each (sequence, KV head) into as many splits as keep the grid within DECODE_PROGRAMS_PER_SM
+    programs an SM (at least one split), but never below MIN_SPLIT_TOKENS a split; tiles of 64 rows of up to
+    128 bytes, 128 rows of 256 bytes, 32 of more, double-buffered. At the batched shapes `python -m bench
+    attention --serving-sweep` measured the fastest split counts at about four programs an SM (1B-like
+    8 x 2000: 8 splits, 32 x 2000: 2-3; 8B-like 8 x 2000: 8, 32 x 4000: 2), where six an SM, rounded up,
+    planned 13 and 4 splits and took 10-40% longer.
 
     `max_context` is what the block table can hold (its width times the block size): a static
     quantity, so a captured graph keeps its grid whatever lengths a replay brings.
     """
-    wanted = _cdiv(DECODE_PROGRAMS_PER_SM * num_sms, num_seqs * num_kv_heads)
+    wanted = DECODE_PROGRAMS_PER_SM * num_sms // (num_seqs * num_kv_heads)
     splits = max(1, min(wanted, _cdiv(max_context, MIN_SPLIT_TOKENS), MAX_SPLITS))
     row_bytes = head_dim * itemsize
     block_n = 64 if row_bytes <= 128 else 128 if row_bytes <= 256 else 32
