@@ -20,6 +20,7 @@ from graphkiln.runtime.attention.triton_backend import (
     MAX_SPLITS,
     MIN_SPLIT_TOKENS,
     DECODE_PROGRAMS_PER_SM,
+    DecodeTiles,
     decode_tiles,
     graph_prefill_work,
     graph_programs,
@@ -53,8 +54,12 @@ def test_decode_tiles_examples() -> None:
     assert decode_tiles(1, 8, 16384, 128, 2, num_sms=132).num_splits == MAX_SPLITS
     assert decode_tiles(1, 8, 128, 128, 2, num_sms=132).num_splits == 1
     assert decode_tiles(4, 8, 4096, 64, 2, num_sms=132).block_n == 64
-    assert decode_tiles(4, 8, 4096, 128, 2, num_sms=132).block_n == 128
+    assert decode_tiles(4, 8, 4096, 128, 2, num_sms=132).block_n == 32  # 16 splits of a batch: short tiles
+    assert decode_tiles(32, 8, 4096, 128, 2, num_sms=132).block_n == 128  # 2 splits: long ones
     assert decode_tiles(4, 8, 4096, 256, 2, num_sms=132).block_n == 32  # 512-byte rows: shorter tiles
+    assert decode_tiles(8, 8, 8192, 128, 2, num_sms=132) == DecodeTiles(8, 32, 2, 4)  # short splits of 256 bytes
+    assert decode_tiles(1, 8, 8192, 128, 2, num_sms=132) == DecodeTiles(64, 128, 4, 2)  # batch 1 keeps 128 rows
+    assert decode_tiles(8, 8, 8192, 128, 1, num_sms=132).block_n == 64  # an fp8 cache's 128-byte rows
 
 
 def test_prefill_tiles_follow_the_longest_query() -> None:

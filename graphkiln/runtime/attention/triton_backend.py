@@ -42,6 +42,7 @@ from .metadata import BatchMetadata
 PROGRAMS_PER_SM = 2  # prefill programs resident per SM at the default tiles (shared-memory bound)
 DECODE_PROGRAMS_PER_SM = 4  # decode programs a grid wants per SM at most: the batched shapes measured fastest there
 MIN_SPLIT_TOKENS = 128  # a decode split never covers fewer tokens than this of the longest context
+SHORT_TILE_SPLITS = 4  # batched 256-byte rows split this many ways or more take 32-row tiles (decode_tiles)
 MAX_SPLITS = 64
 MAX_HEAD_DIM = 256
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn)
@@ -91,10 +92,13 @@ def decode_tiles(
 ) -> DecodeTiles:
     """Split each (sequence, KV head) into as many splits as keep the grid within DECODE_PROGRAMS_PER_SM
     programs an SM (at least one split), but never below MIN_SPLIT_TOKENS a split; tiles of 64 rows of up to
-    128 bytes, 128 rows of 256 bytes, 32 of more, double-buffered. At the batched shapes `python -m bench
-    attention --serving-sweep` measured the fastest split counts at about four programs an SM (1B-like
-    8 x 2000: 8 splits, 32 x 2000: 2-3; 8B-like 8 x 2000: 8, 32 x 4000: 2), where six an SM, rounded up,
-    planned 13 and 4 splits and took 10-40% longer.
+    128 bytes, 128 rows of 256 bytes, 32 of more, double-buffered; but 256-byte rows of a batch split
+    SHORT_TILE_SPLITS ways or more take 32-row tiles on 2 warps, 4 stages deep, since a split there often
+    holds only a few 128-row tiles, too few to pipeline. At the batched shapes `python -m bench attention
+    --serving-sweep` measured the fastest split counts at about four programs an SM (1B-like 8 x 2000: 8
+    splits, 32 x 2000: 2-3; 8B-like 8 x 2000: 8, 32 x 4000: 2), where six an SM, rounded up, planned 13 and
+    4 splits and took 10-40% longer; and at the 8B-like 8 x 2000 (8 splits) 32-row tiles took 33 us against
+    43 for 128-row ones, while at 32 x 4000 (2 splits) and batch 1 128-row tiles were the faster.
 
     `max_context` is what the block table can hold (its width times the block size): a static
     quantity, so a captured graph keeps its grid whatever lengths a replay brings.
@@ -102,8 +106,11 @@ def decode_tiles(
     wanted = DECODE_PROGRAMS_PER_SM * num_sms // (num_seqs * num_kv_heads)
     splits = max(1, min(wanted, _cdiv(max_context, MIN_SPLIT_TOKENS), MAX_SPLITS))
     row_bytes = head_dim * itemsize
-    block_n = 64 if row_bytes <= 128 else 128 if row_bytes <= 256 else 32
-    return DecodeTiles(splits, block_n, 4, 2)
+    if row_bytes <= 128:
+        return DecodeTiles(splits, 64, 4, 2)
+    if row_bytes <= 256 and (num_seqs == 1 or splits < SHORT_TILE_SPLITS):
+        return DecodeTiles(splits, 128, 4, 2)
+    return DecodeTiles(splits, 32, 2 if row_bytes <= 256 else 4, 4 if row_bytes <= 256 else 2)
 
 
 def prefill_tiles(max_query_len: int, head_dim: int, itemsize: int) -> PrefillTiles:
