@@ -330,22 +330,22 @@ def test_load_captures_exactly_the_decode_sizes_it_is_given(tmp_path):
 
 
 def test_dropping_an_llm_gives_its_memory_back(tmp_path):
-    """After `del llm` (no gc.collect()) a second engine loads in the memory the first one used. Counted in this
-    process's allocator (KV cache, weights, graph pools), not the device's free memory, which other processes
-    (parallel test workers) change meanwhile."""
+    """After `del llm` (no gc.collect()) a second engine loads in the memory the first one used. A 2 GiB KV cache
+    (tiny: 1 KiB a token), counted in this process's allocator (KV cache, weights, graph pools) rather than as
+    a share of the device's free memory, which other processes (parallel test workers) change meanwhile."""
     out = tmp_path / "art"
     graphkiln.compile_model("tiny", out, CompileConfig(device="cuda", dtype="bfloat16"))
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     before = torch.cuda.memory_reserved()
-    llm = graphkiln.load(out, gpu_memory_fraction=0.5)
+    llm = graphkiln.load(out, kv_cache_tokens=2**21)
     llm.generate(["hello"], SamplingParams(max_tokens=4))
     held = torch.cuda.memory_reserved() - before
     del llm
     after = torch.cuda.memory_reserved()
     record("memory_back_after_del", {"held_mib": held / 2**20, "missing_mib": (after - before) / 2**20})
     assert held > 2**30 and after - before < 100 * 2**20
-    again = graphkiln.load(out, gpu_memory_fraction=0.5)
+    again = graphkiln.load(out, kv_cache_tokens=2**21)
     assert again.generate(["hello"], SamplingParams(max_tokens=4))[0].token_ids
 
 
