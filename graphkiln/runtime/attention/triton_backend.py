@@ -92,9 +92,10 @@ def decode_tiles(
 ) -> DecodeTiles:
     """Split each (sequence, KV head) into as many splits as keep the grid within DECODE_PROGRAMS_PER_SM
     programs an SM (at least one split), but never below MIN_SPLIT_TOKENS a split; tiles of 64 rows of up to
-    128 bytes, 128 rows of 256 bytes, 32 of more, double-buffered; but 256-byte rows of a batch split
-    SHORT_TILE_SPLITS ways or more take 32-row tiles on 2 warps, 4 stages deep, since a split there often
-    holds only a few 128-row tiles, too few to pipeline. At the batched shapes `python -m bench attention
+    128 bytes, 128 rows of 256 bytes, 32 of more, double-buffered; but 256-byte rows of 16-bit elements in a
+    batch split SHORT_TILE_SPLITS ways or more take 32-row tiles on 2 warps, 4 stages deep, since a split there
+    often holds only a few 128-row tiles, too few to pipeline (measured on 16-bit caches; a float32 cache keeps
+    its tiles). At the batched shapes `python -m bench attention
     --serving-sweep` measured the fastest split counts at about four programs an SM (1B-like 8 x 2000: 8
     splits, 32 x 2000: 2-3; 8B-like 8 x 2000: 8, 32 x 4000: 2), where six an SM, rounded up, planned 13 and
     4 splits and took 10-40% longer; and at the 8B-like 8 x 2000 (8 splits) 32-row tiles took 33 us against
@@ -108,7 +109,7 @@ def decode_tiles(
     row_bytes = head_dim * itemsize
     if row_bytes <= 128:
         return DecodeTiles(splits, 64, 4, 2)
-    if row_bytes <= 256 and (num_seqs == 1 or splits < SHORT_TILE_SPLITS):
+    if row_bytes <= 256 and (num_seqs == 1 or splits < SHORT_TILE_SPLITS or itemsize > 2):
         return DecodeTiles(splits, 128, 4, 2)
     return DecodeTiles(splits, 32, 2 if row_bytes <= 256 else 4, 4 if row_bytes <= 256 else 2)
 
