@@ -54,6 +54,7 @@ class DecodeTiles:
     block_n: int
     num_warps: int
     num_stages: int
+    kv_heads: int = 1  # adjacent KV heads a program, their rows read as one (kernels/decode_attention.py)
 
 
 @dataclass(frozen=True)
