@@ -1,7 +1,10 @@
 """Paged flash-decoding in one launch: one query token per sequence, split-K over long contexts.
 
 Grid (kv_head, split, sequence): each program loads one KV head's tiles of its split once and
-attends all query heads of that head's GQA group (padded to 16 rows for tensor cores). Lengths
+attends all query heads of that head's GQA group (padded to 16 rows for tensor cores). With KV_HEADS = 2
+a program takes two adjacent KV heads, whose rows lie side by side in the cache, as one head of twice the
+lanes: each query row holds its own head's lanes and zeros in the other's, so one dot scores both groups and
+each row keeps its own half of the output (reading twice the bytes a row, as wider heads do). Lengths
 and block tables are read from device memory, so a launch can be captured in a CUDA graph and
 replayed with new lengths. The grid has the planned splits; a sequence uses as many as it has
 tiles, at most all, and the rest exit at once. A sequence that one split covers is written
