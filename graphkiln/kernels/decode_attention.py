@@ -181,13 +181,12 @@ def _decode_kernel(
         heads = kv_head * GROUP + h
         head_mask = (h < KV_HEADS * GROUP)[:, None]
         dims = tl.arange(0, KV_HEADS * HEAD_PAD)
+        dim_mask = lanes(dims, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_PAD)
         if KV_HEADS == 1:
-            dim_mask = lanes(dims, HEAD_DIM, HEAD_PAD)
             out_mask = head_mask & dim_mask[None, :]
             head_dims = dims  # a row's lanes in its own head
             new_heads = kv_head
         else:  # each query row's lanes are its KV head's, zeros elsewhere, so the dots pair each with its head
-            dim_mask = dims < KV_HEADS * HEAD_PAD
             out_mask = head_mask & ((h // GROUP)[:, None] == (dims // HEAD_PAD)[None, :])
             head_dims = dims % HEAD_PAD
             new_heads = kv_head + dims // HEAD_PAD
