@@ -11,7 +11,7 @@ rows), prefill (varlen, on cached prefixes) and CUDA-graph replays as the others
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -200,23 +200,6 @@ def test_triton_decode(heads: tuple, case: str, record_property) -> None:
     lens, pad = DECODE[case]
     batch = make_batch(heads, [(1, s) for s in lens], pad, decode=True)
     run_and_check(TritonBackend(batch.cache), batch, record_property)
-
-
-PAIR_HEADS = [(torch.bfloat16, 32, 8, 64), (torch.float16, 8, 8, 64), (torch.bfloat16, 16, 4, 64),
-              (torch.bfloat16, 8, 2, 32), (torch.float16, 32, 4, 64)]  # 16-bit, up to 128-byte rows a head
-
-
-@pytest.mark.parametrize("case", DECODE)
-@pytest.mark.parametrize("heads", PAIR_HEADS, ids=_id)
-def test_triton_row_decode_with_two_kv_heads_a_program(heads: tuple, case: str, monkeypatch, record_property) -> None:
-    """The row kernel at the engine's plans but two adjacent KV heads a program (`DecodeTiles.kv_heads`)."""
-    import graphkiln.runtime.attention.triton_backend as triton_backend
-
-    plan = triton_backend.decode_tiles
-    monkeypatch.setattr(triton_backend, "decode_tiles", lambda *args: replace(plan(*args), kv_heads=2))
-    lens, pad = DECODE[case]
-    batch = make_batch(heads, [(1, s) for s in lens], pad, decode=True)
-    run_and_check(TritonBackend(batch.cache, decode_kernel="rows"), batch, record_property)
 
 
 @pytest.mark.parametrize("case", PREFILL)
