@@ -47,8 +47,8 @@ from .report import text_table
 
 BLOCK = 16
 DECODE_COLUMNS = ["batch", "context", "num_splits", "block_n", "num_warps", "num_stages", "us", "gbs", "pct_copy"]
-AB_COLUMNS = ["kernel", "batch", "context", "num_splits", "block_n", "heads", "kv_heads", "num_warps", "num_stages",
-              "us", "pct_copy", "rel_err"]
+AB_COLUMNS = ["kernel", "batch", "context", "num_splits", "block_n", "heads", "num_warps", "num_stages", "us",
+              "pct_copy", "rel_err"]
 BLOCK_TILES = [(2, 4, 5), (2, 8, 5), (4, 4, 7), (8, 4, 5), (8, 8, 5)]  # block kernel: heads, warps, stages
 PREFILL_COLUMNS = ["tokens", "block_m", "block_n", "num_warps", "num_stages", "heads", "us", "tflops", "sdpa_us",
                    "sdpa_tflops", "rel_err_vs_sdpa"]
@@ -217,9 +217,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-sweep", action="store_true", help="skip the tile sweeps")
     p.add_argument("--serving-sweep", default="",
                    help="BATCHxCONTEXT list: sweep decode splits and tiles at each of these shapes only")
-    p.add_argument("--kv-heads", default="1",
-                   help="with --serving-sweep: KV heads a row-kernel program of the swept tilings, comma-separated "
-                        "(1, 2: two adjacent heads' rows read as one)")
     p.add_argument("--splits", default="1,2,4,8,16,32,64",
                    help="split counts --serving-sweep tries at each tiling (comma list)")
     p.add_argument("--decode-ab", default="",
@@ -241,18 +238,17 @@ SERVING_TILES = [(32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 4, 4), (64
 SHOWN = 8  # the serving sweep's fastest row tilings a shape in the printed table (the results keep all)
 
 
-def serving_sweep(h: Heads, shapes: str, copy_bw: float, num_sms: int, splits: tuple[int, ...],
-                  kv_heads: tuple[int, ...] = (1,)) -> list[dict]:
-    """Every split count of `splits` at every tiling of SERVING_TILES and count of `kv_heads` a program at each
-    BATCHxCONTEXT shape, the planned one first, the rest ranked fastest first (the table shows the first SHOWN);
-    then the block kernel's plan and tilings."""
+def serving_sweep(h: Heads, shapes: str, copy_bw: float, num_sms: int, splits: tuple[int, ...]) -> list[dict]:
+    """Every split count of `splits` at every tiling of SERVING_TILES at each BATCHxCONTEXT shape, the planned
+    one first, the rest ranked fastest first (the table shows the first SHOWN); then the block kernel's plan and
+    tilings."""
     from graphkiln.runtime.attention.triton_backend import DecodeTiles
 
     rows = []
     for batch, context in parse_shapes(shapes):
         planned = bench_decode(h, batch, context, copy_bw, num_sms)
         rows.append(dict(planned, planned=True))
-        variants = [DecodeTiles(s, n, w, st, kh) for kh in kv_heads for s in splits for n, w, st in SERVING_TILES
+        variants = [DecodeTiles(s, n, w, st) for s in splits for n, w, st in SERVING_TILES
                     if s * 32 <= context]  # splits down to 32 tokens: a lone sequence's latency, below the plan's floor
         best = fitting(lambda t, b=batch, c=context: bench_decode(h, b, c, copy_bw, num_sms, t), variants)
         best.sort(key=lambda r: r["us"])
@@ -340,8 +336,7 @@ def main(a: argparse.Namespace) -> int:
     if a.serving_sweep and study.gpu_only("the serving sweep"):
         num_sms = torch.cuda.get_device_properties(0).multi_processor_count
         splits = tuple(int(x) for x in a.splits.split(",") if x.strip())
-        kv_heads = tuple(int(x) for x in a.kv_heads.split(",") if x.strip())
-        result["serving_sweep"] = serving_sweep(h, a.serving_sweep, copy_bw, num_sms, splits, kv_heads)
+        result["serving_sweep"] = serving_sweep(h, a.serving_sweep, copy_bw, num_sms, splits)
         print(text_table([r for r in result["serving_sweep"] if r.get("rank", 0) <= SHOWN], AB_COLUMNS))
         layout = f"{'hnd' if h.head_major else 'nhd'}{h.block}"
         log(f"wrote {study.save(result, f'serving-{study.model}-{layout}{cache}')}")

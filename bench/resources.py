@@ -3,7 +3,7 @@ programs a multiprocessor holds and in how many waves a grid runs, compiled by T
 machine: no GPU needed (a minute or so).
 
     python -m bench resources --out $OUT [--models 1b 8b] [--batches 1 64] [--max-context 8192] [--arch 90]
-                              [--decode-variants 64x128x8x2,4x64x4x2x2] [--prefill-variants 16x64x4x2x4]
+                              [--decode-variants 64x128x8x2,16x32x4x2] [--prefill-variants 16x64x4x2x4]
                               [--rows 1 8 32]
 
 Per model: the row decode kernel at each batch, planned as the engine plans it for a block table of
@@ -153,9 +153,8 @@ def decode_launches(model: str, batch: int, max_context: int, variant: tuple[int
         return label, f"splits={plan.num_splits} heads={plan.heads} stages={plan.num_stages}"
     tiles = DecodeTiles(*variant) if variant else decode_tiles(batch, hkv, max_context, d, cache_dtype.itemsize, 132)
     paged_decode(*args, num_splits=tiles.num_splits, block_n=tiles.block_n, num_warps=tiles.num_warps,
-                 num_stages=tiles.num_stages, scales=scales, kv_heads=tiles.kv_heads)
-    return label, (f"splits={tiles.num_splits} block_n={tiles.block_n} stages={tiles.num_stages}"
-                   f"{f' kv_heads={tiles.kv_heads}' if tiles.kv_heads > 1 else ''}")
+                 num_stages=tiles.num_stages, scales=scales)
+    return label, f"splits={tiles.num_splits} block_n={tiles.block_n} stages={tiles.num_stages}"
 
 
 def prefill_launches(model: str, tokens: int, variant: tuple[int, ...] | None = None) -> tuple[str, str]:
@@ -250,8 +249,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-context", type=int, default=8192,
                    help="tokens the block table holds, which the decode plan is sized by (default 8192: bench's models)")
     p.add_argument("--decode-variants", default="",
-                   help="SPLITSxBLOCK_NxWARPSxSTAGES[xKV_HEADS],...: the decode kernel at the first batch with "
-                        "these tiles too")
+                   help="SPLITSxBLOCK_NxWARPSxSTAGES,...: the decode kernel at the first batch with these tiles too")
     p.add_argument("--prefill-variants", default="",
                    help="BLOCK_MxBLOCK_NxWARPSxSTAGES[xHEADS],...: the prefill kernel with these tiles too")
     p.add_argument("--prefill-tokens", type=int, default=2048,

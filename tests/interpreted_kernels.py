@@ -103,9 +103,8 @@ def run_decode(kernel: str, dtype: torch.dtype, hq: int, hkv: int, d: int, lens:
     out = torch.full_like(q, float("nan"))
     counters = torch.zeros(keys.shape[0] * hkv, dtype=torch.int32)
     args = (q, k, v, keys, values, torch.tensor(lens, dtype=torch.int32), tables, slots, out, d**-0.5, counters)
-    if kernel in ("rows", "row-pairs"):  # row-pairs: two KV heads a program
-        paged_decode(*args, num_splits=splits, block_n=32, num_warps=4, num_stages=2, scales=scales,
-                     kv_heads=2 if kernel == "row-pairs" else 1)
+    if kernel == "rows":
+        paged_decode(*args, num_splits=splits, block_n=32, num_warps=4, num_stages=2, scales=scales)
     else:
         block_paged_decode(*args, num_splits=splits, heads=2, num_warps=4, num_stages=2, scales=scales)
     stored_k, stored_v = stored(keys, values, scales)
@@ -178,9 +177,6 @@ CASES = {  # name: (kernel, query dtype, q heads, kv heads, head_dim, lengths, s
     "rows-padded-head": ("rows", torch.float16, 8, 2, 48, [50, 16], 2, False),
     "rows-fp8": ("rows", torch.float16, 8, 2, 64, [90, 1, 32], 4, True),
     "rows-fp8-bf16-query": ("rows", torch.bfloat16, 4, 1, 64, [65], 2, True),
-    "row-pairs-gqa4-splits": ("row-pairs", torch.float16, 16, 4, 64, [1, 17, 100, 33], 4, False),
-    "row-pairs-one-split-group-of-2": ("row-pairs", torch.float16, 4, 2, 32, [40, 1, 16], 1, False),
-    "row-pairs-no-gqa-more-splits-than-tiles": ("row-pairs", torch.float32, 4, 4, 64, [70, 5], 16, False),
     "blocks-gqa4-splits": ("blocks", torch.float16, 8, 2, 64, [1, 17, 100, 33], 4, False),
     "blocks-fp8": ("blocks", torch.float16, 8, 4, 64, [90, 1, 32], 2, True),
 }

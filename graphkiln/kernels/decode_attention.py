@@ -1,10 +1,7 @@
 """Paged flash-decoding in one launch: one query token per sequence, split-K over long contexts.
 
 Grid (kv_head, split, sequence): each program loads one KV head's tiles of its split once and
-attends all query heads of that head's GQA group (padded to 16 rows for tensor cores). With KV_HEADS = 2
-a program takes two adjacent KV heads, whose rows lie side by side in the cache, as one head of twice the
-lanes: each query row holds its own head's lanes and zeros in the other's, so one dot scores both groups and
-each row keeps its own half of the output (reading twice the bytes a row, as wider heads do). Lengths
+attends all query heads of that head's GQA group (padded to 16 rows for tensor cores). Lengths
 and block tables are read from device memory, so a launch can be captured in a CUDA graph and
 replayed with new lengths. The grid has the planned splits; a sequence uses as many as it has
 tiles, at most all, and the rest exit at once. A sequence that one split covers is written
@@ -153,9 +150,9 @@ def _decode_kernel(
     stride_ot, stride_oh, stride_od, stride_cb, stride_ct, stride_ch, stride_bt,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
-    PRECISION: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr, KV_HEADS: tl.constexpr,
+    PRECISION: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
 ):
-    kv_head = tl.program_id(0) * KV_HEADS  # the first of the program's KV heads
+    kv_head = tl.program_id(0)
     split = tl.program_id(1)
     seq = tl.program_id(2)
     if PDL:  # the next kernel may start once every program has begun
@@ -171,31 +168,21 @@ def _decode_kernel(
         last = seq_len - 1
         # The cached positions before the last were written by earlier steps, never by the kernels
         # this one may overlap: the first tile loads before waiting for q, k and v.
-        # KV_HEADS adjacent heads' rows are one contiguous row of KV_HEADS * HEAD_DIM lanes (paged_decode checks)
         cached, k, v, k_scale, v_scale = load_kv_tile(
             k_cache, v_cache, k_scales, v_scales, table_row, start, end, last, kv_head, stride_cb, stride_ct,
-            stride_ch, BLOCK_N, BLOCK_SIZE, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_PAD, FP8)
+            stride_ch, BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_PAD, FP8)
         if PDL:
             gdc_wait()
         h = tl.arange(0, BLOCK_H)
         heads = kv_head * GROUP + h
-        head_mask = (h < KV_HEADS * GROUP)[:, None]
-        dims = tl.arange(0, KV_HEADS * HEAD_PAD)
-        dim_mask = lanes(dims, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_PAD)
-        if KV_HEADS == 1:
-            out_mask = head_mask & dim_mask[None, :]
-            head_dims = dims  # a row's lanes in its own head
-            new_heads = kv_head
-        else:  # each query row's lanes are its KV head's, zeros elsewhere, so the dots pair each with its head
-            out_mask = head_mask & ((h // GROUP)[:, None] == (dims // HEAD_PAD)[None, :])
-            head_dims = dims % HEAD_PAD
-            new_heads = kv_head + dims // HEAD_PAD
-        q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + head_dims[None, :] * stride_qd,
-                    mask=out_mask, other=0.0)
-        k_new = tl.load(k_ptr + seq * stride_kt + new_heads * stride_kh + head_dims * stride_kd, mask=dim_mask,
-                        other=0.0)
-        v_new = tl.load(v_ptr + seq * stride_vt + new_heads * stride_vh + head_dims * stride_vd, mask=dim_mask,
-                        other=0.0)
+        head_mask = (h < GROUP)[:, None]
+        dims = tl.arange(0, HEAD_PAD)
+        dim_mask = lanes(dims, HEAD_DIM, HEAD_PAD)
+        out_mask = head_mask & dim_mask[None, :]
+        q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + dims[None, :] * stride_qd, mask=out_mask,
+                    other=0.0)
+        k_new = tl.load(k_ptr + seq * stride_kt + kv_head * stride_kh + dims * stride_kd, mask=dim_mask, other=0.0)
+        v_new = tl.load(v_ptr + seq * stride_vt + kv_head * stride_vh + dims * stride_vd, mask=dim_mask, other=0.0)
         k_new_scale = scale_log2  # placeholders without FP8
         v_new_scale = scale_log2
         q_unit = scale_log2
@@ -225,51 +212,42 @@ def _decode_kernel(
         for tile in range(start + BLOCK_N, end, BLOCK_N):
             cached, k, v, k_scale, v_scale = load_kv_tile(
                 k_cache, v_cache, k_scales, v_scales, table_row, tile, end, last, kv_head, stride_cb, stride_ct,
-                stride_ch, BLOCK_N, BLOCK_SIZE, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_PAD, FP8)
+                stride_ch, BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_PAD, FP8)
             m_i, l_i, acc = attend_tile(q, k, v, k_scale, v_scale, cached, m_i, l_i, acc, scale_log2, q_unit,
                                         PRECISION, FP8)
 
         acc = acc / l_i[:, None]  # every running split holds at least one position
         out_row = out_ptr + seq * stride_ot
         if active == 1:
-            tl.store(out_row + heads[:, None] * stride_oh + head_dims[None, :] * stride_od,
-                     acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.store(out_row + heads[:, None] * stride_oh + dims[None, :] * stride_od, acc.to(out_ptr.dtype.element_ty),
+                     mask=out_mask)
         else:
             part = (seq * NUM_HEADS + heads) * num_splits + split
-            if KV_HEADS == 1:
-                tl.store(part_out + part[:, None] * HEAD_PAD + dims[None, :], acc, mask=head_mask)
-            else:
-                tl.store(part_out + part[:, None] * HEAD_PAD + head_dims[None, :], acc, mask=out_mask)
-            tl.store(part_lse + part, m_i + tl.log2(l_i), mask=h < KV_HEADS * GROUP)
+            tl.store(part_out + part[:, None] * HEAD_PAD + dims[None, :], acc, mask=head_mask)
+            tl.store(part_lse + part, m_i + tl.log2(l_i), mask=h < GROUP)
             tl.debug_barrier()  # every thread's partial is stored before the count (acq_rel, GPU scope) releases it
-            counter = counters + seq * tl.num_programs(0) + tl.program_id(0)
+            counter = counters + seq * tl.num_programs(0) + kv_head
             if tl.atomic_add(counter, 1) == active - 1:
                 tl.store(counter, 0)
                 merge_splits(part_out, part_lse, out_row, kv_head * GROUP, seq * NUM_HEADS + kv_head * GROUP,
-                             num_splits, active, stride_oh, stride_od, KV_HEADS * GROUP, HEAD_DIM, HEAD_PAD, BLOCK_S)
+                             num_splits, active, stride_oh, stride_od, GROUP, HEAD_DIM, HEAD_PAD, BLOCK_S)
 
 
 def paged_decode(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     seq_lens: torch.Tensor, block_tables: torch.Tensor, slot_mapping: torch.Tensor, out: torch.Tensor, scale: float,
     counters: torch.Tensor, *, num_splits: int, block_n: int, num_warps: int, num_stages: int,
-    scales: tuple[torch.Tensor, torch.Tensor] | None = None, kv_heads: int = 1,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Store k[i], v[i] [Hkv, D] at slot_mapping[i], the last of seq_lens[i] positions of sequence i, and
     write to out[i] the attention of q[i] [Hq, D] over those positions. `counters` (int32 zeros, one
     per KV head of every row up to the last whose sequence spans two splits) are zeros again after.
-    An fp8 cache (contiguous) comes with `scales`, float32 [num_blocks, block_size, Hkv] for keys and values.
-    `kv_heads` adjacent KV heads a program read each cache row of theirs as one contiguous row (1 or 2; 2 needs
-    a 16-bit or float32 cache, contiguous, an even head count and an unpadded head_dim)."""
+    An fp8 cache (contiguous) comes with `scales`, float32 [num_blocks, block_size, Hkv] for keys and values."""
     num_seqs = seq_lens.shape[0]
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     padded = head_pad(head_dim)
-    if kv_heads != 1 and (kv_heads != 2 or scales is not None or num_kv_heads % 2 or padded != head_dim
-                          or not k_cache.is_contiguous() or not v_cache.is_contiguous()):
-        raise ValueError(f"kv_heads={kv_heads} a program needs 2, a 16-bit or float32 contiguous cache, an even "
-                         f"number of KV heads ({num_kv_heads}) and a power-of-two head_dim ({head_dim})")
     k_scales, v_scales = scales if scales is not None else (k_cache, v_cache)
     launch_pdl = pdl_on(q.device)
     part_out = part_lse = out
@@ -277,14 +255,14 @@ def paged_decode(
         part_out = torch.empty((num_seqs, num_heads, num_splits, padded), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
     launch(
-        _decode_kernel, (num_kv_heads // kv_heads, num_splits, num_seqs),
+        _decode_kernel, (num_kv_heads, num_splits, num_seqs),
         q, k, v, k_cache, v_cache, k_scales, v_scales, seq_lens, block_tables, slot_mapping, out, part_out, part_lse,
         counters, scale * 1.4426950408889634, num_splits,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        NUM_HEADS=num_heads, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(kv_heads * group)),
+        NUM_HEADS=num_heads, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, HEAD_PAD=padded, BLOCK_N=block_n,
         BLOCK_S=triton.next_power_of_2(num_splits), PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        FP8=scales is not None, PDL=launch_pdl, KV_HEADS=kv_heads,
+        FP8=scales is not None, PDL=launch_pdl,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=launch_pdl,
     )
