@@ -42,7 +42,7 @@ from .metadata import BatchMetadata
 PROGRAMS_PER_SM = 2  # prefill programs resident per SM at the default tiles (shared-memory bound)
 DECODE_PROGRAMS_PER_SM = 4  # decode programs a grid wants per SM at most: the batched shapes measured fastest there
 MIN_SPLIT_TOKENS = 128  # a decode split never covers fewer tokens than this of the longest context
-SHORT_TILE_SPLITS = 4  # batched 256-byte rows split this many ways or more take 32-row tiles (decode_tiles)
+SHORT_TILE_SPLITS = 4  # a batch split this many ways or more takes short tiles (decode_tiles)
 MAX_SPLITS = 64
 MAX_HEAD_DIM = 256
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn)
@@ -54,7 +54,6 @@ class DecodeTiles:
     block_n: int
     num_warps: int
     num_stages: int
-    kv_heads: int = 1  # adjacent KV heads a program, their rows read as one (kernels/decode_attention.py)
 
 
 @dataclass(frozen=True)
@@ -92,15 +91,13 @@ def decode_tiles(
     num_seqs: int, num_kv_heads: int, max_context: int, head_dim: int, itemsize: int, num_sms: int
 ) -> DecodeTiles:
     """Split each (sequence, KV head) into as many splits as keep the grid within DECODE_PROGRAMS_PER_SM
-    programs an SM (at least one split), but never below MIN_SPLIT_TOKENS a split; tiles of 64 rows of up to
-    128 bytes, 128 rows of 256 bytes, 32 of more, double-buffered; but 256-byte rows of 16-bit elements in a
-    batch split SHORT_TILE_SPLITS ways or more take 32-row tiles on 2 warps, 4 stages deep, since a split there
-    often holds only a few 128-row tiles, too few to pipeline (measured on 16-bit caches; a float32 cache keeps
-    its tiles). At the batched shapes `python -m bench attention
-    --serving-sweep` measured the fastest split counts at about four programs an SM (1B-like 8 x 2000: 8
-    splits, 32 x 2000: 2-3; 8B-like 8 x 2000: 8, 32 x 4000: 2), where six an SM, rounded up, planned 13 and
-    4 splits and took 10-40% longer; and at the 8B-like 8 x 2000 (8 splits) 32-row tiles took 33 us against
-    43 for 128-row ones, while at 32 x 4000 (2 splits) and batch 1 128-row tiles were the faster.
+    programs an SM (at least one split), but never below MIN_SPLIT_TOKENS a split. Where each split holds many
+    tiles (batch 1, or fewer than SHORT_TILE_SPLITS splits) 128-row tiles of up to 256 bytes give the loop
+    enough to pipeline; where a batch is split SHORT_TILE_SPLITS ways or more, a split holds few such tiles, so
+    rows of up to 128 bytes take 64-row tiles and 256-byte rows of 16-bit elements 32-row ones, 2 warps and 4
+    stages deep; wider rows take 32-row tiles. Tilings not measured keep those they were tested with (an fp8
+    cache's 128-byte rows 64 rows, a float32 cache's 256-byte rows 128). The sweeps behind each choice
+    (`python -m bench attention --serving-sweep`) are in README, "Attention at serving shapes".
 
     `max_context` is what the block table can hold (its width times the block size): a static
     quantity, so a captured graph keeps its grid whatever lengths a replay brings.
@@ -108,9 +105,10 @@ def decode_tiles(
     wanted = DECODE_PROGRAMS_PER_SM * num_sms // (num_seqs * num_kv_heads)
     splits = max(1, min(wanted, _cdiv(max_context, MIN_SPLIT_TOKENS), MAX_SPLITS))
     row_bytes = head_dim * itemsize
+    long_splits = num_seqs == 1 or splits < SHORT_TILE_SPLITS  # each split holds many tiles of the context
     if row_bytes <= 128:
-        return DecodeTiles(splits, 64, 4, 2)
-    if row_bytes <= 256 and (num_seqs == 1 or splits < SHORT_TILE_SPLITS or itemsize > 2):
+        return DecodeTiles(splits, 128 if long_splits and itemsize == 2 else 64, 4, 2)
+    if row_bytes <= 256 and (long_splits or itemsize > 2):
         return DecodeTiles(splits, 128, 4, 2)
     return DecodeTiles(splits, 32, 2 if row_bytes <= 256 else 4, 4 if row_bytes <= 256 else 2)
 
