@@ -2,9 +2,9 @@
 step adds to its replay; and where a short prefill's time to first token goes (about a minute).
 
     python -m bench kernels --out $OUT [--batches 1 8] [--prefill 128] [--model 8b --layers 4]
-                            [--disable-pass NAME] [--max-seq-len 512]
+                            [--disable-pass NAME] [--max-seq-len 512] [--prompt 4000]
 
-Compiles the bench's random model for the decode batches asked for, decodes 128-token prompts,
+Compiles the bench's random model for the decode batches asked for, decodes 128-token prompts (`--prompt`),
 then per batch: the engine step's host time against its graph's replay (CUDA events); the
 replay's kernels by name (torch.profiler; count and microseconds per replay, largest first) and
 the first ones in launch order; steps back to back as `generate` runs them, with what the device
@@ -162,6 +162,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seq-len", type=int, default=None,
                    help="EngineConfig.max_seq_len (default: the model's 8192); it sizes the decode graphs' block tables, "
                         "and with them the decode attention's planned splits")
+    p.add_argument("--prompt", type=int, default=128,
+                   help="prompt tokens of each decoding sequence (the decode attention's context; smoke: 16)")
     p.add_argument("--specialize-sizes", type=int, nargs="*", default=[],
                    help="token counts compiled specialized (CompileConfig.specialize_sizes)")
 
@@ -170,7 +172,7 @@ def main(a: argparse.Namespace) -> int:
     study = Study.of("kernels", a)
     cuda = study.cuda
     batches, lengths = ([1, 2], [16]) if study.smoke else (a.batches, a.prefill)
-    prompt, steps = (16, 8) if study.smoke else (128, 30)
+    prompt, steps = (16, 8) if study.smoke else (a.prompt, 30)
     if not cuda:
         log("CPU smoke: no CUDA graphs on the CPU; profiling engine steps' operators instead of graph replays")
     with study.scratch() as work:
@@ -179,10 +181,11 @@ def main(a: argparse.Namespace) -> int:
         llm = compiled_llm(study, work, disabled_passes=tuple(a.disable_pass), compile_options=options,
                            decode_batch_sizes=tuple(batches),
                            prefill_token_buckets=tuple(sorted({16, 128, *lengths})),
-                           max_num_batched_tokens=max([2048, *lengths]), kv_cache_tokens=4096 if study.smoke else 65536,
+                           max_num_batched_tokens=max([2048, *lengths]),
+                           kv_cache_tokens=4096 if study.smoke else max(65536, max(batches) * (prompt + 128)),
                            max_seq_len=a.max_seq_len)
         results: dict = {"batches": {}, "prefill": {}, "disabled_passes": a.disable_pass, "max_seq_len": a.max_seq_len,
-                         **options}
+                         "prompt": prompt, **options}
         for batch in batches:
             r = {**step_and_replay(llm, batch, steps, cuda, prompt), **pipelined(llm, batch, steps, cuda, prompt),
                  **decode_kernels(llm, batch, cuda, prompt)}
