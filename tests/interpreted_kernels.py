@@ -177,6 +177,8 @@ CASES = {  # name: (kernel, query dtype, q heads, kv heads, head_dim, lengths, s
     "rows-padded-head": ("rows", torch.float16, 8, 2, 48, [50, 16], 2, False),
     "rows-fp8": ("rows", torch.float16, 8, 2, 64, [90, 1, 32], 4, True),
     "rows-fp8-bf16-query": ("rows", torch.bfloat16, 4, 1, 64, [65], 2, True),
+    "rows-many-tiles-a-split": ("rows", torch.float16, 8, 2, 64, [300, 150, 33], 2, False),
+    "rows-fp8-many-tiles": ("rows", torch.float16, 4, 2, 64, [230], 1, True),
     "blocks-gqa4-splits": ("blocks", torch.float16, 8, 2, 64, [1, 17, 100, 33], 4, False),
     "blocks-fp8": ("blocks", torch.float16, 8, 4, 64, [90, 1, 32], 2, True),
 }
