@@ -5,7 +5,8 @@ copy-rate floor (weight and activation bytes / copy rate). A few minutes.
 
   1 row      cuBLAS (torch.mm) against the Triton GEMV behind graphkiln::linear; --sweep: every
              tiling of the GEMV too, back to back (`python -m bench tiles` tries them in place)
-  M rows     cuBLAS, cuBLASLt and Inductor's max-autotune choice (its Triton templates vs ATen)
+  M rows     cuBLAS, cuBLASLt, the few-row Triton product (kernels/rows_mm.py) and Inductor's
+             max-autotune choice (its Triton templates vs ATen; --no-inductor leaves it out)
 
 Each product is timed inside a CUDA graph that calls it once per weight copy, cycling over enough
 copies (600 MiB) that every call reads its weight from memory, as a decode step or a prefill does.
@@ -47,7 +48,7 @@ def with_blas(library: str, fn):
     return run
 
 
-def variants(study: Study, x, rows: int) -> dict:
+def variants(study: Study, x, rows: int, inductor: bool = True) -> dict:
     """name -> fn(weight) of every product timed at this row count (those this device can run)."""
     import torch
 
@@ -63,6 +64,10 @@ def variants(study: Study, x, rows: int) -> dict:
         if study.cuda:
             out["cublas"] = with_blas("cublas", out["cublas"])
             out["cublaslt"] = with_blas("cublaslt", lambda w: torch.mm(x, w.t()))
+            from graphkiln.kernels.rows_mm import rows_mm
+
+            out["rows_mm"] = lambda w: rows_mm(x, w)
+    if rows > 1 and inductor:
         tuned = torch.compile(product, mode="max-autotune-no-cudagraphs" if study.cuda else None, dynamic=False)
         out["inductor"] = lambda w: tuned(x, w)
     return out
@@ -103,6 +108,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 128], help="rows of x (default 1 128; smoke 1 8)")
     p.add_argument("--models", nargs="+", default=["1b", "8b"], help="whose weight shapes (default 1b 8b)")
     p.add_argument("--sweep", action="store_true", help="at 1 row, also every GEMV tiling (GPU)")
+    p.add_argument("--inductor", action=argparse.BooleanOptionalAction, default=True,
+                   help="beyond one row, also Inductor's max-autotune choice (compiles per shape: slow)")
 
 
 def main(a: argparse.Namespace) -> int:
@@ -127,9 +134,13 @@ def main(a: argparse.Namespace) -> int:
                 x = torch.randn(m, k, device=device, dtype=dtype)
                 floor_us = (nbytes + dtype.itemsize * m * (n + k)) / rate * 1e6
                 row = {"model": model, "name": name, "m": m, "n": n, "k": k, "floor_us": floor_us}
-                for variant, fn in variants(study, x, m).items():
+                for variant, fn in variants(study, x, m, a.inductor).items():
                     row[f"{variant}_us"] = per_call_us(fn, weights, calls, device)
                     row[f"{variant}_of_floor"] = floor_us / row[f"{variant}_us"]
+                if m > 1 and "rows_mm_us" in row:
+                    want = x.float() @ weights[0].float().t()
+                    got = variants(study, x, m, False)["rows_mm"](weights[0]).float()
+                    row["rows_mm_max_err"] = (got - want).abs().max().item() / want.abs().max().item()
                 if m == 1 and "gemv_us" in row:
                     want = x.float() @ weights[0].float().t()
                     row["gemv_max_err"] = (variants(study, x, 1)["gemv"](weights[0]).float() - want).abs().max().item()
