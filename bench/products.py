@@ -5,8 +5,8 @@ copy-rate floor (weight and activation bytes / copy rate). A few minutes.
 
   1 row      cuBLAS (torch.mm) against the Triton GEMV behind graphkiln::linear; --sweep: every
              tiling of the GEMV too, back to back (`python -m bench tiles` tries them in place)
-  M rows     cuBLAS, cuBLASLt, the few-row Triton product (kernels/rows_mm.py) and Inductor's
-             max-autotune choice (its Triton templates vs ATen; --no-inductor leaves it out)
+  M rows     cuBLAS, cuBLASLt and Inductor's max-autotune choice (its Triton templates vs ATen;
+             --no-inductor leaves it out)
 
 Each product is timed inside a CUDA graph that calls it once per weight copy, cycling over enough
 copies (600 MiB) that every call reads its weight from memory, as a decode step or a prefill does.
@@ -64,9 +64,6 @@ def variants(study: Study, x, rows: int, inductor: bool = True) -> dict:
         if study.cuda:
             out["cublas"] = with_blas("cublas", out["cublas"])
             out["cublaslt"] = with_blas("cublaslt", lambda w: torch.mm(x, w.t()))
-            from graphkiln.kernels.rows_mm import rows_mm
-
-            out["rows_mm"] = lambda w: rows_mm(x, w)
     if rows > 1 and inductor:
         tuned = torch.compile(product, mode="max-autotune-no-cudagraphs" if study.cuda else None, dynamic=False)
         out["inductor"] = lambda w: tuned(x, w)
@@ -137,10 +134,6 @@ def main(a: argparse.Namespace) -> int:
                 for variant, fn in variants(study, x, m, a.inductor).items():
                     row[f"{variant}_us"] = per_call_us(fn, weights, calls, device)
                     row[f"{variant}_of_floor"] = floor_us / row[f"{variant}_us"]
-                if m > 1 and "rows_mm_us" in row:
-                    want = x.float() @ weights[0].float().t()
-                    got = variants(study, x, m, False)["rows_mm"](weights[0]).float()
-                    row["rows_mm_max_err"] = (got - want).abs().max().item() / want.abs().max().item()
                 if m == 1 and "gemv_us" in row:
                     want = x.float() @ weights[0].float().t()
                     row["gemv_max_err"] = (variants(study, x, 1)["gemv"](weights[0]).float() - want).abs().max().item()

@@ -23,7 +23,6 @@ from graphkiln.kernels.decode_attention import paged_decode
 from graphkiln.kernels.fp8_linear import fp8_linear
 from graphkiln.kernels.int4_linear import int4_linear
 from graphkiln.kernels.prefill_attention import paged_prefill
-from graphkiln.kernels.rows_mm import rows_mm
 from graphkiln.models.quantized_linear import quantize_activations_fp8
 from graphkiln.runtime.attention.triton_backend import prefill_work, work_table
 from graphkiln.runtime.kv_dtype import dequantize, quantize
@@ -152,17 +151,13 @@ def run_prefill(dtype: torch.dtype, hq: int, hkv: int, d: int, lens: list[tuple[
 
 
 def run_product(kind: str, rows: int, n: int, k: int, seed: int = 0) -> dict:
-    """rows_mm on a float16 weight ("half-rows"), fp8_linear ("fp8-channel", "fp8-block") or int4_linear ("int4",
-    groups of 128) of `rows` float16 rows, as they dispatch that many, on the GPU tests' weights (gpu/kernel_weights.py), against float32 products of the
+    """fp8_linear ("fp8-channel", "fp8-block") or int4_linear ("int4", groups of 128) of `rows` float16 rows, as
+    they dispatch that many, on the GPU tests' weights (gpu/kernel_weights.py), against float32 products of the
     dequantized weight and of x as the kernels round it (models/quantized_linear.py): unquantized at one row, per
     1 x 128 group in registers up to FEW_ROWS, per token (channel scales) or group (block scales) by a kernel of
     its own up to MMA_ROWS; int4 keeps x."""
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed)).to(torch.float16)
-    if kind == "half-rows":
-        weight = (torch.randn(n, k, generator=torch.Generator().manual_seed(seed + 1)) * k**-0.5).to(torch.float16)
-        got = rows_mm(x, weight)
-        want = x.float() @ weight.float().t()
-    elif kind == "int4":
+    if kind == "int4":
         qweight, scales, zeros, reference = int4_weight(n, k, 128, "cpu")
         got = int4_linear(x, qweight, scales, zeros, 128)
         want = x.float() @ reference.t()
@@ -197,7 +192,6 @@ PREFILL_CASES = {  # name: (query dtype, q heads, kv heads, head_dim, (query_len
 PRODUCT_CASES = {  # name: (kind, rows, N, K); the rows pick each path fp8_linear and int4_linear dispatch
     **{f"{kind}-{rows}-rows": (kind, rows, 200, 384) for kind in ("fp8-channel", "fp8-block") for rows in (1, 8, 24)},
     **{f"int4-{rows}-rows": ("int4", rows, 160, 512) for rows in (1, 8, 48, 80)},
-    **{f"half-rows-{rows}": ("half-rows", rows, 200, 1536) for rows in (2, 17)},
 }
 
 if __name__ == "__main__":

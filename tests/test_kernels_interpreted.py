@@ -3,8 +3,8 @@ by Triton's interpreter in a fresh process (tests/interpreted_kernels.py) agains
 
 Speed, concurrency and the compiled code are the GPU tests' (tests/gpu/); this checks a kernel change before a
 GPU sees it: masks, the step's new row, the split merge and the cache write in decode; causal masks over cached
-prefixes and a work table shared by fewer programs in prefill; the few-row half-precision product; and the fp8 and
-int4 weight products on every path their row count picks, x rounded as the kernels round it.
+prefixes and a work table shared by fewer programs in prefill; and the fp8 and int4 weight products on every
+path their row count picks, x rounded as the kernels round it.
 """
 
 from __future__ import annotations

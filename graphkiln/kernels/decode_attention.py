@@ -37,28 +37,15 @@ from .pdl import pdl_on
 
 
 @triton.jit
-def paged_rows(table_row, pos, valid, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE: tl.constexpr):
-    """Element offsets [N] of rows `pos` of one KV head in a paged cache [num_blocks, BLOCK_SIZE, Hkv, HEAD_DIM]
-    (in block 0 where not `valid`)."""
-    block = tl.load(table_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-    return block * stride_cb + (pos % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
-
-
-@triton.jit
-def load_rows(cache, rows, valid, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
-    """The cache rows at offsets `rows` [N] as a [N, HEAD_PAD] tile, zeros where not `valid` and in padded lanes."""
-    dims = tl.arange(0, HEAD_PAD)
-    mask = valid[:, None] & lanes(dims, HEAD_DIM, HEAD_PAD)[None, :]
-    return tl.load(cache + rows[:, None] + dims[None, :], mask=mask, other=0.0)
-
-
-@triton.jit
 def load_paged_tile(cache, table_row, pos, valid, kv_head, stride_cb, stride_ct, stride_ch,
                     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
     """Rows `pos` [N] of one KV head from a paged cache [num_blocks, BLOCK_SIZE, Hkv, HEAD_DIM], as a
     [N, HEAD_PAD] tile whose padded lanes are zeros."""
-    rows = paged_rows(table_row, pos, valid, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
-    return load_rows(cache, rows, valid, HEAD_DIM, HEAD_PAD)
+    block = tl.load(table_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    rows = block * stride_cb + (pos % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
+    dims = tl.arange(0, HEAD_PAD)
+    mask = valid[:, None] & lanes(dims, HEAD_DIM, HEAD_PAD)[None, :]
+    return tl.load(cache + rows[:, None] + dims[None, :], mask=mask, other=0.0)
 
 
 @triton.jit
@@ -66,24 +53,31 @@ def load_paged_scales(scales, table_row, pos, valid, kv_head, stride_cb, stride_
                       BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
     """The fp8 scales [N] of rows `pos` of one KV head: a contiguous cache's row offset / HEAD_DIM in
     scales [num_blocks, BLOCK_SIZE, Hkv]; 0 where not `valid`."""
-    rows = paged_rows(table_row, pos, valid, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
+    block = tl.load(table_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    rows = block * stride_cb + (pos % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
     return tl.load(scales + rows // HEAD_DIM, mask=valid, other=0.0)
 
 
 @triton.jit
-def load_kv_tile(k_cache, v_cache, k_scales, v_scales, rows, pos, end, last, HEAD_DIM: tl.constexpr,
+def load_kv_tile(k_cache, v_cache, k_scales, v_scales, table_row, tile, end, last, kv_head, stride_cb, stride_ct,
+                 stride_ch, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                  HEAD_PAD: tl.constexpr, FP8: tl.constexpr):
-    """Which rows of the tile at positions `pos` (cache offsets `rows`, from paged_rows) are cached positions
-    (short of `end`, not `last`, which is the step's new key and value: new_row_state), their keys and values
-    (zeros elsewhere) and their fp8 scales (unused placeholders without FP8)."""
+    """Which rows of the tile from `tile` on are cached positions (short of `end`, not `last`, which is the
+    step's new key and value: new_row_state), their keys and values (zeros elsewhere) and their fp8 scales
+    (unused placeholders without FP8)."""
+    pos = tile + tl.arange(0, BLOCK_N)
     cached = (pos < end) & (pos != last)
-    k = load_rows(k_cache, rows, cached, HEAD_DIM, HEAD_PAD)
-    v = load_rows(v_cache, rows, cached, HEAD_DIM, HEAD_PAD)
+    k = load_paged_tile(k_cache, table_row, pos, cached, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE,
+                        HEAD_DIM, HEAD_PAD)
+    v = load_paged_tile(v_cache, table_row, pos, cached, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE,
+                        HEAD_DIM, HEAD_PAD)
     k_scale = pos
     v_scale = pos
     if FP8:
-        k_scale = tl.load(k_scales + rows // HEAD_DIM, mask=cached, other=0.0)
-        v_scale = tl.load(v_scales + rows // HEAD_DIM, mask=cached, other=0.0)
+        k_scale = load_paged_scales(k_scales, table_row, pos, cached, kv_head, stride_cb, stride_ct, stride_ch,
+                                    BLOCK_SIZE, HEAD_DIM)
+        v_scale = load_paged_scales(v_scales, table_row, pos, cached, kv_head, stride_cb, stride_ct, stride_ch,
+                                    BLOCK_SIZE, HEAD_DIM)
     return cached, k, v, k_scale, v_scale
 
 
@@ -174,13 +168,9 @@ def _decode_kernel(
         last = seq_len - 1
         # The cached positions before the last were written by earlier steps, never by the kernels
         # this one may overlap: the first tile loads before waiting for q, k and v.
-        pos = start + tl.arange(0, BLOCK_N)
-        rows = paged_rows(table_row, pos, pos < end, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
-        cached, k, v, k_scale, v_scale = load_kv_tile(k_cache, v_cache, k_scales, v_scales, rows, pos, end, last,
-                                                      HEAD_DIM, HEAD_PAD, FP8)
-        # Each tile's block-table entries are read a tile ahead, so its rows' loads wait on one read, not two.
-        pos += BLOCK_N
-        rows = paged_rows(table_row, pos, pos < end, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
+        cached, k, v, k_scale, v_scale = load_kv_tile(
+            k_cache, v_cache, k_scales, v_scales, table_row, start, end, last, kv_head, stride_cb, stride_ct,
+            stride_ch, BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_PAD, FP8)
         if PDL:
             gdc_wait()
         h = tl.arange(0, BLOCK_H)
@@ -220,12 +210,9 @@ def _decode_kernel(
         m_i, l_i, acc = attend_tile(q, k, v, k_scale, v_scale, cached, m_i, l_i, acc, scale_log2, q_unit, PRECISION,
                                     FP8)
         for tile in range(start + BLOCK_N, end, BLOCK_N):
-            pos = tile + tl.arange(0, BLOCK_N)
-            ahead = pos + BLOCK_N
-            next_rows = paged_rows(table_row, ahead, ahead < end, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
-            cached, k, v, k_scale, v_scale = load_kv_tile(k_cache, v_cache, k_scales, v_scales, rows, pos, end, last,
-                                                          HEAD_DIM, HEAD_PAD, FP8)
-            rows = next_rows
+            cached, k, v, k_scale, v_scale = load_kv_tile(
+                k_cache, v_cache, k_scales, v_scales, table_row, tile, end, last, kv_head, stride_cb, stride_ct,
+                stride_ch, BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_PAD, FP8)
             m_i, l_i, acc = attend_tile(q, k, v, k_scale, v_scale, cached, m_i, l_i, acc, scale_log2, q_unit,
                                         PRECISION, FP8)
 
