@@ -33,6 +33,13 @@ reference reads the dequantized cache.
 
 `--prefill-sweep`: one causal prompt of each length through the prefill kernel at its plan and at every
 tiling of PREFILL_TILES, against SDPA's flash kernel, and nothing else.
+
+    python -m bench attention --model 1b --latency 1x200,1x2000 --table-tokens 8192 --out $OUT
+
+`--latency`: where a short decode launch's time goes. The row kernel at its plan and unsplit, each timed
+three ways from its CUDA graph: from a cold L2 (as everywhere here), with its inputs read into L2 just
+before (its code and the device's translation caches as the cold launch finds them), and warm (the
+launch before it read the same); beside a one-element launch timed cold, the cost of a replay itself.
 """
 
 from __future__ import annotations
@@ -49,6 +56,8 @@ BLOCK = 16
 DECODE_COLUMNS = ["batch", "context", "num_splits", "block_n", "num_warps", "num_stages", "us", "gbs", "pct_copy"]
 AB_COLUMNS = ["kernel", "batch", "context", "num_splits", "block_n", "heads", "num_warps", "num_stages", "us",
               "pct_copy", "rel_err"]
+LATENCY_COLUMNS = ["batch", "context", "num_splits", "block_n", "planned", "cold_us", "inputs_in_l2_us", "warm_us",
+                   "empty_replay_us"]
 BLOCK_TILES = [(2, 4, 5), (2, 8, 5), (4, 4, 7), (8, 4, 5), (8, 8, 5)]  # block kernel: heads, warps, stages
 PREFILL_COLUMNS = ["tokens", "block_m", "block_n", "num_warps", "num_stages", "heads", "us", "tflops", "sdpa_us",
                    "sdpa_tflops", "rel_err_vs_sdpa"]
@@ -103,6 +112,24 @@ class Heads:
         return self.d * cache.element_size() + (4 if self.fp8 else 0)
 
 
+def decode_inputs(h: Heads, num_seqs: int, context: int) -> tuple[tuple, tuple | None]:
+    """The arguments of a decode launch over `num_seqs` sequences of `context` tokens, as paged_decode takes
+    them (q, k, v, caches, lengths, tables, slots, out, scale, counters), and the fp8 caches' row scales."""
+    import torch
+
+    k_cache, v_cache, seq_lens, tables, scales = h.paged_cache(num_seqs, context)
+    q = torch.randn(num_seqs, h.hq, h.d, dtype=h.dtype, device=h.device)
+    last = context - 1  # the step's new key and value: rewritten in place with what the slot holds already
+    slots = (tables[:, last // h.block].long() * h.block + last % h.block).contiguous()
+    at = (slots // h.block, slots % h.block)
+    k, v = k_cache[at], v_cache[at]
+    if scales:  # the step's key and value come in the model's dtype: the stored rows dequantized
+        k_scales, v_scales = scales
+        k, v = (k.float() * k_scales[at][..., None]).to(h.dtype), (v.float() * v_scales[at][..., None]).to(h.dtype)
+    counters = torch.zeros(num_seqs * h.hkv, dtype=torch.int32, device=h.device)
+    return (q, k, v, k_cache, v_cache, seq_lens, tables, slots, torch.empty_like(q), h.d**-0.5, counters), scales
+
+
 def bench_decode(h: Heads, num_seqs: int, context: int, copy_bw: float, num_sms: int, tiles=None, kernel: str = "rows",
                  check: bool = False) -> dict:
     """One decode launch of `kernel` ("rows" or "blocks"), replayed from a CUDA graph as the engine runs it (so
@@ -110,20 +137,12 @@ def bench_decode(h: Heads, num_seqs: int, context: int, copy_bw: float, num_sms:
     checked against float32."""
     import torch
 
-    k_cache, v_cache, seq_lens, tables, scales = h.paged_cache(num_seqs, context)
+    args, scales = decode_inputs(h, num_seqs, context)
+    q, _, _, k_cache, v_cache, _, tables, _, out = args[:9]
     k_scales, v_scales = scales or (None, None)
     planned, make_call = decode_kernel(h, kernel, num_seqs, tables.shape[1] * h.block, k_cache, num_sms)
-    q = torch.randn(num_seqs, h.hq, h.d, dtype=h.dtype, device=h.device)
-    out = torch.empty_like(q)
-    last = context - 1  # the step's new key and value: rewritten in place with what the slot holds already
-    slots = (tables[:, last // h.block].long() * h.block + last % h.block).contiguous()
-    at = (slots // h.block, slots % h.block)
-    k, v = k_cache[at], v_cache[at]
-    if scales:  # the step's key and value come in the model's dtype: the stored rows dequantized
-        k, v = (k.float() * k_scales[at][..., None]).to(h.dtype), (v.float() * v_scales[at][..., None]).to(h.dtype)
-    counters = torch.zeros(num_seqs * h.hkv, dtype=torch.int32, device=h.device)
     chosen = asdict(tiles or planned)
-    call = make_call((q, k, v, k_cache, v_cache, seq_lens, tables, slots, out, h.d**-0.5, counters), chosen, scales)
+    call = make_call(args, chosen, scales)
     timing = time_ms(in_graph(call, h.device), h.device, reps=50, before=lambda: flush_l2(h.device))
     bw = 2 * num_seqs * context * h.hkv * h.row_bytes(k_cache) / (timing.median_ms * 1e-3)
     row = dict(kernel=kernel, batch=num_seqs, context=context, **chosen, us=timing.us, gbs=bw / 1e9,
@@ -135,6 +154,38 @@ def bench_decode(h: Heads, num_seqs: int, context: int, copy_bw: float, num_sms:
         want = torch.einsum("bhl,blhd->bhd", scores.softmax(-1), values)
         row["rel_err"] = ((out.float() - want).norm() / want.norm()).item()
     return row
+
+
+def decode_latency(h: Heads, shapes: str, num_sms: int) -> list[dict]:
+    """At each BATCHxCONTEXT shape, the row kernel at its plan and unsplit, timed cold, with its inputs in L2
+    and warm (`--latency`), beside an empty replay's time."""
+    import torch
+
+    from graphkiln.kernels.decode_attention import paged_decode
+
+    one = torch.zeros(1, device=h.device)
+    empty = time_ms(in_graph(lambda: one.add_(1), h.device), h.device, reps=50, before=lambda: flush_l2(h.device))
+    rows = []
+    for batch, context in parse_shapes(shapes):
+        args, scales = decode_inputs(h, batch, context)
+        planned, _ = decode_kernel(h, "rows", batch, args[6].shape[1] * h.block, args[3], num_sms)
+        tensors = [t for t in args + (scales or ()) if isinstance(t, torch.Tensor)]
+
+        def read_inputs() -> None:
+            flush_l2(h.device)
+            for t in tensors:
+                t.to(torch.float32).max()
+
+        for tiles in dict.fromkeys((planned, replace(planned, num_splits=1))):
+            replay = in_graph(lambda t=tiles: paged_decode(*args, **asdict(t), scales=scales), h.device)
+            times = {name: time_ms(replay, h.device, reps=50, before=before).us
+                     for name, before in (("cold_us", lambda: flush_l2(h.device)), ("inputs_in_l2_us", read_inputs),
+                                          ("warm_us", None))}
+            rows.append(dict(batch=batch, context=context, **asdict(tiles), planned=tiles == planned, **times,
+                             empty_replay_us=empty.us))
+            log(f"latency {batch}x{context} splits {tiles.num_splits}: " + ", ".join(
+                f"{name} {us:.1f}" for name, us in times.items()) + f" (an empty replay {empty.us:.1f})")
+    return rows
 
 
 def decode_kernel(h: Heads, kernel: str, num_seqs: int, max_context: int, k_cache, num_sms: int):
@@ -221,6 +272,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="split counts --serving-sweep tries at each tiling (comma list)")
     p.add_argument("--decode-ab", default="",
                    help="BATCHxCONTEXT list: both decode kernels (rows, blocks) at each of these shapes only")
+    p.add_argument("--latency", default="",
+                   help="BATCHxCONTEXT list: the row kernel's plan and one split timed cold, inputs in L2 and warm")
     p.add_argument("--prefill-sweep", default="",
                    help="prompt lengths (comma list): the prefill kernel's plan and PREFILL_TILES at each only")
     p.add_argument("--table-tokens", type=int, default=0,
@@ -325,6 +378,12 @@ def main(a: argparse.Namespace) -> int:
         result["decode_ab"] = decode_ab(h, a.decode_ab, copy_bw, num_sms)
         print(text_table(result["decode_ab"], AB_COLUMNS))
         log(f"wrote {study.save(result, f'decode-ab-{study.model}{cache}')}")
+        return 0
+    if a.latency and study.gpu_only("the decode latency study"):
+        num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+        result["latency"] = decode_latency(h, a.latency, num_sms)
+        print(text_table(result["latency"], LATENCY_COLUMNS))
+        log(f"wrote {study.save(result, f'latency-{study.model}{cache}')}")
         return 0
     if a.prefill_sweep and study.gpu_only("the prefill sweep"):
         lengths = [int(n) for n in a.prefill_sweep.split(",") if n.strip()]
