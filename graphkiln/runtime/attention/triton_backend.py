@@ -54,6 +54,7 @@ class DecodeTiles:
     block_n: int
     num_warps: int
     num_stages: int
+    min_split_tiles: int = 1  # a sequence's split holds at least this many tiles (fewer splits at short contexts)
 
 
 @dataclass(frozen=True)
