@@ -42,6 +42,7 @@ from .metadata import BatchMetadata
 PROGRAMS_PER_SM = 2  # prefill programs resident per SM at the default tiles (shared-memory bound)
 DECODE_PROGRAMS_PER_SM = 4  # decode programs a grid wants per SM at most: the batched shapes measured fastest there
 MIN_SPLIT_TOKENS = 128  # a decode split never covers fewer tokens than this of the longest context
+RUN_SPLIT_TOKENS = 256  # at run time a sequence's split holds at least this many of its tokens (whole tiles)
 SHORT_TILE_SPLITS = 4  # a batch split this many ways or more takes short tiles (decode_tiles)
 MAX_SPLITS = 64
 MAX_HEAD_DIM = 256
@@ -101,17 +102,21 @@ def decode_tiles(
     (`python -m bench attention --serving-sweep`) are in README, "Attention at serving shapes".
 
     `max_context` is what the block table can hold (its width times the block size): a static
-    quantity, so a captured graph keeps its grid whatever lengths a replay brings.
+    quantity, so a captured graph keeps its grid whatever lengths a replay brings. The kernel splits each
+    sequence's own context, no finer than RUN_SPLIT_TOKENS a split (`min_split_tiles`): a short context in a
+    grid planned for a long one runs in few splits or one, not in many one-tile splits and their merge.
     """
     wanted = DECODE_PROGRAMS_PER_SM * num_sms // (num_seqs * num_kv_heads)
     splits = max(1, min(wanted, _cdiv(max_context, MIN_SPLIT_TOKENS), MAX_SPLITS))
     row_bytes = head_dim * itemsize
     long_splits = num_seqs == 1 or splits < SHORT_TILE_SPLITS  # each split holds many tiles of the context
     if row_bytes <= 128:
-        return DecodeTiles(splits, 128 if long_splits and itemsize == 2 else 64, 4, 2)
-    if row_bytes <= 256 and (long_splits or itemsize > 2):
-        return DecodeTiles(splits, 128, 4, 2)
-    return DecodeTiles(splits, 32, 2 if row_bytes <= 256 else 4, 4 if row_bytes <= 256 else 2)
+        block_n, warps, stages = 128 if long_splits and itemsize == 2 else 64, 4, 2
+    elif row_bytes <= 256 and (long_splits or itemsize > 2):
+        block_n, warps, stages = 128, 4, 2
+    else:
+        block_n, warps, stages = 32, 2 if row_bytes <= 256 else 4, 4 if row_bytes <= 256 else 2
+    return DecodeTiles(splits, block_n, warps, stages, max(1, RUN_SPLIT_TOKENS // block_n))
 
 
 def prefill_tiles(max_query_len: int, head_dim: int, itemsize: int) -> PrefillTiles:
