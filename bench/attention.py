@@ -36,11 +36,11 @@ tiling of PREFILL_TILES, against SDPA's flash kernel, and nothing else.
 
     python -m bench attention --model 1b --latency 1x200,1x2000 --table-tokens 8192 --out $OUT
 
-`--latency`: where a short decode launch's time goes. The row kernel at its plan, at each split floor of
-`--min-split-tiles` and unsplit, each timed three ways from its CUDA graph: from a cold L2 (as everywhere
-here), with its inputs read into L2 just before, and warm (the launch before it read the same); beside a
-one-element launch timed cold, the cost of a replay itself. A sleep queued ahead of every sample keeps
-the replay's launch out of the time.
+`--latency`: where a short decode launch's time goes. The row kernel at its plan, at each `--unsplit-tiles`
+(contexts of at most that many tiles run in one split) and unsplit, each timed three ways from its CUDA
+graph: from a cold L2 (as everywhere here), with its inputs read into L2 just before, and warm (the launch
+before it read the same); beside a one-element launch timed cold, the cost of a replay itself. A sleep
+queued ahead of every sample keeps the replay's launch out of the time.
 """
 
 from __future__ import annotations
@@ -56,9 +56,9 @@ from .report import text_table
 BLOCK = 16
 DECODE_COLUMNS = ["batch", "context", "num_splits", "block_n", "num_warps", "num_stages", "us", "gbs", "pct_copy"]
 AB_COLUMNS = ["kernel", "batch", "context", "num_splits", "block_n", "heads", "num_warps", "num_stages",
-              "min_split_tiles", "us", "pct_copy", "rel_err"]
-LATENCY_COLUMNS = ["batch", "context", "num_splits", "block_n", "min_split_tiles", "planned", "cold_us", "inputs_in_l2_us", "warm_us",
-                   "empty_replay_us"]
+              "unsplit_tiles", "us", "pct_copy", "rel_err"]
+LATENCY_COLUMNS = ["batch", "context", "num_splits", "block_n", "unsplit_tiles", "planned", "cold_us",
+                   "inputs_in_l2_us", "warm_us", "empty_replay_us"]
 BLOCK_TILES = [(2, 4, 5), (2, 8, 5), (4, 4, 7), (8, 4, 5), (8, 8, 5)]  # block kernel: heads, warps, stages
 PREFILL_COLUMNS = ["tokens", "block_m", "block_n", "num_warps", "num_stages", "heads", "us", "tflops", "sdpa_us",
                    "sdpa_tflops", "rel_err_vs_sdpa"]
@@ -157,8 +157,8 @@ def bench_decode(h: Heads, num_seqs: int, context: int, copy_bw: float, num_sms:
     return row
 
 
-def decode_latency(h: Heads, shapes: str, num_sms: int, min_split_tiles: tuple[int, ...]) -> list[dict]:
-    """At each BATCHxCONTEXT shape, the row kernel at its plan, with each split floor of `min_split_tiles` and
+def decode_latency(h: Heads, shapes: str, num_sms: int, unsplit_tiles: tuple[int, ...]) -> list[dict]:
+    """At each BATCHxCONTEXT shape, the row kernel at its plan, with each of `unsplit_tiles` and
     unsplit, timed cold, with its inputs in L2 and warm (`--latency`), beside an empty replay's time. A sleep
     queued ahead of each sample keeps the replay's launch out of its time."""
     import torch
@@ -182,7 +182,7 @@ def decode_latency(h: Heads, shapes: str, num_sms: int, min_split_tiles: tuple[i
             for t in tensors:
                 t.to(torch.float32).max()
 
-        variants = [planned, *(replace(planned, min_split_tiles=m) for m in min_split_tiles),
+        variants = [planned, *(replace(planned, unsplit_tiles=m) for m in unsplit_tiles),
                     replace(planned, num_splits=1)]
         for tiles in dict.fromkeys(variants):
             replay = in_graph(lambda t=tiles: paged_decode(*args, **asdict(t), scales=scales), h.device)
@@ -191,7 +191,7 @@ def decode_latency(h: Heads, shapes: str, num_sms: int, min_split_tiles: tuple[i
                                           ("warm_us", lambda: None))}
             rows.append(dict(batch=batch, context=context, **asdict(tiles), planned=tiles == planned, **times,
                              empty_replay_us=empty.us))
-            log(f"latency {batch}x{context} splits {tiles.num_splits} (floor {tiles.min_split_tiles} tiles): " + ", ".join(
+            log(f"latency {batch}x{context} splits {tiles.num_splits} (unsplit up to {tiles.unsplit_tiles} tiles): " + ", ".join(
                 f"{name} {us:.1f}" for name, us in times.items()) + f" (an empty replay {empty.us:.1f})")
     return rows
 
@@ -278,9 +278,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="BATCHxCONTEXT list: sweep decode splits and tiles at each of these shapes only")
     p.add_argument("--splits", default="1,2,4,8,16,32,64",
                    help="split counts --serving-sweep tries at each tiling (comma list)")
-    p.add_argument("--min-split-tiles", default="",
-                   help="split floors (tiles a split holds at least; comma list) --serving-sweep and --latency try "
-                        "with the plan's grid")
+    p.add_argument("--unsplit-tiles", default="",
+                   help="tile counts up to which a context runs unsplit (comma list): --serving-sweep and "
+                        "--latency try each with the plan's grid")
     p.add_argument("--decode-ab", default="",
                    help="BATCHxCONTEXT list: both decode kernels (rows, blocks) at each of these shapes only")
     p.add_argument("--latency", default="",
@@ -303,9 +303,9 @@ SHOWN = 8  # the serving sweep's fastest row tilings a shape in the printed tabl
 
 
 def serving_sweep(h: Heads, shapes: str, copy_bw: float, num_sms: int, splits: tuple[int, ...],
-                  min_split_tiles: tuple[int, ...]) -> list[dict]:
+                  unsplit_tiles: tuple[int, ...]) -> list[dict]:
     """Every split count of `splits` at every tiling of SERVING_TILES at each BATCHxCONTEXT shape, and the plan at
-    each split floor of `min_split_tiles`; the planned one first, the rest ranked fastest first (the table shows
+    each of `unsplit_tiles`; the planned one first, the rest ranked fastest first (the table shows
     the first SHOWN); then the block kernel's plan and tilings."""
     from graphkiln.runtime.attention.triton_backend import DecodeTiles
 
@@ -316,7 +316,7 @@ def serving_sweep(h: Heads, shapes: str, copy_bw: float, num_sms: int, splits: t
         variants = [DecodeTiles(s, n, w, st) for s in splits for n, w, st in SERVING_TILES
                     if s * 32 <= context]  # splits down to 32 tokens: a lone sequence's latency, below the plan's floor
         plan = DecodeTiles(**{k: planned[k] for k in DecodeTiles.__dataclass_fields__})
-        variants += [replace(plan, min_split_tiles=m) for m in min_split_tiles if m != plan.min_split_tiles]
+        variants += [replace(plan, unsplit_tiles=m) for m in unsplit_tiles if m != plan.unsplit_tiles]
         best = fitting(lambda t, b=batch, c=context: bench_decode(h, b, c, copy_bw, num_sms, t), variants)
         best.sort(key=lambda r: r["us"])
         rows += [dict(r, rank=i) for i, r in enumerate(best, 1)]
@@ -387,7 +387,7 @@ def main(a: argparse.Namespace) -> int:
     cache = "-fp8" if h.fp8 else ""
     log(f"device-to-device copy {copy_bw / 1e9:.0f} GB/s; heads {h.hq} query, {h.hkv} KV, head_dim {h.d}")
     prefill_lengths = (16, 48) if study.smoke else (128, 1024, 4096)
-    min_split_tiles = tuple(int(x) for x in a.min_split_tiles.split(",") if x.strip())
+    unsplit_tiles = tuple(int(x) for x in a.unsplit_tiles.split(",") if x.strip())
     if a.decode_ab and study.gpu_only("the decode A/B"):
         num_sms = torch.cuda.get_device_properties(0).multi_processor_count
         result["decode_ab"] = decode_ab(h, a.decode_ab, copy_bw, num_sms)
@@ -396,7 +396,7 @@ def main(a: argparse.Namespace) -> int:
         return 0
     if a.latency and study.gpu_only("the decode latency study"):
         num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-        result["latency"] = decode_latency(h, a.latency, num_sms, min_split_tiles)
+        result["latency"] = decode_latency(h, a.latency, num_sms, unsplit_tiles)
         print(text_table(result["latency"], LATENCY_COLUMNS))
         log(f"wrote {study.save(result, f'latency-{study.model}{cache}')}")
         return 0
@@ -410,7 +410,7 @@ def main(a: argparse.Namespace) -> int:
     if a.serving_sweep and study.gpu_only("the serving sweep"):
         num_sms = torch.cuda.get_device_properties(0).multi_processor_count
         splits = tuple(int(x) for x in a.splits.split(",") if x.strip())
-        result["serving_sweep"] = serving_sweep(h, a.serving_sweep, copy_bw, num_sms, splits, min_split_tiles)
+        result["serving_sweep"] = serving_sweep(h, a.serving_sweep, copy_bw, num_sms, splits, unsplit_tiles)
         print(text_table([r for r in result["serving_sweep"] if r.get("rank", 0) <= SHOWN], AB_COLUMNS))
         layout = f"{'hnd' if h.head_major else 'nhd'}{h.block}"
         log(f"wrote {study.save(result, f'serving-{study.model}-{layout}{cache}')}")

@@ -93,9 +93,9 @@ def context(keys: torch.Tensor, values: torch.Tensor, table: torch.Tensor, n: in
 
 
 def run_decode(kernel: str, dtype: torch.dtype, hq: int, hkv: int, d: int, lens: list[int], splits: int, fp8: bool,
-               min_split_tiles: int = 1, seed: int = 0) -> dict:
-    """One decode launch over sequences of `lens` tokens, the last of each the step's new row; the row kernel's
-    splits hold at least `min_split_tiles` tiles."""
+               unsplit_tiles: int = 1, seed: int = 0) -> dict:
+    """One decode launch over sequences of `lens` tokens, the last of each the step's new row; the row kernel
+    runs a sequence of at most `unsplit_tiles` tiles in one split."""
     torch.manual_seed(seed)
     keys, values, scales, tables = random_cache(hkv, d, lens, dtype, fp8, seed)
     slots = torch.tensor([int(tables[i, (n - 1) // BLOCK]) * BLOCK + (n - 1) % BLOCK for i, n in enumerate(lens)])
@@ -105,7 +105,7 @@ def run_decode(kernel: str, dtype: torch.dtype, hq: int, hkv: int, d: int, lens:
     counters = torch.zeros(keys.shape[0] * hkv, dtype=torch.int32)
     args = (q, k, v, keys, values, torch.tensor(lens, dtype=torch.int32), tables, slots, out, d**-0.5, counters)
     if kernel == "rows":
-        paged_decode(*args, num_splits=splits, block_n=32, num_warps=4, num_stages=2, min_split_tiles=min_split_tiles,
+        paged_decode(*args, num_splits=splits, block_n=32, num_warps=4, num_stages=2, unsplit_tiles=unsplit_tiles,
                      scales=scales)
     else:
         block_paged_decode(*args, num_splits=splits, heads=2, num_warps=4, num_stages=2, scales=scales)
@@ -172,7 +172,7 @@ def run_product(kind: str, rows: int, n: int, k: int, seed: int = 0) -> dict:
     return {"error": ((got.float() - want).norm() / want.norm()).item()}
 
 
-CASES = {  # name: (kernel, query dtype, q heads, kv heads, head_dim, lengths, splits, fp8 cache[, split floor])
+CASES = {  # name: (kernel, query dtype, q heads, kv heads, head_dim, lengths, splits, fp8 cache[, unsplit tiles])
     "rows-gqa4-splits": ("rows", torch.float16, 8, 2, 64, [1, 17, 100, 33], 4, False),
     "rows-one-split": ("rows", torch.float16, 4, 4, 32, [40, 1], 1, False),
     "rows-more-splits-than-tiles": ("rows", torch.float32, 8, 2, 64, [70, 5], 16, False),
@@ -181,8 +181,8 @@ CASES = {  # name: (kernel, query dtype, q heads, kv heads, head_dim, lengths, s
     "rows-fp8-bf16-query": ("rows", torch.bfloat16, 4, 1, 64, [65], 2, True),
     "rows-many-tiles-a-split": ("rows", torch.float16, 8, 2, 64, [300, 150, 33], 2, False),
     "rows-fp8-many-tiles": ("rows", torch.float16, 4, 2, 64, [230], 1, True),
-    "rows-split-floor": ("rows", torch.float16, 8, 2, 64, [300, 40, 130, 1], 8, False, 3),  # 4, 1, 2, 1 splits
-    "rows-fp8-split-floor": ("rows", torch.float16, 8, 2, 64, [200, 64], 16, True, 2),
+    "rows-unsplit-short": ("rows", torch.float16, 8, 2, 64, [300, 96, 65, 1], 8, False, 3),  # 5, 1, 1, 1 splits
+    "rows-fp8-unsplit-short": ("rows", torch.float16, 8, 2, 64, [200, 64], 16, True, 2),  # 7 splits, 1
     "blocks-gqa4-splits": ("blocks", torch.float16, 8, 2, 64, [1, 17, 100, 33], 4, False),
     "blocks-fp8": ("blocks", torch.float16, 8, 4, 64, [90, 1, 32], 2, True),
 }

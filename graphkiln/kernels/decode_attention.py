@@ -4,9 +4,9 @@ Grid (kv_head, split, sequence): each program loads one KV head's tiles of its s
 attends all query heads of that head's GQA group (padded to 16 rows for tensor cores). Lengths
 and block tables are read from device memory, so a launch can be captured in a CUDA graph and
 replayed with new lengths. The grid has the planned splits; a sequence uses as many as it has
-tiles, at most all, but gives each split at least `min_split_tiles` tiles (a short context is
-not split where the merge would cost more than the tiles it spreads), and the rest exit at once.
-A sequence that one split covers is written directly. Otherwise every split stores its partial result and log-sum-exp, then counts itself
+tiles, at most all, and the rest exit at once, except that a sequence of at most `unsplit_tiles`
+tiles runs in one split: reading its few tiles one after the other costs less than the merge of
+one-tile splits. A sequence that one split covers is written directly. Otherwise every split stores its partial result and log-sum-exp, then counts itself
 done on a per-(sequence, KV head) counter; the last one merges the partials, writes the output
 and resets the counter to zero for the next launch.
 
@@ -146,7 +146,7 @@ def attend_tile(q, k, v, k_scale, v_scale, cached, m_i, l_i, acc, scale_log2, q_
 @triton.jit(do_not_specialize=["stride_bt"])  # the table width varies per eager batch: one build
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, k_cache, v_cache, k_scales, v_scales, seq_lens, block_tables, slot_mapping, out_ptr, part_out,
-    part_lse, counters, scale_log2, num_splits, min_split_tiles,
+    part_lse, counters, scale_log2, num_splits, unsplit_tiles,
     stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
     stride_ot, stride_oh, stride_od, stride_cb, stride_ct, stride_ch, stride_bt,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -160,7 +160,7 @@ def _decode_kernel(
         gdc_launch_dependents()
     seq_len = tl.load(seq_lens + seq)
     tiles = tl.cdiv(seq_len, BLOCK_N)
-    tiles_per_split = tl.maximum(tl.cdiv(tiles, num_splits), min_split_tiles)
+    tiles_per_split = tl.where(tiles <= unsplit_tiles, tiles, tl.cdiv(tiles, num_splits))
     active = tl.cdiv(tiles, tiles_per_split)
     if split < active:
         start = split * tiles_per_split * BLOCK_N
@@ -238,12 +238,12 @@ def paged_decode(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     seq_lens: torch.Tensor, block_tables: torch.Tensor, slot_mapping: torch.Tensor, out: torch.Tensor, scale: float,
     counters: torch.Tensor, *, num_splits: int, block_n: int, num_warps: int, num_stages: int,
-    min_split_tiles: int = 1, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    unsplit_tiles: int = 1, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Store k[i], v[i] [Hkv, D] at slot_mapping[i], the last of seq_lens[i] positions of sequence i, and
     write to out[i] the attention of q[i] [Hq, D] over those positions. `counters` (int32 zeros, one
     per KV head of every row up to the last whose sequence spans two splits) are zeros again after.
-    A sequence takes at most `num_splits` splits of at least `min_split_tiles` tiles of `block_n` rows.
+    A sequence takes at most `num_splits` splits of tiles of `block_n` rows, one if it has at most `unsplit_tiles`.
     An fp8 cache (contiguous) comes with `scales`, float32 [num_blocks, block_size, Hkv] for keys and values."""
     num_seqs = seq_lens.shape[0]
     num_heads, head_dim = q.shape[1:]
@@ -259,7 +259,7 @@ def paged_decode(
     launch(
         _decode_kernel, (num_kv_heads, num_splits, num_seqs),
         q, k, v, k_cache, v_cache, k_scales, v_scales, seq_lens, block_tables, slot_mapping, out, part_out, part_lse,
-        counters, scale * 1.4426950408889634, num_splits, min_split_tiles,
+        counters, scale * 1.4426950408889634, num_splits, unsplit_tiles,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         NUM_HEADS=num_heads, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),

@@ -42,7 +42,7 @@ from .metadata import BatchMetadata
 PROGRAMS_PER_SM = 2  # prefill programs resident per SM at the default tiles (shared-memory bound)
 DECODE_PROGRAMS_PER_SM = 4  # decode programs a grid wants per SM at most: the batched shapes measured fastest there
 MIN_SPLIT_TOKENS = 128  # a decode split never covers fewer tokens than this of the longest context
-RUN_SPLIT_TOKENS = 256  # at run time a sequence's split holds at least this many of its tokens (whole tiles)
+UNSPLIT_TILES = 2  # a sequence of at most this many tiles is not split at run time, whatever the grid's splits
 SHORT_TILE_SPLITS = 4  # a batch split this many ways or more takes short tiles (decode_tiles)
 MAX_SPLITS = 64
 MAX_HEAD_DIM = 256
@@ -55,7 +55,7 @@ class DecodeTiles:
     block_n: int
     num_warps: int
     num_stages: int
-    min_split_tiles: int = 1  # a sequence's split holds at least this many tiles (fewer splits at short contexts)
+    unsplit_tiles: int = 1  # a sequence of at most this many tiles runs in one split
 
 
 @dataclass(frozen=True)
@@ -103,8 +103,9 @@ def decode_tiles(
 
     `max_context` is what the block table can hold (its width times the block size): a static
     quantity, so a captured graph keeps its grid whatever lengths a replay brings. The kernel splits each
-    sequence's own context, no finer than RUN_SPLIT_TOKENS a split (`min_split_tiles`): a short context in a
-    grid planned for a long one runs in few splits or one, not in many one-tile splits and their merge.
+    sequence's own context, except one of at most UNSPLIT_TILES tiles, which runs in one split: two tiles
+    read one after the other took less than two one-tile splits and their merge, while longer contexts were
+    fastest in one-tile splits (`python -m bench attention --latency`, README).
     """
     wanted = DECODE_PROGRAMS_PER_SM * num_sms // (num_seqs * num_kv_heads)
     splits = max(1, min(wanted, _cdiv(max_context, MIN_SPLIT_TOKENS), MAX_SPLITS))
@@ -116,7 +117,7 @@ def decode_tiles(
         block_n, warps, stages = 128, 4, 2
     else:
         block_n, warps, stages = 32, 2 if row_bytes <= 256 else 4, 4 if row_bytes <= 256 else 2
-    return DecodeTiles(splits, block_n, warps, stages, max(1, RUN_SPLIT_TOKENS // block_n))
+    return DecodeTiles(splits, block_n, warps, stages, UNSPLIT_TILES)
 
 
 def prefill_tiles(max_query_len: int, head_dim: int, itemsize: int) -> PrefillTiles:
