@@ -42,7 +42,7 @@ from .metadata import BatchMetadata
 PROGRAMS_PER_SM = 2  # prefill programs resident per SM at the default tiles (shared-memory bound)
 DECODE_PROGRAMS_PER_SM = 4  # decode programs a grid wants per SM at most: the batched shapes measured fastest there
 MIN_SPLIT_TOKENS = 128  # a decode split never covers fewer tokens than this of the longest context
-UNSPLIT_TILES = 2  # a sequence of at most this many tiles is not split at run time, whatever the grid's splits
+UNSPLIT_TILES = 3  # a sequence of at most this many tiles is not split at run time, whatever the grid's splits
 SHORT_TILE_SPLITS = 4  # a batch split this many ways or more takes short tiles (decode_tiles)
 MAX_SPLITS = 64
 MAX_HEAD_DIM = 256
@@ -103,8 +103,8 @@ def decode_tiles(
 
     `max_context` is what the block table can hold (its width times the block size): a static
     quantity, so a captured graph keeps its grid whatever lengths a replay brings. The kernel splits each
-    sequence's own context, except one of at most UNSPLIT_TILES tiles, which runs in one split: two tiles
-    read one after the other took less than two one-tile splits and their merge, while longer contexts were
+    sequence's own context, except one of at most UNSPLIT_TILES tiles, which runs in one split: up to three
+    tiles read one after the other took less than one-tile splits and their merge, while longer contexts were
     fastest in one-tile splits (`python -m bench attention --latency`, README).
     """
     wanted = DECODE_PROGRAMS_PER_SM * num_sms // (num_seqs * num_kv_heads)
