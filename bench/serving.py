@@ -43,32 +43,50 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
     return shapes
 
 
+WARMUP_STEPS = 4
+
+
+def decode_tokens(batch: int, prompt: int, steps: int, chunk: int) -> int:
+    """New tokens each request of a decode shape may take: one a step while the later prompts are prefilled
+    (decode tokens come first in a step's budget of `chunk`, so the prefill takes more steps than its tokens
+    fill), then the warm-up and the timed steps. Fewer, and the first requests would finish before the timed
+    steps, which would then run a smaller batch than the shape says."""
+    return -(-batch * prompt // chunk) + batch + WARMUP_STEPS + steps + 2
+
+
 def decode_row(llm, batch: int, prompt: int, steps: int, device: str, mb: dict, copy_bw: float, vocab: int) -> dict:
-    """ms per decode step of `batch` sequences after `prompt` tokens each, and its floor."""
+    """ms per decode step of `batch` sequences after `prompt` tokens each, and its floor (the weights and the KV
+    cache at the sequences' mean length over the timed steps); all `batch` decode in every timed step."""
     import graphkiln
 
     engine = llm.engine
-    warmup = 4
-    params = graphkiln.SamplingParams(max_tokens=warmup + steps + 2, ignore_eos=True)
+    max_tokens = decode_tokens(batch, prompt, steps, engine.config.max_num_batched_tokens)
+    params = graphkiln.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     seqs = [engine.add_request(ids, params) for ids in random_prompts(batch, prompt, vocab, seed=batch + prompt)]
     while not all(seq.output_ids for seq in seqs):
         engine.step()
-    for _ in range(warmup):
+    for _ in range(WARMUP_STEPS):
         engine.step()
     sync(device)
+    tokens_before = sum(len(seq.tokens) for seq in seqs)
     t0 = time.perf_counter()
     for _ in range(steps):
         engine.step()
     engine.drain()
     sync(device)
     ms = (time.perf_counter() - t0) * 1e3 / steps
+    tokens_after = sum(len(seq.tokens) for seq in seqs)
+    finished = sum(seq.finish_reason is not None for seq in seqs)
     for seq in seqs:
         engine.abort(seq)
-    mean_context = prompt + warmup + 1 + steps / 2
-    kv = batch * mean_context * mb["kv_bytes_per_token"]
+    if finished or tokens_after - tokens_before != batch * steps:
+        raise RuntimeError(f"decode {batch}x{prompt}: {finished} of {batch} requests finished and "
+                           f"{tokens_after - tokens_before} tokens were added in {steps} timed steps, not "
+                           f"{batch * steps}: the timed steps ran a smaller batch (max_tokens {max_tokens})")
+    kv = (tokens_before + tokens_after) / 2 * mb["kv_bytes_per_token"]
     floor_ms = (mb["weight_bytes_read"] + kv) / copy_bw * 1e3
     return dict(batch=batch, prompt=prompt, ms_per_step=ms, floor_ms=floor_ms, x_floor=ms / floor_ms, kv_gb=kv / 1e9,
-                weights_gb=mb["weight_bytes_read"] / 1e9)
+                weights_gb=mb["weight_bytes_read"] / 1e9, mean_context=(tokens_before + tokens_after) / 2 / batch)
 
 
 def long_row(llm, tokens: int, device: str, mb: dict, matmul_bw: float, reps: int, vocab: int) -> dict:
@@ -113,7 +131,8 @@ def main(a: argparse.Namespace) -> int:
     backends = ["sdpa"] if study.smoke else [b for b in a.backends.split(",") if b.strip()]
     steps = 4 if study.smoke else a.steps
     chunks = [int(x) for x in a.prefill_chunk_tokens.split(",") if x.strip()] or [None]
-    max_seq_len = max([p + steps + 16 for _, p in shapes] + [n + 16 for n in longs])
+    chunk = graphkiln.EngineConfig().max_num_batched_tokens
+    max_seq_len = max([p + decode_tokens(b, p, steps, chunk) + 16 for b, p in shapes] + [n + 16 for n in longs])
     max_position = 1 << (max_seq_len - 1).bit_length()
     shape = shape_of(study.model, max_position=max_position, layers=study.layers)
     mb = model_bytes(shape, 4 if study.smoke else 2)

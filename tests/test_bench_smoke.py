@@ -156,6 +156,21 @@ def test_serving_study_smoke(bench: Bench, tmp_path: Path) -> None:
     assert result["errors"] == {} and set(result["load_s"]) == {"sdpa"}
 
 
+def test_serving_decode_row_times_the_whole_batch_while_prompts_take_many_steps(artifact: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prompts prefilled over many steps (8 of 600 tokens, 256 a step): the first requests decode meanwhile,
+    yet every timed step still decodes all 8, and the floor counts the contexts they reach."""
+    monkeypatch.syspath_prepend(str(REPO))
+    import graphkiln
+    from bench.serving import decode_row
+
+    mb = {"kv_bytes_per_token": 1.0, "weight_bytes_read": 0.0}
+    with graphkiln.load(artifact, max_seq_len=1024, max_num_batched_tokens=256) as llm:
+        row = decode_row(llm, 8, 600, 6, "cpu", mb, 1e9, llm.engine.vocab_size)
+    assert row["batch"] == 8 and 600 + 4 < row["mean_context"] < 1024
+    assert row["kv_gb"] * 1e9 == pytest.approx(8 * row["mean_context"])
+
+
 def test_tp_decode_study_smoke(bench: Bench, tmp_path: Path) -> None:
     """`python -m bench tp-decode --smoke`: the tiny shapes on 2 gloo ranks, decode and prefill timed, tokens and
     logits compared; the symm_mem_all_reduce row is skipped on the CPU, saying why."""
