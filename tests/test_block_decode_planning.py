@@ -80,8 +80,7 @@ def test_caches_the_block_kernel_reads(dtype, head_dim, block_size, reason) -> N
     assert got == reason if reason is None else reason in got
     assert effective_decode_kernel("blocks", keys) == ("blocks" if reason is None else "rows")
     assert effective_decode_kernel("rows", keys) == "rows"
-    wide = head_dim * keys.element_size() > 128  # "auto" keeps the row kernel for narrower rows
-    assert effective_decode_kernel("auto", keys) == ("auto" if reason is None and wide else "rows")
+    assert effective_decode_kernel("auto", keys) == ("auto" if reason is None else "rows")
 
 
 def test_the_fp8_cache_is_planned_at_the_lanes_of_a_16_bit_cache() -> None:
@@ -117,15 +116,6 @@ def test_blocks_needs_the_triton_backend() -> None:
     with pytest.raises(ConfigError, match=r"decode_kernel='blocks'.*'sdpa'"):
         select_backend("auto", cache, "blocks")  # auto means SDPA on the CPU
     assert select_backend("auto", cache).name == "sdpa"
-
-
-@pytest.mark.parametrize("head_dim, dtype, kernel", [(64, torch.bfloat16, "rows"), (128, torch.float8_e4m3fn, "rows"),
-                                                     (128, torch.bfloat16, "auto"), (256, torch.float8_e4m3fn, "auto")])
-def test_auto_keeps_the_row_kernel_for_head_rows_of_128_bytes_or_fewer(head_dim: int, dtype: torch.dtype,
-                                                                       kernel: str) -> None:
-    keys = torch.zeros(2, 4, 16, 2, head_dim, dtype=dtype)
-    assert effective_decode_kernel("auto", keys) == kernel
-    assert effective_decode_kernel("blocks", keys) == "blocks"
 
 
 def test_auto_takes_the_block_kernel_from_64_rows() -> None:

@@ -2,16 +2,17 @@
 
 EngineConfig.decode_kernel: "rows" (kernels/decode_attention.py, one head a program, the cache
 gathered row by row), "blocks" (kernels/block_decode_attention.py, whole blocks of several KV
-heads by bulk copies) or "auto", the default: for caches whose head rows are wider than
-AUTO_ROWS_BYTES, blocks for decode batches of BLOCKS_FROM_BATCH rows and more and rows below; for
-narrower rows, rows at every batch. Both kernels read the same cache, so each decode graph takes
-its own. Whole decode steps on the H200, A-B-A in one process (`python -m bench serving --backends
-triton,triton:rows,triton`, README "Attention at serving shapes"): on the 1B-like model (128-byte
-rows) the row kernel was the faster at 64 x 2000 and 128 x 1000, where the block kernel had led in
-isolation; on the 8B-like model (256-byte rows) the block kernel led at 64 x 200 and the two were
-even at 64 x 2000. Below 64 rows the row kernel's early first load and shorter dependency chain
-count more than bytes in flight (at 1 x 2000 the block kernel took twice its time). The fp8 cache
-follows its rows' bytes too. Caches the block kernel cannot read (blocks of fewer than 16 rows,
+heads by bulk copies) or "auto", the default: blocks for decode batches of BLOCKS_FROM_BATCH rows
+and more, rows below. Both kernels read the same cache, so each decode graph takes its own. In
+isolation on the H200 (`python -m bench attention --decode-ab`, README "Attention at serving
+shapes") the block kernel was faster at 64 x 2000 and 128 x 1000, even at 16 x 4000, and took
+twice the row kernel's time at 1 x 2000, where the row kernel's early first load and shorter
+dependency chain count more than bytes in flight. The fp8 cache takes the same threshold: its
+blocks are copied the same way at half the bytes, so what the threshold weighs (the row kernel's
+latency at small batches against the block kernel's bytes in flight at large ones) stays, and the
+row kernel's per-row scale loads (the block kernel reads a block's scales as one tile) weigh, if
+anything, toward the block kernel. `bench attention --decode-ab --kv-cache-dtype fp8_e4m3`
+measures both kernels on it. Caches the block kernel cannot read (blocks of fewer than 16 rows,
 rows not 16-byte aligned: for fp8 a head_dim not a multiple of 16) keep the row kernel:
 `effective_decode_kernel` says so once, when the backend is built.
 
@@ -48,7 +49,6 @@ BOX_BYTES = 512  # one block row's bytes of the heads a program reads
 NUM_STAGES = 5
 MIN_BLOCK_ROWS = 16  # tl.dot's smallest dimension: a block is one tile of keys
 BLOCKS_FROM_BATCH = 64  # "auto" decodes batches this large and larger with the block kernel
-AUTO_ROWS_BYTES = 128  # "auto" keeps the row kernel at every batch for head rows of at most this many bytes
 MAX_BOX = 256  # the copy engine's largest box dimension
 
 
@@ -112,10 +112,7 @@ def block_decode_unsupported(cache: torch.Tensor) -> str | None:
 
 def effective_decode_kernel(decode_kernel: str, keys: torch.Tensor) -> str:
     """The kernel that serves a cache of `keys` [num_layers, num_blocks, block_size, Hkv, D]: the one asked
-    for; "rows" where the block kernel cannot read the cache (logged when "blocks" was asked for), and for
-    "auto" where a head's row holds at most AUTO_ROWS_BYTES."""
-    if decode_kernel == "auto" and keys.shape[-1] * keys.element_size() <= AUTO_ROWS_BYTES:
-        return "rows"
+    for, or "rows" where the block kernel cannot read the cache (logged when "blocks" was asked for)."""
     reason = block_decode_unsupported(keys[0]) if decode_kernel != "rows" else None
     if reason:
         if decode_kernel == "blocks":
