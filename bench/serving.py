@@ -9,8 +9,10 @@
 One compiled artifact, loaded once per backend with `max_seq_len` raised so every prompt and its
 new tokens fit. Decode, per `BATCHxPROMPT` shape: the prompts are prefilled, a few warm-up steps
 run, then the time of --steps engine steps (the host's part included, as a server pays it) gives
-ms per step; the floor is (weight bytes read + KV bytes read at the steps' mean context, in the
-cache's dtype) / the measured copy rate. Long prompts: one request of each --long length with max_tokens=1, chunked
+ms per step; every request has new tokens enough to decode through all of them (the first ones decode
+while the later prompts are prefilled), and a row whose timed steps decoded fewer than the batch fails.
+The floor is (weight bytes read + KV bytes read at the steps' mean context, in the cache's dtype) / the
+measured copy rate. Long prompts: one request of each --long length with max_tokens=1, chunked
 over steps of at most `max_num_batched_tokens` (the engine's, or each of --prefill-chunk-tokens, an engine
 each); its rate counts the weight products and the causal attention's FLOPs against the measured bf16 matmul
 rate. The load time of each backend is recorded too.
