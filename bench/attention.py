@@ -388,35 +388,33 @@ def main(a: argparse.Namespace) -> int:
     log(f"device-to-device copy {copy_bw / 1e9:.0f} GB/s; heads {h.hq} query, {h.hkv} KV, head_dim {h.d}")
     prefill_lengths = (16, 48) if study.smoke else (128, 1024, 4096)
     unsplit_tiles = tuple(int(x) for x in a.unsplit_tiles.split(",") if x.strip())
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count if study.cuda else 1
+
+    def report(key: str, rows: list[dict], columns: list[str], suffix: str, shown: list[dict] | None = None) -> int:
+        result[key] = rows
+        print(text_table(rows if shown is None else shown, columns))
+        log(f"wrote {study.save(result, suffix)}")
+        return 0
+
     if a.decode_ab and study.gpu_only("the decode A/B"):
-        num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-        result["decode_ab"] = decode_ab(h, a.decode_ab, copy_bw, num_sms)
-        print(text_table(result["decode_ab"], AB_COLUMNS))
-        log(f"wrote {study.save(result, f'decode-ab-{study.model}{cache}')}")
-        return 0
+        return report("decode_ab", decode_ab(h, a.decode_ab, copy_bw, num_sms), AB_COLUMNS,
+                      f"decode-ab-{study.model}{cache}")
     if a.latency and study.gpu_only("the decode latency study"):
-        num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-        result["latency"] = decode_latency(h, a.latency, num_sms, unsplit_tiles)
-        print(text_table(result["latency"], LATENCY_COLUMNS))
-        log(f"wrote {study.save(result, f'latency-{study.model}{cache}')}")
-        return 0
+        return report("latency", decode_latency(h, a.latency, num_sms, unsplit_tiles), LATENCY_COLUMNS,
+                      f"latency-{study.model}{cache}")
     if a.prefill_sweep and study.gpu_only("the prefill sweep"):
         lengths = [int(n) for n in a.prefill_sweep.split(",") if n.strip()]
         result["prefill"] = [bench_prefill(h, n) for n in lengths]  # the plans
-        result["prefill_sweep"] = prefill_sweep(h, lengths)
-        print(text_table(result["prefill"] + result["prefill_sweep"], PREFILL_COLUMNS))
-        log(f"wrote {study.save(result, f'prefill-sweep-{study.model}{cache}')}")
-        return 0
+        sweep = prefill_sweep(h, lengths)
+        return report("prefill_sweep", sweep, PREFILL_COLUMNS, f"prefill-sweep-{study.model}{cache}",
+                      shown=result["prefill"] + sweep)
     if a.serving_sweep and study.gpu_only("the serving sweep"):
-        num_sms = torch.cuda.get_device_properties(0).multi_processor_count
         splits = tuple(int(x) for x in a.splits.split(",") if x.strip())
-        result["serving_sweep"] = serving_sweep(h, a.serving_sweep, copy_bw, num_sms, splits, unsplit_tiles)
-        print(text_table([r for r in result["serving_sweep"] if r.get("rank", 0) <= SHOWN], AB_COLUMNS))
+        rows = serving_sweep(h, a.serving_sweep, copy_bw, num_sms, splits, unsplit_tiles)
         layout = f"{'hnd' if h.head_major else 'nhd'}{h.block}"
-        log(f"wrote {study.save(result, f'serving-{study.model}-{layout}{cache}')}")
-        return 0
+        return report("serving_sweep", rows, AB_COLUMNS, f"serving-{study.model}-{layout}{cache}",
+                      shown=[r for r in rows if r.get("rank", 0) <= SHOWN])
     if study.gpu_only("the Triton decode kernel"):
-        num_sms = torch.cuda.get_device_properties(0).multi_processor_count
         result["decode"] = [bench_decode(h, b, c, copy_bw, num_sms) for b in (1, 32, 128) for c in (1024, 4096, 16384)]
         print(text_table(result["decode"], DECODE_COLUMNS))
     result["prefill"] = [bench_prefill(h, n) for n in prefill_lengths]
