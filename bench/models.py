@@ -148,12 +148,20 @@ def compiled_llm(study, work: Path, tag: str = "art", disabled_passes: tuple[str
     return llm
 
 
+def tokens_to_outlive(batch: int, prompt: int, steps: int, chunk: int) -> int:
+    """New tokens each of `batch` requests of `prompt` tokens needs to keep decoding through `steps` steps after
+    the last prompt is prefilled, `chunk` tokens a step: the first requests decode while the later prompts are
+    prefilled, and their decode tokens come first in each step's budget."""
+    return -(-batch * prompt // chunk) + batch + steps
+
+
 def decoding(llm, batch: int, steps: int, prompt_tokens: int = 128) -> list:
-    """`batch` requests of `prompt_tokens` tokens, prefilled: the engine's next `steps` steps are decode steps."""
+    """`batch` requests of `prompt_tokens` tokens, prefilled: the engine's next `steps` steps decode all of them."""
     import graphkiln
 
     engine = llm.engine
-    params = graphkiln.SamplingParams(max_tokens=steps + 8, ignore_eos=True)
+    max_tokens = tokens_to_outlive(batch, prompt_tokens, steps + 8, engine.config.max_num_batched_tokens)
+    params = graphkiln.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     seqs = [engine.add_request([7 + i] * prompt_tokens, params) for i in range(batch)]
     while not all(seq.output_ids for seq in seqs):
         engine.step()

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from .common import Study, add_study_arguments, log, random_prompts
 from .measure import copy_rate, matmul_rate, sync
-from .models import model_bytes, save_model, shape_of
+from .models import model_bytes, save_model, shape_of, tokens_to_outlive
 from .report import text_table
 
 DECODE_COLUMNS = ["backend", "batch", "prompt", "ms_per_step", "floor_ms", "x_floor", "kv_gb", "weights_gb"]
@@ -49,11 +49,10 @@ WARMUP_STEPS = 4
 
 
 def decode_tokens(batch: int, prompt: int, steps: int, chunk: int) -> int:
-    """New tokens each request of a decode shape may take: one a step while the later prompts are prefilled
-    (decode tokens come first in a step's budget of `chunk`, so the prefill takes more steps than its tokens
-    fill), then the warm-up and the timed steps. Fewer, and the first requests would finish before the timed
-    steps, which would then run a smaller batch than the shape says."""
-    return -(-batch * prompt // chunk) + batch + WARMUP_STEPS + steps + 2
+    """New tokens each request of a decode shape may take: through the prefill of the later prompts, the warm-up
+    and the timed steps. Fewer, and the first requests would finish before the timed steps, which would then
+    run a smaller batch than the shape says."""
+    return tokens_to_outlive(batch, prompt, WARMUP_STEPS + steps + 2, chunk)
 
 
 def decode_row(llm, batch: int, prompt: int, steps: int, device: str, mb: dict, copy_bw: float, vocab: int) -> dict:
