@@ -57,8 +57,6 @@ BLOCK = 16
 DECODE_COLUMNS = ["batch", "context", "num_splits", "block_n", "num_warps", "num_stages", "us", "gbs", "pct_copy"]
 AB_COLUMNS = ["kernel", "batch", "context", "num_splits", "block_n", "heads", "num_warps", "num_stages",
               "unsplit_tiles", "us", "pct_copy", "rel_err"]
-LATENCY_COLUMNS = ["batch", "context", "num_splits", "block_n", "unsplit_tiles", "planned", "cold_us",
-                   "inputs_in_l2_us", "warm_us", "empty_replay_us"]
 BLOCK_TILES = [(2, 4, 5), (2, 8, 5), (4, 4, 7), (8, 4, 5), (8, 8, 5)]  # block kernel: heads, warps, stages
 PREFILL_COLUMNS = ["tokens", "block_m", "block_n", "num_warps", "num_stages", "heads", "us", "tflops", "sdpa_us",
                    "sdpa_tflops", "rel_err_vs_sdpa"]
@@ -155,45 +153,6 @@ def bench_decode(h: Heads, num_seqs: int, context: int, copy_bw: float, num_sms:
         want = torch.einsum("bhl,blhd->bhd", scores.softmax(-1), values)
         row["rel_err"] = ((out.float() - want).norm() / want.norm()).item()
     return row
-
-
-def decode_latency(h: Heads, shapes: str, num_sms: int, unsplit_tiles: tuple[int, ...]) -> list[dict]:
-    """At each BATCHxCONTEXT shape, the row kernel at its plan, with each of `unsplit_tiles` and
-    unsplit, timed cold, with its inputs in L2 and warm (`--latency`), beside an empty replay's time. A sleep
-    queued ahead of each sample keeps the replay's launch out of its time."""
-    import torch
-
-    from graphkiln.kernels.decode_attention import paged_decode
-
-    def busy() -> None:  # the device still busy when the replay is queued: its launch stays out of the time
-        torch.cuda._sleep(100_000)
-
-    one = torch.zeros(1, device=h.device)
-    empty = time_ms(in_graph(lambda: one.add_(1), h.device), h.device, reps=50,
-                    before=lambda: (flush_l2(h.device), busy()))
-    rows = []
-    for batch, context in parse_shapes(shapes):
-        args, scales = decode_inputs(h, batch, context)
-        planned, _ = decode_kernel(h, "rows", batch, args[6].shape[1] * h.block, args[3], num_sms)
-        tensors = [t for t in args + (scales or ()) if isinstance(t, torch.Tensor)]
-
-        def read_inputs() -> None:
-            flush_l2(h.device)
-            for t in tensors:
-                t.to(torch.float32).max()
-
-        variants = [planned, *(replace(planned, unsplit_tiles=m) for m in unsplit_tiles),
-                    replace(planned, num_splits=1)]
-        for tiles in dict.fromkeys(variants):
-            replay = in_graph(lambda t=tiles: paged_decode(*args, **asdict(t), scales=scales), h.device)
-            times = {name: time_ms(replay, h.device, reps=50, before=lambda b=before: (b(), busy())).us
-                     for name, before in (("cold_us", lambda: flush_l2(h.device)), ("inputs_in_l2_us", read_inputs),
-                                          ("warm_us", lambda: None))}
-            rows.append(dict(batch=batch, context=context, **asdict(tiles), planned=tiles == planned, **times,
-                             empty_replay_us=empty.us))
-            log(f"latency {batch}x{context} splits {tiles.num_splits} (unsplit up to {tiles.unsplit_tiles} tiles): " + ", ".join(
-                f"{name} {us:.1f}" for name, us in times.items()) + f" (an empty replay {empty.us:.1f})")
-    return rows
 
 
 def decode_kernel(h: Heads, kernel: str, num_seqs: int, max_context: int, k_cache, num_sms: int):
@@ -400,6 +359,8 @@ def main(a: argparse.Namespace) -> int:
         return report("decode_ab", decode_ab(h, a.decode_ab, copy_bw, num_sms), AB_COLUMNS,
                       f"decode-ab-{study.model}{cache}")
     if a.latency and study.gpu_only("the decode latency study"):
+        from .latency import LATENCY_COLUMNS, decode_latency
+
         return report("latency", decode_latency(h, a.latency, num_sms, unsplit_tiles), LATENCY_COLUMNS,
                       f"latency-{study.model}{cache}")
     if a.prefill_sweep and study.gpu_only("the prefill sweep"):

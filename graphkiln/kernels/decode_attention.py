@@ -6,9 +6,10 @@ and block tables are read from device memory, so a launch can be captured in a C
 replayed with new lengths. The grid has the planned splits; a sequence uses as many as it has
 tiles, at most all, and the rest exit at once, except that a sequence of at most `unsplit_tiles`
 tiles runs in one split: reading its few tiles one after the other costs less than the merge of
-one-tile splits. A sequence that one split covers is written directly. Otherwise every split stores its partial result and log-sum-exp, then counts itself
-done on a per-(sequence, KV head) counter; the last one merges the partials, writes the output
-and resets the counter to zero for the next launch.
+one-tile splits. A sequence that one split covers is written directly. Otherwise every split
+stores its partial result and log-sum-exp, then counts itself done on a per-(sequence, KV head)
+counter; the last one merges the partials, writes the output and resets the counter to zero for
+the next launch.
 
 With programmatic dependent launch (kernels/pdl.py) a program loads its first cached tile while
 the kernel before it (rope) drains, and the next kernel may launch once every program began.

@@ -55,7 +55,7 @@ class DecodeTiles:
     block_n: int
     num_warps: int
     num_stages: int
-    unsplit_tiles: int = 1  # a sequence of at most this many tiles runs in one split
+    unsplit_tiles: int = UNSPLIT_TILES  # a sequence of at most this many tiles runs in one split
 
 
 @dataclass(frozen=True)
@@ -112,12 +112,10 @@ def decode_tiles(
     row_bytes = head_dim * itemsize
     long_splits = num_seqs == 1 or splits < SHORT_TILE_SPLITS  # each split holds many tiles of the context
     if row_bytes <= 128:
-        block_n, warps, stages = 128 if long_splits and itemsize == 2 else 64, 4, 2
-    elif row_bytes <= 256 and (long_splits or itemsize > 2):
-        block_n, warps, stages = 128, 4, 2
-    else:
-        block_n, warps, stages = 32, 2 if row_bytes <= 256 else 4, 4 if row_bytes <= 256 else 2
-    return DecodeTiles(splits, block_n, warps, stages, UNSPLIT_TILES)
+        return DecodeTiles(splits, 128 if long_splits and itemsize == 2 else 64, 4, 2)
+    if row_bytes <= 256 and (long_splits or itemsize > 2):
+        return DecodeTiles(splits, 128, 4, 2)
+    return DecodeTiles(splits, 32, 2 if row_bytes <= 256 else 4, 4 if row_bytes <= 256 else 2)
 
 
 def prefill_tiles(max_query_len: int, head_dim: int, itemsize: int) -> PrefillTiles:
