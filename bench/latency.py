@@ -50,6 +50,7 @@ def decode_latency(h: Heads, shapes: str, num_sms: int, unsplit_tiles: tuple[int
                                           ("warm_us", lambda: None))}
             rows.append(dict(batch=batch, context=context, **asdict(tiles), planned=tiles == planned, **times,
                              empty_replay_us=empty.us))
-            log(f"latency {batch}x{context} splits {tiles.num_splits} (unsplit up to {tiles.unsplit_tiles} tiles): " + ", ".join(
-                f"{name} {us:.1f}" for name, us in times.items()) + f" (an empty replay {empty.us:.1f})")
+            measured = ", ".join(f"{name} {us:.1f}" for name, us in times.items())
+            log(f"latency {batch}x{context} splits {tiles.num_splits} (unsplit up to {tiles.unsplit_tiles} tiles): "
+                f"{measured} (an empty replay {empty.us:.1f})")
     return rows
