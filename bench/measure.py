@@ -97,13 +97,18 @@ def in_graph(fn: Callable[[], object], device) -> Callable[[], None]:
     return graph.replay
 
 
-def copy_rate(device, nbytes: int) -> float:
-    """Bytes per second of a device-to-device copy, counting the bytes read and written (median of 10)."""
+def copy_rate(device, nbytes: int, warm_s: float = 0.25) -> float:
+    """Bytes per second of a device-to-device copy, counting the bytes read and written (median of 20), after
+    `warm_s` seconds of the same copies: a GPU idle before clocks up under load, and a floor taken from a cold
+    copy would be low."""
     import torch
 
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    timing = time_ms(lambda: dst.copy_(src), device)
+    until = now(device) + warm_s
+    while now(device) < until:
+        dst.copy_(src)
+    timing = time_ms(lambda: dst.copy_(src), device, reps=20)
     if not torch.equal(dst, src):
         raise RuntimeError("copy check failed: the destination differs from the source")
     return 2 * nbytes / (timing.median_ms / 1e3)

@@ -12,10 +12,10 @@ run, then the time of --steps engine steps (the host's part included, as a serve
 ms per step; every request has new tokens enough to decode through all of them (the first ones decode
 while the later prompts are prefilled), and a row whose timed steps decoded fewer than the batch fails.
 The floor is (weight bytes read + KV bytes read at the steps' mean context, in the cache's dtype) / the
-measured copy rate. Long prompts: one request of each --long length with max_tokens=1, chunked
-over steps of at most `max_num_batched_tokens` (the engine's, or each of --prefill-chunk-tokens, an engine
-each); its rate counts the weight products and the causal attention's FLOPs against the measured bf16 matmul
-rate. The load time of each backend is recorded too.
+copy rate, the faster of the rates measured before and after the rows. Long prompts: one request of each
+--long length with max_tokens=1, chunked over steps of at most `max_num_batched_tokens` (the engine's, or each
+of --prefill-chunk-tokens, an engine each); its rate counts the weight products and the causal attention's
+FLOPs against the measured bf16 matmul rate. The load time of each backend is recorded too.
 A backend named `triton:blocks` is Triton with `decode_kernel="blocks"` (`triton:rows` the row
 kernel, `triton` its default, `auto`), so one run compares the decode kernels end to end. On the
 H200 the first backend a run loads measured up to 17% slower at small shapes than the same backend
@@ -169,11 +169,23 @@ def main(a: argparse.Namespace) -> int:
                         result["long"].append(row)
                         log(f"{backend} prefill {tokens} in chunks of {row['chunk']}: {row['ms']:.1f} ms, "
                             f"{row['pct_matmul']:.0f}% of matmul")
+    floor_by_best_copy(result, copy_rate(study.device, (64 << 20) if study.smoke else (1 << 30)))
     print(text_table(result["decode"], DECODE_COLUMNS))
     if result["long"]:
         print(text_table(result["long"], LONG_COLUMNS))
     log(f"load s: {result['load_s']}; wrote {study.save(result, study.model)}")
     return 0
+
+
+def floor_by_best_copy(result: dict, copy_end: float) -> None:
+    """The floors at the faster of the copy rates measured before and after the rows: the rate measured varies
+    by some percent, and a floor is what the device can do, so its best measured rate."""
+    copy_start = result["copy_gbs"] * 1e9
+    best = max(copy_start, copy_end)
+    result.update(copy_gbs=best / 1e9, copy_gbs_start=copy_start / 1e9, copy_gbs_end=copy_end / 1e9)
+    for row in result["decode"]:
+        row["floor_ms"] *= copy_start / best
+        row["x_floor"] = row["ms_per_step"] / row["floor_ms"]
 
 
 def decode_rows(art: Path, backend: str, backend_options: dict, engine_options: dict, shapes: list, steps: int,

@@ -154,6 +154,22 @@ def test_serving_study_smoke(bench: Bench, tmp_path: Path) -> None:
     assert all(r["backend"] == "sdpa" and r["ms_per_step"] > 0 and r["floor_ms"] > 0 for r in result["decode"])
     assert [r["tokens"] for r in result["long"]] == [256] and result["long"][0]["tflops"] > 0
     assert result["errors"] == {} and set(result["load_s"]) == {"sdpa"}
+    assert result["copy_gbs"] == max(result["copy_gbs_start"], result["copy_gbs_end"])
+
+
+def test_serving_floors_take_the_faster_copy_rate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy rate measured after the rows 10% above the one before lowers every floor by 10%; a slower one
+    leaves them."""
+    monkeypatch.syspath_prepend(str(REPO))
+    from bench.serving import floor_by_best_copy
+
+    result = {"copy_gbs": 4000.0, "decode": [{"ms_per_step": 2.2, "floor_ms": 1.1, "x_floor": 2.0}]}
+    floor_by_best_copy(result, 3.9e12)
+    assert result["decode"][0]["floor_ms"] == pytest.approx(1.1) and result["copy_gbs"] == pytest.approx(4000)
+    floor_by_best_copy(result, 4.4e12)
+    row = result["decode"][0]
+    assert row["floor_ms"] == pytest.approx(1.0) and row["x_floor"] == pytest.approx(2.2)
+    assert (result["copy_gbs_start"], result["copy_gbs_end"]) == (pytest.approx(4000), pytest.approx(4400))
 
 
 def test_serving_decode_row_times_the_whole_batch_while_prompts_take_many_steps(artifact: Path,
