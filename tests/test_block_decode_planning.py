@@ -19,7 +19,6 @@ from graphkiln.runtime.attention.block_decode import (
     block_decode_tiles,
     block_decode_unsupported,
     check_decode_kernel,
-    decodes_by_blocks,
     effective_decode_kernel,
     lane_bytes,
 )
@@ -80,7 +79,7 @@ def test_caches_the_block_kernel_reads(dtype, head_dim, block_size, reason) -> N
     assert got == reason if reason is None else reason in got
     assert effective_decode_kernel("blocks", keys) == ("blocks" if reason is None else "rows")
     assert effective_decode_kernel("rows", keys) == "rows"
-    assert effective_decode_kernel("auto", keys) == ("auto" if reason is None else "rows")
+    assert effective_decode_kernel("auto", keys) == "rows"
 
 
 def test_the_fp8_cache_is_planned_at_the_lanes_of_a_16_bit_cache() -> None:
@@ -116,9 +115,3 @@ def test_blocks_needs_the_triton_backend() -> None:
     with pytest.raises(ConfigError, match=r"decode_kernel='blocks'.*'sdpa'"):
         select_backend("auto", cache, "blocks")  # auto means SDPA on the CPU
     assert select_backend("auto", cache).name == "sdpa"
-
-
-def test_auto_takes_the_block_kernel_from_64_rows() -> None:
-    """The measured rule: the block kernel for decode batches of 64 rows and more, the row kernel below."""
-    assert [decodes_by_blocks("auto", n) for n in (1, 16, 48, 63, 64, 128, 256)] == [False] * 4 + [True] * 3
-    assert decodes_by_blocks("blocks", 1) and not decodes_by_blocks("rows", 256)

@@ -44,8 +44,8 @@ class EngineConfig:
     not captured yet running without it; `LLM.wait_ready()` waits for them) or "blocking" (every
     graph captured before `load` returns). Without graphs the same happens to one warm-up run per size.
     `decode_kernel` picks the Triton backend's decode kernel: "rows" (each head's cache rows gathered
-    one by one), "blocks" (whole cache blocks of several heads by bulk copies) or "auto" (blocks for
-    decode batches of BLOCKS_FROM_BATCH and more, where it measured faster; rows below).
+    one by one), "blocks" (whole cache blocks of several heads by bulk copies) or "auto" (the one that
+    measured faster in whole decode steps: rows, today; runtime/attention/block_decode.py).
     `collective_timeout_s` bounds how long a tensor-parallel rank waits inside a step for the others.
     """
 

@@ -25,7 +25,6 @@ pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 from graphkiln.errors import ConfigError  # noqa: E402
-from graphkiln.runtime.attention.block_decode import decodes_by_blocks  # noqa: E402
 from graphkiln.runtime.attention.select import select_backend  # noqa: E402
 from graphkiln.runtime.attention.triton_backend import TritonBackend  # noqa: E402
 from graphkiln.runtime.kv_cache import KVCache  # noqa: E402
@@ -229,11 +228,10 @@ def test_caches_the_block_kernel_cannot_read_keep_the_row_kernel(what: str, reco
     run_and_check(backend, batch, record_property)
 
 
-def test_auto_decodes_the_fp8_cache_by_blocks_from_64_rows() -> None:
+def test_auto_decodes_the_fp8_cache_by_rows_and_blocks_on_request() -> None:
     cache = make_batch((torch.bfloat16, 8, 2, 64), [(1, 5)], 0, decode=True, fp8=True).cache
-    backend = TritonBackend(cache)
-    assert backend.decode_kernel == "auto"
-    assert decodes_by_blocks(backend.decode_kernel, 64) and not decodes_by_blocks(backend.decode_kernel, 63)
+    assert TritonBackend(cache).decode_kernel == "rows"
+    assert TritonBackend(cache, "blocks").decode_kernel == "blocks"
 
 
 def test_decode_kernel_is_checked_against_the_backend() -> None:

@@ -2,18 +2,12 @@
 
 EngineConfig.decode_kernel: "rows" (kernels/decode_attention.py, one head a program, the cache
 gathered row by row), "blocks" (kernels/block_decode_attention.py, whole blocks of several KV
-heads by bulk copies) or "auto", the default: blocks for decode batches of BLOCKS_FROM_BATCH rows
-and more, rows below. Both kernels read the same cache, so each decode graph takes its own. In
-isolation on the H200 (`python -m bench attention --decode-ab`, README "Attention at serving
-shapes") the block kernel was faster at 64 x 2000 and 128 x 1000, even at 16 x 4000, and took
-twice the row kernel's time at 1 x 2000, where the row kernel's early first load and shorter
-dependency chain count more than bytes in flight. The fp8 cache takes the same threshold: its
-blocks are copied the same way at half the bytes, so what the threshold weighs (the row kernel's
-latency at small batches against the block kernel's bytes in flight at large ones) stays, and the
-row kernel's per-row scale loads (the block kernel reads a block's scales as one tile) weigh, if
-anything, toward the block kernel. `bench attention --decode-ab --kv-cache-dtype fp8_e4m3`
-measures both kernels on it. Caches the block kernel cannot read (blocks of fewer than 16 rows,
-rows not 16-byte aligned: for fp8 a head_dim not a multiple of 16) keep the row kernel:
+heads by bulk copies) or "auto", the default, which is the row kernel: timed in whole decode steps on the H200
+(`python -m bench serving --backends triton:rows,triton:blocks,triton:rows`, README "Attention at
+serving shapes"), it was as fast as the block kernel or faster at the batched long-context shapes where
+the block kernel had led in isolation, on both bench models. Both kernels read the same
+cache, so each decode graph takes its own. Caches the block kernel cannot read (blocks of fewer than
+16 rows, rows not 16-byte aligned: for fp8 a head_dim not a multiple of 16) keep the row kernel:
 `effective_decode_kernel` says so once, when the backend is built.
 
 The plan is static for a captured graph (batch size, block table width, head shapes): heads a
@@ -48,7 +42,6 @@ MAX_SPLITS = 64
 BOX_BYTES = 512  # one block row's bytes of the heads a program reads
 NUM_STAGES = 5
 MIN_BLOCK_ROWS = 16  # tl.dot's smallest dimension: a block is one tile of keys
-BLOCKS_FROM_BATCH = 64  # "auto" decodes batches this large and larger with the block kernel
 MAX_BOX = 256  # the copy engine's largest box dimension
 
 
@@ -111,16 +104,12 @@ def block_decode_unsupported(cache: torch.Tensor) -> str | None:
 
 
 def effective_decode_kernel(decode_kernel: str, keys: torch.Tensor) -> str:
-    """The kernel that serves a cache of `keys` [num_layers, num_blocks, block_size, Hkv, D]: the one asked
-    for, or "rows" where the block kernel cannot read the cache (logged when "blocks" was asked for)."""
-    reason = block_decode_unsupported(keys[0]) if decode_kernel != "rows" else None
-    if reason:
-        if decode_kernel == "blocks":
-            log.info("decode_kernel='blocks' cannot read this KV cache (%s); decoding with the row kernel", reason)
+    """The kernel that serves a cache of `keys` [num_layers, num_blocks, block_size, Hkv, D]: "blocks" where it
+    was asked for and can read the cache, else "rows" (logged when "blocks" was asked for but cannot be)."""
+    if decode_kernel != "blocks":
         return "rows"
-    return decode_kernel
-
-
-def decodes_by_blocks(decode_kernel: str, num_seqs: int) -> bool:
-    """Whether a decode batch of `num_seqs` rows (its graph's size) runs the block kernel."""
-    return decode_kernel == "blocks" or (decode_kernel == "auto" and num_seqs >= BLOCKS_FROM_BATCH)
+    reason = block_decode_unsupported(keys[0])
+    if reason:
+        log.info("decode_kernel='blocks' cannot read this KV cache (%s); decoding with the row kernel", reason)
+        return "rows"
+    return "blocks"

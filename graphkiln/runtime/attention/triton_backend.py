@@ -8,7 +8,7 @@ reads the whole context from the paged cache. Any head_dim up to 256 runs on til
 power of two (planned at the padded width); an fp8 cache passes its row scales to every kernel.
 Planning (tile sizes, decode splits,
 prefill work items) is plain Python here; the kernels import triton, an optional dependency,
-only when a backend is built. `decode_kernel` picks the decode kernel per decode batch size (the row
+only when a backend is built. `decode_kernel` picks the decode kernel (the row
 kernel, or the block kernel that block_decode.py plans); prefill is the same either way.
 
 Decode launches depend only on static quantities (batch size, block table width, head shapes),
@@ -33,7 +33,6 @@ from graphkiln.runtime.transfer import upload
 from .block_decode import (
     block_decode_tiles,
     check_decode_kernel,
-    decodes_by_blocks,
     effective_decode_kernel,
     lane_bytes,
 )
@@ -186,7 +185,7 @@ class TritonBackend:
         self.decode_kernel = effective_decode_kernel(decode_kernel, kv_cache.keys)
         self._write_kv, self._decode, self._prefill = write_kv, paged_decode, paged_prefill
         self._block_decode = None
-        if self.decode_kernel != "rows":  # imported by load, like the others: no step pays an import
+        if self.decode_kernel == "blocks":  # imported by load, like the others: no step pays an import
             from graphkiln.kernels.block_decode_attention import block_paged_decode
 
             self._block_decode = block_paged_decode
@@ -202,7 +201,7 @@ class TritonBackend:
         return self._plan_decode(meta) if meta.decode else self._plan_prefill(meta)
 
     def _plan_decode(self, meta: BatchMetadata) -> AttentionFn:
-        if decodes_by_blocks(self.decode_kernel, meta.seq_lens_t.shape[0]):
+        if self.decode_kernel == "blocks":
             return self._plan_block_decode(meta)
         _, block_size, num_kv_heads, head_dim = self.kv_cache.keys.shape[1:]
         tiles = decode_tiles(
