@@ -137,7 +137,8 @@ def main(a: argparse.Namespace) -> int:
     max_position = 1 << (max_seq_len - 1).bit_length()
     shape = shape_of(study.model, max_position=max_position, layers=study.layers)
     mb = model_bytes(shape, 4 if study.smoke else 2)
-    copy_bw = copy_rate(study.device, (64 << 20) if study.smoke else (1 << 30))
+    copy_bytes = (64 << 20) if study.smoke else (1 << 30)
+    copy_bw = copy_rate(study.device, copy_bytes)
     matmul_bw = matmul_rate(study.device, study.dtype, 512 if study.smoke else 8192)
     log(f"copy {copy_bw / 1e9:.0f} GB/s, matmul {matmul_bw / 1e12:.0f} TFLOP/s, max_seq_len {max_seq_len}")
     result: dict = {"copy_gbs": copy_bw / 1e9, "matmul_tflops": matmul_bw / 1e12, "max_seq_len": max_seq_len,
@@ -169,7 +170,7 @@ def main(a: argparse.Namespace) -> int:
                         result["long"].append(row)
                         log(f"{backend} prefill {tokens} in chunks of {row['chunk']}: {row['ms']:.1f} ms, "
                             f"{row['pct_matmul']:.0f}% of matmul")
-    floor_by_best_copy(result, copy_rate(study.device, (64 << 20) if study.smoke else (1 << 30)))
+    floor_by_best_copy(result, copy_rate(study.device, copy_bytes))
     print(text_table(result["decode"], DECODE_COLUMNS))
     if result["long"]:
         print(text_table(result["long"], LONG_COLUMNS))
