@@ -10,7 +10,10 @@ tensors share one, a large one spans several), which a few threads take in file 
 does all of a unit itself: one `os.preadv` per run of tensors adjacent in the file (a column range:
 one strided numpy copy from the file's mapping), then one call that queues the unit's copies to
 the device on the thread's own stream, from the thread's own two staging buffers (pinned on CUDA),
-an event saying when a buffer may be filled again. On the CPU a read whose dtype matches lands in
+an event saying when a buffer may be filled again. The buffers are pinned by registering their pages
+and unpinned once their copies are done, not taken from torch's pinned-memory cache: freed into it,
+they would stay pinned until something empties it, as every CUDA graph capture does, holding the
+interpreter lock for the tenth of a second that unpinning them takes, while the engine serves. On the CPU a read whose dtype matches lands in
 the destination's own memory. Each of these calls releases Python's interpreter lock for its whole
 length, and the long ones (a read, a wait for a buffer) are a few per unit, not per tensor or per
 megabyte: a thread taking the lock back after one waits up to the switch interval while another
@@ -36,7 +39,7 @@ import numpy as np
 import torch
 
 from graphkiln.compat import copy_tensors
-from graphkiln.errors import WeightMismatchError
+from graphkiln.errors import CapacityError, WeightMismatchError
 
 from .safetensors_header import TensorEntry, corrupt
 
@@ -211,35 +214,57 @@ class WeightsReader:
         done: list[torch.cuda.Event | None] = []
         staged = 0
         allocating = 0.0
-        with torch.no_grad():  # this thread's grad mode: destinations are parameters
-            while not stop.is_set():
-                try:
-                    unit = units.popleft()
-                except IndexError:
-                    break
-                if unit.direct:
-                    _fill(unit, files, None)
-                    continue
-                slot = staged % self.buffers
-                staged += 1
-                if slot == len(buffers):
-                    t = time.perf_counter()
-                    buffers.append(torch.empty(unit_bytes, dtype=torch.uint8, pin_memory=stream is not None))
-                    allocating += time.perf_counter() - t
-                    done.append(None)
-                elif (event := done[slot]) is not None and not event.query():
-                    event.synchronize()
-                buffer = buffers[slot]
-                _fill(unit, files, buffer)
-                sources = [buffer[p.at : p.at + p.nbytes].view(p.read.entry.dtype) for p in unit.pieces]
-                dests = [p.dest() for p in unit.pieces]
-                if stream is None:
-                    with convert:
-                        copy_tensors(dests, sources)
-                else:
-                    copy_tensors(dests, sources, non_blocking=True)
-                    done[slot] = stream.record_event()
+        try:
+            with torch.no_grad():  # this thread's grad mode: destinations are parameters
+                while not stop.is_set():
+                    try:
+                        unit = units.popleft()
+                    except IndexError:
+                        break
+                    if unit.direct:
+                        _fill(unit, files, None)
+                        continue
+                    slot = staged % self.buffers
+                    staged += 1
+                    if slot == len(buffers):
+                        t = time.perf_counter()
+                        buffers.append(torch.empty(unit_bytes, dtype=torch.uint8))
+                        if stream is not None:
+                            _pin(buffers[-1])
+                        allocating += time.perf_counter() - t
+                        done.append(None)
+                    elif (event := done[slot]) is not None and not event.query():
+                        event.synchronize()
+                    buffer = buffers[slot]
+                    _fill(unit, files, buffer)
+                    sources = [buffer[p.at : p.at + p.nbytes].view(p.read.entry.dtype) for p in unit.pieces]
+                    dests = [p.dest() for p in unit.pieces]
+                    if stream is None:
+                        with convert:
+                            copy_tensors(dests, sources)
+                    else:
+                        copy_tensors(dests, sources, non_blocking=True)
+                        done[slot] = stream.record_event()
+        finally:  # (a failed unit too) the copies are done before their buffers are unpinned
+            for buffer, event in zip(buffers, done):
+                if stream is not None:
+                    if event is not None:
+                        event.synchronize()
+                    _unpin(buffer)
         return sum(b.numel() for b in buffers), allocating
+
+
+def _pin(buffer: torch.Tensor) -> None:
+    """Page-lock a host buffer for asynchronous copies to the device (`_unpin` undoes it)."""
+    try:
+        torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0))
+    except torch.cuda.CudaError as e:
+        raise CapacityError(f"pinning a {buffer.numel() >> 20} MiB staging buffer for the weights failed ({e}); "
+                            "raise the locked-memory limit (ulimit -l) or free host memory") from e
+
+
+def _unpin(buffer: torch.Tensor) -> None:
+    torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr()))
 
 
 def _units(reads: list[TensorRead], unit_bytes: int, direct: Callable[[TensorRead], bool]) -> list[_Unit]:
