@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from .tensor_parallel import Peers
 
 log = logging.getLogger("graphkiln.runtime")
+EAGER_GRAPH_MAX_BATCH = 8  # the eager model's decode graphs, served while the pieces load: the first seconds' batches
 
 
 def build_engine(
@@ -53,7 +54,8 @@ def build_engine(
     are not started here: rank 0 (`peers`: the other ranks, which follow every step) starts them once
     every rank has built its engine (`prepare`), and each rank runs them together (`lockstep`).
     `pieces` (with `compiled` None) loads the compiled model later: the engine serves eagerly until the first
-    background job has loaded it and switched the runner over, then prepares its graphs."""
+    background job has loaded it and switched the runner over, then prepares its graphs; on CUDA, before it loads
+    them, it captures the eager model's decode steps of the smallest batches (`_eager_graphs`)."""
     config = config or EngineConfig()
     cfg = model.cfg
     max_context = min(cfg.max_context, config.max_seq_len or cfg.max_context)
@@ -78,7 +80,8 @@ def build_engine(
         sizes = (*first_call_sizes(config), max_blocks)
         with torch.inference_mode():
             first_calls(runner, *sizes)
-        jobs = [PiecesJob(partial(_first_called, pieces, runner, sizes), use)]
+        eager_graphs = [] if model.shard.parallel else _eager_graphs(runner, config, max_blocks, allocator.capacity)
+        jobs = [*eager_graphs, PiecesJob(partial(_first_called, pieces, runner, sizes), use)]
     scheduler = Scheduler(allocator, max_context, config.max_num_batched_tokens, config.max_num_seqs)
     lock = StepLock()
     preparation = Preparation(jobs, lock, device, lockstep)
@@ -116,13 +119,39 @@ def _first_called(pieces: Callable[[], CompiledModel], runner: ModelRunner, size
     return compiled
 
 
+def _decode_sizes(config: EngineConfig, capacity: int) -> tuple[int, ...]:
+    return tuple(s for s in config.decode_batch_sizes if s <= min(config.max_num_seqs, capacity))
+
+
+def _eager_graphs(runner: ModelRunner, config: EngineConfig, max_blocks: int, capacity: int) -> list[Job]:
+    """The jobs that capture the eager model's decode steps of up to EAGER_GRAPH_MAX_BATCH rows in CUDA graphs
+    ending at the logits, where the backend can: their warm-ups first, off the step lock (the first calls built
+    most of their kernels; a warm-up builds the rest there), then one capture each, largest first (a smaller
+    batch replays it, padded, until its own is in), each holding the lock for one forward of the model. While
+    the pieces load beside the steps (Inductor's import: seconds of Python), an eager step's hundreds of ops
+    each hand the interpreter lock to that job and wait to get it back; a replay takes it once.
+    `_use_compiled` drops them."""
+    sizes = tuple(s for s in _decode_sizes(config, capacity) if s <= EAGER_GRAPH_MAX_BATCH)
+    if not (sizes and config.cuda_graphs and runner.device.type == "cuda" and runner.backend.capturable_decode):
+        return []
+    setup = CaptureSetup(GraphPool(), runner.backend, config.block_size, max_blocks, runner.device)
+    graphs = DecodeGraphs(setup, sizes, runner.model, runner.model.compute_logits, sampler_inside=False)
+    runner.decode_graphs = graphs
+    if not runner.backend.concurrent_plans:  # (the warm-ups plan off the step lock)
+        return list(reversed(graphs.jobs()))
+    return [KernelBuildsJob([], graphs.warm_ups()), *reversed(graphs.jobs(warm=False))]
+
+
 def _use_compiled(runner: ModelRunner, config: EngineConfig, max_blocks: int, capacity: int,
                   compiled: CompiledModel) -> list[Job]:  # fmt: skip
-    """Make the runner run `compiled`; return the jobs that capture its graphs (on CUDA) or warm each bucket
-    up."""
+    """Make the runner run `compiled` (dropping the eager model's graphs, if any); return the jobs that capture
+    its graphs (on CUDA) or warm each bucket up."""
     runner.forward = compiled
+    if runner.decode_graphs is not None:
+        runner.decode_graphs.graphs.release()
+        runner.decode_graphs = None
     prefill_sizes = tuple(s for s in config.prefill_token_buckets if s <= config.max_num_batched_tokens)
-    decode_sizes = tuple(s for s in config.decode_batch_sizes if s <= min(config.max_num_seqs, capacity))
+    decode_sizes = _decode_sizes(config, capacity)
     if config.cuda_graphs and runner.device.type == "cuda":
         return _graphs(runner, compiled, config, max_blocks, prefill_sizes, decode_sizes)
     return list(warmup_jobs(runner, decode_sizes, prefill_sizes, max_blocks))

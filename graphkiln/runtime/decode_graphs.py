@@ -1,10 +1,11 @@
 """Decode CUDA graphs: per decode batch bucket, the whole step from input ids to sampled ids.
 
 Each bucket has one graph per sampling mode (greedy, sample, filter; see sampler.py), attention,
-LM head and sampler inside. The batch (static_batch.StaticBatch) and per-row sampling parameters
-live in buffers sized once for the largest bucket; every graph reads views of them. A replay
-copies the padded batch into the buffers, re-plans the backend on the same buffers, and replays
-the mode's graph.
+LM head and sampler inside; or, without `sampler_inside`, one graph up to the logits, sampled after each
+replay (the eager model's graphs while a background load brings the pieces: one capture a bucket). The
+batch (static_batch.StaticBatch) and per-row sampling parameters live in buffers sized once for the
+largest bucket; every graph reads views of them. A replay copies the padded batch into the buffers,
+re-plans the backend on the same buffers, and replays the mode's graph.
 """
 
 from __future__ import annotations
@@ -22,11 +23,14 @@ from .sampler import MODES, Sampled, SamplingBatch, SamplingTensors, sample
 from .static_batch import StaticBatch
 
 Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+LOGITS = "logits"  # the graph key's mode of a graph that ends at the logits
 
 
 class DecodeGraphs:
-    def __init__(self, setup: CaptureSetup, sizes: tuple[int, ...], forward: Forward, compute_logits: Forward) -> None:
+    def __init__(self, setup: CaptureSetup, sizes: tuple[int, ...], forward: Forward, compute_logits: Forward,
+                 sampler_inside: bool = True) -> None:  # fmt: skip
         self.graphs = GraphSet("decode", sizes, setup.pool)
+        self.modes = MODES if sampler_inside else (LOGITS,)
         self.backend = setup.backend
         self.forward = forward
         self.compute_logits = compute_logits
@@ -37,27 +41,39 @@ class DecodeGraphs:
 
     def bucket(self, num_seqs: int, mode: str) -> int | None:
         """The smallest bucket holding `num_seqs` whose graph for `mode` is captured."""
-        return self.graphs.ready_bucket(num_seqs, lambda size: (size, mode))
+        return self.graphs.ready_bucket(num_seqs, lambda size: (size, self._graph_mode(mode)))
 
-    def _step(self, size: int, mode: str) -> Sampled:
+    def _graph_mode(self, mode: str) -> str:
+        return mode if mode in self.modes else LOGITS
+
+    def _step(self, size: int, mode: str) -> Sampled | torch.Tensor:
         meta = self.batch.metadata("decode", size, size, (1,) * size, (1,) * size)
         with forward_context(ForwardContext(self.backend.plan(meta))):
             hidden = self.forward(self.batch.input_ids[:size], self.batch.positions[:size])
-            return sample(self.compute_logits(hidden), self.sampling.rows(size), mode)
+            logits = self.compute_logits(hidden)
+            return logits if mode == LOGITS else sample(logits, self.sampling.rows(size), mode)
 
-    def _capture_one(self, size: int, mode: str) -> None:
+    def _capture_one(self, size: int, mode: str, warm: bool = True) -> None:
         with self.graphs.capturing((size, mode)):
-            self.graphs.capture((size, mode), partial(self._step, size, mode))
+            self.graphs.capture((size, mode), partial(self._step, size, mode), warm)
 
-    def dry_steps(self) -> list[Callable[[], Sampled]]:
-        """Each bucket's greedy step, to run once outside any capture (kernel_builds.py): the kernels the
+    def dry_steps(self) -> list[Callable[[], Sampled | torch.Tensor]]:
+        """Each bucket's first graph's step, to run once outside any capture (kernel_builds.py): the kernels the
         captures launch are the same in every sampling mode."""
-        return [partial(self._step, size, "greedy") for size in self.graphs.sizes]
+        return [partial(self._step, size, self.modes[0]) for size in self.graphs.sizes]
 
-    def jobs(self) -> list[CaptureJob]:
-        """One capture per bucket and sampling mode, smallest bucket first."""
-        return [CaptureJob(self.graphs, f"{size}/{mode}", partial(self._capture_one, size, mode), (size, mode))
-                for size in self.graphs.sizes for mode in MODES]  # fmt: skip
+    def warm_ups(self) -> list[Callable[[], None]]:
+        """Each bucket's step run once for real on the capture stream, before `jobs(warm=False)` (whose modes
+        then must be this set's one graph mode, `LOGITS`): off the step lock, where the captures' own warm-ups
+        would hold it."""
+        steps = [partial(self.graphs.warm, partial(self._step, size, self.modes[0])) for size in self.graphs.sizes]
+        return [*steps, self.graphs.capture_ahead]
+
+    def jobs(self, warm: bool = True) -> list[CaptureJob]:
+        """One capture per bucket and graph mode, smallest bucket first; each warms its step up first unless
+        the `warm_ups` ran."""
+        return [CaptureJob(self.graphs, f"{size}/{mode}", partial(self._capture_one, size, mode, warm), (size, mode))
+                for size in self.graphs.sizes for mode in self.modes]  # fmt: skip
 
     def run(self, batch: Batch, sampling: SamplingBatch, pending: InputIds | None, size: int) -> Sampled:
         """The sampled rows (ids; log-probabilities unless greedy) of a decode step in bucket `size` (`bucket`).
@@ -76,4 +92,7 @@ class DecodeGraphs:
         if pending is not None:
             pending.fill(self.batch.input_ids)
         self.backend.plan(meta)
-        return self.graphs.replay((size, mode)).rows(n)
+        out = self.graphs.replay((size, self._graph_mode(mode)))
+        if isinstance(out, torch.Tensor):  # the logits: sampled here as inside a graph, padded rows too
+            out = sample(out, self.sampling.rows(size), mode)
+        return out.rows(n)

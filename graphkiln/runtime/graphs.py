@@ -123,14 +123,34 @@ class GraphSet:
         self.stats = CaptureStats(len(self.graphs), self.stats.seconds + time.perf_counter() - start,
                                   self.stats.pool_bytes + added)  # fmt: skip
 
-    def capture(self, key: Hashable, fn: Callable[[], Any]) -> Any:
-        """Run `fn` once on the side stream (warm-up: lazy initialisation, autotuning), then capture it
-        into the shared pool under `key`; return the outputs its replays will refresh."""
+    def warm(self, fn: Callable[[], Any]) -> None:
+        """Run `fn` once on the side stream: its lazy initialisation and autotuning, before a capture."""
         stream = self.pool.stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             fn()
         torch.cuda.current_stream().wait_stream(stream)
+
+    def capture_ahead(self) -> None:
+        """Capture a graph of one op into the pool on the side stream and drop it: a process's first capture
+        took a tenth of a second longer than the ones after it (torch's own first-time work, its pinned-memory
+        cache emptied among it); paid here, off the step lock, it stays out of the wait of a step behind the
+        first bucket's capture. No other capture runs meanwhile (capture_pause.py)."""
+        scratch = torch.zeros(1, device=torch.cuda.current_device())
+        reserved_after_sync()
+        graph = torch.cuda.CUDAGraph()
+        with captures_paused(), torch.cuda.graph(graph, pool=self.pool.handle, stream=self.pool.stream,
+                                                 capture_error_mode="thread_local"):
+            scratch.add_(1)
+        graph.replay()
+        torch.cuda.synchronize()
+
+    def capture(self, key: Hashable, fn: Callable[[], Any], warm: bool = True) -> Any:
+        """Run `fn` once on the side stream (unless it was `warm`ed before), then capture it into the shared
+        pool under `key`; return the outputs its replays will refresh."""
+        if warm:
+            self.warm(fn)
+        stream = self.pool.stream
         graph = torch.cuda.CUDAGraph()
         with (
             captures_paused(),  # no random draw on the device beside it (capture_pause.py)

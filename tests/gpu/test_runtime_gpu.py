@@ -6,6 +6,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -362,3 +364,53 @@ def test_an_engine_without_room_says_who_holds_the_memory(tmp_path):
         graphkiln.load(out, **small)
     first.close()
     assert graphkiln.load(out, **small).generate(["hello"], SamplingParams(max_tokens=2))[0].token_ids
+
+
+def test_eager_model_graphs_serve_decode_while_the_pieces_load(tiny_fp32_parts):
+    """A background load whose pieces are held back: once its first jobs are done (the warm-ups, then the
+    captures, largest first), decode steps of up to EAGER_GRAPH_MAX_BATCH rows replay the eager model's graphs
+    (up to the logits, sampled after the replay) in every sampling mode, with the eager engine's tokens and
+    log-probabilities; larger batches run the model itself. When the pieces are in, the compiled model's
+    graphs replace them."""
+    net, compiled, tok = tiny_fp32_parts
+    gate = threading.Event()
+
+    def pieces():
+        gate.wait(120)
+        return compiled
+
+    config = EngineConfig(decode_batch_sizes=(1, 2, 4, 8, 16), prefill_token_buckets=PREFILL_SIZES,
+                          kv_cache_tokens=8192, attention_backend="triton")  # fmt: skip
+    eager = LLM(build_engine(net, None, config.replace(capture="blocking")), tok)
+    loading = LLM(build_engine(net, None, config, pieces=pieces), tok)
+    deadline = time.monotonic() + 120
+    while len(loading.stats().prepared) < 1 + 4 and time.monotonic() < deadline:  # the builds, 4 captures
+        time.sleep(0.05)
+    stats = loading.stats()
+    assert [(p.kind, p.key, p.error) for p in stats.prepared] == [("kernels", "built", None)] + [
+        ("decode", f"{n}/logits", None) for n in (8, 4, 2, 1)]  # fmt: skip
+    assert not loading.engine.wait_compiled(0)
+    prompts = uneven_prompts(4096, 12)
+    params = [
+        SamplingParams(max_tokens=10, ignore_eos=True),
+        SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.9, seed=1, logprobs=3),
+        SamplingParams(max_tokens=10, ignore_eos=True, temperature=1.0, top_k=30, top_p=0.9, seed=2, logprobs=5),
+    ]
+    for batch in ([params[0]], [params[1]], params, params * 4):
+        got = loading.generate(prompts[: len(batch)], batch)
+        want = eager.generate(prompts[: len(batch)], batch)
+        for g, w in zip(got, want):
+            assert g.token_ids == w.token_ids
+            assert (g.logprobs is None) == (w.logprobs is None)
+            if g.logprobs is not None:
+                assert_logprobs_agree(g.logprobs, w.logprobs)
+    stats = loading.stats()
+    assert set(stats.graphs["decode"].replays) == {"1/logits", "4/logits"}
+    assert stats.steps_without_graph["decode"] >= 9  # the batch of 12: its steps after the prefill
+    gate.set()
+    assert loading.engine.wait_compiled(120) and loading.engine.wait_ready(120)
+    assert loading.stats().graphs["decode"].graphs == len(config.decode_batch_sizes) * len(MODES)
+    assert [o.token_ids for o in loading.generate(prompts[:3], params)] == [
+        o.token_ids for o in eager.generate(prompts[:3], params)]  # fmt: skip
+    loading.close()
+    eager.close()
