@@ -92,7 +92,8 @@ class DecodeGraphs:
         if pending is not None:
             pending.fill(self.batch.input_ids)
         self.backend.plan(meta)
-        out = self.graphs.replay((size, self._graph_mode(mode)))
-        if isinstance(out, torch.Tensor):  # the logits: sampled here as inside a graph, padded rows too
+        graph_mode = self._graph_mode(mode)
+        out = self.graphs.replay((size, graph_mode))
+        if graph_mode == LOGITS:  # sampled here as inside a graph, padded rows too
             out = sample(out, self.sampling.rows(size), mode)
         return out.rows(n)

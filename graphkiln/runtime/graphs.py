@@ -137,7 +137,6 @@ class GraphSet:
         cache emptied among it); paid here, off the step lock, it stays out of the wait of a step behind the
         first bucket's capture. No other capture runs meanwhile (capture_pause.py)."""
         scratch = torch.zeros(1, device=torch.cuda.current_device())
-        reserved_after_sync()
         graph = torch.cuda.CUDAGraph()
         with captures_paused(), torch.cuda.graph(graph, pool=self.pool.handle, stream=self.pool.stream,
                                                  capture_error_mode="thread_local"):
