@@ -13,8 +13,8 @@ the device on the thread's own stream, from the thread's own two staging buffers
 an event saying when a buffer may be filled again. The buffers are pinned by registering their pages
 and unpinned once their copies are done, not taken from torch's pinned-memory cache: freed into it,
 they would stay pinned until something empties it, as every CUDA graph capture does, holding the
-interpreter lock for the tenth of a second that unpinning them takes, while the engine serves. On the CPU a read whose dtype matches lands in
-the destination's own memory. Each of these calls releases Python's interpreter lock for its whole
+interpreter lock for the tenth of a second that unpinning them takes, while the engine serves. On the
+CPU a read whose dtype matches lands in the destination's own memory. Each of these calls releases Python's interpreter lock for its whole
 length, and the long ones (a read, a wait for a buffer) are a few per unit, not per tensor or per
 megabyte: a thread taking the lock back after one waits up to the switch interval while another
 thread runs Python (a load imports Inductor beside the read; switch_interval.py), so the fewer
@@ -246,8 +246,8 @@ class WeightsReader:
                         copy_tensors(dests, sources, non_blocking=True)
                         done[slot] = stream.record_event()
         finally:  # (a failed unit too) the copies are done before their buffers are unpinned
-            for buffer, event in zip(buffers, done):
-                if stream is not None:
+            if stream is not None:
+                for buffer, event in zip(buffers, done):
                     if event is not None:
                         event.synchronize()
                     _unpin(buffer)

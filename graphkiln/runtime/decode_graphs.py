@@ -57,10 +57,10 @@ class DecodeGraphs:
         with self.graphs.capturing((size, mode)):
             self.graphs.capture((size, mode), partial(self._step, size, mode), warm)
 
-    def dry_steps(self) -> list[Callable[[], Sampled | torch.Tensor]]:
-        """Each bucket's first graph's step, to run once outside any capture (kernel_builds.py): the kernels the
+    def dry_steps(self) -> list[Callable[[], Sampled]]:
+        """Each bucket's greedy step, to run once outside any capture (kernel_builds.py): the kernels the
         captures launch are the same in every sampling mode."""
-        return [partial(self._step, size, self.modes[0]) for size in self.graphs.sizes]
+        return [partial(self._step, size, "greedy") for size in self.graphs.sizes]
 
     def warm_ups(self) -> list[Callable[[], None]]:
         """Each bucket's step run once for real on the capture stream, before `jobs(warm=False)` (whose modes

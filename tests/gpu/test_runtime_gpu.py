@@ -384,7 +384,7 @@ def test_eager_model_graphs_serve_decode_while_the_pieces_load(tiny_fp32_parts):
     eager = LLM(build_engine(net, None, config.replace(capture="blocking")), tok)
     loading = LLM(build_engine(net, None, config, pieces=pieces), tok)
     deadline = time.monotonic() + 120
-    while len(loading.stats().prepared) < 1 + 4 and time.monotonic() < deadline:  # the builds, 4 captures
+    while len(loading.stats().prepared) < 1 + 4 and time.monotonic() < deadline:  # the warm-ups, 4 captures
         time.sleep(0.05)
     stats = loading.stats()
     assert [(p.kind, p.key, p.error) for p in stats.prepared] == [("kernels", "built", None)] + [
