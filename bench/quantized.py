@@ -7,7 +7,8 @@ counts, with sweeps of the few-row kernels' tiles. A few minutes on the 8b shape
   fp8         fp8_linear with per-channel scales (what it picks), and each candidate: the one-row GEMV,
               the fp8 tensor-core kernel quantizing x in registers (mma) or, above FEW_ROWS rows, multiplying x
               quantized per token by a kernel before it (mma_quantized), per-token quantization +
-              torch._scaled_mm (rowwise)
+              torch._scaled_mm (rowwise); above 64 rows also that product alone on x quantized before
+              (scaled_mm_only) and with one scale per tensor on each side (scaled_mm_tensor)
   fp8-block   the same with 128 x 128 block scales; candidates: the GEMV, the mma kernel, 1 x 128
               quantization + block-scaled _scaled_mm (where this torch has it), dequantize + torch.mm
   int4        int4_linear (groups of 128, what it picks with the layers' tinygemm layout), and each
@@ -125,6 +126,11 @@ def candidates(fmt: str, x, rows: int, tinygemm: dict | None = None) -> dict:
             out["mma_quantized"] = lambda w, s: quantized_mma(x, w, s)
         if fmt == "fp8":
             out["scaled_mm"] = lambda w, s: rowwise_scaled_mm(x, w, s)
+            if rows > f.MMA_ROWS:  # the product alone, on x quantized before the timing
+                q, scale_a = f.quantize_rows(x)
+                unit = torch.ones((), device=x.device)
+                out["scaled_mm_only"] = lambda w, s: f.scaled_mm(q, w.t(), scale_a, s.view(1, -1), x.dtype)
+                out["scaled_mm_tensor"] = lambda w, s: f.scaled_mm(q, w.t(), unit, unit, x.dtype)
         else:
             if rows > f.FEW_ROWS and f.blockwise_scaled_mm(x.device.index or 0):  # as fp8_linear uses it
                 out["scaled_mm"] = lambda w, s: blockwise_scaled_mm(x, w, s)
