@@ -1,12 +1,13 @@
 """Steps served beside the background preparation: how long each engine step takes while the pieces job
 imports Inductor and the graphs are captured, and where every thread was during a slow one.
 
-    python -m bench steps --out $OUT [--model tiny|1b|8b] [--processes 3] [--slow-ms 50]
+    python -m bench steps --out $OUT [--model tiny|1b|8b] [--processes 3] [--slow-ms 50] [--until-ready]
 
 The model (the built-in `tiny` by default and with --smoke; `1b`/`8b`: random weights of those shapes) is
 compiled into a scratch artifact, then each fresh process loads it (background preparation, the default
 buckets), submits six requests right away (32 new tokens each, as tests/gpu/test_startup_gpu.py does) and
-times every step until they finish. A watcher thread takes
+times every step until they finish (`--until-ready`: each finished request is replaced by a new one until the
+preparation is done, so that steps meet every background capture, then the last ones finish). A watcher thread takes
 every thread's Python stack once a step has run `--slow-ms` (and up to three times more, 30 ms apart),
 Triton's hooks record every kernel built or read from its cache, and the collector's callbacks every full
 collection, with the step each fell in. The first process on a machine also
@@ -31,6 +32,7 @@ import graphkiln
 from bench.stack_sampler import short_path
 
 slow_s = float(sys.argv[2])
+until_ready = sys.argv[3] == "1"
 SAMPLES, SAMPLE_EVERY_S = 4, 0.03  # stacks a slow step, and how far apart
 steps, samples, kernel_loads, full_collections = [], [], [], []
 building, collecting = {}, {}  # when each thread began a kernel's build or read; when a collection began
@@ -81,8 +83,8 @@ except ImportError:  # no Triton (the CPU): nothing to see
     pass
 llm = graphkiln.load(sys.argv[1], kv_cache_tokens=16384)
 engine = llm.engine
-prompts = [[5 + i] * (1 + 3 * i) for i in range(6)]
-seqs = [engine.add_request(p, graphkiln.SamplingParams(max_tokens=32, ignore_eos=True)) for p in prompts]
+params = graphkiln.SamplingParams(max_tokens=32, ignore_eos=True)
+seqs = [engine.add_request([5 + i] * (1 + 3 * i), params) for i in range(6)]
 watcher = threading.Thread(target=watch, daemon=True)
 watcher.start()
 while any(s.finish_reason is None for s in seqs):
@@ -90,6 +92,9 @@ while any(s.finish_reason is None for s in seqs):
     engine.step()
     steps.append(time.perf_counter() - state["start"])
     state["start"] = None
+    if until_ready and not engine.preparation.ready:  # a finished request's place goes to a new one
+        seqs = [s if s.finish_reason is None else engine.add_request([5 + i] * (1 + 3 * i), params)
+                for i, s in enumerate(seqs)]
 state["done"] = True
 llm.wait_ready()
 stats = llm.stats()
@@ -104,6 +109,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_study_arguments(p, model="tiny")
     p.add_argument("--processes", type=int, default=3, help="fresh processes, one after another (default 3)")
     p.add_argument("--slow-ms", type=float, default=50, help="a step past this is sampled (default 50)")
+    p.add_argument("--until-ready", action="store_true",
+                   help="a finished request's place goes to a new one until every graph is captured, so that steps "
+                        "meet every capture (default: the six requests only)")
 
 
 def main(a: argparse.Namespace) -> int:
@@ -118,7 +126,8 @@ def main(a: argparse.Namespace) -> int:
         source = saved_model_dir(name, scratch, study.device, study.dtype_name)
         graphkiln.compile_model(source, artifact, graphkiln.CompileConfig(device=study.device, dtype=study.dtype_name))
         for i in range(a.processes):
-            proc = subprocess.run([sys.executable, "-c", CHILD, str(artifact), str(a.slow_ms / 1000)],
+            proc = subprocess.run([sys.executable, "-c", CHILD, str(artifact), str(a.slow_ms / 1000),
+                                   str(int(a.until_ready))],
                                   cwd=REPO, capture_output=True, text=True, timeout=600)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("GK_STEPS ")]
             if proc.returncode != 0 or not lines:
