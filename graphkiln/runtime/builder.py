@@ -19,14 +19,14 @@ from .attention.select import select_backend
 from .config import EngineConfig
 from .decode_graphs import DecodeGraphs
 from .engine import Engine
-from .graphs import CaptureSetup, GraphPool
+from .graphs import CaptureSetup, GraphPool, capture_all
 from .kernel_builds import KernelBuildsJob
 from .kv_cache import BlockAllocator
 from .kv_dtype import cache_dtype
 from .lockstep import Lockstep
 from .memory import allocate_kv_cache, kv_cache_blocks
 from .prefill_graphs import PiecewisePrefillGraphs, PrefillGraphs
-from .preparation import Job, PiecesJob, Preparation
+from .preparation import Job, PiecesJob, Preparation, WarmupJob
 from .runner import ModelRunner, Padding
 from .scheduler import Scheduler
 from .step_lock import StepLock
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from .tensor_parallel import Peers
 
 log = logging.getLogger("graphkiln.runtime")
-EAGER_GRAPH_MAX_BATCH = 8  # the eager model's decode graphs, served while the pieces load: the first seconds' batches
+EAGER_GRAPH_MAX_BATCH = 8  # the eager model's decode graph, served while the pieces load: the first seconds' batches
 
 
 def build_engine(
@@ -54,8 +54,8 @@ def build_engine(
     are not started here: rank 0 (`peers`: the other ranks, which follow every step) starts them once
     every rank has built its engine (`prepare`), and each rank runs them together (`lockstep`).
     `pieces` (with `compiled` None) loads the compiled model later: the engine serves eagerly until the first
-    background job has loaded it and switched the runner over, then prepares its graphs; on CUDA, before it loads
-    them, it captures the eager model's decode steps of the smallest batches (`_eager_graphs`)."""
+    background job has loaded it and switched the runner over, then prepares its graphs; on CUDA the eager
+    model's decode step of the first seconds' batches is captured here first (`_eager_graph`)."""
     config = config or EngineConfig()
     cfg = model.cfg
     max_context = min(cfg.max_context, config.max_seq_len or cfg.max_context)
@@ -78,10 +78,14 @@ def build_engine(
         jobs = use(compiled)
     elif pieces is not None:
         sizes = (*first_call_sizes(config), max_blocks)
+        eager = None if model.shard.parallel else _eager_graph(runner, config, max_blocks, allocator.capacity)
         with torch.inference_mode():
             first_calls(runner, *sizes)
-        eager_graphs = [] if model.shard.parallel else _eager_graphs(runner, config, max_blocks, allocator.capacity)
-        jobs = [*eager_graphs, PiecesJob(partial(_first_called, pieces, runner, sizes), use)]
+            if eager is not None:
+                KernelBuildsJob(eager.dry_steps()).run()  # kernels the first calls did not build, built at once
+                capture_all(eager.jobs())
+                runner.eager_graphs = eager
+        jobs = [PiecesJob(partial(_first_called, pieces, runner, sizes), use)]
     scheduler = Scheduler(allocator, max_context, config.max_num_batched_tokens, config.max_num_seqs)
     lock = StepLock()
     preparation = Preparation(jobs, lock, device, lockstep)
@@ -123,33 +127,25 @@ def _decode_sizes(config: EngineConfig, capacity: int) -> tuple[int, ...]:
     return tuple(s for s in config.decode_batch_sizes if s <= min(config.max_num_seqs, capacity))
 
 
-def _eager_graphs(runner: ModelRunner, config: EngineConfig, max_blocks: int, capacity: int) -> list[Job]:
-    """The jobs that capture the eager model's decode steps of up to EAGER_GRAPH_MAX_BATCH rows in CUDA graphs
-    ending at the logits, where the backend can: their warm-ups first, off the step lock (the first calls built
-    most of their kernels; a warm-up builds the rest there), then one capture each, largest first (a smaller
-    batch replays it, padded, until its own is in), each holding the lock for one forward of the model. While
-    the pieces load beside the steps (Inductor's import: seconds of Python), an eager step's hundreds of ops
-    each hand the interpreter lock to that job and wait to get it back; a replay takes it once.
-    `_use_compiled` drops them."""
-    sizes = tuple(s for s in _decode_sizes(config, capacity) if s <= EAGER_GRAPH_MAX_BATCH)
+def _eager_graph(runner: ModelRunner, config: EngineConfig, max_blocks: int, capacity: int) -> DecodeGraphs | None:
+    """Where the backend can capture decode: the eager model's decode step of the largest decode bucket of up to
+    EAGER_GRAPH_MAX_BATCH rows, as a graph ending at the logits (sampled after each replay), for `build_engine`
+    to capture before it returns; every smaller batch replays it padded. While the pieces load beside the steps
+    (Inductor's import: seconds of Python), an eager step's hundreds of ops each hand the interpreter lock to
+    that job and wait to get it back, where a replay takes it once; captured in the background, it would hold
+    the step lock for one eager forward (tens of milliseconds on an 8B-like model), which a step arriving
+    then waits for. It serves until the compiled model's decode graphs are captured (`_graphs`)."""
+    sizes = [s for s in _decode_sizes(config, capacity) if s <= EAGER_GRAPH_MAX_BATCH]
     if not (sizes and config.cuda_graphs and runner.device.type == "cuda" and runner.backend.capturable_decode):
-        return []
+        return None
     setup = CaptureSetup(GraphPool(), runner.backend, config.block_size, max_blocks, runner.device)
-    graphs = DecodeGraphs(setup, sizes, runner.model, runner.model.compute_logits, sampler_inside=False)
-    runner.decode_graphs = graphs
-    if not runner.backend.concurrent_plans:  # (the warm-ups plan off the step lock)
-        return list(reversed(graphs.jobs()))
-    return [KernelBuildsJob([], graphs.warm_ups()), *reversed(graphs.jobs(warm=False))]
+    return DecodeGraphs(setup, (sizes[-1],), runner.model, runner.model.compute_logits, sampler_inside=False)
 
 
 def _use_compiled(runner: ModelRunner, config: EngineConfig, max_blocks: int, capacity: int,
                   compiled: CompiledModel) -> list[Job]:  # fmt: skip
-    """Make the runner run `compiled` (dropping the eager model's graphs, if any); return the jobs that capture
-    its graphs (on CUDA) or warm each bucket up."""
+    """Make the runner run `compiled`; return the jobs that capture its graphs (on CUDA) or warm each bucket up."""
     runner.forward = compiled
-    if runner.decode_graphs is not None:
-        runner.decode_graphs.graphs.release()
-        runner.decode_graphs = None
     prefill_sizes = tuple(s for s in config.prefill_token_buckets if s <= config.max_num_batched_tokens)
     decode_sizes = _decode_sizes(config, capacity)
     if config.cuda_graphs and runner.device.type == "cuda":
@@ -171,6 +167,9 @@ def _graphs(runner: ModelRunner, compiled: CompiledModel, config: EngineConfig, 
         runner.decode_graphs = DecodeGraphs(setup, decode_sizes, compiled, runner.model.compute_logits)
     strategies = [strategy for strategy in (runner.decode_graphs, runner.prefill_graphs) if strategy]
     captures = [job for strategy in strategies for job in strategy.jobs()]
+    if runner.eager_graphs is not None:  # replayed until the compiled model's decode graphs are all captured
+        decode = sum(job.kind == "decode" for job in captures)
+        captures.insert(decode, WarmupJob("decode", "eager graph released", runner.release_eager_graphs))
     if not captures or not runner.backend.concurrent_plans:  # (the builds' dry steps plan off the step lock)
         return captures
     dry = [strategy for strategy in strategies if isinstance(strategy, (DecodeGraphs, PrefillGraphs))]

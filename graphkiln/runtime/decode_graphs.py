@@ -2,7 +2,7 @@
 
 Each bucket has one graph per sampling mode (greedy, sample, filter; see sampler.py), attention,
 LM head and sampler inside; or, without `sampler_inside`, one graph up to the logits, sampled after each
-replay (the eager model's graphs while a background load brings the pieces: one capture a bucket). The
+replay (the eager model's graph while a background load brings the pieces: one capture a bucket). The
 batch (static_batch.StaticBatch) and per-row sampling parameters live in buffers sized once for the
 largest bucket; every graph reads views of them. A replay copies the padded batch into the buffers,
 re-plans the backend on the same buffers, and replays the mode's graph.
@@ -38,6 +38,7 @@ class DecodeGraphs:
         self.batch = StaticBatch(largest, largest, setup.max_blocks_per_seq, setup.block_size, setup.device)
         self.sampling = SamplingTensors.empty(largest, setup.device)
         self.sampling_staging = SamplingTensors(*(self.batch.pinned_like(t) for t in self.sampling))
+        self.warmed: set[tuple[int, str]] = set()  # graphs whose warm-up ran apart from their capture
 
     def bucket(self, num_seqs: int, mode: str) -> int | None:
         """The smallest bucket holding `num_seqs` whose graph for `mode` is captured."""
@@ -53,27 +54,27 @@ class DecodeGraphs:
             logits = self.compute_logits(hidden)
             return logits if mode == LOGITS else sample(logits, self.sampling.rows(size), mode)
 
-    def _capture_one(self, size: int, mode: str, warm: bool = True) -> None:
+    def _warm_one(self, size: int, mode: str) -> None:
+        self.graphs.warm(partial(self._step, size, mode))
+        self.warmed.add((size, mode))
+
+    def _capture_one(self, size: int, mode: str) -> None:
         with self.graphs.capturing((size, mode)):
-            self.graphs.capture((size, mode), partial(self._step, size, mode), warm)
+            self.graphs.capture((size, mode), partial(self._step, size, mode), warm=(size, mode) not in self.warmed)
 
     def dry_steps(self) -> list[Callable[[], Sampled]]:
-        """Each bucket's greedy step, to run once outside any capture (kernel_builds.py): the kernels the
-        captures launch are the same in every sampling mode."""
-        return [partial(self._step, size, "greedy") for size in self.graphs.sizes]
+        """Each bucket's greedy step, and the smallest's in the other sampling modes, to run once outside any
+        capture (kernel_builds.py): the kernels the captures launch are the same in every bucket, and a
+        sampling mode's first call (torch's kernels it loads, the random generator's device state) is then not
+        paid by a capture under the step lock."""
+        first = self.graphs.sizes[0]
+        return [partial(self._step, size, "greedy") for size in self.graphs.sizes] + [
+            partial(self._step, first, mode) for mode in self.modes if mode != "greedy"]  # fmt: skip
 
-    def warm_ups(self) -> list[Callable[[], None]]:
-        """Each bucket's step run once for real on the capture stream, before `jobs(warm=False)` (whose modes
-        then must be this set's one graph mode, `LOGITS`): off the step lock, where the captures' own warm-ups
-        would hold it."""
-        steps = [partial(self.graphs.warm, partial(self._step, size, self.modes[0])) for size in self.graphs.sizes]
-        return [*steps, self.graphs.capture_ahead]
-
-    def jobs(self, warm: bool = True) -> list[CaptureJob]:
-        """One capture per bucket and graph mode, smallest bucket first; each warms its step up first unless
-        the `warm_ups` ran."""
-        return [CaptureJob(self.graphs, f"{size}/{mode}", partial(self._capture_one, size, mode, warm), (size, mode))
-                for size in self.graphs.sizes for mode in self.modes]  # fmt: skip
+    def jobs(self) -> list[CaptureJob]:
+        """One capture per bucket and graph mode, smallest bucket first."""
+        return [CaptureJob(self.graphs, f"{size}/{mode}", partial(self._capture_one, size, mode), (size, mode),
+                           partial(self._warm_one, size, mode)) for size in self.graphs.sizes for mode in self.modes]
 
     def run(self, batch: Batch, sampling: SamplingBatch, pending: InputIds | None, size: int) -> Sampled:
         """The sampled rows (ids; log-probabilities unless greedy) of a decode step in bucket `size` (`bucket`).

@@ -69,12 +69,15 @@ class CaptureSetup:
 
 @dataclass(frozen=True)
 class CaptureJob:
-    """One bucket's capture: `run()` captures it and marks `bucket` ready in `graphs`; `withdraw()` drops it."""
+    """One bucket's capture: `run()` captures it and marks `bucket` ready in `graphs`; `withdraw()` drops it.
+    With `warm`, its warm-up can run on its own first (then `run()` does not warm up again): a background
+    preparation holds the step lock for each of the two, so that a step waits for one of them at most."""
 
     graphs: GraphSet
     key: str
     run: Callable[[], None]
     bucket: Hashable
+    warm: Callable[[], None] | None = None
 
     @property
     def kind(self) -> str:
@@ -131,21 +134,8 @@ class GraphSet:
             fn()
         torch.cuda.current_stream().wait_stream(stream)
 
-    def capture_ahead(self) -> None:
-        """Capture a graph of one op into the pool on the side stream and drop it: a process's first capture
-        took a tenth of a second longer than the ones after it (torch's own first-time work, its pinned-memory
-        cache emptied among it); paid here, off the step lock, it stays out of the wait of a step behind the
-        first bucket's capture. No other capture runs meanwhile (capture_pause.py)."""
-        scratch = torch.zeros(1, device=torch.cuda.current_device())
-        graph = torch.cuda.CUDAGraph()
-        with captures_paused(), torch.cuda.graph(graph, pool=self.pool.handle, stream=self.pool.stream,
-                                                 capture_error_mode="thread_local"):
-            scratch.add_(1)
-        graph.replay()
-        torch.cuda.synchronize()
-
     def capture(self, key: Hashable, fn: Callable[[], Any], warm: bool = True) -> Any:
-        """Run `fn` once on the side stream (unless it was `warm`ed before), then capture it into the shared
+        """Run `fn` once on the side stream (`warm`; not where the caller did), then capture it into the shared
         pool under `key`; return the outputs its replays will refresh."""
         if warm:
             self.warm(fn)

@@ -2,8 +2,7 @@
 threads (kernels/launch.py), where each capture would otherwise build its own, one after another.
 
 Its part off the step lock runs each bucket's step once without a graph, its kernels' launches turned into
-builds (the steps the engine serves meanwhile go on), and waits for them, then runs the warm-ups it was given
-for real (what captures without warm-ups of their own need first); in a fresh process with Triton's
+builds (the steps the engine serves meanwhile go on), and waits for them; in a fresh process with Triton's
 cache empty the builds are seconds each, and otherwise reads of that cache. A tensor-parallel rank other
 than the first runs only the part under the lock (preparation.py), so there it does the same under the lock.
 """
@@ -19,9 +18,8 @@ class KernelBuildsJob:
     kind = "kernels"
     key = "built"
 
-    def __init__(self, steps: list[Callable[[], object]], warm_ups: list[Callable[[], object]] | None = None) -> None:
+    def __init__(self, steps: list[Callable[[], object]]) -> None:
         self.steps = steps
-        self.warm_ups = warm_ups or []
         self.built = False
 
     def unlocked(self) -> None:
@@ -29,8 +27,6 @@ class KernelBuildsJob:
             for step in self.steps:
                 step()
         wait_for_builds()
-        for warm_up in self.warm_ups:
-            warm_up()
         self.built = True
 
     def run(self) -> None:

@@ -6,7 +6,8 @@ beside a step and a step waits for at most one job; the smallest buckets come fi
 most used. A step whose bucket is not ready yet runs in a larger ready one or without a graph.
 A job that raises is logged and recorded, its bucket stays unready (steps run without it), and
 the jobs after it still run. `stop()` (the engine's close) lets the running job finish and skips
-the rest.
+the rest. A capture's warm-up and the capture itself take the lock one after the other, so that a step
+waits for the longer of the two at most.
 
 A background load's first job is a `PiecesJob`: it loads the compiled pieces (importing Inductor) off
 the step lock, so steps go on, served by the model itself, then switches the runner over under it
@@ -170,6 +171,12 @@ class Preparation:
                 if hasattr(job, "unlocked"):  # the pieces (Inductor's import), the kernels' builds: beside the steps
                     with late_steps_first(self.lock), collections_deferred():
                         error = self._attempt(job.unlocked, job)
+                warm = getattr(job, "warm", None)
+                if warm is not None and self.lockstep is None:  # (a group's warm-ups talk: they run with the job)
+                    with captures_paused(), self.lock(background=background):
+                        if self._stop.is_set():
+                            return
+                        error = self._attempt(warm, job)
                 with captures_paused(), self.lock(background=background):  # in this order: capture_pause.py
                     if self._stop.is_set():
                         return

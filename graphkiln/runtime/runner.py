@@ -75,14 +75,22 @@ class ModelRunner:
         self.forward = forward or model
         self.padding = padding
         self.decode_graphs = decode_graphs
+        self.eager_graphs: DecodeGraphs | None = None  # the eager model's, replayed where decode_graphs has no bucket
         self.prefill_graphs = prefill_graphs
         self.peers = peers
         self.device = kv_cache.keys.device
         self.steps_without_graph: Counter[str] = Counter()  # "decode" / "prefill"
 
     def graph_sets(self) -> list:
-        """The captured graph strategies (prefill first, decode last, as they are captured)."""
-        return [g for g in (self.prefill_graphs, self.decode_graphs) if g is not None]
+        """The captured graph strategies (prefill first, decode last, as they are captured; the eager model's
+        decode graphs until the compiled model's are planned)."""
+        return [g for g in (self.prefill_graphs, self.decode_graphs or self.eager_graphs) if g is not None]
+
+    def release_eager_graphs(self) -> None:
+        """Drop the eager model's decode graphs (once the compiled model's are captured)."""
+        if self.eager_graphs is not None:
+            self.eager_graphs.graphs.release()
+            self.eager_graphs = None
 
     def recapture(self) -> None:
         """Capture every graph again, same sizes, same pool (after kernel settings changed)."""
@@ -99,6 +107,7 @@ class ModelRunner:
             if graphs is not None:
                 graphs.graphs.release()
         self.decode_graphs = self.prefill_graphs = None
+        self.release_eager_graphs()
         self.kv_cache.release()
         self.backend = self.forward = self.model = None
         if self.peers is not None:
@@ -120,6 +129,9 @@ class ModelRunner:
         with torch.inference_mode():
             graphs = self.decode_graphs
             size = graphs.bucket(batch.num_tokens, sampling.mode) if batch.decode and graphs is not None else None
+            if size is None and batch.decode and self.eager_graphs is not None:  # (one rank only)
+                graphs = self.eager_graphs
+                size = graphs.bucket(batch.num_tokens, sampling.mode)
             if size is not None:
                 if self.peers is None:
                     return graphs.run(batch, sampling, pending, size)
