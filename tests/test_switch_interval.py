@@ -1,5 +1,6 @@
 """The switch interval a load reads its weights under: lowered for the overlap with the Inductor import and
-restored after, an interval set meanwhile kept, a shorter one left alone, and the environment variable checked."""
+restored after, an interval set meanwhile kept, a shorter one left alone, and the environment variable checked;
+the same interval for a background preparation's work beside the steps."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 import graphkiln
 from artifact_helpers import ENGINE
@@ -19,6 +21,8 @@ from graphkiln.models.switch_interval import (
     load_switch_interval,
     lowered_switch_interval,
 )
+from graphkiln.runtime.preparation import Preparation
+from graphkiln.runtime.step_lock import StepLock
 
 
 @pytest.fixture(autouse=True)
@@ -111,3 +115,28 @@ def test_load_reads_under_the_lowered_interval_and_restores_it(artifact: Path, m
     monkeypatch.setenv(LOAD_SWITCH_INTERVAL_ENV, "slow")
     with pytest.raises(ConfigError, match=LOAD_SWITCH_INTERVAL_ENV):
         graphkiln.load(artifact, **ENGINE)
+
+
+def test_background_jobs_run_their_part_off_the_step_lock_under_the_lowered_interval() -> None:
+    """A background preparation job's part beside the steps (Inductor's import, the kernels' dry steps: seconds
+    of Python) runs under the lowered interval, its part under the step lock and what follows under the one
+    found before."""
+    seen: dict[str, float] = {}
+
+    class Probe:
+        kind, key = "probe", "interval"
+
+        def unlocked(self) -> None:
+            seen["beside the steps"] = sys.getswitchinterval()
+
+        def run(self) -> None:
+            seen["under the lock"] = sys.getswitchinterval()
+
+        def withdraw(self) -> None:
+            """Nothing to undo."""
+
+    preparation = Preparation([Probe()], StepLock(), torch.device("cpu"), switch_interval=1e-4)
+    preparation.start()
+    assert preparation.wait(60) and not preparation.errors
+    assert seen == {"beside the steps": pytest.approx(1e-4), "under the lock": pytest.approx(0.005)}
+    assert sys.getswitchinterval() == pytest.approx(0.005)

@@ -191,8 +191,7 @@ def read_weights(
                 raise ArtifactError(f"{out}: the artifact changed while it was loading; load it again")
             check_files(manifest, out, already_read=frozenset({QUANTIZED_FILE}))  # the code, not the weights again
             torch.set_num_threads(threads)  # Inductor's CPU kernels are keyed by it: else they would build again
-            with lowered_switch_interval(switch_interval):  # the serving thread waits less for the lock
-                return _read_pieces(out, manifest, model, clock, graph)
+            return _read_pieces(out, manifest, model, clock, graph)  # (under the preparation's switch interval)
 
     return model, tokenizer, manifest, pieces
 

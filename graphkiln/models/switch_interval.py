@@ -1,16 +1,19 @@
-"""Python's thread switch interval while a load reads its weights beside Python work.
+"""Python's thread switch interval while a load reads its weights beside Python work, and while a background
+preparation runs Python beside the steps.
 
 A thread that wants the interpreter lock while another thread runs Python waits for the switch
 interval (5 ms by default) before the running thread is asked to let go. A load reads its weights
 on threads that take the lock back after each read and copy call, while its own thread imports
 Inductor and loads the compiled pieces (seconds of pure Python): every take can cost the whole
 interval. `lowered_switch_interval` shortens the interval for the length of that overlap; the
-Python beside it pays a switch (microseconds) only when a reading thread is waiting. The interval
+Python beside it pays a switch (microseconds) only when a reading thread is waiting. The same holds for
+an engine's steps beside its background preparation (Inductor's import, the kernels' dry steps), whose
+part off the step lock runs under the same interval (preparation.py). The interval
 is process-wide: on the way out the one found on the way in is restored, unless something else
 set another meanwhile (that one is kept), and an interval already shorter is left as it is.
 
-`GRAPHKILN_LOAD_SWITCH_INTERVAL` sets the interval a load uses, in seconds, or `off` to leave the
-interpreter's own.
+`GRAPHKILN_LOAD_SWITCH_INTERVAL` sets the interval a load (and that preparation) uses, in seconds, or `off`
+to leave the interpreter's own.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ import torch
 from graphkiln.compiler.compiled_model import CompiledModel
 from graphkiln.kernels.launch import builds_ahead
 from graphkiln.models.sharding import local_config
+from graphkiln.models.switch_interval import load_switch_interval
 from graphkiln.models.transformer import CausalLM
 
 from .attention.select import select_backend
@@ -88,7 +89,7 @@ def build_engine(
         jobs = [PiecesJob(partial(_first_called, pieces, runner, sizes), use)]
     scheduler = Scheduler(allocator, max_context, config.max_num_batched_tokens, config.max_num_seqs)
     lock = StepLock()
-    preparation = Preparation(jobs, lock, device, lockstep)
+    preparation = Preparation(jobs, lock, device, lockstep, load_switch_interval())
     engine = Engine(runner, scheduler, cfg.eos_token_ids, cfg.vocab_size, config, lock, preparation)
     if not model.shard.parallel:
         prepare(engine, config)

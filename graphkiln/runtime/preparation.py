@@ -33,6 +33,7 @@ from typing import Protocol
 import torch
 
 from graphkiln.errors import GraphkilnError, RankFailedError
+from graphkiln.models.switch_interval import lowered_switch_interval
 from graphkiln.models.weights_reader import indexed
 
 from .capture_pause import captures_paused, paused_here
@@ -120,8 +121,14 @@ class PreparedBucket:
 
 
 class Preparation:
-    def __init__(self, jobs: list[Job], lock: StepLock, device: torch.device, lockstep: Lockstep | None = None) -> None:
+    """`switch_interval`: the interpreter's switch interval (at most) while a job's part off the step lock runs
+    (switch_interval.py): that part is seconds of Python (Inductor's import, the kernels' dry steps), and under
+    the default 5 ms a step's every handover of the interpreter lock can wait that long for it."""
+
+    def __init__(self, jobs: list[Job], lock: StepLock, device: torch.device, lockstep: Lockstep | None = None,
+                 switch_interval: float | None = None) -> None:  # fmt: skip
         self.jobs = list(jobs)
+        self.switch_interval = switch_interval
         self.planned = len(self.jobs)  # the jobs themselves are dropped once run or stopped
         self.lock = lock
         self.lockstep = lockstep
@@ -169,7 +176,8 @@ class Preparation:
                 start = time.perf_counter()
                 error = None
                 if hasattr(job, "unlocked"):  # the pieces (Inductor's import), the kernels' builds: beside the steps
-                    with late_steps_first(self.lock), collections_deferred():
+                    with (late_steps_first(self.lock), collections_deferred(),
+                          lowered_switch_interval(self.switch_interval)):
                         error = self._attempt(job.unlocked, job)
                 warm = getattr(job, "warm", None)
                 if warm is not None and self.lockstep is None:  # (a group's warm-ups talk: they run with the job)
