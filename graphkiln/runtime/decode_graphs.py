@@ -59,17 +59,20 @@ class DecodeGraphs:
         self.warmed.add((size, mode))
 
     def _capture_one(self, size: int, mode: str) -> None:
-        with self.graphs.capturing((size, mode)):
-            self.graphs.capture((size, mode), partial(self._step, size, mode), warm=(size, mode) not in self.warmed)
+        key = (size, mode)
+        warmed = key in self.warmed
+        self.warmed.discard(key)  # a later capture (`recapture`) warms up again
+        with self.graphs.capturing(key):
+            self.graphs.capture(key, partial(self._step, size, mode), warm=not warmed)
 
     def dry_steps(self) -> list[Callable[[], Sampled]]:
-        """Each bucket's greedy step, and the smallest's in the other sampling modes, to run once outside any
-        capture (kernel_builds.py): the kernels the captures launch are the same in every bucket, and a
-        sampling mode's first call (torch's kernels it loads, the random generator's device state) is then not
-        paid by a capture under the step lock."""
+        """Steps to run once outside any capture (kernel_builds.py): each bucket's greedy step (the model's
+        kernels are the same in every sampling mode), and the smallest bucket's in each other mode inside the
+        graphs, whose first calls (the sampler's kernels, the random generator's device state) a capture would
+        otherwise pay under the step lock."""
         first = self.graphs.sizes[0]
         return [partial(self._step, size, "greedy") for size in self.graphs.sizes] + [
-            partial(self._step, first, mode) for mode in self.modes if mode != "greedy"]  # fmt: skip
+            partial(self._step, first, mode) for mode in self.modes if mode not in ("greedy", LOGITS)]  # fmt: skip
 
     def jobs(self) -> list[CaptureJob]:
         """One capture per bucket and graph mode, smallest bucket first."""
