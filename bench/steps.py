@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 
@@ -136,9 +137,13 @@ def main(a: argparse.Namespace) -> int:
             results["processes"].append(run)
             steps = run["steps_s"]
             slowest = sorted(range(len(steps)), key=lambda j: -steps[j])[:4]
-            log(f"process {i}: {len(steps)} steps, first {steps[0] * 1e3:.0f} ms, slowest "
+            over = sum(step > a.slow_ms / 1000 for step in steps)
+            log(f"process {i}: {len(steps)} steps, first {steps[0] * 1e3:.0f} ms, median "
+                f"{statistics.median(steps) * 1e3:.1f} ms, {over} over {a.slow_ms:g} ms, slowest "
                 + ", ".join(f"#{j} {steps[j] * 1e3:.0f} ms" for j in slowest)
-                + f"; pieces in at {run['prepared'][0][3]:.2f} s; {len(run['slow_steps'])} sampled; "
+                + f"; longest wait for the step lock {run['step_waits']['longest_s'] * 1e3:.0f} ms"
+                + f"; pieces in at {run['prepared'][0][3]:.2f} s, ready at {run['prepared'][-1][3]:.2f} s; "
+                + f"{len(run['slow_steps'])} sampled; "
                 + f"{sum(k['step'] is not None for k in run['kernel_loads'])} Triton kernels loaded and "
                 + f"{sum(c['step'] is not None for c in run['full_collections'])} full collections during steps")
     log(f"wrote {study.save(results)}")
