@@ -38,7 +38,6 @@ class DecodeGraphs:
         self.batch = StaticBatch(largest, largest, setup.max_blocks_per_seq, setup.block_size, setup.device)
         self.sampling = SamplingTensors.empty(largest, setup.device)
         self.sampling_staging = SamplingTensors(*(self.batch.pinned_like(t) for t in self.sampling))
-        self.warmed: set[tuple[int, str]] = set()  # graphs whose warm-up ran apart from their capture
 
     def bucket(self, num_seqs: int, mode: str) -> int | None:
         """The smallest bucket holding `num_seqs` whose graph for `mode` is captured."""
@@ -55,15 +54,11 @@ class DecodeGraphs:
             return logits if mode == LOGITS else sample(logits, self.sampling.rows(size), mode)
 
     def _warm_one(self, size: int, mode: str) -> None:
-        self.graphs.warm(partial(self._step, size, mode))
-        self.warmed.add((size, mode))
+        self.graphs.warm(partial(self._step, size, mode), (size, mode))
 
     def _capture_one(self, size: int, mode: str) -> None:
-        key = (size, mode)
-        warmed = key in self.warmed
-        self.warmed.discard(key)  # a later capture (`recapture`) warms up again
-        with self.graphs.capturing(key):
-            self.graphs.capture(key, partial(self._step, size, mode), warm=not warmed)
+        with self.graphs.capturing((size, mode)):
+            self.graphs.capture((size, mode), partial(self._step, size, mode))
 
     def dry_steps(self) -> list[Callable[[], Sampled]]:
         """Steps to run once outside any capture (kernel_builds.py): each bucket's greedy step (the model's

@@ -9,7 +9,9 @@ at once they run largest first, so smaller graphs reuse the pool's memory, and c
 background (preparation.py) smallest first. A bucket serves replays once it is `ready`: a step
 whose bucket is not ready yet takes the smallest ready bucket that holds it, or runs without a graph.
 Captures use `capture_error_mode="thread_local"`: they may run on a thread of their own; each holds the
-process's capture lock (capture_pause.py).
+process's capture lock (capture_pause.py). Unlike `torch.cuda.graph`, a capture neither synchronizes the
+device nor empties the allocator's cache first: under a background preparation's step lock that would make a
+step wait for the GPU work queued before it (a large bucket's warm-up, say) as well as for the capture.
 """
 
 from __future__ import annotations
@@ -32,13 +34,6 @@ def smallest_bucket(sizes: tuple[int, ...], count: int) -> int | None:
     """The smallest of the increasing `sizes` that holds `count`, or None beyond the largest."""
     i = bisect.bisect_left(sizes, count)
     return sizes[i] if i < len(sizes) else None
-
-
-def reserved_after_sync() -> int:
-    """Bytes the caching allocator holds once idle cache is released: graph pools stay, the rest goes."""
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    return torch.cuda.memory_reserved()
 
 
 @dataclass(frozen=True)
@@ -105,7 +100,9 @@ class GraphSet:
         self.replays: Counter[Hashable] = Counter()
         self.ready: set[Hashable] = set()  # buckets whose graphs are all captured (strategies say what a key is)
         self.bucket_keys: dict[Hashable, set[Hashable]] = {}  # the graphs each bucket's capture added
+        self.warmed: set[Hashable] = set()  # graphs whose warm-up ran apart from their capture
         self.stats = CaptureStats()
+        self._captured_bytes = 0  # device memory the captures since the last `capturing` block reserved
 
     def ready_bucket(self, count: int, key: Callable[[int], Hashable] = lambda size: size) -> int | None:
         """The smallest size holding `count` whose bucket `key(size)` is ready, or None."""
@@ -117,35 +114,44 @@ class GraphSet:
         """Around capturing one bucket's graph(s): its seconds and the pool memory it added count in the stats,
         and the bucket is ready once the block ends without raising."""
         start = time.perf_counter()
-        before = reserved_after_sync()
         keys = set(self.graphs)
+        self._captured_bytes = 0
         yield
-        added = reserved_after_sync() - before
         self.bucket_keys[bucket] = set(self.graphs) - keys
         self.ready.add(bucket)
         self.stats = CaptureStats(len(self.graphs), self.stats.seconds + time.perf_counter() - start,
-                                  self.stats.pool_bytes + added)  # fmt: skip
+                                  self.stats.pool_bytes + self._captured_bytes)  # fmt: skip
 
-    def warm(self, fn: Callable[[], Any]) -> None:
-        """Run `fn` once on the side stream: its lazy initialisation and autotuning, before a capture."""
+    def warm(self, fn: Callable[[], Any], key: Hashable | None = None) -> None:
+        """Run `fn` once on the side stream: its lazy initialisation and autotuning, before a capture. With
+        `key`, the capture of `key` that follows does not warm up again."""
         stream = self.pool.stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             fn()
         torch.cuda.current_stream().wait_stream(stream)
+        if key is not None:
+            self.warmed.add(key)
 
-    def capture(self, key: Hashable, fn: Callable[[], Any], warm: bool = True) -> Any:
-        """Run `fn` once on the side stream (`warm`; not where the caller did), then capture it into the shared
+    def capture(self, key: Hashable, fn: Callable[[], Any]) -> Any:
+        """Run `fn` once on the side stream (unless `warm` ran it for `key`), then capture it into the shared
         pool under `key`; return the outputs its replays will refresh."""
-        if warm:
+        if key in self.warmed:
+            self.warmed.discard(key)  # a later capture of it (`recapture`) warms up again
+        else:
             self.warm(fn)
-        stream = self.pool.stream
         graph = torch.cuda.CUDAGraph()
-        with (
-            captures_paused(),  # no random draw on the device beside it (capture_pause.py)
-            torch.cuda.graph(graph, pool=self.pool.handle, stream=stream, capture_error_mode="thread_local"),
-        ):
-            outputs = fn()
+        before = torch.cuda.memory_reserved()  # the step lock keeps other allocations out meanwhile
+        with captures_paused(), torch.cuda.stream(self.pool.stream):  # (capture_pause.py: no random draw beside it)
+            graph.capture_begin(pool=self.pool.handle, capture_error_mode="thread_local")
+            try:
+                outputs = fn()
+            except BaseException:
+                with contextlib.suppress(RuntimeError):  # (the capture is invalid: its end raises too)
+                    graph.capture_end()
+                raise
+            graph.capture_end()
+        self._captured_bytes += torch.cuda.memory_reserved() - before
         self.graphs[key] = (graph, outputs)
         return outputs
 
@@ -165,6 +171,7 @@ class GraphSet:
     def release(self) -> None:
         """Drop every graph and its outputs, so the pool's memory can go back to the device."""
         self.ready.clear()
+        self.warmed.clear()
         self.bucket_keys.clear()
         self.graphs.clear()
         self.stats = CaptureStats()

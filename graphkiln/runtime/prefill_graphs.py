@@ -61,8 +61,12 @@ class _StaticPrefill(ABC):
 
     def jobs(self) -> list[CaptureJob]:
         """One capture per token bucket, smallest first."""
-        return [CaptureJob(self.graphs, str(size), partial(self._capture_timed, size), size)
+        return [CaptureJob(self.graphs, str(size), partial(self._capture_timed, size), size, self._warm(size))
                 for size in self.graphs.sizes]  # fmt: skip
+
+    def _warm(self, size: int) -> Callable[[], None] | None:
+        """The bucket's warm-up, to run apart from its capture; None where the capture warms up as it goes."""
+        return None
 
     def _capture_timed(self, size: int) -> None:
         with self.graphs.capturing(size):
@@ -103,6 +107,9 @@ class PrefillGraphs(_StaticPrefill):
 
     def _capture_bucket(self, size: int) -> None:
         self.graphs.capture(size, self._planned_step(size))
+
+    def _warm(self, size: int) -> Callable[[], None]:
+        return lambda: self.graphs.warm(self._planned_step(size), size)
 
     def dry_steps(self) -> list[Callable[[], torch.Tensor]]:
         """Each bucket's step on its dummy batch, to run once outside any capture (kernel_builds.py)."""
