@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("graphkiln.runtime")
 EAGER_GRAPH_MAX_BATCH = 8  # the eager model's decode graph, served while the pieces load: the first seconds' batches
+EAGER_GRAPH_MAX_TOKENS = 512  # and its prefill graph: the first seconds' prompts, padded to it
 
 
 def build_engine(
@@ -56,7 +57,8 @@ def build_engine(
     every rank has built its engine (`prepare`), and each rank runs them together (`lockstep`).
     `pieces` (with `compiled` None) loads the compiled model later: the engine serves eagerly until the first
     background job has loaded it and switched the runner over, then prepares its graphs; on CUDA the eager
-    model's decode step of the first seconds' batches is captured here first (`_eager_graph`)."""
+    model's decode step of the first seconds' batches and its prefill of their prompts are captured here first
+    (`_eager_graphs`)."""
     config = config or EngineConfig()
     cfg = model.cfg
     max_context = min(cfg.max_context, config.max_seq_len or cfg.max_context)
@@ -79,13 +81,17 @@ def build_engine(
         jobs = use(compiled)
     elif pieces is not None:
         sizes = (*first_call_sizes(config), max_blocks)
-        eager = None if model.shard.parallel else _eager_graph(runner, config, max_blocks, allocator.capacity)
+        eager = [] if model.shard.parallel else _eager_graphs(runner, config, max_blocks, allocator.capacity)
         with torch.inference_mode():
             first_calls(runner, *sizes)
-            if eager is not None:
-                KernelBuildsJob(eager.dry_steps()).run()  # kernels the first calls did not build, built at once
-                capture_all(eager.jobs())
-                runner.eager_graphs = eager
+            if eager:  # kernels the first calls did not build, built at once
+                KernelBuildsJob([step for strategy in eager for step in strategy.dry_steps()]).run()
+                capture_all([job for strategy in eager for job in strategy.jobs()])
+            for strategy in eager:
+                if isinstance(strategy, DecodeGraphs):
+                    runner.eager_graphs = strategy
+                else:
+                    runner.eager_prefill_graphs = strategy
         jobs = [PiecesJob(partial(_first_called, pieces, runner, sizes), use)]
     scheduler = Scheduler(allocator, max_context, config.max_num_batched_tokens, config.max_num_seqs)
     lock = StepLock()
@@ -128,26 +134,39 @@ def _decode_sizes(config: EngineConfig, capacity: int) -> tuple[int, ...]:
     return tuple(s for s in config.decode_batch_sizes if s <= min(config.max_num_seqs, capacity))
 
 
-def _eager_graph(runner: ModelRunner, config: EngineConfig, max_blocks: int, capacity: int) -> DecodeGraphs | None:
-    """Where the backend can capture decode: the eager model's decode step of the largest decode bucket of up to
-    EAGER_GRAPH_MAX_BATCH rows, as a graph ending at the logits (sampled after each replay), for `build_engine`
-    to capture before it returns; every smaller batch replays it padded. While the pieces load beside the steps
-    (Inductor's import: seconds of Python), an eager step's hundreds of ops each hand the interpreter lock to
-    that job and wait to get it back, where a replay takes it once; captured in the background, it would hold
-    the step lock for one eager forward (tens of milliseconds on an 8B-like model), which a step arriving
-    then waits for. It serves until the compiled model's decode graphs are captured (`_graphs`)."""
-    sizes = [s for s in _decode_sizes(config, capacity) if s <= EAGER_GRAPH_MAX_BATCH]
-    if not (sizes and config.cuda_graphs and runner.device.type == "cuda" and runner.backend.capturable_decode):
-        return None
+def _eager_graphs(runner: ModelRunner, config: EngineConfig, max_blocks: int, capacity: int
+                  ) -> list[DecodeGraphs | PrefillGraphs]:  # fmt: skip
+    """Where the backend can capture them: the eager model's decode step of the largest decode bucket of up to
+    EAGER_GRAPH_MAX_BATCH rows, as a graph ending at the logits (sampled after each replay), and its prefill of
+    the largest prefill bucket of up to EAGER_GRAPH_MAX_TOKENS tokens, for `build_engine` to capture before it
+    returns; smaller batches replay them padded. While the pieces load beside the steps (Inductor's import:
+    seconds of Python), an eager step's hundreds of ops each hand the interpreter lock to that job and wait to
+    get it back, where a replay takes it once; captured in the background, a graph would hold the step lock for
+    one eager forward (tens of milliseconds on an 8B-like model), which a step arriving then waits for. Each
+    serves until the compiled model's graphs of its kind are captured (`_graphs`)."""
+    if not (config.cuda_graphs and runner.device.type == "cuda"):
+        return []
     setup = CaptureSetup(GraphPool(), runner.backend, config.block_size, max_blocks, runner.device)
-    return DecodeGraphs(setup, (sizes[-1],), runner.model, runner.model.compute_logits, sampler_inside=False)
+    graphs: list[DecodeGraphs | PrefillGraphs] = []
+    sizes = [s for s in _decode_sizes(config, capacity) if s <= EAGER_GRAPH_MAX_BATCH]
+    if sizes and runner.backend.capturable_decode:
+        graphs.append(DecodeGraphs(setup, (sizes[-1],), runner.model, runner.model.compute_logits,
+                                   sampler_inside=False))  # fmt: skip
+    tokens = [s for s in _prefill_sizes(config) if s <= EAGER_GRAPH_MAX_TOKENS]
+    if tokens and runner.backend.capturable_prefill:
+        graphs.append(PrefillGraphs(setup, (tokens[-1],), runner.model, config.max_num_seqs))
+    return graphs
+
+
+def _prefill_sizes(config: EngineConfig) -> tuple[int, ...]:
+    return tuple(s for s in config.prefill_token_buckets if s <= config.max_num_batched_tokens)
 
 
 def _use_compiled(runner: ModelRunner, config: EngineConfig, max_blocks: int, capacity: int,
                   compiled: CompiledModel) -> list[Job]:  # fmt: skip
     """Make the runner run `compiled`; return the jobs that capture its graphs (on CUDA) or warm each bucket up."""
     runner.forward = compiled
-    prefill_sizes = tuple(s for s in config.prefill_token_buckets if s <= config.max_num_batched_tokens)
+    prefill_sizes = _prefill_sizes(config)
     decode_sizes = _decode_sizes(config, capacity)
     if config.cuda_graphs and runner.device.type == "cuda":
         return _graphs(runner, compiled, config, max_blocks, prefill_sizes, decode_sizes)
@@ -157,7 +176,10 @@ def _use_compiled(runner: ModelRunner, config: EngineConfig, max_blocks: int, ca
 def _graphs(runner: ModelRunner, compiled: CompiledModel, config: EngineConfig, max_blocks: int,
             prefill_sizes: tuple[int, ...], decode_sizes: tuple[int, ...]) -> list[Job]:  # fmt: skip
     """The graph strategies, in one pool, and their jobs: the kernels' builds (kernel_builds.py), then the
-    captures of decode buckets (a step's most common kind) and of prefill buckets, each smallest first."""
+    captures of decode buckets (a step's most common kind) and of prefill buckets, each smallest first. Where
+    the eager model's graphs serve the first steps meanwhile, the prefill buckets come first (a prompt longer
+    than the eager prefill graph's runs the model's every op from Python: tens of milliseconds on an 8B-like
+    model, more beside a job), and each eager graph is released once the compiled model's of its kind are in."""
     setup = CaptureSetup(GraphPool(), runner.backend, config.block_size, max_blocks, runner.device)
     split_at_attention = any(attn for _, attn in compiled.split.submodules)
     if prefill_sizes and runner.backend.capturable_prefill:
@@ -167,10 +189,15 @@ def _graphs(runner: ModelRunner, compiled: CompiledModel, config: EngineConfig, 
     if runner.backend.capturable_decode and decode_sizes:
         runner.decode_graphs = DecodeGraphs(setup, decode_sizes, compiled, runner.model.compute_logits)
     strategies = [strategy for strategy in (runner.decode_graphs, runner.prefill_graphs) if strategy]
-    captures = [job for strategy in strategies for job in strategy.jobs()]
-    if runner.eager_graphs is not None:  # replayed until the compiled model's decode graphs are all captured
-        decode = sum(job.kind == "decode" for job in captures)
-        captures.insert(decode, WarmupJob("decode", "eager graph released", runner.release_eager_graphs))
+    eager = {"decode": runner.eager_graphs, "prefill": runner.eager_prefill_graphs}
+    if any(eager.values()):
+        strategies.reverse()
+    captures: list[Job] = []
+    for strategy in strategies:
+        captures += strategy.jobs()
+        kind = "decode" if strategy is runner.decode_graphs else "prefill"
+        if eager[kind] is not None:  # replayed until the compiled model's graphs of its kind are all captured
+            captures.append(WarmupJob(kind, "eager graph released", partial(runner.release_eager_graphs, kind)))
     if not captures or not runner.backend.concurrent_plans:  # (the builds' dry steps plan off the step lock)
         return captures
     dry = [strategy for strategy in strategies if isinstance(strategy, (DecodeGraphs, PrefillGraphs))]

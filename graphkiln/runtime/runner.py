@@ -76,21 +76,27 @@ class ModelRunner:
         self.padding = padding
         self.decode_graphs = decode_graphs
         self.eager_graphs: DecodeGraphs | None = None  # the eager model's, replayed where decode_graphs has no bucket
+        self.eager_prefill_graphs: PrefillGraphs | None = None  # likewise where prefill_graphs has none
         self.prefill_graphs = prefill_graphs
         self.peers = peers
         self.device = kv_cache.keys.device
         self.steps_without_graph: Counter[str] = Counter()  # "decode" / "prefill"
 
     def graph_sets(self) -> list:
-        """The captured graph strategies (prefill first, decode last, as they are captured; the eager model's
-        decode graphs until the compiled model's are planned)."""
-        return [g for g in (self.prefill_graphs, self.decode_graphs or self.eager_graphs) if g is not None]
+        """The captured graph strategies (prefill first, decode last; the eager model's graphs of a kind until
+        the compiled model's are planned)."""
+        return [g for g in (self.prefill_graphs or self.eager_prefill_graphs, self.decode_graphs or self.eager_graphs)
+                if g is not None]  # fmt: skip
 
-    def release_eager_graphs(self) -> None:
-        """Drop the eager model's decode graphs (once the compiled model's are captured)."""
-        if self.eager_graphs is not None:
+    def release_eager_graphs(self, kind: str | None = None) -> None:
+        """Drop the eager model's graphs of `kind` ("decode" or "prefill"; both by default), once the compiled
+        model's are captured."""
+        if kind in (None, "decode") and self.eager_graphs is not None:
             self.eager_graphs.graphs.release()
             self.eager_graphs = None
+        if kind in (None, "prefill") and self.eager_prefill_graphs is not None:
+            self.eager_prefill_graphs.graphs.release()
+            self.eager_prefill_graphs = None
 
     def recapture(self) -> None:
         """Capture every graph again, same sizes, same pool (after kernel settings changed)."""
@@ -145,6 +151,9 @@ class ModelRunner:
         graphs = self.prefill_graphs
         with self.peers.watch() if self.peers is not None else contextlib.nullcontext():
             size = graphs.bucket(batch.num_tokens) if not batch.decode and graphs is not None else None
+            if size is None and not batch.decode and self.eager_prefill_graphs is not None:  # (one rank only)
+                graphs = self.eager_prefill_graphs
+                size = graphs.bucket(batch.num_tokens)
             if size is not None:
                 step = None if self.peers is None else Step(batch, batch.num_tokens, rows, size)
                 hidden = graphs.run(batch, self._published(step, pending), size)

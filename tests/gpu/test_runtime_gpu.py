@@ -367,10 +367,11 @@ def test_an_engine_without_room_says_who_holds_the_memory(tmp_path):
 
 def test_eager_model_graphs_serve_decode_while_the_pieces_load(tiny_fp32_parts):
     """A background load whose pieces are held back: `build_engine` returns with the eager model's decode graph
-    of the largest bucket up to EAGER_GRAPH_MAX_BATCH rows captured (up to the logits, sampled after the replay),
-    and decode steps of up to that many rows replay it, padded, in every sampling mode, with the eager engine's
-    tokens and log-probabilities; larger batches run the model itself. When the pieces are in, it serves until
-    the compiled model's decode graphs are captured, then is released."""
+    of the largest bucket up to EAGER_GRAPH_MAX_BATCH rows captured (up to the logits, sampled after the replay)
+    and its prefill graph of the largest bucket up to EAGER_GRAPH_MAX_TOKENS; decode steps of up to that many
+    rows and prefills of up to that many tokens replay them, padded, in every sampling mode, with the eager
+    engine's tokens and log-probabilities; larger batches run the model itself. When the pieces are in, each
+    serves until the compiled model's graphs of its kind are captured, then is released."""
     net, compiled, tok = tiny_fp32_parts
     gate = threading.Event()
 
@@ -383,7 +384,8 @@ def test_eager_model_graphs_serve_decode_while_the_pieces_load(tiny_fp32_parts):
     eager = LLM(build_engine(net, None, config.replace(capture="blocking")), tok)
     loading = LLM(build_engine(net, None, config, pieces=pieces), tok)
     stats = loading.stats()
-    assert stats.graphs["decode"].graphs == 1 and not stats.prepared
+    assert stats.graphs["decode"].graphs == 1 and stats.graphs["prefill"].graphs == 1 and not stats.prepared
+    assert loading.engine.runner.eager_prefill_graphs.graphs.sizes == (PREFILL_SIZES[-1],)
     assert not loading.engine.wait_compiled(0)
     prompts = uneven_prompts(4096, 12)
     params = [
@@ -402,11 +404,13 @@ def test_eager_model_graphs_serve_decode_while_the_pieces_load(tiny_fp32_parts):
     stats = loading.stats()
     assert set(stats.graphs["decode"].replays) == {"8/logits"}
     assert stats.steps_without_graph["decode"] >= 9  # the batch of 12: its steps after the prefill
+    assert stats.graphs["prefill"].replays[str(PREFILL_SIZES[-1])] >= 3  # the first three batches' prompts
     gate.set()
     assert loading.engine.wait_compiled(120) and loading.engine.wait_ready(120)
     assert loading.stats().graphs["decode"].graphs == len(config.decode_batch_sizes) * len(MODES)
-    released = [(p.key, p.error) for p in loading.stats().prepared if p.key == "eager graph released"]
-    assert released == [("eager graph released", None)] and loading.engine.runner.eager_graphs is None
+    released = [(p.kind, p.error) for p in loading.stats().prepared if p.key == "eager graph released"]
+    assert released == [("prefill", None), ("decode", None)]
+    assert loading.engine.runner.eager_graphs is None and loading.engine.runner.eager_prefill_graphs is None
     assert [o.token_ids for o in loading.generate(prompts[:3], params)] == [
         o.token_ids for o in eager.generate(prompts[:3], params)]  # fmt: skip
     loading.close()
