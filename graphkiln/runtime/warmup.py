@@ -21,7 +21,7 @@ from .kv_cache import DUMMY_BLOCK
 from .preparation import WarmupJob
 from .prefill_graphs import dummy_slices
 from .runner import ModelRunner
-from .sampler import SamplingTensors, sample
+from .sampler import MODES, SamplingTensors, sample
 
 SAMPLED_ROWS = 2  # the sampler's first calls: on more than one row, as a first step serving several requests
 FIRST_PROMPT_TOKENS = 64  # the first calls' prefill: a prompt this long or longer takes the prefill kernel's
@@ -47,8 +47,8 @@ def first_call_sizes(config: EngineConfig) -> tuple[tuple[int, ...], int]:
 def first_calls(runner: ModelRunner, decode_sizes: tuple[int, ...], prefill_size: int, max_blocks: int,
                 forward: Callable[..., torch.Tensor] | None = None) -> None:  # fmt: skip
     """A decode forward of `forward` (default: the runner's) at each of `decode_sizes` and one prefill forward,
-    on dummy batches, now; for the runner's own forward also the logits and the greedy sampler of SAMPLED_ROWS
-    rows and of one (a single request's first token). Before the engine serves beside a background job, the
+    on dummy batches, now; for the runner's own forward also the logits and the sampler, in each mode, of
+    SAMPLED_ROWS rows and of one (a single request's first token). Before the engine serves beside a background job, the
     model's kernels' first calls (launchers, lazy loading; the projections' GEMV at one row and cuBLAS at
     several) and the lazy imports they make happen here, not in a request's first step and not beside that
     job's imports (two threads importing the same modules can hand one of them a half-initialized module). The
@@ -74,8 +74,9 @@ def _calls(runner: ModelRunner, decode_sizes: tuple[int, ...], prefill_size: int
     hidden = _run(runner, dummy_slices(prefill_size, runner.kv_cache.block_size, max_blocks), prefill_size, forward)
     if forward is None:
         for rows in sorted({1, min(SAMPLED_ROWS, hidden.shape[0])}):  # one row's LM head is our GEMV, more cuBLAS
-            sample(runner.model.compute_logits(hidden[:rows]).float(), SamplingTensors.empty(rows, runner.device),
-                   "greedy")
+            logits = runner.model.compute_logits(hidden[:rows]).float()
+            for mode in MODES:  # (a mode's first call beside a job's steps can stall them: its kernels' loading)
+                sample(logits, SamplingTensors.empty(rows, runner.device), mode)
 
 
 def _decode_slices(n: int) -> list[SequenceSlice]:
