@@ -6,6 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tiny_engines import compile_tiny, engines
+
 HERE = Path(__file__).parent
 
 
@@ -34,3 +36,15 @@ def no_capture_into_the_next_test():
     for thread in threading.enumerate():
         if thread.name == "graphkiln-prepare":
             thread.join(timeout=300)
+
+
+@pytest.fixture(scope="session")
+def tiny_fp32_parts():
+    """(model, compiled model, tokenizer) of the tiny model in float32, compiled once for the session."""
+    return compile_tiny("float32")
+
+
+@pytest.fixture(scope="session")
+def tiny_fp32(tiny_fp32_parts):
+    """(eager, compiled without graphs, compiled with CUDA graphs) engines of it."""
+    return engines(tiny_fp32_parts)

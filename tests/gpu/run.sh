@@ -14,7 +14,7 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 # -v: each test's outcome is in the log as it ends, so a run cut short still says what failed.
 python3 -m pytest tests/gpu/test_attention_backends.py tests/gpu/test_block_decode.py tests/gpu/test_prefill_heads.py tests/gpu/test_linear.py tests/gpu/test_quantized_kernels.py tests/gpu/test_fp8_kernels.py tests/gpu/test_int4_kernels.py -v -n 6 -p no:logging 2>&1 | tee "$OUT/attention.log" | grep -E "FAILED|ERROR|passed|failed" | tail -15
-for tests in test_runtime_gpu.py test_kv_cache_gpu.py test_startup_gpu.py test_tensor_parallel_gpu.py test_symm_mem_all_reduce_gpu.py test_quantized.py; do
+for tests in test_runtime_gpu.py test_engine_lifecycle_gpu.py test_kv_cache_gpu.py test_startup_gpu.py test_tensor_parallel_gpu.py test_symm_mem_all_reduce_gpu.py test_quantized.py; do
   python3 -m pytest "tests/gpu/$tests" -v -p no:logging --durations=3 2>&1 | tee "$OUT/${tests%.py}.log" | grep -E "FAILED|ERROR|passed|failed" | tail -12
 done
 cat "$OUT/report.jsonl"

@@ -249,7 +249,7 @@ def test_a_compiled_engine_decodes_with_it_inside_its_graphs(kv_cache_dtype: str
     equal the eager engine's on the row kernel, batch sizes 1 to 8, contexts across block bounds; with
     the model's cache and with the fp8 cache (both kernels quantize a new row alike)."""
     from graphkiln import SamplingParams
-    from test_runtime_gpu import DECODE_SIZES, compile_tiny, engines
+    from tiny_engines import DECODE_SIZES, compile_tiny, engines
 
     parts = compile_tiny("float32")
     eager = engines(parts, kv_cache_dtype=kv_cache_dtype)[0]

@@ -16,7 +16,7 @@ from graphkiln.compiler.compile import compile_module
 from graphkiln.errors import ConfigError
 from graphkiln.models import load_model
 from graphkiln.runtime.builder import build_engine
-from test_runtime_gpu import DECODE_SIZES, PREFILL_SIZES, compile_tiny, engines, record, uneven_prompts
+from tiny_engines import DECODE_SIZES, PREFILL_SIZES, compile_tiny, engines, record, uneven_prompts
 
 FP8 = dict(kv_cache_dtype="fp8_e4m3")
 

@@ -1,0 +1,66 @@
+"""The GPU tests' tiny engines: the tiny model compiled on CUDA, engines of it in each mode, prompts, and the
+report file the tests' measurements go to."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from graphkiln import CompileConfig, EngineConfig, LLM
+from graphkiln.compiler.compile import compile_module
+from graphkiln.llm import resolve_model_dir
+from graphkiln.models import load_model
+from graphkiln.models.tokenizer import Tokenizer
+from graphkiln.runtime.builder import build_engine
+
+DECODE_SIZES = (1, 2, 4, 8)
+PREFILL_SIZES = (16, 32, 64)
+REPORT = os.environ.get("GRAPHKILN_GPU_REPORT")
+
+
+def record(name: str, value) -> None:
+    """Append a measurement to the GPU report file."""
+    if REPORT:
+        with open(REPORT, "a") as f:
+            f.write(json.dumps({name: value}) + "\n")
+
+
+def compile_tiny(dtype: str):
+    """(model, compiled model, tokenizer) of the tiny model on CUDA."""
+    model_dir = resolve_model_dir("tiny")
+    net = load_model(model_dir, "cuda", dtype)
+    compiled, report = compile_module(net, CompileConfig(device="cuda", dtype=dtype))
+    record(f"compile_timings_{model_dir.name}_{dtype}", report.timings)
+    return net, compiled, Tokenizer.from_dir(model_dir)
+
+
+def engines(parts, **options):
+    """(eager, compiled without graphs, compiled with CUDA graphs) sharing one compile."""
+    net, compiled, tok = parts
+    config = EngineConfig(decode_batch_sizes=DECODE_SIZES, prefill_token_buckets=PREFILL_SIZES, kv_cache_tokens=8192,
+                          attention_backend="triton", capture="blocking").replace(**options)  # fmt: skip
+    eager = LLM(build_engine(net, None, config), tok)
+    plain = LLM(build_engine(net, compiled, config.replace(cuda_graphs=False)), tok)
+    graphed = LLM(build_engine(net, compiled, config), tok)
+    return eager, plain, graphed
+
+
+def assert_logprobs_agree(got, want, atol: float = 1e-4) -> None:
+    """Per token: the same token and logprob, and the same most likely tokens (two may swap at a near-tie)."""
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.token_id == w.token_id and abs(g.logprob - w.logprob) <= atol
+        assert len(g.top) == len(w.top)
+        values = [v for _, v in w.top]
+        for rank, ((gi, gv), (wi, wv)) in enumerate(zip(g.top, w.top)):
+            assert abs(gv - wv) <= atol
+            others = values[:rank] + values[rank + 1 :]
+            near_tie = rank == len(values) - 1 or any(abs(wv - v) <= 2 * atol for v in others)
+            assert gi == wi or near_tie
+
+
+def uneven_prompts(vocab: int, count: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(count)
+    return [torch.randint(3, vocab, (1 + 7 * i,), generator=g).tolist() for i in range(count)]
