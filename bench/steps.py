@@ -2,6 +2,7 @@
 imports Inductor and the graphs are captured, and where every thread was during a slow one.
 
     python -m bench steps --out $OUT [--model tiny|1b|8b] [--processes 3] [--slow-ms 50] [--until-ready]
+                                     [--no-build-kernels]
 
 The model (the built-in `tiny` by default and with --smoke; `1b`/`8b`: random weights of those shapes) is
 compiled into a scratch artifact, then each fresh process loads it (background preparation, the default
@@ -10,10 +11,12 @@ times every step until they finish (`--until-ready`: each finished request is re
 preparation is done, so that steps meet every background capture, then the last ones finish). A watcher thread takes
 every thread's Python stack once a step has run `--slow-ms` (and up to three times more, 30 ms apart),
 Triton's hooks record every kernel built or read from its cache, and the collector's callbacks every full
-collection, with the step each fell in. The first process on a machine also
-builds our Triton kernels for the sizes it meets (a cold Triton cache); the next ones show a warm
-start. Installed packages' bytecode is written first (`startup.ensure_bytecode`), as `pip install`
-does: without it the job compiles torch's sources, holding the interpreter lock for each module.
+collection, with the step each fell in. On CUDA the compile builds our Triton kernels for the artifact's
+buckets (compile_model's `build_kernels`), so every process starts warm; with `--no-build-kernels` the
+first process builds those it meets (a cold Triton cache, as after a compile on another machine) and
+the next ones show a warm start. Installed packages' bytecode is written first
+(`startup.ensure_bytecode`), as `pip install` does: without it the job compiles torch's sources,
+holding the interpreter lock for each module.
 """
 
 from __future__ import annotations
@@ -113,6 +116,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--until-ready", action="store_true",
                    help="a finished request's place goes to a new one until every graph is captured, so that steps "
                         "meet every capture (default: the six requests only)")
+    p.add_argument("--no-build-kernels", dest="build_kernels", action="store_false",
+                   help="compile without building the serving kernels (compile_model's build_kernels), as a "
+                        "compile on another machine: the first process then builds them (a cold Triton cache)")
 
 
 def main(a: argparse.Namespace) -> int:
@@ -125,7 +131,8 @@ def main(a: argparse.Namespace) -> int:
     with study.scratch() as scratch:
         artifact = scratch / f"{name}-artifact"
         source = saved_model_dir(name, scratch, study.device, study.dtype_name)
-        graphkiln.compile_model(source, artifact, graphkiln.CompileConfig(device=study.device, dtype=study.dtype_name))
+        graphkiln.compile_model(source, artifact, graphkiln.CompileConfig(device=study.device, dtype=study.dtype_name),
+                                build_kernels=a.build_kernels)  # fmt: skip
         for i in range(a.processes):
             proc = subprocess.run([sys.executable, "-c", CHILD, str(artifact), str(a.slow_ms / 1000),
                                    str(int(a.until_ready))],

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -35,6 +36,8 @@ from graphkiln.runtime.tensor_parallel import parallel_engine
 from graphkiln.version import __version__
 
 IMPORTED = time.perf_counter()  # with graphkiln.IMPORT_STARTED: what importing the API cost
+KERNEL_BUILDS_TIMEOUT_S = 600.0
+log = logging.getLogger(__name__)
 
 
 def compile_model(
@@ -46,6 +49,7 @@ def compile_model(
     force: bool = False,
     sign_key: KeySource | None = None,
     progress: Progress = lambda stage, done, total: None,
+    build_kernels: bool = True,
 ) -> tuple[dict, CompileReport]:
     """Compile a model directory, a hub id in the local cache, or "tiny" into the artifact directory `out`;
     returns (manifest, report).
@@ -53,7 +57,9 @@ def compile_model(
     `engine` is recorded as the artifact's default EngineConfig (capture sizes, KV cache, ...), which
     `load` starts from. `force` replaces an existing artifact at `out`, never anything else.
     `sign_key` (an Ed25519 private key PEM: path or bytes) signs the manifest, for
-    `load(..., trusted_keys=...)`.
+    `load(..., trusted_keys=...)`. `build_kernels` (on CUDA, one rank): load the artifact once, as a
+    server would, so that graphkiln's Triton kernels for its buckets are in this machine's Triton cache
+    when it first starts here (`build_serving_kernels`).
     """
     config = config or CompileConfig()
     key = load_private_key(sign_key) if sign_key is not None else None
@@ -61,8 +67,31 @@ def compile_model(
     source = str(model) if str(model) == "tiny" or is_hub_id(model) else str(model_dir.resolve())
     defaults = (engine or EngineConfig()).to_dict()
     with captures_paused():  # Inductor's autotuning draws CUDA random numbers: none beside an engine's capture
-        return write_artifact(model_dir, source, Path(out), config, defaults, force=force, sign_key=key,
-                              progress=progress)  # fmt: skip
+        manifest, report = write_artifact(model_dir, source, Path(out), config, defaults, force=force, sign_key=key,
+                                          progress=progress)  # fmt: skip
+    if build_kernels and config.device == "cuda" and config.tensor_parallel_size == 1:
+        progress("serving kernels", 0, 1)
+        report.timings["serving_kernels"] = build_serving_kernels(Path(out))
+        progress("serving kernels", 1, 1)
+    return manifest, report
+
+
+def build_serving_kernels(out: Path, timeout_s: float = KERNEL_BUILDS_TIMEOUT_S) -> float:
+    """Load the artifact at `out` once and wait until its every graph is prepared, then close it; the seconds
+    it took. Triton builds a kernel the first time a process launches it with new specializations and keeps
+    it in its cache on disk: a first start whose cache lacks graphkiln's kernels at the artifact's buckets
+    builds them while it serves (seconds longer to the first token, and steps slowed beside the builds), a
+    later one reads them. Best effort: a failure is logged, and the first start builds what is missing."""
+    start = time.perf_counter()
+    try:
+        with load(out) as llm:
+            if not (llm.wait_compiled(timeout_s) and llm.wait_ready(timeout_s)):  # (pieces that fail to load raise)
+                log.warning("%s: the serving kernels were still building after %.0f s; the first start here "
+                            "builds the rest", out, timeout_s)  # fmt: skip
+    except Exception as e:  # noqa: BLE001  (the artifact is written and sound without this)
+        log.warning("%s: loading the artifact to build its serving kernels failed (%s: %s); the first start "
+                    "here builds them", out, type(e).__name__, e)  # fmt: skip
+    return time.perf_counter() - start
 
 
 def cached_artifact(
@@ -79,7 +108,7 @@ def cached_artifact(
     out = cache_root() / "artifacts" / key
     if not (out / MANIFEST).is_file():
         try:
-            compile_model(model, out, config, progress=progress)
+            compile_model(model, out, config, progress=progress, build_kernels=False)  # (the caller loads it next)
         except ArtifactError:
             if not (out / MANIFEST).is_file():  # not another process's compile of the same key, finished first
                 raise
@@ -164,7 +193,7 @@ def _import_seconds() -> float:
 def _recompile(source, out: Path, manifest: dict, device, dtype) -> None:
     """Compile `source` into `out` again, with the CompileConfig and engine defaults the stale artifact records."""
     config = CompileConfig(**{**_config_fields(manifest["config"]), **_overrides(device, dtype)})
-    compile_model(source, out, config, engine=recorded_engine(manifest, out), force=True)
+    compile_model(source, out, config, engine=recorded_engine(manifest, out), force=True, build_kernels=False)
 
 
 def _load_parallel(out: Path, source, model_dir: Path, device, dtype, on_mismatch: str, keys: Sequence,

@@ -72,6 +72,10 @@ def _compile_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="replace OUT if it is a graphkiln artifact (or empty); anything else is never replaced")
     parser.add_argument("--sign-key", type=Path, default=None, metavar="KEY",
                         help="sign the manifest with this Ed25519 private key (PEM; see `graphkiln keygen`)")
+    parser.add_argument("--no-build-kernels", dest="build_kernels", action="store_false",
+                        help="on CUDA: do not load the artifact once after the compile to build graphkiln's Triton "
+                             "kernels for its buckets into this machine's Triton cache (the first start here "
+                             "then builds them)")
     parser.add_argument("--quiet", action="store_true", help="no progress, no summary table")
     parser.add_argument("--json", action="store_true", help="print a machine-readable summary on stdout")
     _engine_parser(parser.add_argument_group("serving defaults recorded in the artifact (load can override them)"))
@@ -140,7 +144,8 @@ def run_compile(args) -> int:
     start = time.perf_counter()
     try:
         manifest, rep = compile_model(
-            args.model, args.out, config, engine=engine, force=args.force, sign_key=args.sign_key, progress=progress
+            args.model, args.out, config, engine=engine, force=args.force, sign_key=args.sign_key, progress=progress,
+            build_kernels=args.build_kernels,
         )
     finally:
         progress.close()

@@ -14,6 +14,7 @@ import graphkiln
 from artifact_helpers import (ENGINE, GREEDY, PROMPTS, RESULT_PREFIX, SUBPROCESS_TIMEOUT_S, flip_piece_byte_and_rehash,
                               greedy_tokens, run, run_python_json)
 from graphkiln import EngineConfig
+from graphkiln.api import build_serving_kernels
 from graphkiln.errors import ConfigError
 from graphkiln.models import kernel_loads
 from graphkiln.models.tiny import tiny_model_dir
@@ -272,3 +273,23 @@ def test_a_failing_job_is_recorded_and_the_rest_still_run() -> None:
     assert [(p.key, p.error) for p in preparation.done] == [("1", None), ("2", "RuntimeError: no graph for you"),
                                                             ("4", None)]  # fmt: skip
     assert isinstance(preparation.errors[0], RuntimeError)
+
+
+def test_building_serving_kernels_loads_the_artifact_once_and_leaves_nothing_running(artifact: Path) -> None:
+    """`build_serving_kernels` (what compile_model runs on CUDA) loads the artifact, waits until every bucket is
+    prepared and closes it: no preparation thread is left."""
+    assert build_serving_kernels(artifact) > 0
+    assert not [t for t in threading.enumerate() if t.name == "graphkiln-prepare"]
+
+
+def test_building_serving_kernels_of_a_broken_artifact_warns_and_never_raises(
+        art: Path, caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+    """A piece that cannot be loaded, or no artifact at all: a warning naming the artifact and the error (the
+    first start builds the kernels then), never an exception out of the compile that ran it."""
+    piece = flip_piece_byte_and_rehash(art)
+    with caplog.at_level("WARNING", logger="graphkiln.api"):
+        build_serving_kernels(art)
+        build_serving_kernels(art.parent / "missing")
+    warnings = [r.getMessage() for r in caplog.records if r.name == "graphkiln.api"]
+    assert len(warnings) == 2 and str(piece) in warnings[0] and "ArtifactError" in warnings[0]
+    assert str(art.parent / "missing") in warnings[1]
