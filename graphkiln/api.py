@@ -81,13 +81,21 @@ def build_serving_kernels(out: Path, timeout_s: float = KERNEL_BUILDS_TIMEOUT_S)
     it took. Triton builds a kernel the first time a process launches it with new specializations and keeps
     it in its cache on disk: a first start whose cache lacks graphkiln's kernels at the artifact's buckets
     builds them while it serves (seconds longer to the first token, and steps slowed beside the builds), a
-    later one reads them. Best effort: a failure is logged, and the first start builds what is missing."""
+    later one reads them. The KV cache holds just the largest decode bucket, so that a server running on the
+    same device keeps the memory it may still need. Best effort: a failure is logged, and the first start
+    builds what is missing."""
     start = time.perf_counter()
     try:
-        with load(out) as llm:
+        engine = recorded_engine(read_manifest(out), out)
+        tokens = engine.block_size * max(engine.decode_batch_sizes, default=1)
+        with load(out, kv_cache_tokens=tokens) as llm:
             if not (llm.wait_compiled(timeout_s) and llm.wait_ready(timeout_s)):  # (pieces that fail to load raise)
                 log.warning("%s: the serving kernels were still building after %.0f s; the first start here "
                             "builds the rest", out, timeout_s)  # fmt: skip
+            failed = [f"{p.kind} {p.key}: {p.error}" for p in llm.stats().prepared if p.error]
+            if failed:
+                log.warning("%s: preparing these buckets after the compile failed, so their kernels may be "
+                            "missing at the first start: %s", out, "; ".join(failed))  # fmt: skip
     except Exception as e:  # noqa: BLE001  (the artifact is written and sound without this)
         log.warning("%s: loading the artifact to build its serving kernels failed (%s: %s); the first start "
                     "here builds them", out, type(e).__name__, e)  # fmt: skip

@@ -275,10 +275,14 @@ def test_a_failing_job_is_recorded_and_the_rest_still_run() -> None:
     assert isinstance(preparation.errors[0], RuntimeError)
 
 
-def test_building_serving_kernels_loads_the_artifact_once_and_leaves_nothing_running(artifact: Path) -> None:
+def test_building_serving_kernels_loads_the_artifact_once_and_leaves_nothing_running(
+        artifact: Path, caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
     """`build_serving_kernels` (what compile_model runs on CUDA) loads the artifact, waits until every bucket is
-    prepared and closes it: no preparation thread is left."""
-    assert build_serving_kernels(artifact) > 0
+    prepared, with a KV cache of the largest decode bucket alone, and closes it: no warning, and no preparation
+    thread is left."""
+    with caplog.at_level("WARNING", logger="graphkiln.api"):
+        assert build_serving_kernels(artifact) > 0
+    assert [r.getMessage() for r in caplog.records if r.name == "graphkiln.api"] == []
     assert not [t for t in threading.enumerate() if t.name == "graphkiln-prepare"]
 
 
