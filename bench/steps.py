@@ -26,6 +26,7 @@ import json
 import statistics
 import subprocess
 import sys
+import time
 
 from .common import REPO, Study, add_study_arguments, log
 from .startup import ensure_bytecode, saved_model_dir
@@ -131,8 +132,12 @@ def main(a: argparse.Namespace) -> int:
     with study.scratch() as scratch:
         artifact = scratch / f"{name}-artifact"
         source = saved_model_dir(name, scratch, study.device, study.dtype_name)
-        graphkiln.compile_model(source, artifact, graphkiln.CompileConfig(device=study.device, dtype=study.dtype_name),
-                                build_kernels=a.build_kernels)  # fmt: skip
+        started = time.perf_counter()
+        _, report = graphkiln.compile_model(source, artifact, graphkiln.CompileConfig(device=study.device,
+                                            dtype=study.dtype_name), build_kernels=a.build_kernels)  # fmt: skip
+        results["compile"] = {"seconds": time.perf_counter() - started, "timings": report.timings}
+        log(f"compiled in {results['compile']['seconds']:.1f} s; stages: "
+            + ", ".join(f"{k} {v:.1f} s" for k, v in report.timings.items()))
         for i in range(a.processes):
             proc = subprocess.run([sys.executable, "-c", CHILD, str(artifact), str(a.slow_ms / 1000),
                                    str(int(a.until_ready))],
