@@ -91,6 +91,22 @@ def import_inductor() -> None:
     import torch._inductor.compile_fx  # noqa: F401  (the package, standalone_compile and CompiledArtifact with it)
 
 
+def pin_triton_cache_dir() -> None:
+    """Keep every Triton kernel of this process in one cache folder, whichever compiles first. Where
+    TRITON_CACHE_DIR is unset, Triton uses its default folder, and Inductor sets the variable to a folder of
+    its own the first time it makes a Triton kernel: a compile-model run (Inductor first) then keeps
+    graphkiln's kernels in Inductor's folder and a serving process (graphkiln's kernels first) in Triton's,
+    so the serving process builds again what the compile built for it. Setting the variable to Triton's
+    default before either builds keeps both in one folder; a folder the user chose is left as it is."""
+    if "TRITON_CACHE_DIR" in os.environ:
+        return
+    try:
+        from triton import knobs
+    except ImportError:  # triton is optional
+        return
+    os.environ["TRITON_CACHE_DIR"] = knobs.cache.dir
+
+
 @functools.cache  # once a process, as Triton computes it: a later load does not walk Triton's files again
 def warm_triton() -> None:
     """Have Triton's hash of its own sources (its cache key's first part, which a process computes at its first

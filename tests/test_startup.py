@@ -3,6 +3,8 @@ engine's background preparation (on the CPU: one warm-up run per bucket) is stil
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import sys
 import threading
 import weakref
@@ -15,6 +17,7 @@ from artifact_helpers import (ENGINE, GREEDY, PROMPTS, RESULT_PREFIX, SUBPROCESS
                               greedy_tokens, run, run_python_json)
 from graphkiln import EngineConfig
 from graphkiln.api import build_serving_kernels
+from graphkiln.compat import pin_triton_cache_dir
 from graphkiln.errors import ConfigError
 from graphkiln.models import kernel_loads
 from graphkiln.models.tiny import tiny_model_dir
@@ -297,3 +300,19 @@ def test_building_serving_kernels_of_a_broken_artifact_warns_and_never_raises(
     warnings = [r.getMessage() for r in caplog.records if r.name == "graphkiln.api"]
     assert len(warnings) == 2 and str(piece) in warnings[0] and "ArtifactError" in warnings[0]
     assert str(art.parent / "missing") in warnings[1]
+
+
+def test_triton_cache_folder_is_pinned_once_and_a_chosen_one_kept(monkeypatch: pytest.MonkeyPatch,
+                                                                  tmp_path: Path) -> None:  # fmt: skip
+    """Unset, TRITON_CACHE_DIR becomes Triton's own default folder (where Triton is installed), so Inductor, which
+    sets it only where it is unset, keeps its kernels beside graphkiln's; a folder the user chose stays."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "chosen"))
+    pin_triton_cache_dir()
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "chosen")
+    monkeypatch.delenv("TRITON_CACHE_DIR")
+    monkeypatch.setenv("TRITON_HOME", str(tmp_path / "home"))
+    pin_triton_cache_dir()
+    if importlib.util.find_spec("triton") is None:
+        assert "TRITON_CACHE_DIR" not in os.environ
+    else:
+        assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "home" / ".triton" / "cache")

@@ -128,6 +128,49 @@ print(json.dumps({{"builds": builds, "prepared": [[p.kind, p.key, p.error] for p
     assert result["tokens"] == [2, 8, 8] and result["replays"] > 0
 
 
+def _kernels_in_cache(*folders: Path) -> set[str]:
+    """graphkiln's Triton kernels in these cache folders, as `<entry>/<kernel>` (Inductor's are triton_*)."""
+    return {f"{c.parent.name}/{c.stem}" for folder in folders for c in folder.rglob("*.cubin")
+            if not c.stem.startswith("triton_")}
+
+
+def _run(script: str, env: dict) -> None:
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_a_compile_builds_the_kernels_its_first_start_needs(tmp_path: Path) -> None:
+    """compile_model on CUDA loads its artifact once (build_serving_kernels), so a first start on this machine
+    finds graphkiln's Triton kernels for the artifact's buckets in Triton's cache and builds none: the serving
+    process adds none to either cache folder. Both are fresh processes with TRITON_CACHE_DIR unset, as a user's
+    are: there Inductor, compiling first in the compile process, would move that process's kernels to a folder
+    of its own unless graphkiln keeps one folder (compat.pin_triton_cache_dir)."""
+    out, triton_home, inductor = tmp_path / "art", tmp_path / "triton-home", tmp_path / "inductor"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_CACHE_DIR"}
+    env.update(TRITON_HOME=str(triton_home), TORCHINDUCTOR_CACHE_DIR=str(inductor))
+    compile_script = f"""
+import graphkiln
+graphkiln.compile_model("tiny", {str(out)!r}, graphkiln.CompileConfig(device="cuda", dtype="bfloat16"),
+                        engine=graphkiln.EngineConfig(**{ENGINE!r}))
+"""
+    serve_script = f"""
+import graphkiln
+llm = graphkiln.load({str(out)!r})
+first = llm.generate([[5, 6, 7, 8, 9]], graphkiln.SamplingParams(max_tokens=2, ignore_eos=True))
+llm.wait_ready()
+done = llm.generate([[5, 6, 7], [9] * 40], graphkiln.SamplingParams(max_tokens=8, ignore_eos=True))
+assert [len(o.token_ids) for o in first + done] == [2, 8, 8]
+assert [p for p in llm.stats().prepared if p.error] == []
+"""
+    _run(compile_script, env)
+    built = _kernels_in_cache(triton_home, inductor)
+    _run(serve_script, env)
+    added = _kernels_in_cache(triton_home, inductor) - built
+    record("kernels_built_by_compile", {"compile": len(built), "first_start": len(added)})
+    assert built, "the compile built no graphkiln kernel: nothing was tested"
+    assert added == set(), f"the first start built kernels the compile had not: {sorted(added)}"
+
+
 def test_random_draws_inside_captures_paused_beside_background_captures(tmp_path: Path) -> None:
     """While an engine captures its graphs in the background, random draws on the device inside
     `captures_paused()` succeed and every graph is still captured; without the capture lock a draw raises
