@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from graphkiln.cache_dir import cache_root
-from graphkiln.compat import pin_triton_cache_dir
+from graphkiln.compat import pin_triton_environment
 from graphkiln.compiler.artifact_dir import write_artifact
 from graphkiln.compiler.artifact_load import check_artifact, read_artifact, read_tokenizer, read_weights
 from graphkiln.compiler.compile import CompileReport, Progress
@@ -68,7 +68,7 @@ def compile_model(
     source = str(model) if str(model) == "tiny" or is_hub_id(model) else str(model_dir.resolve())
     defaults = (engine or EngineConfig()).to_dict()
     if config.device == "cuda":  # before Inductor's first kernel: the serving kernels below, and a server's, go there too
-        pin_triton_cache_dir()
+        pin_triton_environment()
     with captures_paused():  # Inductor's autotuning draws CUDA random numbers: none beside an engine's capture
         manifest, report = write_artifact(model_dir, source, Path(out), config, defaults, force=force, sign_key=key,
                                           progress=progress)  # fmt: skip

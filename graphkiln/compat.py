@@ -91,20 +91,23 @@ def import_inductor() -> None:
     import torch._inductor.compile_fx  # noqa: F401  (the package, standalone_compile and CompiledArtifact with it)
 
 
-def pin_triton_cache_dir() -> None:
-    """Keep every Triton kernel of this process in one cache folder, whichever compiles first. Where
-    TRITON_CACHE_DIR is unset, Triton uses its default folder, and Inductor sets the variable to a folder of
-    its own the first time it makes a Triton kernel: a compile-model run (Inductor first) then keeps
-    graphkiln's kernels in Inductor's folder and a serving process (graphkiln's kernels first) in Triton's,
-    so the serving process builds again what the compile built for it. Setting the variable to Triton's
-    default before either builds keeps both in one folder; a folder the user chose is left as it is."""
-    if "TRITON_CACHE_DIR" in os.environ:
-        return
+def pin_triton_environment() -> None:
+    """Fix, before Inductor or graphkiln builds a Triton kernel, the two settings Inductor would change midway
+    through a process, so that every kernel of the process is built and cached alike: a compile-model run
+    (Inductor first) then builds graphkiln's kernels under the same cache key and in the same folder as a
+    serving process (graphkiln's kernels first), and the serving process finds the ones its compile built.
+    Where unset, Inductor points TRITON_CACHE_DIR at a folder of its own when it first makes a Triton kernel,
+    and TRITON_PTXAS_PATH at torch's own ptxas when it first compiles one; the ptxas version is part of
+    Triton's cache key. Here the cache folder is Triton's default and ptxas torch's, as Inductor would pick;
+    a setting the user chose is left as it is."""
     try:
         from triton import knobs
     except ImportError:  # triton is optional
         return
-    os.environ["TRITON_CACHE_DIR"] = knobs.cache.dir
+    os.environ.setdefault("TRITON_CACHE_DIR", knobs.cache.dir)
+    ptxas = Path(torch.__file__).parent / "bin" / "ptxas"
+    if "TRITON_PTXAS_PATH" not in os.environ and ptxas.is_file() and os.access(ptxas, os.X_OK):
+        os.environ["TRITON_PTXAS_PATH"] = str(ptxas)
 
 
 @functools.cache  # once a process, as Triton computes it: a later load does not walk Triton's files again

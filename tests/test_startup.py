@@ -11,13 +11,14 @@ import weakref
 from pathlib import Path
 
 import pytest
+import torch
 
 import graphkiln
 from artifact_helpers import (ENGINE, GREEDY, PROMPTS, RESULT_PREFIX, SUBPROCESS_TIMEOUT_S, flip_piece_byte_and_rehash,
                               greedy_tokens, run, run_python_json)
 from graphkiln import EngineConfig
 from graphkiln.api import build_serving_kernels
-from graphkiln.compat import pin_triton_cache_dir
+from graphkiln.compat import pin_triton_environment
 from graphkiln.errors import ConfigError
 from graphkiln.models import kernel_loads
 from graphkiln.models.tiny import tiny_model_dir
@@ -302,17 +303,22 @@ def test_building_serving_kernels_of_a_broken_artifact_warns_and_never_raises(
     assert str(art.parent / "missing") in warnings[1]
 
 
-def test_triton_cache_folder_is_pinned_once_and_a_chosen_one_kept(monkeypatch: pytest.MonkeyPatch,
-                                                                  tmp_path: Path) -> None:  # fmt: skip
-    """Unset, TRITON_CACHE_DIR becomes Triton's own default folder (where Triton is installed), so Inductor, which
-    sets it only where it is unset, keeps its kernels beside graphkiln's; a folder the user chose stays."""
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "chosen"))
-    pin_triton_cache_dir()
-    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "chosen")
-    monkeypatch.delenv("TRITON_CACHE_DIR")
+def test_triton_settings_are_pinned_and_the_users_kept(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Unset, TRITON_CACHE_DIR becomes Triton's own default folder and TRITON_PTXAS_PATH torch's ptxas where torch
+    ships one (where Triton is installed), so Inductor, which sets each only where it is unset, cannot change
+    them midway through a process; what the user chose stays."""
+    chosen = {"TRITON_CACHE_DIR": str(tmp_path / "chosen"), "TRITON_PTXAS_PATH": str(tmp_path / "my-ptxas")}
+    for name, value in chosen.items():
+        monkeypatch.setenv(name, value)
+    pin_triton_environment()
+    assert {name: os.environ[name] for name in chosen} == chosen
+    for name in chosen:
+        monkeypatch.delenv(name)
     monkeypatch.setenv("TRITON_HOME", str(tmp_path / "home"))
-    pin_triton_cache_dir()
+    pin_triton_environment()
     if importlib.util.find_spec("triton") is None:
-        assert "TRITON_CACHE_DIR" not in os.environ
-    else:
-        assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "home" / ".triton" / "cache")
+        assert not any(name in os.environ for name in chosen)
+        return
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "home" / ".triton" / "cache")
+    ptxas = Path(torch.__file__).parent / "bin" / "ptxas"
+    assert os.environ.get("TRITON_PTXAS_PATH") == (str(ptxas) if ptxas.is_file() else None)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from graphkiln.compat import pin_triton_cache_dir, warm_triton
+from graphkiln.compat import pin_triton_environment, warm_triton
 
 from .ops import define
 
@@ -70,5 +70,5 @@ def import_kernels(device: torch.device) -> None:
     if device.type == "cuda":
         import graphkiln.kernels.gemv  # noqa: F401
 
-        pin_triton_cache_dir()
+        pin_triton_environment()
         warm_triton()

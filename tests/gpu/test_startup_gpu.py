@@ -142,11 +142,13 @@ def _run(script: str, env: dict) -> None:
 def test_a_compile_builds_the_kernels_its_first_start_needs(tmp_path: Path) -> None:
     """compile_model on CUDA loads its artifact once (build_serving_kernels), so a first start on this machine
     finds graphkiln's Triton kernels for the artifact's buckets in Triton's cache and builds none: the serving
-    process adds none to either cache folder. Both are fresh processes with TRITON_CACHE_DIR unset, as a user's
-    are: there Inductor, compiling first in the compile process, would move that process's kernels to a folder
-    of its own unless graphkiln keeps one folder (compat.pin_triton_cache_dir)."""
+    process adds none to either cache folder. Both are fresh processes with TRITON_CACHE_DIR and
+    TRITON_PTXAS_PATH unset, as a user's are, and the compile's Inductor builds its kernels in its own process
+    (one compile thread, as on a small machine): there Inductor would change both settings midway through the
+    compile process, and with them the folder and the cache key of graphkiln's kernels built after it, unless
+    graphkiln fixes them first (compat.pin_triton_environment)."""
     out, triton_home, inductor = tmp_path / "art", tmp_path / "triton-home", tmp_path / "inductor"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_CACHE_DIR"}
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_CACHE_DIR", "TRITON_PTXAS_PATH")}
     env.update(TRITON_HOME=str(triton_home), TORCHINDUCTOR_CACHE_DIR=str(inductor))
     compile_script = f"""
 import graphkiln
@@ -162,7 +164,7 @@ done = llm.generate([[5, 6, 7], [9] * 40], graphkiln.SamplingParams(max_tokens=8
 assert [len(o.token_ids) for o in first + done] == [2, 8, 8]
 assert [p for p in llm.stats().prepared if p.error] == []
 """
-    _run(compile_script, env)
+    _run(compile_script, {**env, "TORCHINDUCTOR_COMPILE_THREADS": "1"})
     built = _kernels_in_cache(triton_home, inductor)
     _run(serve_script, env)
     added = _kernels_in_cache(triton_home, inductor) - built
