@@ -179,7 +179,8 @@ def child_main(spec: dict) -> None:
         res["load"] = {**dataclasses.asdict(stats.load), "weights_GBps": stats.load.weights_gb_per_s}
         res["prepare_errors"] = [p.error for p in stats.prepared if p.error]
         slowest = sorted(stats.prepared, key=lambda p: p.seconds, reverse=True)[:8]
-        res["slowest_jobs"] = [{"kind": p.kind, "key": p.key, "seconds": p.seconds, "done_at_s": p.done_at_s}
+        res["slowest_jobs"] = [{"kind": p.kind, "key": p.key, "seconds": p.seconds, "done_at_s": p.done_at_s,
+                                "longest_locked_s": p.longest_locked_s}
                                for p in slowest]  # a step waits behind at most one of these  # fmt: skip
         res["steps_without_graph"] = stats.steps_without_graph
         pieces = [p for p in stats.prepared if p.kind == "pieces"]

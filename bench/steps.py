@@ -106,7 +106,7 @@ stats = llm.stats()
 print("GK_STEPS " + json.dumps({"steps_s": steps, "slow_steps": samples, "kernel_loads": kernel_loads,
       "full_collections": full_collections,
       "step_waits": dataclasses.asdict(stats.step_waits),
-      "prepared": [[p.kind, p.key, p.seconds, p.done_at_s] for p in stats.prepared]}))
+      "prepared": [[p.kind, p.key, p.seconds, p.done_at_s, p.longest_locked_s] for p in stats.prepared]}))
 """
 
 
@@ -154,6 +154,8 @@ def main(a: argparse.Namespace) -> int:
                 f"{statistics.median(steps) * 1e3:.1f} ms, {over} over {a.slow_ms:g} ms, slowest "
                 + ", ".join(f"#{j} {steps[j] * 1e3:.0f} ms" for j in slowest)
                 + f"; longest wait for the step lock {run['step_waits']['longest_s'] * 1e3:.0f} ms"
+                + "; longest lock hold by a job {1} {2} {0:.0f} ms".format(*max(
+                    (p[4] * 1e3, p[0], p[1]) for p in run["prepared"]))
                 + f"; pieces in at {run['prepared'][0][3]:.2f} s, ready at {run['prepared'][-1][3]:.2f} s; "
                 + f"{len(run['slow_steps'])} sampled; "
                 + f"{sum(k['step'] is not None for k in run['kernel_loads'])} Triton kernels loaded and "

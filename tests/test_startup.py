@@ -7,6 +7,7 @@ import importlib.util
 import os
 import sys
 import threading
+import time
 import weakref
 from pathlib import Path
 
@@ -277,6 +278,33 @@ def test_a_failing_job_is_recorded_and_the_rest_still_run() -> None:
     assert [(p.key, p.error) for p in preparation.done] == [("1", None), ("2", "RuntimeError: no graph for you"),
                                                             ("4", None)]  # fmt: skip
     assert isinstance(preparation.errors[0], RuntimeError)
+
+
+class _ThreePartJob:
+    """A job with a part off the step lock and a warm-up and a run under it, each sleeping its seconds."""
+
+    kind, key = "decode", "8"
+
+    def __init__(self, unlocked_s: float, warm_s: float, run_s: float) -> None:
+        self.unlocked = lambda: time.sleep(unlocked_s)
+        self.warm = lambda: time.sleep(warm_s)
+        self.run = lambda: time.sleep(run_s)
+
+    def withdraw(self) -> None:
+        """Nothing to undo."""
+
+
+def test_a_jobs_longest_hold_of_the_step_lock_is_recorded() -> None:
+    """A job's record says the longest it ran at once under the step lock (the warm-up here), what a step could
+    wait behind it, apart from its seconds in all (the part off the lock included)."""
+    import torch
+
+    preparation = Preparation([_ThreePartJob(0.3, 0.12, 0.04)], StepLock(), torch.device("cpu"))
+    preparation.start()
+    assert preparation.wait(30)
+    [done] = preparation.done
+    assert done.error is None and done.seconds >= 0.46
+    assert 0.12 <= done.longest_locked_s < 0.3
 
 
 def test_building_serving_kernels_loads_the_artifact_once_and_leaves_nothing_running(

@@ -110,7 +110,8 @@ class PiecesJob:
 @dataclass(frozen=True)
 class PreparedBucket:
     """One finished job: its kind and bucket, its seconds, when it finished (seconds after the engine
-    was built) and, if it raised (on any rank), the error."""
+    was built), the longest it ran at once under the step lock (its warm-up or the rest: about what a step
+    could wait behind it) and, if it raised (on any rank), the error."""
 
     kind: str
     key: str
@@ -118,6 +119,7 @@ class PreparedBucket:
     done_at_s: float
     error: str | None = None
     ranks: tuple[RankReport, ...] = ()  # tensor parallel: every rank's own report of the job, rank 0 first
+    longest_locked_s: float = 0.0
 
 
 class Preparation:
@@ -180,15 +182,18 @@ class Preparation:
                           lowered_switch_interval(self.switch_interval)):
                         error = self._attempt(job.unlocked, job)
                 warm = getattr(job, "warm", None)
+                warm_s = 0.0
                 if warm is not None and self.lockstep is None:  # (a group's warm-ups talk: they run with the job)
                     with captures_paused(), self.lock(background=background):
                         if self._stop.is_set():
                             return
+                        warm_start = time.perf_counter()
                         error = self._attempt(warm, job)
+                        warm_s = time.perf_counter() - warm_start
                 with captures_paused(), self.lock(background=background):  # in this order: capture_pause.py
                     if self._stop.is_set():
                         return
-                    self._run(job, start, error)
+                    self._run(job, start, error, warm_s)
         except RankFailedError as failure:  # the group stopped: no job can run on it any more
             self.failure = failure
             self.errors.append(failure)
@@ -217,12 +222,14 @@ class Preparation:
             self.planned += len(added)
         return None
 
-    def _run(self, job: Job, start: float | None = None, error: str | None = None) -> None:
+    def _run(self, job: Job, start: float | None = None, error: str | None = None, warm_s: float = 0.0) -> None:
         if self.lockstep is not None:
             self.lockstep.announce(job.kind, job.key)
         start = time.perf_counter() if start is None else start
+        run_start = time.perf_counter()
         if error is None:
             error = self._attempt(job.run, job)
+        locked_s = max(warm_s, time.perf_counter() - run_start)
         seconds = time.perf_counter() - start
         ranks: tuple[RankReport, ...] = ()
         if self.lockstep is not None:
@@ -234,7 +241,8 @@ class Preparation:
                 error = "; ".join(f"rank {r.rank}: {r.error}" for r in failed)
                 log.error("preparing %s bucket %s failed on another rank (%s); its steps run without it on every rank",
                           job.kind, job.key, error)  # fmt: skip
-        self.done.append(PreparedBucket(job.kind, job.key, seconds, time.perf_counter() - self.started, error, ranks))
+        self.done.append(PreparedBucket(job.kind, job.key, seconds, time.perf_counter() - self.started, error, ranks,
+                                        locked_s))  # fmt: skip
 
     @property
     def ready(self) -> bool:
