@@ -15,6 +15,7 @@ import torch
 
 from graphkiln.compat import import_inductor
 from graphkiln.errors import ArtifactError
+from graphkiln.kernels.shipped import TRITON_KERNELS
 from graphkiln.models import resolve_dtype
 from graphkiln.models.config import ModelConfig
 from graphkiln.models.fingerprint import model_fingerprint
@@ -98,11 +99,13 @@ def _fill_on(device: torch.device, model: CausalLM, model_dir: Path, clock: Stop
 
 @contextlib.contextmanager
 def _weights_beside(model: CausalLM, model_dir: Path, clock: Stopwatch, switch_interval: float | None,
-                    kernels: bool = False, warm_rows: tuple[int, ...] = ()) -> Iterator[Callable[[], None]]:
+                    kernels: bool = False, warm_rows: tuple[int, ...] = (),
+                    shipped: Path | None = None) -> Iterator[Callable[[], None]]:  # fmt: skip
     """Read the weights into `model` on a thread of their own while the block runs (stage "weights"), under
     the lowered switch interval so that the reading threads wait less for the interpreter lock; done at exit.
     With `kernels`, another thread imports the kernels meanwhile (then the only thread to import triton: two
-    importing it at once could deadlock), and this one makes its cuBLAS handle, which its eager steps use.
+    importing it at once could deadlock; `shipped`: the artifact's Triton kernels, installed by it first), and
+    this one makes its cuBLAS handle, which its eager steps use.
     The block gets a function that has a third thread launch the eager model's kernels at `warm_rows`
     (kernel_loads.py; after the kernels' import where the model's projections call Triton): the block calls
     it once no FX trace runs beside it."""
@@ -112,7 +115,7 @@ def _weights_beside(model: CausalLM, model_dir: Path, clock: Stopwatch, switch_i
         ThreadPoolExecutor(3, thread_name_prefix="graphkiln-fill") as pool,
     ):
         weights = pool.submit(_fill_on, indexed(device), model, model_dir, clock)
-        jobs = [pool.submit(import_kernels, device)] if kernels else []
+        jobs = [pool.submit(import_kernels, device, shipped)] if kernels else []
         after = jobs[0] if jobs and calls_triton(model) else None
 
         def launch_kernels() -> None:
@@ -179,8 +182,8 @@ def read_weights(
     threads = torch.get_num_threads()  # per thread in torch: the job's thread takes the caller's
     with locked(out, shared=True):
         manifest, model = _checked_model(out, model_dir, device, dtype, trusted_keys, clock, Shard())
-        with (_weights_beside(model, model_dir, clock, switch_interval, kernels=True, warm_rows=warm_rows)
-              as launch_kernels, clock.stage("tokenizer")):
+        with (_weights_beside(model, model_dir, clock, switch_interval, kernels=True, warm_rows=warm_rows,
+                              shipped=out / TRITON_KERNELS) as launch_kernels, clock.stage("tokenizer")):
             graph = load_graph(out)  # here: unpickling it traces, which must not run beside the engine's steps
             launch_kernels()  # nor beside these launches
             tokenizer = read_tokenizer(manifest, out, model_dir)
@@ -222,7 +225,7 @@ def _read_pieces(out: Path, manifest: dict, model: CausalLM, clock: Stopwatch,
         except (ImportError, RuntimeError, AttributeError):  # another thread's import deadlocked with this one
             import_inductor()
     with clock.stage("pieces"):
-        import_kernels(_device(model))
+        import_kernels(_device(model), out / TRITON_KERNELS)
         tensors = dict(model.named_parameters(remove_duplicate=False))
         tensors.update(model.named_buffers(remove_duplicate=False))
         return load_compiled(manifest["compiled"], manifest["files"], out, tensors, graph)

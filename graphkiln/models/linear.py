@@ -12,6 +12,8 @@ passes `passes/linear_op.py` and `passes/silu_mul_linear.py` route the decoder's
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 
@@ -63,12 +65,16 @@ silu_mul_linear = define("silu_mul_linear(Tensor gate_up, Tensor weight) -> Tens
                          _linear_shape)
 
 
-def import_kernels(device: torch.device) -> None:
+def import_kernels(device: torch.device, shipped: Path | None = None) -> None:
     """Import the Triton kernels these ops call on `device` now (CUDA; they are imported where they first run
     otherwise, triton being optional), with Triton's hash of its own sources, which a process pays once at its
-    first launch: a load does both while the weights are read, so a step does not."""
+    first launch: a load does both while the weights are read, so a step does not. `shipped`: an artifact's
+    Triton kernels, put into Triton's cache where it lacks them, before any launch (kernels/shipped.py)."""
     if device.type == "cuda":
         import graphkiln.kernels.gemv  # noqa: F401
+        from graphkiln.kernels.shipped import install_shipped_kernels
 
         pin_triton_environment()
+        if shipped is not None:
+            install_shipped_kernels(shipped)
         warm_triton()
