@@ -16,6 +16,7 @@ import torch
 
 from graphkiln.cache_dir import cache_root
 from graphkiln.compat import pin_triton_environment
+from graphkiln.kernels.shipped import TRITON_KERNELS, ship_loaded_kernels
 from graphkiln.compiler.artifact_dir import write_artifact
 from graphkiln.compiler.artifact_load import check_artifact, read_artifact, read_tokenizer, read_weights
 from graphkiln.compiler.compile import CompileReport, Progress
@@ -60,7 +61,8 @@ def compile_model(
     `sign_key` (an Ed25519 private key PEM: path or bytes) signs the manifest, for
     `load(..., trusted_keys=...)`. `build_kernels` (on CUDA, one rank): load the artifact once, as a
     server would, so that graphkiln's Triton kernels for its buckets are in this machine's Triton cache
-    when it first starts here (`build_serving_kernels`).
+    when it first starts here (`build_serving_kernels`), and carry them in the artifact for a first start
+    on another machine of the same kind (kernels/shipped.py).
     """
     config = config or CompileConfig()
     key = load_private_key(sign_key) if sign_key is not None else None
@@ -69,14 +71,26 @@ def compile_model(
     defaults = (engine or EngineConfig()).to_dict()
     if config.device == "cuda":  # before Inductor's first kernel: the serving kernels below, and a server's, go there too
         pin_triton_environment()
-    with captures_paused():  # Inductor's autotuning draws CUDA random numbers: none beside an engine's capture
-        manifest, report = write_artifact(model_dir, source, Path(out), config, defaults, force=force, sign_key=key,
-                                          progress=progress)  # fmt: skip
-    if build_kernels and config.device == "cuda" and config.tensor_parallel_size == 1:
-        progress("serving kernels", 0, 1)
-        report.timings["serving_kernels"] = build_serving_kernels(Path(out))
-        progress("serving kernels", 1, 1)
-    return manifest, report
+    serving = build_kernels and config.device == "cuda" and config.tensor_parallel_size == 1
+    # (`compiling`: Inductor's autotuning draws CUDA random numbers: none beside an engine's capture)
+    return write_artifact(model_dir, source, Path(out), config, defaults, force=force, sign_key=key, progress=progress,
+                          compiling=captures_paused, finish=partial(_ship_serving_kernels, progress=progress)
+                          if serving else None)  # fmt: skip
+
+
+def _ship_serving_kernels(artifact: Path, progress: Progress) -> dict[str, float]:
+    """Build the serving kernels of the artifact in `artifact` and put them into it (TRITON_KERNELS)."""
+    progress("serving kernels", 0, 1)
+    seconds = build_serving_kernels(artifact)
+    try:
+        shipped = ship_loaded_kernels(artifact / TRITON_KERNELS)
+    except (OSError, AttributeError, TypeError) as e:  # (Triton's internals moved: the artifact is sound without)
+        shipped = 0
+        log.warning("%s: copying graphkiln's Triton kernels into the artifact failed (%s: %s); a first start on "
+                    "another machine builds them", artifact, type(e).__name__, e)  # fmt: skip
+    progress("serving kernels", 1, 1)
+    log.info("%s: %d Triton kernel cache entries of graphkiln's shipped", artifact, shipped)
+    return {"serving_kernels": seconds}
 
 
 def build_serving_kernels(out: Path, timeout_s: float = KERNEL_BUILDS_TIMEOUT_S) -> float:

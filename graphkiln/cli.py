@@ -74,8 +74,8 @@ def _compile_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="sign the manifest with this Ed25519 private key (PEM; see `graphkiln keygen`)")
     parser.add_argument("--no-build-kernels", dest="build_kernels", action="store_false",
                         help="on CUDA: do not load the artifact once after the compile to build graphkiln's Triton "
-                             "kernels for its buckets into this machine's Triton cache (the first start here "
-                             "then builds them)")
+                             "kernels for its buckets into this machine's Triton cache and the artifact (a first "
+                             "start then builds them)")
     parser.add_argument("--quiet", action="store_true", help="no progress, no summary table")
     parser.add_argument("--json", action="store_true", help="print a machine-readable summary on stdout")
     _engine_parser(parser.add_argument_group("serving defaults recorded in the artifact (load can override them)"))

@@ -16,7 +16,8 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,6 +26,7 @@ import torch
 
 from graphkiln.compat import fake_process_group, private_inductor_cache, require_depyf
 from graphkiln.errors import ArtifactError, ConfigError
+from graphkiln.kernels.shipped import TRITON_KERNELS
 from graphkiln.models import load_model
 from graphkiln.models.tokenizer import Tokenizer
 from graphkiln.models.fingerprint import model_fingerprint
@@ -155,9 +157,14 @@ def write_artifact(
     sign_key: Ed25519PrivateKey | None = None,
     graph_passes: tuple[Pass, ...] = (),
     progress: Progress = lambda stage, done, total: None,
+    compiling: Callable[[], AbstractContextManager] = contextlib.nullcontext,
+    finish: Callable[[Path], dict[str, float]] | None = None,
 ) -> tuple[dict, CompileReport]:
     """Compile `model_dir` for `config` into `out`; return the manifest and the compile report.
-    `engine_defaults` (an EngineConfig as a dict) is recorded for `load` to start from.
+    `engine_defaults` (an EngineConfig as a dict) is recorded for `load` to start from. The compile runs inside
+    `compiling()`; `finish`, if given, then runs on the complete artifact in its temporary folder, before it is
+    signed and renamed into place: the files it adds under TRITON_KERNELS are listed in the manifest, and the
+    stage seconds it returns are added to the report's timings.
 
     The model directory (config.json, weight file headers, quantization), the device, the paths, the pass names
     and, for dumps, depyf are checked before anything is locked, created or reported as progress.
@@ -181,9 +188,14 @@ def write_artifact(
         except OSError as e:
             raise _unwritable(out, e) from e
         try:
-            manifest, report = _compile_into(
-                model_dir, model_source, fingerprint, tmp, config, engine_defaults, graph_passes, progress
-            )
+            with compiling():
+                manifest, report = _compile_into(
+                    model_dir, model_source, fingerprint, tmp, config, engine_defaults, graph_passes, progress
+                )
+            if finish is not None:
+                report.timings.update(finish(tmp))
+                (out.parent / f".{tmp.name}.lock").unlink(missing_ok=True)  # (a load of `tmp` made it: ours)
+                manifest = _reseal(tmp, manifest, report.timings)
             if sign_key is not None:
                 sign(tmp, sign_key)
             _claim(out, force)  # again: the compile took a while, and OUT is replaced only if it is still ours
@@ -243,6 +255,17 @@ def _compile_into(
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     tmp.chmod(0o755)
     return manifest, report
+
+
+def _reseal(tmp: Path, manifest: dict, timings: dict[str, float]) -> dict:
+    """The manifest in `tmp` written again with the files under TRITON_KERNELS and `timings`."""
+    shipped = tmp / TRITON_KERNELS
+    files = {f"{TRITON_KERNELS}/{rel}": digest for rel, digest in file_hashes(shipped).items()} if shipped.is_dir() else {}
+    manifest = {**manifest, "files": {**manifest["files"], **files}, "timings": dict(timings)}
+    manifest.pop("fields_sha256")
+    manifest["fields_sha256"] = seal(manifest)
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    return manifest
 
 
 def _quantization(model_dir: Path, config: CompileConfig, model: CausalLM) -> dict | None:

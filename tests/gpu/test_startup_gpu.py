@@ -128,49 +128,53 @@ print(json.dumps({{"builds": builds, "prepared": [[p.kind, p.key, p.error] for p
     assert result["tokens"] == [2, 8, 8] and result["replays"] > 0
 
 
-def _kernels_in_cache(*folders: Path) -> set[str]:
-    """graphkiln's Triton kernels in these cache folders, as `<entry>/<kernel>` (Inductor's are triton_*)."""
-    return {f"{c.parent.name}/{c.stem}" for folder in folders for c in folder.rglob("*.cubin")
-            if not c.stem.startswith("triton_")}
-
-
-def _run(script: str, env: dict) -> None:
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-
-
-def test_a_compile_builds_the_kernels_its_first_start_needs(tmp_path: Path) -> None:
-    """compile_model on CUDA loads its artifact once (build_serving_kernels), so a first start on this machine
-    finds graphkiln's Triton kernels for the artifact's buckets in Triton's cache and builds none: the serving
-    process adds none to either cache folder. Both are fresh processes with TRITON_CACHE_DIR and
-    TRITON_PTXAS_PATH unset, as a user's are, and the compile's Inductor builds its kernels in its own process
-    (one compile thread, as on a small machine): there Inductor would change both settings midway through the
-    compile process, and with them the folder and the cache key of graphkiln's kernels built after it, unless
-    graphkiln fixes them first (compat.pin_triton_environment)."""
-    out, triton_home, inductor = tmp_path / "art", tmp_path / "triton-home", tmp_path / "inductor"
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_CACHE_DIR", "TRITON_PTXAS_PATH")}
-    env.update(TRITON_HOME=str(triton_home), TORCHINDUCTOR_CACHE_DIR=str(inductor))
-    compile_script = f"""
-import graphkiln
-graphkiln.compile_model("tiny", {str(out)!r}, graphkiln.CompileConfig(device="cuda", dtype="bfloat16"),
-                        engine=graphkiln.EngineConfig(**{ENGINE!r}))
-"""
-    serve_script = f"""
-import graphkiln
+def _serve_and_count_builds(out: Path, env: dict) -> dict:
+    """A fresh process loads `out` and serves until every graph is in; graphkiln's Triton kernels (Inductor's
+    are triton_*) it built, and those it read from Triton's cache."""
+    script = f"""
+import json, triton, graphkiln
+events = []
+triton.knobs.compilation.listener = lambda **kw: events.append([kw["src"].name, kw["cache_hit"]])
 llm = graphkiln.load({str(out)!r})
 first = llm.generate([[5, 6, 7, 8, 9]], graphkiln.SamplingParams(max_tokens=2, ignore_eos=True))
 llm.wait_ready()
 done = llm.generate([[5, 6, 7], [9] * 40], graphkiln.SamplingParams(max_tokens=8, ignore_eos=True))
 assert [len(o.token_ids) for o in first + done] == [2, 8, 8]
 assert [p for p in llm.stats().prepared if p.error] == []
+ours = [(name, hit) for name, hit in events if not name.startswith("triton_")]
+print(json.dumps({{"built": sorted({{name for name, hit in ours if not hit}}), "read": sum(hit for _, hit in ours)}}))
 """
-    _run(compile_script, {**env, "TORCHINDUCTOR_COMPILE_THREADS": "1"})
-    built = _kernels_in_cache(triton_home, inductor)
-    _run(serve_script, env)
-    added = _kernels_in_cache(triton_home, inductor) - built
-    record("kernels_built_by_compile", {"compile": len(built), "first_start": len(added)})
-    assert built, "the compile built no graphkiln kernel: nothing was tested"
-    assert added == set(), f"the first start built kernels the compile had not: {sorted(added)}"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_compile_builds_the_kernels_its_first_start_needs_here_and_elsewhere(tmp_path: Path) -> None:
+    """compile_model on CUDA loads its artifact once (build_serving_kernels) and ships the Triton kernels that load
+    used in it (kernels/shipped.py): a first start on this machine reads graphkiln's kernels from Triton's
+    cache, and one on another machine of the kind (a Triton cache of its own, empty) from the artifact; neither
+    builds any. The processes start with TRITON_CACHE_DIR and TRITON_PTXAS_PATH unset, as a user's do, and the
+    compile's Inductor builds in its own process (one compile thread, as on a small machine): there Inductor
+    would change both settings midway through the compile, and with them the folder and the cache key of
+    graphkiln's kernels built after it, unless graphkiln fixes them first (compat.pin_triton_environment)."""
+    out = tmp_path / "art"
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_CACHE_DIR", "TRITON_PTXAS_PATH")}
+    env.update(TRITON_HOME=str(tmp_path / "triton-home"), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    compile_script = f"""
+import graphkiln
+graphkiln.compile_model("tiny", {str(out)!r}, graphkiln.CompileConfig(device="cuda", dtype="bfloat16"),
+                        engine=graphkiln.EngineConfig(**{ENGINE!r}))
+"""
+    done = subprocess.run([sys.executable, "-c", compile_script], capture_output=True, text=True, timeout=600,
+                          env={**env, "TORCHINDUCTOR_COMPILE_THREADS": "1"})  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    shipped = sorted(p.name for p in (out / "triton-kernels").iterdir())
+    here = _serve_and_count_builds(out, env)
+    elsewhere = _serve_and_count_builds(out, {**env, "TRITON_HOME": str(tmp_path / "other-machine")})
+    record("kernels_built_by_compile", {"shipped": len(shipped), "here": here, "elsewhere": elsewhere})
+    assert shipped, "the compile shipped no graphkiln kernel: nothing was tested"
+    assert here["built"] == [] and elsewhere["built"] == []
+    assert elsewhere["read"] > 0
 
 
 def test_random_draws_inside_captures_paused_beside_background_captures(tmp_path: Path) -> None:
