@@ -50,8 +50,8 @@ def ship_loaded_kernels(dest: Path) -> int:
 def install_shipped_kernels(shipped: Path, cache: Path | None = None) -> None:
     """Put the entries under `shipped` that Triton's cache folder (`cache`, else Triton's current one) lacks into
     it, each whole or not at all (written beside it and renamed into place), so that graphkiln's kernels are
-    read there rather than built. Best effort: an entry that cannot be written is logged and left to Triton to
-    build."""
+    read there rather than built. Best effort: the first entry that cannot be put there ends it with a warning,
+    and Triton builds what is missing."""
     if not shipped.is_dir():
         return
     if cache is None:
@@ -64,9 +64,10 @@ def install_shipped_kernels(shipped: Path, cache: Path | None = None) -> None:
             continue
         try:
             _install(entry, target)
-        except OSError as e:
-            log.warning("%s: could not put this kernel into Triton's cache %s (%s); it is built at its first use",
-                        entry, cache, e)  # fmt: skip
+        except (OSError, ValueError, KeyError, TypeError) as e:  # (the files' sha256 matched the manifest's)
+            log.warning("%s: could not put the artifact's Triton kernels into Triton's cache %s (%s: %s); those "
+                        "missing there are built at their first use", shipped, cache, type(e).__name__, e)  # fmt: skip
+            return
 
 
 def _install(entry: Path, target: Path) -> None:
