@@ -2,7 +2,7 @@
 imports Inductor and the graphs are captured, and where every thread was during a slow one.
 
     python -m bench steps --out $OUT [--model tiny|1b|8b] [--processes 3] [--slow-ms 50] [--until-ready]
-                                     [--no-build-kernels]
+                                     [--no-build-kernels] [--fresh-triton-cache]
 
 The model (the built-in `tiny` by default and with --smoke; `1b`/`8b`: random weights of those shapes) is
 compiled into a scratch artifact, then each fresh process loads it (background preparation, the default
@@ -13,8 +13,10 @@ every thread's Python stack once a step has run `--slow-ms` (and up to three tim
 Triton's hooks record every kernel built or read from its cache, and the collector's callbacks every full
 collection, with the step each fell in. On CUDA the compile builds our Triton kernels for the artifact's
 buckets (compile_model's `build_kernels`), so every process starts warm; with `--no-build-kernels` the
-first process builds those it meets (a cold Triton cache, as after a compile on another machine) and
-the next ones show a warm start. Installed packages' bytecode is written first
+first process builds those it meets (a cold Triton cache, as after such a compile on another machine) and
+the next ones show a warm start; with `--fresh-triton-cache` every process starts with an empty Triton cache of
+its own, as on a machine the artifact was not compiled on, and reads graphkiln's kernels from the artifact.
+Installed packages' bytecode is written first
 (`startup.ensure_bytecode`), as `pip install` does: without it the job compiles torch's sources,
 holding the interpreter lock for each module.
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -117,6 +120,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--until-ready", action="store_true",
                    help="a finished request's place goes to a new one until every graph is captured, so that steps "
                         "meet every capture (default: the six requests only)")
+    p.add_argument("--fresh-triton-cache", action="store_true",
+                   help="each process with a Triton cache of its own, empty, as on a machine the artifact was not "
+                        "compiled on: graphkiln's kernels then come from the artifact (triton-kernels/)")
     p.add_argument("--no-build-kernels", dest="build_kernels", action="store_false",
                    help="compile without building the serving kernels (compile_model's build_kernels), as a "
                         "compile on another machine: the first process then builds them (a cold Triton cache)")
@@ -139,9 +145,13 @@ def main(a: argparse.Namespace) -> int:
         log(f"compiled in {results['compile']['seconds']:.1f} s; stages: "
             + ", ".join(f"{k} {v:.1f} s" for k, v in report.timings.items()))
         for i in range(a.processes):
+            env = dict(os.environ)
+            if a.fresh_triton_cache:
+                env.pop("TRITON_CACHE_DIR", None)
+                env["TRITON_HOME"] = str(scratch / f"triton-home-{i}")
             proc = subprocess.run([sys.executable, "-c", CHILD, str(artifact), str(a.slow_ms / 1000),
                                    str(int(a.until_ready))],
-                                  cwd=REPO, capture_output=True, text=True, timeout=600)
+                                  cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("GK_STEPS ")]
             if proc.returncode != 0 or not lines:
                 raise SystemExit(f"process {i} exited {proc.returncode}: {proc.stderr[-2000:]}")
