@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -86,6 +87,7 @@ def _ship_serving_kernels(artifact: Path, progress: Progress) -> dict[str, float
         shipped = ship_loaded_kernels(artifact / TRITON_KERNELS)
     except (OSError, AttributeError, TypeError) as e:  # (Triton's internals moved: the artifact is sound without)
         shipped = 0
+        shutil.rmtree(artifact / TRITON_KERNELS, ignore_errors=True)  # (no entry half copied)
         log.warning("%s: copying graphkiln's Triton kernels into the artifact failed (%s: %s); a first start on "
                     "another machine builds them", artifact, type(e).__name__, e)  # fmt: skip
     progress("serving kernels", 1, 1)
