@@ -66,7 +66,7 @@ def locked(out: Path, shared: bool = False, progress: Progress = lambda stage, d
     try:
         if not shared:
             out.parent.mkdir(parents=True, exist_ok=True)
-        lock = open(out.parent / f".{out.name}.lock", "a")
+        lock = open(lock_file(out), "a")
     except OSError as e:
         if not shared:
             raise _unwritable(out, e) from e
@@ -85,6 +85,11 @@ def locked(out: Path, shared: bool = False, progress: Progress = lambda stage, d
             yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def lock_file(out: Path) -> Path:
+    """The sibling file `locked` locks for `out`."""
+    return out.parent / f".{out.name}.lock"
 
 
 def _lock_holder(out: Path) -> str:
@@ -194,7 +199,7 @@ def write_artifact(
                 )
             if finish is not None:
                 report.timings.update(finish(tmp))
-                (out.parent / f".{tmp.name}.lock").unlink(missing_ok=True)  # (a load of `tmp` made it: ours)
+                lock_file(tmp).unlink(missing_ok=True)  # (a load of `tmp` made it: ours)
                 manifest = _reseal(tmp, manifest, report.timings)
             if sign_key is not None:
                 sign(tmp, sign_key)
@@ -251,10 +256,16 @@ def _compile_into(
         "counters": report.counters.as_dict(),
         "files": file_hashes(tmp),
     }
-    manifest["fields_sha256"] = seal(manifest)
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    _write_manifest(tmp, manifest)
     tmp.chmod(0o755)
     return manifest, report
+
+
+def _write_manifest(tmp: Path, manifest: dict) -> None:
+    """Seal `manifest` (its fields_sha256, of every other field) and write it into `tmp`."""
+    manifest.pop("fields_sha256", None)
+    manifest["fields_sha256"] = seal(manifest)
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
 
 
 def _reseal(tmp: Path, manifest: dict, timings: dict[str, float]) -> dict:
@@ -262,9 +273,7 @@ def _reseal(tmp: Path, manifest: dict, timings: dict[str, float]) -> dict:
     shipped = tmp / TRITON_KERNELS
     files = {f"{TRITON_KERNELS}/{rel}": digest for rel, digest in file_hashes(shipped).items()} if shipped.is_dir() else {}
     manifest = {**manifest, "files": {**manifest["files"], **files}, "timings": dict(timings)}
-    manifest.pop("fields_sha256")
-    manifest["fields_sha256"] = seal(manifest)
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    _write_manifest(tmp, manifest)
     return manifest
 
 

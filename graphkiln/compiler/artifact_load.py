@@ -160,7 +160,7 @@ def read_artifact(
         with _weights_beside(model, model_dir, clock, load_switch_interval()):
             with clock.stage("tokenizer"):
                 tokenizer = read_tokenizer(manifest, out, model_dir)
-            compiled = _read_pieces(out, manifest, model, clock)
+            compiled = _read_pieces(out, manifest, model, clock, shipped=out / TRITON_KERNELS)
         return model, compiled, tokenizer, manifest
 
 
@@ -194,7 +194,8 @@ def read_weights(
                 raise ArtifactError(f"{out}: the artifact changed while it was loading; load it again")
             check_files(manifest, out, already_read=frozenset({QUANTIZED_FILE}))  # the code, not the weights again
             torch.set_num_threads(threads)  # Inductor's CPU kernels are keyed by it: else they would build again
-            return _read_pieces(out, manifest, model, clock, graph)  # (under the preparation's switch interval)
+            # (under the preparation's switch interval; the shipped kernels were installed beside the weights)
+            return _read_pieces(out, manifest, model, clock, graph)
 
     return model, tokenizer, manifest, pieces
 
@@ -217,15 +218,16 @@ def _device(model: CausalLM) -> torch.device:
 
 
 def _read_pieces(out: Path, manifest: dict, model: CausalLM, clock: Stopwatch,
-                 graph: torch.fx.GraphModule | None = None) -> CompiledModel:
-    """The compiled pieces bound to `model`'s parameters (importing Inductor first: its own stage)."""
+                 graph: torch.fx.GraphModule | None = None, shipped: Path | None = None) -> CompiledModel:
+    """The compiled pieces bound to `model`'s parameters (importing Inductor first: its own stage); `shipped`:
+    the artifact's Triton kernels, to install first where the load has not."""
     with clock.stage("inductor"):
         try:
             import_inductor()
         except (ImportError, RuntimeError, AttributeError):  # another thread's import deadlocked with this one
             import_inductor()
     with clock.stage("pieces"):
-        import_kernels(_device(model), out / TRITON_KERNELS)
+        import_kernels(_device(model), shipped)
         tensors = dict(model.named_parameters(remove_duplicate=False))
         tensors.update(model.named_buffers(remove_duplicate=False))
         return load_compiled(manifest["compiled"], manifest["files"], out, tensors, graph)
