@@ -87,13 +87,15 @@ print(json.dumps({{"tokens": tokens, "ready_at_first_step": ready_at_first_step,
 
 
 def test_kernels_are_built_on_the_builders_pool_with_triton_cache_empty(tmp_path: Path) -> None:
-    """With Triton's cache empty (a fresh machine or container), every graphkiln kernel built after `load`
+    """With Triton's cache empty (a fresh machine or container) and no kernels shipped in the artifact (compiled
+    with `build_kernels=False`), every graphkiln kernel built after `load`
     returned (a short first prompt's prefill served eagerly, the compiled pieces' first calls, the captures) is
     built on the builders' pool (kernels/launch.py), several at once and each specialization once, none by the
     thread that launches it; within `load`, the engine's own first calls build theirs there too, none on the
     main thread; the builds job comes before the captures, and every graph is captured."""
     out = tmp_path / "art"
-    graphkiln.compile_model("tiny", out, CompileConfig(device="cuda", dtype="bfloat16"))
+    graphkiln.compile_model("tiny", out, CompileConfig(device="cuda", dtype="bfloat16"), build_kernels=False)
+    assert not (out / "triton-kernels").exists()
     script = f"""
 import json, threading, triton, graphkiln
 builds, loaded = [], []
