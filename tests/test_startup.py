@@ -26,8 +26,10 @@ from graphkiln.models.tiny import tiny_model_dir
 from graphkiln.models.safetensors_header import read_header
 from graphkiln.compiler.artifact_load import read_weights
 from graphkiln.compiler.compiled_model import CompiledModel
+from graphkiln.runtime import warmup
 from graphkiln.runtime.builder import build_engine
 from graphkiln.runtime.preparation import Preparation, WarmupJob
+from graphkiln.runtime.sampler import MODES, sample
 from graphkiln.runtime.step_lock import StepLock
 
 MANY_SIZES = tuple(range(1, 97))  # 96 decode warm-ups (and prefill 16..64): long enough to step beside
@@ -148,6 +150,34 @@ def test_eager_kernels_launch_beside_the_weights_after_the_graph_is_unpickled(
     llm = graphkiln.LLM(build_engine(net, None, EngineConfig(kv_cache_tokens=2048), pieces=pieces), tokenizer)
     assert greedy_tokens(llm) == eager_tokens
     llm.close()
+
+
+def test_the_sampler_first_calls_run_beside_the_weights(artifact: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+    """With launches turned on for the CPU too, `read_weights(beside=sampler_first_calls)` samples each mode at one
+    row and at SAMPLED_ROWS, on the vocabulary's width, on a thread of the weights' pool, before it returns; a
+    sampler that fails there is logged and the load goes on."""
+    monkeypatch.setattr(warmup, "LAUNCH_ON", ("cuda", "cpu"))
+    calls = []
+
+    def recorded(logits: torch.Tensor, rows, mode: str):
+        calls.append((threading.current_thread().name, tuple(logits.shape), mode))
+        return sample(logits, rows, mode)
+
+    monkeypatch.setattr(warmup, "sample", recorded)
+    net, *_ = read_weights(artifact, tiny_model_dir(), beside=warmup.sampler_first_calls)
+    vocab = net.cfg.vocab_size
+    assert sorted((shape, mode) for _, shape, mode in calls) == sorted(
+        ((rows, vocab), mode) for rows in (1, warmup.SAMPLED_ROWS) for mode in MODES)
+    assert {name.rsplit("_", 1)[0] for name, _, _ in calls} == {"graphkiln-fill"}
+
+    def failing(logits: torch.Tensor, rows, mode: str):
+        raise RuntimeError("no kernel image")
+
+    monkeypatch.setattr(warmup, "sample", failing)
+    with caplog.at_level("WARNING", logger="graphkiln.runtime"):
+        net, *_ = read_weights(artifact, tiny_model_dir(), beside=warmup.sampler_first_calls)
+    assert "sampler's first calls beside the weights failed (RuntimeError: no kernel image)" in caplog.text
 
 
 def test_the_caller_may_import_dynamo_while_the_pieces_load(artifact: Path) -> None:

@@ -99,8 +99,8 @@ def _fill_on(device: torch.device, model: CausalLM, model_dir: Path, clock: Stop
 
 @contextlib.contextmanager
 def _weights_beside(model: CausalLM, model_dir: Path, clock: Stopwatch, switch_interval: float | None,
-                    kernels: bool = False, warm_rows: tuple[int, ...] = (),
-                    shipped: Path | None = None) -> Iterator[Callable[[], None]]:  # fmt: skip
+                    kernels: bool = False, warm_rows: tuple[int, ...] = (), shipped: Path | None = None,
+                    beside: Callable[[CausalLM], None] | None = None) -> Iterator[Callable[[], None]]:  # fmt: skip
     """Read the weights into `model` on a thread of their own while the block runs (stage "weights"), under
     the lowered switch interval so that the reading threads wait less for the interpreter lock; done at exit.
     With `kernels`, another thread imports the kernels meanwhile (then the only thread to import triton: two
@@ -108,14 +108,16 @@ def _weights_beside(model: CausalLM, model_dir: Path, clock: Stopwatch, switch_i
     this one makes its cuBLAS handle, which its eager steps use.
     The block gets a function that has a third thread launch the eager model's kernels at `warm_rows`
     (kernel_loads.py; after the kernels' import where the model's projections call Triton): the block calls
-    it once no FX trace runs beside it."""
+    it once no FX trace runs beside it. `beside` runs on a fourth thread, given the model (unfilled)."""
     device = _device(model)
     with (
         lowered_switch_interval(switch_interval),
-        ThreadPoolExecutor(3, thread_name_prefix="graphkiln-fill") as pool,
+        ThreadPoolExecutor(4, thread_name_prefix="graphkiln-fill") as pool,
     ):
         weights = pool.submit(_fill_on, indexed(device), model, model_dir, clock)
         jobs = [pool.submit(import_kernels, device, shipped)] if kernels else []
+        if beside is not None:
+            jobs.append(pool.submit(beside, model))
         after = jobs[0] if jobs and calls_triton(model) else None
 
         def launch_kernels() -> None:
@@ -166,7 +168,7 @@ def read_artifact(
 
 def read_weights(
     out: Path, model_dir: Path, device=None, dtype=None, trusted_keys: Sequence = (), clock: Stopwatch | None = None,
-    warm_rows: tuple[int, ...] = (),
+    warm_rows: tuple[int, ...] = (), beside: Callable[[CausalLM], None] | None = None,
 ) -> tuple[CausalLM, Tokenizer | None, dict, Callable[[], CompiledModel]]:
     """Check, then load the weights and the tokenizer but not the compiled pieces, for an engine that serves
     eagerly until they are in (`load` with background capture): the weights are read on a thread of their own
@@ -175,7 +177,8 @@ def read_weights(
     manifest and the code files again first (not the weights, read already), since the artifact may have been
     compiled anew meanwhile. `clock` gets checks, weights and tokenizer (with the graph) now, inductor and
     pieces when the function runs. `warm_rows`: the row counts at which the eager model's kernels are
-    launched beside the weights (the engine's first calls'), so that those calls find them loaded."""
+    launched beside the weights (the engine's first calls'), so that those calls find them loaded; `beside`, the
+    caller's own work that needs the model but not its weights' values, runs on a thread of its own meanwhile."""
     out = out.resolve()
     clock = clock or Stopwatch()
     switch_interval = load_switch_interval()  # a bad setting is the caller's error, not the background job's
@@ -183,7 +186,8 @@ def read_weights(
     with locked(out, shared=True):
         manifest, model = _checked_model(out, model_dir, device, dtype, trusted_keys, clock, Shard())
         with (_weights_beside(model, model_dir, clock, switch_interval, kernels=True, warm_rows=warm_rows,
-                              shipped=out / TRITON_KERNELS) as launch_kernels, clock.stage("tokenizer")):
+                              shipped=out / TRITON_KERNELS, beside=beside) as launch_kernels,
+              clock.stage("tokenizer")):  # fmt: skip
             graph = load_graph(out)  # here: unpickling it traces, which must not run beside the engine's steps
             launch_kernels()  # nor beside these launches
             tokenizer = read_tokenizer(manifest, out, model_dir)

@@ -7,6 +7,7 @@ what a request arriving meanwhile may wait."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from functools import partial
 
@@ -14,6 +15,8 @@ import torch
 
 from graphkiln.kernels.launch import builds_ahead
 from graphkiln.models.attention import ForwardContext, forward_context
+from graphkiln.models.kernel_loads import LAUNCH_ON
+from graphkiln.models.transformer import CausalLM
 
 from .attention.metadata import SequenceSlice, build_metadata
 from .config import EngineConfig
@@ -22,6 +25,8 @@ from .preparation import WarmupJob
 from .prefill_graphs import dummy_slices
 from .runner import ModelRunner
 from .sampler import MODES, SamplingTensors, sample
+
+log = logging.getLogger("graphkiln.runtime")
 
 SAMPLED_ROWS = 2  # the sampler's first calls: on more than one row, as a first step serving several requests
 FIRST_PROMPT_TOKENS = 64  # the first calls' prefill: a prompt this long or longer takes the prefill kernel's
@@ -74,9 +79,35 @@ def _calls(runner: ModelRunner, decode_sizes: tuple[int, ...], prefill_size: int
     hidden = _run(runner, dummy_slices(prefill_size, runner.kv_cache.block_size, max_blocks), prefill_size, forward)
     if forward is None:
         for rows in sorted({1, min(SAMPLED_ROWS, hidden.shape[0])}):  # one row's LM head is our GEMV, more cuBLAS
-            logits = runner.model.compute_logits(hidden[:rows]).float()
-            for mode in MODES:  # (a mode's first call beside a job's steps can stall them: its kernels' loading)
-                sample(logits, SamplingTensors.empty(rows, runner.device), mode)
+            _sample_each_mode(runner.model.compute_logits(hidden[:rows]).float())
+
+
+def sampler_first_calls(model: CausalLM) -> None:
+    """The sampler's first calls of `first_calls`, on zero logits of the model's vocabulary, and none of the
+    model, on the devices of LAUNCH_ON: there they load the sampler's kernels (lazy loading; the sort and top-k
+    of a vocabulary-wide row among them), which needs no weights, so `load` runs them on a thread of its own
+    while the weights are read. A failure is logged, not raised: the engine's first calls then load what these
+    did not."""
+    device = next(model.parameters()).device
+    if device.type not in LAUNCH_ON:
+        return
+    try:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        with torch.inference_mode():
+            for rows in sorted({1, SAMPLED_ROWS}):
+                _sample_each_mode(torch.zeros(rows, model.cfg.vocab_size, device=device))
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+    except Exception as e:  # noqa: BLE001  (an optimisation: the load goes on without it)
+        log.warning("the sampler's first calls beside the weights failed (%s: %s); the engine's first calls make "
+                    "them instead", type(e).__name__, e)
+
+
+def _sample_each_mode(logits: torch.Tensor) -> None:
+    """(A mode's first call beside a job's steps can stall them: its kernels' loading.)"""
+    for mode in MODES:
+        sample(logits, SamplingTensors.empty(logits.shape[0], logits.device), mode)
 
 
 def _decode_slices(n: int) -> list[SequenceSlice]:
