@@ -17,7 +17,7 @@ more with no read beside it (way `none`). A fresh process also pays for its stag
 `--switch-intervals`: Python's thread switch interval during each read beside Python work, as a load sets
 it (models/switch_interval.py: at most that, the interpreter's own restored after; default: the
 interpreter's, 0.005 s, which a load's default of 0.0001 replaces).
-`--buffer-mb`: the reader's staging buffer sizes to try (way `graphkiln-<MB>MB` each).
+`--buffer-mb`: the reader's staging buffer sizes to try (way `graphkiln-<MB>MB` each; `<MB>MB-<N>t`: and N threads).
 
 The file is written once to a scratch folder (/dev/shm when it has room) and read once unmeasured,
 so every timed read comes from the page cache. Each way is timed `--reps` times; the best and the
@@ -108,7 +108,8 @@ def destinations(path: Path, device, dtype: str | None) -> dict:
 
 
 def reader_for(way: str, device):
-    """The reader a way names: `graphkiln`, `graphkiln-<MB>MB` (that buffer size) or `baseline`."""
+    """The reader a way names: `graphkiln`, `graphkiln-<MB>MB` (that buffer size), `graphkiln-<MB>MB-<N>t` (and N
+    threads) or `baseline`."""
     from graphkiln.models.weights_reader import WeightsReader
 
     from .weights_baseline import WeightsReader as BaselineReader
@@ -116,7 +117,9 @@ def reader_for(way: str, device):
     if way == "baseline":
         return BaselineReader(device)
     if way.startswith("graphkiln-"):
-        return WeightsReader(device, buffer_bytes=int(way.removeprefix("graphkiln-").removesuffix("MB")) << 20)
+        size, _, threads = way.removeprefix("graphkiln-").partition("-")
+        options = {"threads": int(threads.removesuffix("t"))} if threads else {}
+        return WeightsReader(device, buffer_bytes=int(size.removesuffix("MB")) << 20, **options)
     return WeightsReader(device)
 
 
@@ -171,8 +174,10 @@ def child_main(spec: dict) -> None:
     from graphkiln.compat import import_inductor
     from graphkiln.models.switch_interval import lowered_switch_interval
 
+    from graphkiln.models.weights_reader import indexed
+
     reader_for("baseline", "cpu"), reader_for("graphkiln", "cpu")  # their modules imported before the race
-    device = torch.device(spec["device"])
+    device = indexed(torch.device(spec["device"]))  # (a bare "cuda" names this thread's device, not the reader's)
     if device.type == "cuda":
         torch.zeros(1, device=device)
     path = Path(spec["path"])
@@ -258,7 +263,8 @@ def main(a: argparse.Namespace) -> int:
     device = torch.device(a.device)
     ways = [w for w in a.ways.split(",") if w]
     if a.buffer_mb:
-        ways = [w for w in ways if w != "graphkiln"] + [f"graphkiln-{mb}MB" for mb in a.buffer_mb.split(",")]
+        sizes = [mb.replace("-", "MB-", 1) if "-" in mb else f"{mb}MB" for mb in a.buffer_mb.split(",")]
+        ways = [w for w in ways if w != "graphkiln"] + [f"graphkiln-{size}" for size in sizes]
     intervals = [float(s) for s in a.switch_intervals.split(",")] if a.switch_intervals else [None]
     conditions = ["alone"] + ["busy-thread"] * a.beside_busy_thread + ["import"] * a.beside_import
     folder = scratch_dir(a.gib * 2**30 * 1.2)
@@ -294,7 +300,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", type=int, default=5, help="timed reads per way and condition (default 5)")
     p.add_argument("--ways", default="graphkiln,baseline,safetensors",
                    help="comma list of graphkiln, baseline (the reader before), safetensors")
-    p.add_argument("--buffer-mb", help="comma list of the reader's staging buffer sizes in MB (ways graphkiln-<MB>MB)")
+    p.add_argument("--buffer-mb", help="comma list of the reader's staging buffer sizes in MB (ways graphkiln-<MB>MB), "
+                   "each optionally with a thread count, as 16-4t")
     p.add_argument("--beside-busy-thread", action="store_true", help="also read beside a thread running Python")
     p.add_argument("--beside-import", action="store_true",
                    help="also read in a fresh process beside the Inductor import (and time the import alone)")
