@@ -24,6 +24,8 @@ from artifact_helpers import (
     GREEDY,
     PROMPTS,
     RESULT_PREFIX,
+    SMALL_CONFIG,
+    SMALL_ENGINE,
     edit_manifest,
     greedy_tokens,
     run_python_json,
@@ -80,6 +82,34 @@ print({RESULT_PREFIX!r} + json.dumps({{"before": before, "after": torch_compile_
     shipped = {p.relative_to(artifact / "cpu-kernels") for p in (artifact / "cpu-kernels").rglob("*.so")}
     assert shipped, "compile-model on the CPU ships its compiled C++ kernels"
     # The kernels go to the artifact's own folder of the cache, and gcc built nothing there or anywhere else.
+    (own,) = (fresh_cache / "graphkiln-artifacts").iterdir()
+    assert {p.relative_to(own) for p in fresh_cache.rglob("*.so")} == shipped
+
+
+def test_a_compile_after_a_load_in_one_process_ships_what_a_fresh_process_needs(
+    artifact: Path, eager_tokens: list[list[int]], tmp_path: Path
+) -> None:
+    """A CPU compile in a process that has loaded (and compiled) before ships every C++ library a fresh process
+    with an empty Inductor cache loads, the CPU vector-ISA check's among them: Inductor remembers that check's
+    answer per process, and without its library a machine with no compiler would build every kernel anew."""
+    with graphkiln.load(artifact, **ENGINE) as llm:
+        assert greedy_tokens(llm) == eager_tokens
+    out = tmp_path / "again"
+    graphkiln.compile_model("tiny", out, SMALL_CONFIG, engine=SMALL_ENGINE)
+    fresh_cache = tmp_path / "inductor-cache"
+    code = f"""
+import os
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = {str(fresh_cache)!r}
+import json, graphkiln
+from graphkiln.compiler.counters import torch_compile_events
+llm = graphkiln.load({str(out)!r}, **{ENGINE!r})
+llm.wait_compiled()
+tokens = [o.token_ids for o in llm.generate({PROMPTS!r}, graphkiln.{GREEDY!r})]
+print({RESULT_PREFIX!r} + json.dumps({{"events": torch_compile_events(), "tokens": tokens}}))
+"""
+    result = run_python_json(code)
+    assert result["tokens"] == eager_tokens and result["events"]["inductor_compiles"] == 0
+    shipped = {p.relative_to(out / "cpu-kernels") for p in (out / "cpu-kernels").rglob("*.so")}
     (own,) = (fresh_cache / "graphkiln-artifacts").iterdir()
     assert {p.relative_to(own) for p in fresh_cache.rglob("*.so")} == shipped
 

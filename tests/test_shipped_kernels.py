@@ -61,13 +61,11 @@ def test_a_cache_that_cannot_be_written_is_one_warning(tmp_path: Path, caplog: p
     assert len(caplog.records) == 1 and str(shipped) in caplog.records[0].getMessage()
 
 
-def test_files_finish_adds_are_sealed_into_the_manifest_and_checked_at_load(artifact: Path, tmp_path: Path) -> None:
+def test_files_finish_adds_are_sealed_into_the_manifest_and_checked_at_load(tmp_path: Path) -> None:
     """`write_artifact(finish=...)` runs on the complete artifact before it is sealed (here: loads it, as the
     serving-kernel builds do, and ships an entry): the entry's files are listed with their sha256, the stage's
     seconds recorded, the load's lock file beside the temporary folder removed; the artifact serves as one
-    without them, and an edited shipped file is refused at load, naming it. (`artifact`: the session's is
-    compiled before this test loads `tiny` in this process; a CPU compile after such a load ships one C++
-    kernel fewer, which test_artifacts.py's fresh-process test would then find built by gcc.)"""
+    without them, and an edited shipped file is refused at load, naming it."""
     out = tmp_path / "tiny"
 
     def finish(tmp: Path) -> dict[str, float]:
