@@ -250,16 +250,14 @@ def inductor_output_code() -> Iterator[list[str]]:
 @contextlib.contextmanager
 def private_inductor_cache(directory: Path) -> Iterator[None]:
     """Point Inductor's on-disk cache, and Triton's inside it, at `directory` for the duration (Inductor's
-    in-memory caches are cleared, the CPU vector-ISA checks' answers too: `_forget_vec_isa_checks`). Triton's
-    is set even where the user chose one: Inductor writes an artifact's Triton kernels there, keeping any kernel
-    of the same name already present."""
+    in-memory caches are cleared). Triton's is set even where the user chose one: Inductor writes an
+    artifact's Triton kernels there, keeping any kernel of the same name already present."""
     from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
     triton = os.environ.get("TRITON_CACHE_DIR")
     os.environ["TRITON_CACHE_DIR"] = str(directory / "triton")
     try:
         with temporary_cache_dir(str(directory)):
-            _forget_vec_isa_checks()
             yield
     finally:
         if triton is None:
@@ -268,13 +266,13 @@ def private_inductor_cache(directory: Path) -> Iterator[None]:
             os.environ["TRITON_CACHE_DIR"] = triton
 
 
-def _forget_vec_isa_checks() -> None:
-    """Make Inductor check the CPU's vector ISAs again. It checks each by compiling a small library into its
-    cache folder, and a process remembers the answers (`functools.cache` on the ISA classes' methods and on
-    `valid_vec_isa_list`), not the folder. A CPU compile after another or after a load in the same process
-    would then leave those libraries out of its private cache, and so out of the artifact's cpu-kernels/; a
-    fresh process on a machine without a compiler would find no ISA usable and look every kernel up under other
-    keys (compiling them)."""
+def forget_vec_isa_checks() -> None:
+    """Make Inductor check the CPU's vector ISAs again, in the cache folder now set. It checks each by compiling
+    a small library into its cache folder, and a process remembers the answers (`functools.cache` on the ISA
+    classes' methods and on `valid_vec_isa_list`), not the folder. A CPU compile into a private cache after
+    another compile or a load in the same process would leave those libraries out of it, and so out of the
+    artifact's cpu-kernels/; a fresh process on a machine without a compiler would then find no ISA usable and
+    look every kernel up under other keys (compiling them)."""
     from torch._inductor import cpu_vec_isa
 
     cpu_vec_isa.valid_vec_isa_list.cache_clear()

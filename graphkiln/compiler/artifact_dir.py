@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from graphkiln.compat import fake_process_group, private_inductor_cache, require_depyf
+from graphkiln.compat import fake_process_group, forget_vec_isa_checks, private_inductor_cache, require_depyf
 from graphkiln.errors import ArtifactError, ConfigError
 from graphkiln.kernels.shipped import TRITON_KERNELS
 from graphkiln.models import load_model
@@ -225,7 +225,10 @@ def _compile_into(
         snapshot = tokenizer is not None and tokenizer.save_snapshot(tmp / TOKENIZER_FILE)
         progress("load weights", 1, 1)
         private_cache = tmp / ".inductor-cache"
-        with private_inductor_cache(private_cache) if config.device == "cpu" else contextlib.nullcontext():
+        cpu = config.device == "cpu"
+        with private_inductor_cache(private_cache) if cpu else contextlib.nullcontext():
+            if cpu:
+                forget_vec_isa_checks()  # their libraries then land in the private cache, and are shipped
             compiled, report = compile_module(model, config, graph_passes, progress)
     report.timings = {"load": load_s, **report.timings}
     progress("save", 0, 1)
