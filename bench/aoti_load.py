@@ -32,7 +32,7 @@ REGISTRATIONS = {  # how a loading process registers the op, as code run after `
         def scale_into(x: torch.Tensor, out: torch.Tensor) -> None:
             out.copy_(x * 2)
     """,
-    "library": f"""
+    "library": """
         def scale_into(x, out):
             out.copy_(x * 2)
 

@@ -61,10 +61,11 @@ from graphkiln.errors import ConfigError
 
 __all__ = [
     "CustomGraphPass", "TORCH_LINEAR", "all_gather_last_dim", "all_reduce_sum", "artifact_cache", "copy_tensors",
-    "depyf_debug", "dynamo_counters", "fake_process_group", "functional_all_reduce_ops", "graph_returns_tuple",
-    "import_inductor", "inductor_output_code", "install_cpu_kernels", "is_op_overload", "load_artifact",
-    "mark_dynamic_dim", "one_shot_all_reduce_copy", "private_inductor_cache", "require_depyf", "size_oblivious",
-    "standalone_compile", "symm_mem_multicast_off", "symmetric_empty", "to_empty", "warm_triton",
+    "depyf_debug", "dynamo_counters", "fake_process_group", "forget_vec_isa_checks", "functional_all_reduce_ops",
+    "graph_returns_tuple", "import_inductor", "inductor_output_code", "install_cpu_kernels", "is_op_overload",
+    "load_artifact", "mark_dynamic_dim", "one_shot_all_reduce_copy", "pin_triton_environment",
+    "private_inductor_cache", "require_depyf", "size_oblivious", "standalone_compile", "symm_mem_multicast_off",
+    "symmetric_empty", "to_empty", "warm_triton",
 ]  # fmt: skip
 
 TORCH_LINEAR = torch._C._nn.linear  # what F.linear and nn.Linear appear as in a Dynamo graph
