@@ -105,7 +105,8 @@ def sampler_first_calls(model: CausalLM) -> None:
 
 
 def _sample_each_mode(logits: torch.Tensor) -> None:
-    """(A mode's first call beside a job's steps can stall them: its kernels' loading.)"""
+    """Sample `logits` once in each mode: a mode's first call loads its kernels, which beside the steps of a
+    background job would stall them."""
     for mode in MODES:
         sample(logits, SamplingTensors.empty(logits.shape[0], logits.device), mode)
 
