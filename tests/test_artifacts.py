@@ -1,6 +1,6 @@
 """compile_model writes an artifact directory that a fresh process loads without tracing or compiling;
 every tampered or mismatched artifact is refused with an ArtifactError naming what differs, before
-anything in it is unpickled.
+anything in it is loaded.
 
 The tiny model is compiled once per session (the `artifact` fixture in conftest.py); the
 corruption tests edit private copies of it (`art`).
@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import pickle
 import re
 from pathlib import Path
 
@@ -28,10 +27,12 @@ from artifact_helpers import (
     SMALL_ENGINE,
     edit_manifest,
     greedy_tokens,
+    plant_marker_kernel,
     run_python_json,
     set_torch_version,
 )
 from graphkiln.compiler.artifact_load import check_artifact
+from graphkiln.compiler.graph_file import read_graph
 from graphkiln.compiler.manifest import FORMAT_VERSION
 from graphkiln.errors import ArtifactError
 from graphkiln.models.tiny import tiny_model_dir
@@ -122,10 +123,10 @@ def test_copied_artifact_loads_and_matches_eager(art: Path, eager_tokens: list[l
 
 
 def test_graph_keeps_the_attention_submodules_and_no_piece_graphs(artifact: Path) -> None:
-    """graph.pkl holds the stitching graph and its attention submodules; each piece is an empty module, since its
-    compiled code replaces it at load and unpickling its FX graph would only trace it again."""
+    """graph.json holds the stitching graph and its attention submodules' graphs; each piece is an empty module
+    at load, where its compiled code goes."""
     manifest = json.loads((artifact / "manifest.json").read_text())
-    gm = pickle.loads((artifact / "graph.pkl").read_bytes())
+    gm = read_graph(artifact / "graph.json")
     submodules = manifest["compiled"]["submodules"]
     assert any(attn for _, attn in submodules) and any(not attn for _, attn in submodules)
     for name, attn in submodules:
@@ -163,7 +164,7 @@ def _delete_manifest(art: Path) -> None:
 
 
 def _delete_graph(art: Path) -> None:
-    (art / "graph.pkl").unlink()
+    (art / "graph.json").unlink()
 
 
 def _truncate_piece(art: Path) -> Path:
@@ -194,7 +195,7 @@ CORRUPTIONS = {
     "manifest-not-json": (_flip_manifest_byte, r"{art}/manifest\.json: not valid JSON"),
     "format-version-99": (_format_99, rf"{{art}}/manifest\.json: format_version 99, this graphkiln reads {FORMAT_VERSION}"),
     "manifest-missing": (_delete_manifest, r"{art}/manifest\.json: missing"),
-    "graph-missing": (_delete_graph, r"{art}/graph\.pkl: listed in manifest\.json but missing"),
+    "graph-missing": (_delete_graph, r"{art}/graph\.json: listed in manifest\.json but missing"),
 }
 PIECE_CORRUPTIONS = {
     "piece-truncated": (_truncate_piece, r"sha256 differs"),
@@ -243,35 +244,23 @@ def test_missing_out_is_refused(tmp_path: Path) -> None:
     assert not out.exists()
 
 
-class _Marker:
-    """Unpickling this creates the marker file: proof that a pickle was loaded."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = str(path)
-
-    def __reduce__(self):
-        return (open, (self.path, "w"))
-
-
-def test_tampered_graph_is_never_unpickled(art: Path, tmp_path: Path) -> None:
-    marker = tmp_path / "unpickled"
-    (art / "graph.pkl").write_bytes(pickle.dumps(_Marker(marker)))  # manifest keeps the old sha256
-    with pytest.raises(ArtifactError, match=re.escape(str(art / "graph.pkl")) + r": sha256 differs"):
+def test_tampered_graph_is_refused_naming_it(art: Path) -> None:
+    graph = json.loads((art / "graph.json").read_text())
+    graph["pieces"].reverse()  # manifest keeps the old sha256
+    (art / "graph.json").write_text(json.dumps(graph))
+    with pytest.raises(ArtifactError, match=re.escape(str(art / "graph.json")) + r": sha256 differs"):
         graphkiln.load(art, **ENGINE)
-    assert not marker.exists()
-    # The payload does work when unpickled, so the absence of the marker means something.
-    pickle.loads((art / "graph.pkl").read_bytes()).close()
-    assert marker.exists()
 
 
-def test_tampered_graph_with_other_mismatch_is_never_unpickled(art: Path, tmp_path: Path) -> None:
-    """A stale environment is found before the file hashes; still nothing is unpickled."""
-    marker = tmp_path / "unpickled"
-    (art / "graph.pkl").write_bytes(pickle.dumps(_Marker(marker)))
+def test_a_stale_environment_is_refused_before_any_code_loads(art: Path, tmp_path: Path) -> None:
+    """A stale environment is found before the file hashes (here intact: a kernel planted and rehashed); still
+    nothing of the artifact is loaded."""
+    kernel = tmp_path / "kernel-loaded"
+    plant_marker_kernel(art, kernel)
     set_torch_version(art)
     with pytest.raises(ArtifactError, match="torch"):
         graphkiln.load(art, **ENGINE)
-    assert not marker.exists()
+    assert not kernel.exists()
 
 
 def test_artifact_of_other_pass_code_is_refused_naming_the_pass(art: Path) -> None:
@@ -285,14 +274,33 @@ def test_artifact_of_other_pass_code_is_refused_naming_the_pass(art: Path) -> No
         graphkiln.load(art, **ENGINE)
 
 
-def test_graph_needing_code_this_graphkiln_lacks_is_refused_naming_the_file(art: Path) -> None:
-    """Hashes intact (as when other graphkiln code wrote the artifact), yet the graph cannot be rebuilt."""
-    stale = b"cgraphkiln_removed_module\nremoved_op\n."  # a pickle naming a module that no longer exists
-    (art / "graph.pkl").write_bytes(stale)
-    edit_manifest(art, lambda m: m["files"].__setitem__("graph.pkl", hashlib.sha256(stale).hexdigest()))
-    with pytest.raises(ArtifactError, match=re.escape(str(art / "graph.pkl")) +
-                       r": this graphkiln cannot rebuild it \(ModuleNotFoundError: .*graphkiln_removed_module.*recompile"):
-        graphkiln.load(art, **ENGINE)
+def _rewrite_graph(art: Path, edit) -> None:
+    """Edit graph.json and fix its sha256 in the manifest, as when other graphkiln code wrote the artifact."""
+    graph = json.loads((art / "graph.json").read_text())
+    edit(graph)
+    data = json.dumps(graph).encode()
+    (art / "graph.json").write_bytes(data)
+    edit_manifest(art, lambda m: m["files"].__setitem__("graph.json", hashlib.sha256(data).hexdigest()))
+
+
+def _call(graph: dict) -> dict:
+    return next(n for n in graph["graph"] if n["op"] == "call_function")
+
+
+@pytest.mark.parametrize(("target", "why"), [
+    ({"function": ["_operator", "removed_function"]}, r"AttributeError: .*removed_function"),
+    ({"op": "graphkiln.removed_op"}, r"AttributeError: .*removed_op"),
+    ({"function": ["os", "system"]}, r"ValueError: function os\.system: not of _operator, operator"),
+])  # fmt: skip
+def test_graph_naming_what_this_graphkiln_lacks_or_refuses_is_refused_naming_the_file(
+    art: Path, target: dict, why: str
+) -> None:
+    """Hashes intact, yet the graph names a function or op this graphkiln lacks, or a function outside the
+    modules a graph may call: refused at load, naming the file; nothing is imported from elsewhere."""
+    _rewrite_graph(art, lambda graph: _call(graph).__setitem__("target", target))
+    with pytest.raises(ArtifactError, match=re.escape(str(art / "graph.json")) +
+                       rf": this graphkiln cannot rebuild it \({why}.*recompile"):
+        graphkiln.load(art, capture="blocking", **ENGINE)
 
 
 @pytest.mark.parametrize("section", ["files", "environment"])

@@ -1,10 +1,9 @@
 """Signed artifacts: `graphkiln keygen` makes a key pair, `compile-model --sign-key` signs the manifest,
 and `load(trusted_keys=...)` / `generate --trusted-key` refuse unsigned or wrongly signed artifacts before
-anything in them is unpickled or loaded. The signature file can carry nothing but a signature."""
+anything in them is loaded. The signature file can carry nothing but a signature."""
 
 from __future__ import annotations
 
-import pickle
 import re
 import shutil
 import stat
@@ -22,13 +21,11 @@ from artifact_helpers import (
     edit_manifest,
     greedy_tokens,
     plant_marker_kernel,
-    rehash,
     single_error_line,
 )
 from graphkiln import cli
 from graphkiln.compiler.signing import PRIVATE_KEY_FILE, PUBLIC_KEY_FILE, load_private_key, sign
 from graphkiln.errors import ArtifactError, ConfigError
-from test_artifacts import _Marker
 
 pytestmark = pytest.mark.slow
 
@@ -81,7 +78,7 @@ def test_keygen_writes_a_private_key_only_its_owner_reads_and_never_overwrites(
 def test_signed_artifact_loads_with_its_public_key(
     signed: Path, keys: tuple[Path, Path], eager_tokens: list[list[int]], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    files = ["graph.pkl", "manifest.json", "manifest.sig", "tokenizer.json"]
+    files = ["graph.json", "manifest.json", "manifest.sig", "tokenizer.json"]
     assert sorted(p.name for p in signed.iterdir() if p.is_file()) == files
     llm = graphkiln.load(signed, trusted_keys=[keys[1]], **ENGINE)
     assert greedy_tokens(llm, PROMPTS[:1]) == eager_tokens[:1]
@@ -92,20 +89,13 @@ def test_signed_artifact_loads_with_its_public_key(
     assert capsys.readouterr().out.startswith("'hi' -> ")
 
 
-def _plant_pickle(out: Path, marker: Path) -> None:
-    """graph.pkl becomes a pickle that creates `marker` when unpickled; its sha256 is fixed up."""
-    (out / "graph.pkl").write_bytes(pickle.dumps(_Marker(marker)))
-    rehash(out, out / "graph.pkl")
-
-
 @pytest.mark.parametrize("case", ["unsigned", "signed-by-another-key", "changed-after-signing", "signature-deleted"])
 def test_untrusted_artifact_is_refused_before_any_code_loads(
     case: str, art: Path, signed_copy: Path, keys: tuple[Path, Path], other_keys: tuple[Path, Path], tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:  # fmt: skip
     out = art if case == "unsigned" else signed_copy
-    pickled, kernel = tmp_path / "unpickled", tmp_path / "kernel-loaded"
-    _plant_pickle(out, pickled)
+    kernel = tmp_path / "kernel-loaded"
     plant_marker_kernel(out, kernel)
     if case == "signed-by-another-key":
         sign(out, load_private_key(other_keys[0]))
@@ -117,7 +107,7 @@ def test_untrusted_artifact_is_refused_before_any_code_loads(
         graphkiln.load(out, trusted_keys=[keys[1]], **ENGINE)
     assert cli.main(["generate", str(out), "--trusted-key", str(keys[1]), "--prompt", "hi"]) == 2
     assert single_error_line(capsys.readouterr().err).startswith(f"error: {out / 'manifest.sig'}: ")
-    assert not pickled.exists() and not kernel.exists()
+    assert not kernel.exists()
 
 
 def test_signature_file_carries_nothing_but_a_signature(signed_copy: Path) -> None:

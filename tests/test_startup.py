@@ -137,16 +137,14 @@ def test_an_engine_serves_eagerly_until_its_pieces_are_in(artifact: Path, eager_
     llm.close()
 
 
-def test_eager_kernels_launch_beside_the_weights_after_the_graph_is_unpickled(
+def test_eager_kernels_launch_beside_the_weights(
         artifact: Path, eager_tokens: list[list[int]], monkeypatch: pytest.MonkeyPatch) -> None:
     """With launches turned on for the CPU too, a background load runs one eager forward per first-call row count
-    beside the weights, never beside the stitching graph's unpickling (an FX trace, which intercepts every
-    module call and made such a forward fail), and the engine serves the eager model's tokens after it."""
+    beside the weights, and the engine serves the eager model's tokens after it."""
     monkeypatch.setattr(kernel_loads, "LAUNCH_ON", ("cuda", "cpu"))
-    for _ in range(3):  # the graph's unpickling and the launches used to race: a few loads to meet it
-        before = kernel_loads.forwards_launched()
-        net, tokenizer, _, pieces = read_weights(artifact, tiny_model_dir(), warm_rows=(1, 16))
-        assert kernel_loads.forwards_launched() == before + 2
+    before = kernel_loads.forwards_launched()
+    net, tokenizer, _, pieces = read_weights(artifact, tiny_model_dir(), warm_rows=(1, 16))
+    assert kernel_loads.forwards_launched() == before + 2
     llm = graphkiln.LLM(build_engine(net, None, EngineConfig(kv_cache_tokens=2048), pieces=pieces), tokenizer)
     assert greedy_tokens(llm) == eager_tokens
     llm.close()

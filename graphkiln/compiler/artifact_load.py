@@ -32,7 +32,7 @@ from graphkiln.passes.pipeline import default_passes
 from graphkiln.timing import Stopwatch
 
 from .artifact_dir import locked
-from .artifacts import QUANTIZED_FILE, TOKENIZER_FILE, load_compiled, load_graph
+from .artifacts import QUANTIZED_FILE, TOKENIZER_FILE, load_compiled
 from .compiled_model import CompiledModel
 from .manifest import FIX, MANIFEST, REWRITE, check_environment, check_files, read_manifest
 
@@ -100,15 +100,14 @@ def _fill_on(device: torch.device, model: CausalLM, model_dir: Path, clock: Stop
 @contextlib.contextmanager
 def _weights_beside(model: CausalLM, model_dir: Path, clock: Stopwatch, switch_interval: float | None,
                     kernels: bool = False, warm_rows: tuple[int, ...] = (), shipped: Path | None = None,
-                    beside: Callable[[CausalLM], None] | None = None) -> Iterator[Callable[[], None]]:  # fmt: skip
+                    beside: Callable[[CausalLM], None] | None = None) -> Iterator[None]:  # fmt: skip
     """Read the weights into `model` on a thread of their own while the block runs (stage "weights"), under
     the lowered switch interval so that the reading threads wait less for the interpreter lock; done at exit.
     With `kernels`, another thread imports the kernels meanwhile (then the only thread to import triton: two
     importing it at once could deadlock; `shipped`: the artifact's Triton kernels, installed by it first), and
-    this one makes its cuBLAS handle, which its eager steps use.
-    The block gets a function that has a third thread launch the eager model's kernels at `warm_rows`
-    (kernel_loads.py; after the kernels' import where the model's projections call Triton): the block calls
-    it once no FX trace runs beside it. `beside` runs on a fourth thread, given the model (unfilled)."""
+    this one makes its cuBLAS handle, which its eager steps use. A third thread launches the eager model's
+    kernels at `warm_rows` (kernel_loads.py; after the kernels' import where the model's projections call
+    Triton), and `beside` runs on a fourth, given the model (unfilled)."""
     device = _device(model)
     with (
         lowered_switch_interval(switch_interval),
@@ -116,18 +115,15 @@ def _weights_beside(model: CausalLM, model_dir: Path, clock: Stopwatch, switch_i
     ):
         weights = pool.submit(_fill_on, indexed(device), model, model_dir, clock)
         jobs = [pool.submit(import_kernels, device, shipped)] if kernels else []
+        after = jobs[0] if jobs and calls_triton(model) else None
+        if warm_rows:
+            jobs.append(pool.submit(_launch_after, after, model, warm_rows))
         if beside is not None:
             jobs.append(pool.submit(beside, model))
-        after = jobs[0] if jobs and calls_triton(model) else None
-
-        def launch_kernels() -> None:
-            if warm_rows:
-                jobs.append(pool.submit(_launch_after, after, model, warm_rows))
-
         if kernels and device.type == "cuda":
             with torch.cuda.device(device):
                 torch.cuda.current_blas_handle()
-        yield launch_kernels
+        yield
         weights.result()
         for job in jobs:
             job.result()
@@ -172,11 +168,10 @@ def read_weights(
 ) -> tuple[CausalLM, Tokenizer | None, dict, Callable[[], CompiledModel]]:
     """Check, then load the weights and the tokenizer but not the compiled pieces, for an engine that serves
     eagerly until they are in (`load` with background capture): the weights are read on a thread of their own
-    beside the tokenizer, the stitching graph and the kernels' import, with no Inductor import beside them. The
-    pieces come from the returned function (on a background thread), which imports Inductor and checks the
-    manifest and the code files again first (not the weights, read already), since the artifact may have been
-    compiled anew meanwhile. `clock` gets checks, weights and tokenizer (with the graph) now, inductor and
-    pieces when the function runs. `warm_rows`: the row counts at which the eager model's kernels are
+    beside the tokenizer and the kernels' import, with no Inductor import beside them. The pieces come from the
+    returned function (on a background thread), which imports Inductor and checks the manifest and the code
+    files again first (not the weights, read already), since the artifact may have been compiled anew
+    meanwhile. `clock` gets checks, weights and tokenizer now, inductor and pieces when the function runs. `warm_rows`: the row counts at which the eager model's kernels are
     launched beside the weights (the engine's first calls'), so that those calls find them loaded; `beside`, the
     caller's own work that needs the model but not its weights' values, runs on a thread of its own meanwhile."""
     out = out.resolve()
@@ -186,10 +181,7 @@ def read_weights(
     with locked(out, shared=True):
         manifest, model = _checked_model(out, model_dir, device, dtype, trusted_keys, clock, Shard())
         with (_weights_beside(model, model_dir, clock, switch_interval, kernels=True, warm_rows=warm_rows,
-                              shipped=out / TRITON_KERNELS, beside=beside) as launch_kernels,
-              clock.stage("tokenizer")):  # fmt: skip
-            graph = load_graph(out)  # here: unpickling it traces, which must not run beside the engine's steps
-            launch_kernels()  # nor beside these launches
+                              shipped=out / TRITON_KERNELS, beside=beside), clock.stage("tokenizer")):  # fmt: skip
             tokenizer = read_tokenizer(manifest, out, model_dir)
 
     def pieces() -> CompiledModel:
@@ -199,7 +191,7 @@ def read_weights(
             check_files(manifest, out, already_read=frozenset({QUANTIZED_FILE}))  # the code, not the weights again
             torch.set_num_threads(threads)  # Inductor's CPU kernels are keyed by it: else they would build again
             # (under the preparation's switch interval; the shipped kernels were installed beside the weights)
-            return _read_pieces(out, manifest, model, clock, graph)
+            return _read_pieces(out, manifest, model, clock)
 
     return model, tokenizer, manifest, pieces
 
@@ -222,7 +214,7 @@ def _device(model: CausalLM) -> torch.device:
 
 
 def _read_pieces(out: Path, manifest: dict, model: CausalLM, clock: Stopwatch,
-                 graph: torch.fx.GraphModule | None = None, shipped: Path | None = None) -> CompiledModel:
+                 shipped: Path | None = None) -> CompiledModel:  # fmt: skip
     """The compiled pieces bound to `model`'s parameters (importing Inductor first: its own stage); `shipped`:
     the artifact's Triton kernels, to install first where the load has not."""
     with clock.stage("inductor"):
@@ -234,7 +226,7 @@ def _read_pieces(out: Path, manifest: dict, model: CausalLM, clock: Stopwatch,
         import_kernels(_device(model), shipped)
         tensors = dict(model.named_parameters(remove_duplicate=False))
         tensors.update(model.named_buffers(remove_duplicate=False))
-        return load_compiled(manifest["compiled"], manifest["files"], out, tensors, graph)
+        return load_compiled(manifest["compiled"], manifest["files"], out, tensors)
 
 
 def read_tokenizer(manifest: dict, out: Path, model_dir: Path) -> Tokenizer | None:

@@ -1,16 +1,15 @@
 """Write and read the compiled part of an artifact directory: the split graph and the Inductor pieces.
 
 Layout under the directory:
-  graph.pkl                 the stitching graph with its attention submodules (FX code, no weights)
+  graph.json                the stitching graph with its attention submodules' graphs (graph_file.py)
   pieces/<key>/<variant>.bin  Inductor standalone artifacts; variant is "dynamic" or a token count
   cpu-kernels/                (CPU only) the compiled C++ kernels, laid out as in Inductor's cache
   quantized-weights.safetensors  the decoder's projections quantized at compile time (--quantization)
   tokenizer.json              the tokenizer pipeline transformers builds, when it alone reproduces
                               transformers (models/tokenizer.py)
 
-Reading assumes the caller already checked every file's sha256 against the manifest: the graph
-is unpickled and the pieces hold compiled code, so artifacts are exactly as trusted as the
-process that wrote them. The pieces load through an Inductor cache folder of their own, keyed
+Reading assumes the caller already checked every file's sha256 against the manifest: the pieces
+hold compiled code, so artifacts are exactly as trusted as the process that wrote them. The pieces load through an Inductor cache folder of their own, keyed
 by the digest of those checked files (`code_digest`), so no artifact's code runs for another's.
 """
 
@@ -18,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import pickle
 from dataclasses import asdict
 from pathlib import Path
 
@@ -29,28 +27,22 @@ from graphkiln.errors import ArtifactError
 
 from .capture import Binding
 from .compiled_model import CompiledModel
+from .graph_file import GRAPH_FILE, read_graph, write_graph
 from .inductor import CompiledPiece
 from .manifest import FIX
 from .split import SplitGraph
 
-GRAPH_FILE = "graph.pkl"
 PIECES_DIR = "pieces"
 CPU_KERNELS = "cpu-kernels"
 TOKENIZER_FILE = "tokenizer.json"
 QUANTIZED_FILE = "quantized-weights.safetensors"
 
 
-def stitching_graph(split: SplitGraph) -> torch.fx.GraphModule:
-    """The split graph as the artifact keeps it: the attention submodules, and an empty module in place of each
-    piece, whose compiled code takes its place at load. Unpickling a GraphModule traces its code again, so the
-    pieces' own graphs would cost most of the graph's read and serve nothing there."""
-    modules = {name: split.gm.get_submodule(name) if attn else torch.nn.Module() for name, attn in split.submodules}
-    return torch.fx.GraphModule(modules, split.gm.graph)
-
-
 def save_compiled(compiled: CompiledModel, out: Path) -> dict:
-    """Write graph and pieces under `out`; return the manifest section that describes them."""
-    (out / GRAPH_FILE).write_bytes(pickle.dumps(stitching_graph(compiled.split)))
+    """Write graph and pieces under `out`; return the manifest section that describes them. The graph keeps the
+    attention submodules' graphs, not the pieces': their compiled code takes their place at load."""
+    split = compiled.split
+    write_graph(out / GRAPH_FILE, split.gm, [name for name, attn in split.submodules if attn], split.pieces)
     unique: dict[str, CompiledPiece] = {p.key: p for p in compiled.pieces.values()}
     for key, piece in unique.items():
         folder = out / PIECES_DIR / key
@@ -86,20 +78,10 @@ def _load_piece(path: Path):
         raise ArtifactError(f"{path}: Inductor cannot load this piece ({type(e).__name__}: {e}); {FIX}") from e
 
 
-def load_graph(out: Path) -> torch.fx.GraphModule:
-    """The stitching graph, from its checked file. Unpickling a GraphModule traces its code with torch.fx, which
-    patches torch.nn.Module's call for every thread meanwhile: it must not run beside a model's forward."""
-    try:  # the file's sha256 matched: what fails here was written by other graphkiln code
-        return pickle.loads((out / GRAPH_FILE).read_bytes())
-    except Exception as e:
-        raise ArtifactError(f"{out / GRAPH_FILE}: this graphkiln cannot rebuild it ({type(e).__name__}: {e}); {FIX}") from e
-
-
-def load_compiled(section: dict, files: dict[str, str], out: Path, tensors: dict[str, torch.Tensor],
-                  gm: torch.fx.GraphModule | None = None) -> CompiledModel:  # fmt: skip
-    """Rebuild a CompiledModel from checked files (`files`: their sha256s; `gm`: the stitching graph, if
-    already read), with no Dynamo trace and no Inductor compile."""
-    gm = load_graph(out) if gm is None else gm
+def load_compiled(section: dict, files: dict[str, str], out: Path, tensors: dict[str, torch.Tensor]) -> CompiledModel:
+    """Rebuild a CompiledModel from checked files (`files`: their sha256s), with no Dynamo or FX trace and no
+    Inductor compile."""
+    gm = read_graph(out / GRAPH_FILE)
     unique = {}
     cache = artifact_cache(code_digest(files))
     with private_inductor_cache(cache):

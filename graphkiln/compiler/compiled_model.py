@@ -2,9 +2,9 @@
 
 Calling it runs `input_ids [T], positions [T] -> hidden [T, hidden_size]` through the stitching
 graph: compiled pieces, and attention submodules that call the custom op eagerly. The split
-graph itself keeps the pieces' FX graphs (what an artifact pickles); the callable stitching
-module is built beside it, so wrapping the pieces (`with_pieces`) makes a new CompiledModel and
-never changes this one.
+graph itself keeps the pieces' FX graphs (an artifact keeps only the attention submodules'); the
+callable stitching module is built beside it, so wrapping the pieces (`with_pieces`) makes a new
+CompiledModel and never changes this one.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from pathlib import Path
 from graphkiln.errors import ArtifactError
 from graphkiln.version import __version__
 
-FORMAT_VERSION = 3  # 3: serving defaults in section "engine"; fields_sha256 seals every other field
+FORMAT_VERSION = 4  # 4: the graph as JSON (graph.json); 3: serving defaults in "engine", fields_sha256 seals
 MANIFEST = "manifest.json"
 SIGNATURE = "manifest.sig"  # an Ed25519 signature over manifest.json's bytes (signing.py)
 SIGNATURE_BYTES = 64

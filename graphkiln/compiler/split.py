@@ -26,7 +26,7 @@ class SplitGraph:
 
 
 def split_pieces(gm: torch.fx.GraphModule) -> SplitGraph:
-    """Wrap `gm` after the passes; a fresh GraphModule drops Dynamo's attributes, which do not pickle."""
+    """Wrap `gm` after the passes in a fresh GraphModule, without the attributes Dynamo set on it."""
     if any(n.op == "call_module" for n in gm.graph.nodes):
         split = torch.fx.GraphModule(dict(gm.named_children()), gm.graph)
     else:

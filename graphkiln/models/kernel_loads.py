@@ -6,7 +6,7 @@ engine's first calls would otherwise do after the weights are in. Launched here
 on a thread of their own beside the reading threads, attention left out (it needs the KV cache, not
 built yet), the engine's first calls find them loaded. The parameters may be half written meanwhile:
 the results are thrown away, and no value of them is checked. No FX trace may run in the process
-meanwhile (unpickling the stitching graph traces): a trace intercepts every module call.
+meanwhile: a trace intercepts every module call.
 """
 
 from __future__ import annotations
