@@ -11,6 +11,7 @@ import gc
 import os
 import statistics
 import time
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -118,13 +119,21 @@ def hf_prefill_ms(model, n: int, s: Settings) -> list[float]:
     return times
 
 
+def _prefill_ms_with(model, s: Settings, n: int) -> list[float]:
+    return hf_prefill_ms(model, n, s)
+
+
+def _generate_with(model, s: Settings, prompts: list[list[int]], new_tokens: int) -> dict:
+    return hf_generate(model, prompts, new_tokens, s)
+
+
 def hf_eager(s: Settings, mres: dict, row: dict, save) -> None:
     """The model built for this run (then freed), and its start to first token in a fresh process."""
     model = mres.pop("_hf_model")
     try:
-        measure_prefill(row, s, "transformers eager", lambda n: hf_prefill_ms(model, n, s))
+        measure_prefill(row, s, "transformers eager", partial(_prefill_ms_with, model, s))
         vocab = model.config.vocab_size
-        measure_decode(row, s, "transformers eager", lambda p, k: hf_generate(model, p, k, s), vocab, save)
+        measure_decode(row, s, "transformers eager", partial(_generate_with, model, s), vocab, save)
     finally:
         del model
         free_memory(s.device)
