@@ -173,7 +173,6 @@ def child_main(spec: dict) -> None:
 
     from graphkiln.compat import import_inductor
     from graphkiln.models.switch_interval import lowered_switch_interval
-
     from graphkiln.models.weights_reader import indexed
 
     reader_for("baseline", "cpu"), reader_for("graphkiln", "cpu")  # their modules imported before the race

@@ -70,7 +70,7 @@ def compile_model(
     model_dir = resolve_model_dir(model)
     source = str(model) if str(model) == "tiny" or is_hub_id(model) else str(model_dir.resolve())
     defaults = (engine or EngineConfig()).to_dict()
-    if config.device == "cuda":  # before Inductor's first kernel: the serving kernels below, and a server's, go there too
+    if config.device == "cuda":  # before Inductor's first kernel: the serving kernels below, and a server's, alike
         pin_triton_environment()
     serving = build_kernels and config.device == "cuda" and config.tensor_parallel_size == 1
     # (`compiling`: Inductor's autotuning draws CUDA random numbers: none beside an engine's capture)

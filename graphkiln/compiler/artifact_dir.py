@@ -274,7 +274,8 @@ def _write_manifest(tmp: Path, manifest: dict) -> None:
 def _reseal(tmp: Path, manifest: dict, timings: dict[str, float]) -> dict:
     """The manifest in `tmp` written again with the files under TRITON_KERNELS and `timings`."""
     shipped = tmp / TRITON_KERNELS
-    files = {f"{TRITON_KERNELS}/{rel}": digest for rel, digest in file_hashes(shipped).items()} if shipped.is_dir() else {}
+    hashes = file_hashes(shipped) if shipped.is_dir() else {}
+    files = {f"{TRITON_KERNELS}/{rel}": digest for rel, digest in hashes.items()}
     manifest = {**manifest, "files": {**manifest["files"], **files}, "timings": dict(timings)}
     _write_manifest(tmp, manifest)
     return manifest

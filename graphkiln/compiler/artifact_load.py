@@ -171,9 +171,10 @@ def read_weights(
     beside the tokenizer and the kernels' import, with no Inductor import beside them. The pieces come from the
     returned function (on a background thread), which imports Inductor and checks the manifest and the code
     files again first (not the weights, read already), since the artifact may have been compiled anew
-    meanwhile. `clock` gets checks, weights and tokenizer now, inductor and pieces when the function runs. `warm_rows`: the row counts at which the eager model's kernels are
-    launched beside the weights (the engine's first calls'), so that those calls find them loaded; `beside`, the
-    caller's own work that needs the model but not its weights' values, runs on a thread of its own meanwhile."""
+    meanwhile. `clock` gets checks, weights and tokenizer now, inductor and pieces when the function runs.
+    `warm_rows`: the row counts at which the eager model's kernels are launched beside the weights (the engine's
+    first calls'), so that those calls find them loaded; `beside`, the caller's own work that needs the model
+    but not its weights' values, runs on a thread of its own meanwhile."""
     out = out.resolve()
     clock = clock or Stopwatch()
     switch_interval = load_switch_interval()  # a bad setting is the caller's error, not the background job's

@@ -9,8 +9,9 @@ Layout under the directory:
                               transformers (models/tokenizer.py)
 
 Reading assumes the caller already checked every file's sha256 against the manifest: the pieces
-hold compiled code, so artifacts are exactly as trusted as the process that wrote them. The pieces load through an Inductor cache folder of their own, keyed
-by the digest of those checked files (`code_digest`), so no artifact's code runs for another's.
+hold compiled code, so artifacts are exactly as trusted as the process that wrote them. The pieces
+load through an Inductor cache folder of their own, keyed by the digest of those checked files
+(`code_digest`), so no artifact's code runs for another's.
 """
 
 from __future__ import annotations
