@@ -1,6 +1,7 @@
 """Tensor-parallel preparation in lockstep (runtime/lockstep.py) with jobs of the tests' own: a real gloo
 group of 2 ranks, rank 1 in a process of its own, each job an all-reduce that fails on rank 1 after
-or before its collective."""
+or before its collective, or one whose part meant for off the step lock runs it (as the kernels' builds'
+dry steps do)."""
 
 from __future__ import annotations
 
@@ -45,11 +46,38 @@ class SummingJob:
         self.withdrawn = True
 
 
-def summing_jobs(before_collective: bool) -> list[SummingJob]:
+@dataclasses.dataclass
+class BuildingJob:
+    """A job shaped like the kernels' builds (KernelBuildsJob): a part meant for off the step lock that runs a
+    collective, and a run that does that part where it has not run yet."""
+
+    kind: str
+    key: str
+    built: bool = False
+
+    def unlocked(self) -> None:
+        total = torch.ones(1)
+        dist.all_reduce(total)
+        assert total.item() == 2
+        self.built = True
+
+    def run(self) -> None:
+        if not self.built:
+            self.unlocked()
+
+    def withdraw(self) -> None:
+        """Nothing to undo."""
+
+
+def summing_jobs(before_collective: bool | None) -> list[SummingJob | BuildingJob]:
+    """Jobs 1-3 with job 2 failing on rank 1 after or before its collective; None: a BuildingJob between
+    two plain ones, failing nowhere."""
+    if before_collective is None:
+        return [SummingJob("sum", "1"), BuildingJob("kernels", "built"), SummingJob("sum", "3")]
     return [SummingJob("sum", "1"), SummingJob("sum", "2", 1, before_collective), SummingJob("sum", "3")]
 
 
-def _follow_summing_jobs(store_path: str, before_collective: bool, timeout_s: float) -> None:
+def _follow_summing_jobs(store_path: str, before_collective: bool | None, timeout_s: float) -> None:
     from graphkiln.runtime.tensor_parallel import _init_groups, _joining_key, _receive
 
     store = dist.FileStore(store_path, 2)
@@ -62,7 +90,7 @@ def _follow_summing_jobs(store_path: str, before_collective: bool, timeout_s: fl
 
 
 @contextlib.contextmanager
-def summing_group(tmp_path: Path, before_collective: bool, timeout_s: float) -> Iterator[tuple[Preparation, list]]:
+def summing_group(tmp_path: Path, before_collective: bool | None, timeout_s: float) -> Iterator[tuple[Preparation, list]]:
     """Rank 0 here and rank 1 in a process of its own, each preparing `summing_jobs`; rank 0's started
     (yielded with its jobs, which the preparation drops once they have run)."""
     from graphkiln.runtime.tensor_parallel import Peers, _init_groups, _wait_for_ranks
@@ -106,3 +134,13 @@ def test_a_job_failing_between_collectives_stops_the_group(tmp_path: Path) -> No
             preparation.wait(60)
     assert [p.key for p in preparation.done] == ["1"] and preparation.done[0].error is None
     assert time.monotonic() - start < 30
+
+
+def test_a_jobs_collectives_off_the_step_lock_wait_for_its_announcement(tmp_path: Path) -> None:
+    """A job whose part meant for off the step lock runs a collective (the kernels' builds' dry steps) runs it on
+    rank 0 only once rank 1 is told of the job, as its other collectives: before it, rank 0's collective would
+    wait for a rank waiting for the announcement (gloo times out; NCCL's communicator set-up waits for ever)."""
+    with summing_group(tmp_path, before_collective=None, timeout_s=10) as (preparation, jobs):
+        assert preparation.wait(60)
+    assert [p.error for p in preparation.done] == [None, None, None]
+    assert jobs[1].built and [[r.rank for r in p.ranks] for p in preparation.done] == [[0, 1]] * 3

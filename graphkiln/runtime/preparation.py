@@ -15,7 +15,10 @@ and adds the capture or warm-up jobs, which run after it.
 
 In a tensor-parallel group every rank runs the same jobs in the same order (lockstep.py): rank 0
 announces each job, every rank runs it, all exchange a `RankReport`, and a job that failed on any
-rank is withdrawn on every rank. A group that fails meanwhile (a rank died) ends the preparation:
+rank is withdrawn on every rank. No part of a job runs before its announcement, the part meant for off the
+step lock (the kernels' builds, whose dry steps run the model's collectives) included: a rank running
+collectives that the others were not told of would wait for them for ever (NCCL's first collective
+creates its communicator, which needs every rank). A group that fails meanwhile (a rank died) ends the preparation:
 `wait` and `run_now` raise its RankFailedError.
 """
 
@@ -177,7 +180,8 @@ class Preparation:
                     return
                 start = time.perf_counter()
                 error = None
-                if hasattr(job, "unlocked"):  # the pieces (Inductor's import), the kernels' builds: beside the steps
+                if hasattr(job, "unlocked") and self.lockstep is None:  # the pieces (Inductor's import), the kernels'
+                    # builds: beside the steps; in a group with the job, after its announcement (module docstring)
                     with (late_steps_first(self.lock), collections_deferred(),
                           lowered_switch_interval(self.switch_interval)):
                         error = self._attempt(job.unlocked, job)
