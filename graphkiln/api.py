@@ -33,7 +33,7 @@ from graphkiln.runtime.capture_pause import captures_paused
 from graphkiln.runtime.config import EngineConfig
 from graphkiln.runtime.gc_pauses import collections_deferred
 from graphkiln.runtime.stats import LoadStats
-from graphkiln.runtime.warmup import first_call_sizes, sampler_first_calls
+from graphkiln.runtime.warmup import first_call_sizes, sampler_ahead
 from graphkiln.timing import Stopwatch
 from graphkiln.runtime.tensor_parallel import parallel_engine
 from graphkiln.version import __version__
@@ -192,7 +192,7 @@ def load(
                 decode_sizes, prefill_size = first_call_sizes(serving)
                 first_rows = (*decode_sizes, prefill_size)  # the engine's first calls'
                 net, tokenizer, manifest, pieces = read_weights(out, model_dir, device, dtype, keys, clock, first_rows,
-                                                                beside=sampler_first_calls)  # fmt: skip
+                                                                ahead=sampler_ahead(manifest, device))  # fmt: skip
                 compiled = None
             else:
                 net, compiled, tokenizer, manifest = read_artifact(out, model_dir, device, dtype, keys, clock)

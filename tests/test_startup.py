@@ -24,7 +24,9 @@ from graphkiln.errors import ConfigError
 from graphkiln.models import kernel_loads
 from graphkiln.models.tiny import tiny_model_dir
 from graphkiln.models.safetensors_header import read_header
+from graphkiln.compiler import artifact_load
 from graphkiln.compiler.artifact_load import read_weights
+from graphkiln.compiler.manifest import read_manifest
 from graphkiln.compiler.compiled_model import CompiledModel
 from graphkiln.runtime import warmup
 from graphkiln.runtime.builder import build_engine
@@ -150,32 +152,50 @@ def test_eager_kernels_launch_beside_the_weights(
     llm.close()
 
 
-def test_the_sampler_first_calls_run_beside_the_weights(artifact: Path, monkeypatch: pytest.MonkeyPatch,
+def test_the_sampler_first_calls_run_ahead_of_the_checks(artifact: Path, monkeypatch: pytest.MonkeyPatch,
                                                          caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
-    """With launches turned on for the CPU too, `read_weights(beside=sampler_first_calls)` samples each mode at one
-    row and at SAMPLED_ROWS, on the vocabulary's width, on a thread of the weights' pool, before it returns; a
-    sampler that fails there is logged and the load goes on."""
+    """With launches turned on for the CPU too, `read_weights(ahead=sampler_ahead(manifest, None))` samples each mode
+    at one row and at SAMPLED_ROWS, on the vocabulary's width, on a thread of its own that starts before the
+    checks and is done before it returns; a sampler that fails there is logged and the load goes on; a manifest
+    naming no usable vocabulary size, or a device the caller rules out, starts nothing."""
     monkeypatch.setattr(warmup, "LAUNCH_ON", ("cuda", "cpu"))
-    calls = []
+    events = []
+    sampling = threading.Event()
 
     def recorded(logits: torch.Tensor, rows, mode: str):
-        calls.append((threading.current_thread().name, tuple(logits.shape), mode))
+        events.append(("sample", threading.current_thread().name, tuple(logits.shape), mode))
+        sampling.set()
         return sample(logits, rows, mode)
 
+    checks = artifact_load.check_artifact
+
+    def checked(*args, **kwargs):  # the checks wait for the sampler: it must have started without them
+        events.append(("checks", sampling.wait(60)))
+        return checks(*args, **kwargs)
+
     monkeypatch.setattr(warmup, "sample", recorded)
-    net, *_ = read_weights(artifact, tiny_model_dir(), beside=warmup.sampler_first_calls)
+    monkeypatch.setattr(artifact_load, "check_artifact", checked)
+    manifest = read_manifest(artifact)
+    net, *_ = read_weights(artifact, tiny_model_dir(), ahead=warmup.sampler_ahead(manifest, None))
+    samples = [e for e in events if e[0] == "sample"]
     vocab = net.cfg.vocab_size
-    assert sorted((shape, mode) for _, shape, mode in calls) == sorted(
+    assert sorted((shape, mode) for _, _, shape, mode in samples) == sorted(
         ((rows, vocab), mode) for rows in (1, warmup.SAMPLED_ROWS) for mode in MODES)
-    assert {name.rsplit("_", 1)[0] for name, _, _ in calls} == {"graphkiln-fill"}
+    assert {name.rsplit("_", 1)[0] for _, name, _, _ in samples} == {"graphkiln-ahead"}
+    assert ("checks", True) in events
 
     def failing(logits: torch.Tensor, rows, mode: str):
         raise RuntimeError("no kernel image")
 
     monkeypatch.setattr(warmup, "sample", failing)
     with caplog.at_level("WARNING", logger="graphkiln.runtime"):
-        net, *_ = read_weights(artifact, tiny_model_dir(), beside=warmup.sampler_first_calls)
-    assert "sampler's first calls beside the weights failed (RuntimeError: no kernel image)" in caplog.text
+        net, *_ = read_weights(artifact, tiny_model_dir(), ahead=warmup.sampler_ahead(manifest, None))
+    assert "sampler's first calls ahead of the model failed (RuntimeError: no kernel image)" in caplog.text
+
+    bad_vocab = {**manifest, "model": {**manifest["model"], "config": {**manifest["model"]["config"], "vocab_size": -1}}}
+    assert warmup.sampler_ahead(bad_vocab, None) is None
+    assert warmup.sampler_ahead({}, None) is None
+    assert warmup.sampler_ahead(manifest, "meta") is None  # the caller asked for another device: the checks refuse
 
 
 def test_the_caller_may_import_dynamo_while_the_pieces_load(artifact: Path) -> None:

@@ -99,27 +99,25 @@ def _fill_on(device: torch.device, model: CausalLM, model_dir: Path, clock: Stop
 
 @contextlib.contextmanager
 def _weights_beside(model: CausalLM, model_dir: Path, clock: Stopwatch, switch_interval: float | None,
-                    kernels: bool = False, warm_rows: tuple[int, ...] = (), shipped: Path | None = None,
-                    beside: Callable[[CausalLM], None] | None = None) -> Iterator[None]:  # fmt: skip
+                    kernels: bool = False, warm_rows: tuple[int, ...] = (), shipped: Path | None = None
+                    ) -> Iterator[None]:  # fmt: skip
     """Read the weights into `model` on a thread of their own while the block runs (stage "weights"), under
     the lowered switch interval so that the reading threads wait less for the interpreter lock; done at exit.
     With `kernels`, another thread imports the kernels meanwhile (then the only thread to import triton: two
     importing it at once could deadlock; `shipped`: the artifact's Triton kernels, installed by it first), and
     this one makes its cuBLAS handle, which its eager steps use. A third thread launches the eager model's
     kernels at `warm_rows` (kernel_loads.py; after the kernels' import where the model's projections call
-    Triton), and `beside` runs on a fourth, given the model (unfilled)."""
+    Triton)."""
     device = _device(model)
     with (
         lowered_switch_interval(switch_interval),
-        ThreadPoolExecutor(4, thread_name_prefix="graphkiln-fill") as pool,
+        ThreadPoolExecutor(3, thread_name_prefix="graphkiln-fill") as pool,
     ):
         weights = pool.submit(_fill_on, indexed(device), model, model_dir, clock)
         jobs = [pool.submit(import_kernels, device, shipped)] if kernels else []
         after = jobs[0] if jobs and calls_triton(model) else None
         if warm_rows:
             jobs.append(pool.submit(_launch_after, after, model, warm_rows))
-        if beside is not None:
-            jobs.append(pool.submit(beside, model))
         if kernels and device.type == "cuda":
             with torch.cuda.device(device):
                 torch.cuda.current_blas_handle()
@@ -127,6 +125,18 @@ def _weights_beside(model: CausalLM, model_dir: Path, clock: Stopwatch, switch_i
         weights.result()
         for job in jobs:
             job.result()
+
+
+@contextlib.contextmanager
+def _running(job: Callable[[], None] | None) -> Iterator[None]:
+    """`job` on a thread of its own while the block runs; done at exit, also where the block raises."""
+    if job is None:
+        yield
+        return
+    with ThreadPoolExecutor(1, thread_name_prefix="graphkiln-ahead") as pool:
+        done = pool.submit(job)
+        yield
+        done.result()
 
 
 def _launch_after(imported: Future | None, model: CausalLM, rows: tuple[int, ...]) -> None:
@@ -164,7 +174,7 @@ def read_artifact(
 
 def read_weights(
     out: Path, model_dir: Path, device=None, dtype=None, trusted_keys: Sequence = (), clock: Stopwatch | None = None,
-    warm_rows: tuple[int, ...] = (), beside: Callable[[CausalLM], None] | None = None,
+    warm_rows: tuple[int, ...] = (), ahead: Callable[[], None] | None = None,
 ) -> tuple[CausalLM, Tokenizer | None, dict, Callable[[], CompiledModel]]:
     """Check, then load the weights and the tokenizer but not the compiled pieces, for an engine that serves
     eagerly until they are in (`load` with background capture): the weights are read on a thread of their own
@@ -173,16 +183,16 @@ def read_weights(
     files again first (not the weights, read already), since the artifact may have been compiled anew
     meanwhile. `clock` gets checks, weights and tokenizer now, inductor and pieces when the function runs.
     `warm_rows`: the row counts at which the eager model's kernels are launched beside the weights (the engine's
-    first calls'), so that those calls find them loaded; `beside`, the caller's own work that needs the model
-    but not its weights' values, runs on a thread of its own meanwhile."""
+    first calls'), so that those calls find them loaded; `ahead`, the caller's own work that needs neither the
+    model nor the checks, runs on a thread of its own from the start, done before this returns or raises."""
     out = out.resolve()
     clock = clock or Stopwatch()
     switch_interval = load_switch_interval()  # a bad setting is the caller's error, not the background job's
     threads = torch.get_num_threads()  # per thread in torch: the job's thread takes the caller's
-    with locked(out, shared=True):
+    with _running(ahead), locked(out, shared=True):
         manifest, model = _checked_model(out, model_dir, device, dtype, trusted_keys, clock, Shard())
         with (_weights_beside(model, model_dir, clock, switch_interval, kernels=True, warm_rows=warm_rows,
-                              shipped=out / TRITON_KERNELS, beside=beside), clock.stage("tokenizer")):  # fmt: skip
+                              shipped=out / TRITON_KERNELS), clock.stage("tokenizer")):  # fmt: skip
             tokenizer = read_tokenizer(manifest, out, model_dir)
 
     def pieces() -> CompiledModel:

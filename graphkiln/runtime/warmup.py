@@ -16,7 +16,6 @@ import torch
 from graphkiln.kernels.launch import builds_ahead
 from graphkiln.models.attention import ForwardContext, forward_context
 from graphkiln.models.kernel_loads import LAUNCH_ON
-from graphkiln.models.transformer import CausalLM
 
 from .attention.metadata import SequenceSlice, build_metadata
 from .config import EngineConfig
@@ -29,6 +28,7 @@ from .sampler import MODES, SamplingTensors, sample
 log = logging.getLogger("graphkiln.runtime")
 
 SAMPLED_ROWS = 2  # the sampler's first calls: on more than one row, as a first step serving several requests
+AHEAD_VOCAB_LIMIT = 1 << 22  # sampler_ahead: the widest row it allocates for a manifest not yet checked
 FIRST_PROMPT_TOKENS = 64  # the first calls' prefill: a prompt this long or longer takes the prefill kernel's
 # tallest tiles (runtime/attention/triton_backend.py), as most prompts do; a shorter one builds its own
 
@@ -82,13 +82,12 @@ def _calls(runner: ModelRunner, decode_sizes: tuple[int, ...], prefill_size: int
             _sample_each_mode(runner.model.compute_logits(hidden[:rows]).float())
 
 
-def sampler_first_calls(model: CausalLM) -> None:
-    """The sampler's first calls of `first_calls`, on zero logits of the model's vocabulary, and none of the
-    model, on the devices of LAUNCH_ON: there they load the sampler's kernels (lazy loading; the sort and top-k
-    of a vocabulary-wide row among them), which needs no weights, so `load` runs them on a thread of its own
-    while the weights are read. A failure is logged, not raised: the engine's first calls then load what these
-    did not."""
-    device = next(model.parameters()).device
+def sampler_first_calls(vocab_size: int, device: torch.device) -> None:
+    """The sampler's first calls of `first_calls`, on zero logits `vocab_size` wide on `device` (with its index),
+    where it is of LAUNCH_ON: there they load the sampler's kernels (lazy loading; the sort and top-k of a
+    vocabulary-wide row among them), which needs no model, so `load` runs them on a thread of their own while it
+    checks the artifact and reads the weights (`sampler_ahead`). A failure is logged, not raised: the engine's
+    first calls then load what these did not."""
     if device.type not in LAUNCH_ON:
         return
     try:
@@ -96,12 +95,34 @@ def sampler_first_calls(model: CausalLM) -> None:
             torch.cuda.set_device(device)
         with torch.inference_mode():
             for rows in sorted({1, SAMPLED_ROWS}):
-                _sample_each_mode(torch.zeros(rows, model.cfg.vocab_size, device=device))
+                _sample_each_mode(torch.zeros(rows, vocab_size, device=device))
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()
     except Exception as e:  # noqa: BLE001  (an optimisation: the load goes on without it)
-        log.warning("the sampler's first calls beside the weights failed (%s: %s); the engine's first calls make "
+        log.warning("the sampler's first calls ahead of the model failed (%s: %s); the engine's first calls make "
                     "them instead", type(e).__name__, e)
+
+
+def sampler_ahead(manifest: dict, device: str | None) -> Callable[[], None] | None:
+    """`sampler_first_calls` for the model an artifact's manifest names, to start before the load has checked the
+    artifact or built the model; None where the manifest, not yet checked, names no vocabulary size up to
+    AHEAD_VOCAB_LIMIT or no device of LAUNCH_ON, or one the caller's `device` or the machine rules out (the
+    checks then say what is wrong). A bare "cuda" becomes the device a model built now would be on, found without
+    initialising CUDA: the thread may do that while the checks run."""
+    try:
+        vocab_size = int(manifest["model"]["config"]["vocab_size"])
+        recorded = torch.device(manifest["config"]["device"])
+        asked = torch.device(device) if device is not None else recorded
+    except (KeyError, TypeError, ValueError, RuntimeError):
+        return None
+    if recorded.type not in LAUNCH_ON or asked.type != recorded.type or not 0 < vocab_size <= AHEAD_VOCAB_LIMIT:
+        return None
+    if recorded.type == "cuda":
+        if not torch.cuda.is_available():
+            return None
+        if recorded.index is None:
+            recorded = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_initialized() else 0)
+    return partial(sampler_first_calls, vocab_size, recorded)
 
 
 def _sample_each_mode(logits: torch.Tensor) -> None:
