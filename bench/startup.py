@@ -9,7 +9,8 @@ JSON line with the wall-clock time at each mark. The phases between marks, from 
 
   import_torch      Python start and `import torch`
   import_api        graphkiln's API (or transformers' Llama): no Inductor, which `load` imports
-  cuda_init         the CUDA context (done by hand, so it is not counted in the load)
+  cuda_init         the CUDA context (done by hand, so it is not counted in the load; with
+                    `--cuda-in-load` it is left to `load`, as a user's script does, and not a phase)
   compile           cold only: `compile_model` (its stage seconds in `compile_timings`)
   load              `graphkiln.load` (transformers: `from_pretrained`), split for graphkiln by
                     LLM.stats().load into weights (read to the device) and the rest (checks,
@@ -127,7 +128,7 @@ def child_main(spec: dict) -> None:
 
         graphkiln.load, graphkiln.SamplingParams  # noqa: B018  (the API's modules, imported on first use)
     marks["imported"] = time.time()
-    if device == "cuda":
+    if device == "cuda" and not spec.get("cuda_in_load"):
         torch.zeros(1, device=device)
         marks["cuda_ready"] = time.time()
     if spec["mode"] == "hf_start":
@@ -244,13 +245,14 @@ def main(a: argparse.Namespace) -> int:
     intervals = [v.strip() for v in a.load_switch_intervals.split(",")] if a.load_switch_intervals else [""]
     scratch = Path(tempfile.mkdtemp(prefix="gk-startup-"))
     caches = {"TORCHINDUCTOR_CACHE_DIR": str(scratch / "inductor"), "TRITON_CACHE_DIR": str(scratch / "triton")}
-    results = {"meta": {**environment(device), "bytecode": ensure_bytecode(), "models": models}, "starts": {}}
+    results = {"meta": {**environment(device), "bytecode": ensure_bytecode(), "models": models,
+                         "cuda_in_load": a.cuda_in_load}, "starts": {}}
     rows = []
     try:
         for name in models:
             model_dir = saved_model_dir(name, scratch, device, dtype)
             spec = {"model_dir": model_dir, "artifact": str(scratch / f"{name}-artifact"), "device": device,
-                    "profile": a.profile,
+                    "profile": a.profile, "cuda_in_load": a.cuda_in_load,
                     "dtype": dtype, "engine": engine, "prompt": random_prompts(1, 16 if a.smoke else 128, 4096, 7)[0]}
             whiches = ("cold", "warm", "warm") if a.cold else ("warm", "warm")
             if not a.cold:
@@ -319,4 +321,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", action="store_true",
                    help="sample every thread's Python stack in each start (bench/stack_sampler.py): the JSON gets, "
                         "per phase and thread, the functions most often on the stack")
+    p.add_argument("--cuda-in-load", action="store_true",
+                   help="leave the CUDA context to load, as a user's script does (default: made by hand before it)")
     p.add_argument("--out", help="folder for startup-<device>.json and .md")
