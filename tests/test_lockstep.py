@@ -90,7 +90,8 @@ def _follow_summing_jobs(store_path: str, before_collective: bool | None, timeou
 
 
 @contextlib.contextmanager
-def summing_group(tmp_path: Path, before_collective: bool | None, timeout_s: float) -> Iterator[tuple[Preparation, list]]:
+def summing_group(tmp_path: Path, before_collective: bool | None,
+                  timeout_s: float) -> Iterator[tuple[Preparation, list]]:  # fmt: skip
     """Rank 0 here and rank 1 in a process of its own, each preparing `summing_jobs`; rank 0's started
     (yielded with its jobs, which the preparation drops once they have run)."""
     from graphkiln.runtime.tensor_parallel import Peers, _init_groups, _wait_for_ranks

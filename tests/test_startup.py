@@ -192,7 +192,8 @@ def test_the_sampler_first_calls_run_ahead_of_the_checks(artifact: Path, monkeyp
         net, *_ = read_weights(artifact, tiny_model_dir(), ahead=warmup.sampler_ahead(manifest, None))
     assert "sampler's first calls ahead of the model failed (RuntimeError: no kernel image)" in caplog.text
 
-    bad_vocab = {**manifest, "model": {**manifest["model"], "config": {**manifest["model"]["config"], "vocab_size": -1}}}
+    config = {**manifest["model"]["config"], "vocab_size": -1}
+    bad_vocab = {**manifest, "model": {**manifest["model"], "config": config}}
     assert warmup.sampler_ahead(bad_vocab, None) is None
     assert warmup.sampler_ahead({}, None) is None
     assert warmup.sampler_ahead(manifest, "meta") is None  # the caller asked for another device: the checks refuse

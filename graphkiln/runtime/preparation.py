@@ -14,12 +14,12 @@ the step lock, so steps go on, served by the model itself, then switches the run
 and adds the capture or warm-up jobs, which run after it.
 
 In a tensor-parallel group every rank runs the same jobs in the same order (lockstep.py): rank 0
-announces each job, every rank runs it, all exchange a `RankReport`, and a job that failed on any
-rank is withdrawn on every rank. No part of a job runs before its announcement, the part meant for off the
+announces each job, every rank runs it, all exchange a `RankReport`, and a job that failed on any rank
+is withdrawn on every rank. No part of a job runs before its announcement, the part meant for off the
 step lock (the kernels' builds, whose dry steps run the model's collectives) included: a rank running
 collectives that the others were not told of would wait for them for ever (NCCL's first collective
-creates its communicator, which needs every rank). A group that fails meanwhile (a rank died) ends the preparation:
-`wait` and `run_now` raise its RankFailedError.
+creates its communicator, which needs every rank). A group that fails meanwhile (a rank died) ends the
+preparation: `wait` and `run_now` raise its RankFailedError.
 """
 
 from __future__ import annotations
