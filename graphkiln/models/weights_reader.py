@@ -47,9 +47,10 @@ IOV_MAX = 1024  # buffers one preadv takes on Linux
 
 
 def indexed(device: torch.device) -> torch.device:
-    """`device` with the index a bare "cuda" means in this thread, for another thread to select."""
+    """`device` with the index a bare "cuda" means in this thread, for another thread to select, found without
+    initialising CUDA: before that no thread can have chosen a device (choosing one initialises it), so it is 0."""
     if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_initialized() else 0)
     return device
 
 

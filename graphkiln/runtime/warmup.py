@@ -16,6 +16,7 @@ import torch
 from graphkiln.kernels.launch import builds_ahead
 from graphkiln.models.attention import ForwardContext, forward_context
 from graphkiln.models.kernel_loads import LAUNCH_ON
+from graphkiln.models.weights_reader import indexed
 
 from .attention.metadata import SequenceSlice, build_metadata
 from .config import EngineConfig
@@ -107,8 +108,8 @@ def sampler_ahead(manifest: dict, device: str | None) -> Callable[[], None] | No
     """`sampler_first_calls` for the model an artifact's manifest names, to start before the load has checked the
     artifact or built the model; None where the manifest, not yet checked, names no vocabulary size up to
     AHEAD_VOCAB_LIMIT or no device of LAUNCH_ON, or one the caller's `device` or the machine rules out (the
-    checks then say what is wrong). A bare "cuda" becomes the device a model built now would be on, found without
-    initialising CUDA: the thread may do that while the checks run."""
+    checks then say what is wrong). A bare "cuda" becomes the device a model built now would be on (`indexed`, which
+    leaves CUDA uninitialised: the thread may initialise it while the checks run)."""
     try:
         vocab_size = int(manifest["model"]["config"]["vocab_size"])
         recorded = torch.device(manifest["config"]["device"])
@@ -117,12 +118,9 @@ def sampler_ahead(manifest: dict, device: str | None) -> Callable[[], None] | No
         return None
     if recorded.type not in LAUNCH_ON or asked.type != recorded.type or not 0 < vocab_size <= AHEAD_VOCAB_LIMIT:
         return None
-    if recorded.type == "cuda":
-        if not torch.cuda.is_available():
-            return None
-        if recorded.index is None:
-            recorded = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_initialized() else 0)
-    return partial(sampler_first_calls, vocab_size, recorded)
+    if recorded.type == "cuda" and not torch.cuda.is_available():
+        return None
+    return partial(sampler_first_calls, vocab_size, indexed(recorded))
 
 
 def _sample_each_mode(logits: torch.Tensor) -> None:
