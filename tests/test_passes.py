@@ -31,11 +31,13 @@ from graphkiln.passes.boundary_recompute import BoundaryRecompute, BoundaryRecom
 from graphkiln.passes.linear_op import LinearOp
 from graphkiln.passes.manager import PassManager
 from graphkiln.passes.pipeline import default_passes
+from graphkiln.passes.silu_mul_epilogue import SiluMulEpilogue
 from graphkiln.passes.silu_mul_linear import SiluMulLinear
 
 DYNAMO_NAMES = ["boundary_recompute", "silu_mul_linear", "attention_split"]
-OFF_BY_DEFAULT = ["symm_mem_all_reduce"]
-NAMES = [*DYNAMO_NAMES, "linear_op", *OFF_BY_DEFAULT]
+OFF_BY_DEFAULT = ["silu_mul_epilogue", "symm_mem_all_reduce"]
+NAMES = ["boundary_recompute", "silu_mul_epilogue", "silu_mul_linear", "attention_split", "linear_op",
+         "symm_mem_all_reduce"]
 
 
 def dynamo_graph(fn, *args) -> torch.fx.GraphModule:
@@ -152,7 +154,8 @@ def test_default_pipeline_matches_eager_and_reports_every_pass(toy):
     compiled, report = compile_module(toy, CompileConfig())
     eager_and_compiled_agree(toy, compiled)
     assert [(r.name, r.enabled) for r in report.passes] == [(n, n not in OFF_BY_DEFAULT) for n in NAMES]
-    recompute, silu_mul, split, *_ = report.passes  # linear_op runs inside Inductor, on cache misses only
+    recompute, epilogue, silu_mul, split, *_ = report.passes  # linear_op runs inside Inductor, on cache misses only
+    assert epilogue.runs == 0
     assert (recompute.runs, recompute.matches, recompute.nodes_added) == (1, 1, 1)
     # per layer: chunk, two getitems, silu, mul and linear become one silu_mul_linear
     assert (silu_mul.runs, silu_mul.matches, silu_mul.nodes_removed, silu_mul.nodes_added) == (1, 2, 12, 2)
@@ -277,6 +280,64 @@ def test_silu_mul_linear_takes_the_gated_down_projection_only(name, fn, matches)
     assert ("graphkiln.silu_mul_linear" in gm.code) == bool(matches)
     args = [{"L_x_": x, "L_w_": w, "L_d_": d, "L_b_": b}.get(n.target, 5) for n in gm.graph.nodes if n.op == "placeholder"]
     torch.testing.assert_close(gm(*args)[0], fn(x, w, d, b))
+
+
+def _activation_variants():
+    """(name, fn(x, w, q, s, b), matches): MLP heads whose activation silu_mul_epilogue must take or leave."""
+    F = torch.nn.functional
+    fp8_linear = torch.ops.graphkiln.fp8_linear
+
+    def bf16(x, w, q, s, b):
+        gate, up = F.linear(x, w).chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def fp8_swapped(x, w, q, s, b):
+        gate, up = fp8_linear(x, q, s, None).chunk(2, dim=-1)
+        return up * F.silu(gate)
+
+    def with_bias(x, w, q, s, b):
+        gate, up = F.linear(x, w, b).chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def product_used_twice(x, w, q, s, b):
+        y = F.linear(x, w)
+        gate, up = y.chunk(2, dim=-1)
+        return F.silu(gate) * up + y[:, :6]
+
+    def gelu(x, w, q, s, b):
+        gate, up = fp8_linear(x, q, s, None).chunk(2, dim=-1)
+        return F.gelu(gate) * up
+
+    return [("linear", bf16, 1), ("fp8_linear, up * silu(gate)", fp8_swapped, 1), ("bias", with_bias, 0),
+            ("product used twice", product_used_twice, 0), ("gelu", gelu, 0)]
+
+
+@pytest.mark.parametrize("name,fn,matches", _activation_variants(), ids=[v[0] for v in _activation_variants()])
+def test_silu_mul_epilogue_takes_the_activation_of_an_unbiased_fused_product(name, fn, matches):
+    """linear or fp8_linear of [gate | up], chunked, silu(gate) * up: one graphkiln::linear_silu_mul or
+    fp8_linear_silu_mul call on the product's arguments, which on float32 rows computes what the graph did."""
+    from graphkiln.models.quantized_linear import quantize_fp8
+
+    x, w, b = torch.randn(5, 8), torch.randn(12, 8), torch.randn(12)
+    q, s = quantize_fp8(torch.randn(12, 8))
+    gm = dynamo_graph(fn, x, w, q, s, b)
+    assert SiluMulEpilogue()(gm) == matches
+    assert ("_silu_mul.default" in gm.code) == bool(matches)
+    feeds = {"L_x_": x, "L_w_": w, "L_q_": q, "L_s_": s, "L_b_": b}
+    args = [feeds.get(n.target, 5) for n in gm.graph.nodes if n.op == "placeholder"]
+    torch.testing.assert_close(gm(*args)[0], fn(x, w, q, s, b), rtol=1e-6, atol=1e-6)
+
+
+def test_silu_mul_epilogue_runs_only_when_enabled_and_leaves_silu_mul_linear_nothing(toy_graph):
+    """Off by default; enabled, it takes every layer's activation before silu_mul_linear looks for it."""
+    off, on = toy_graph(), toy_graph()
+    assert run_manager(off).records["silu_mul_epilogue"].runs == 0
+    manager = PassManager(default_passes(), enabled=("silu_mul_epilogue",))
+    manager.run_dynamo(on)
+    records = manager.records
+    assert records["silu_mul_epilogue"].matches == TOY.num_layers and records["silu_mul_linear"].matches == 0
+    code = "".join(m.code for m in on.modules() if isinstance(m, torch.fx.GraphModule))
+    assert code.count("graphkiln.linear_silu_mul") == TOY.num_layers and "graphkiln.silu_mul_linear" not in code
 
 
 def test_post_grad_pass_runs_inside_inductor_and_stays_cacheable(tmp_path):

@@ -267,6 +267,26 @@ def test_quantized_graph_calls_the_quantized_ops_and_the_linear_passes_leave_the
 
 
 @pytest.mark.slow
+def test_silu_mul_epilogue_compiles_the_fp8_mlp_activation_into_its_product_with_the_same_scores(
+    quantized: dict[str, Path], tmp_path: Path
+) -> None:
+    """Enabled, silu_mul_epilogue turns each layer's fp8 gate/up product and its activation into one
+    graphkiln::fp8_linear_silu_mul; the artifact scores a prompt as the default one does (on the CPU the op is
+    the product, then the activation rounded once, as Inductor's fused kernel rounds it)."""
+    config = CompileConfig(quantization="fp8", enabled_passes=("silu_mul_epilogue",), dump_dir=tmp_path / "dumps")
+    _, report = graphkiln.compile_model(tiny_model_dir(), tmp_path / "fp8", config, engine=SMALL_ENGINE)
+    records = {r.name: r for r in report.passes}
+    assert records["silu_mul_epilogue"].matches == 4 and records["silu_mul_linear"].matches == 0  # 4 layers
+    pieces = "".join(p.read_text() for p in (tmp_path / "dumps").glob("*-split.submod_*.py"))
+    assert pieces.count("graphkiln.fp8_linear_silu_mul") >= 4
+    ids = list(range(5, 133))
+    ours = graphkiln.load(tmp_path / "fp8", **ENGINE).score(ids)
+    default = graphkiln.load(quantized["fp8"], **ENGINE).score(ids)
+    torch.testing.assert_close(ours, default, rtol=2e-2, atol=2e-2)
+    assert top1_agreement(ours, default) == 1.0
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme,max_error,min_top1", [("fp8", 0.1, 0.9), ("int4", 0.2, 0.8)])
 def test_quantized_tiny_logits_stay_close_to_bf16(
     quantized: dict[str, Path], scheme: str, max_error: float, min_top1: float

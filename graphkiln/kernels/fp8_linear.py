@@ -30,7 +30,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from graphkiln.errors import ConfigError
 
 from .fp8_mma import fp8_mma
-from .gemv import _k_mask
+from .gemv import _k_mask, paired_rows, silu_mul, store_activated
 from .launch import launch
 from .pdl import pdl_on
 from .split_k import finish, k_steps, multiprocessors, output, split_count
@@ -61,18 +61,22 @@ def _gemv_step(acc, w, k, ks, k_mask, cols, col_mask, x_ptr, s_ptr, K, stride_sn
 
 @triton.jit(do_not_specialize=["STEPS"])  # a loop bound: one build for every split
 def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, STEPS, stride_wn, stride_sn, stride_os,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
-                     EVEN_K: tl.constexpr, BLOCK_SCALES: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr, EVEN_K: tl.constexpr,
+                     BLOCK_SCALES: tl.constexpr, ACTIVATED: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
     """out[split, 0, N] for one row x[0, K]: one program per slab of BLOCK_N weight rows and split of K (STEPS
-    steps of BLOCK_K); the accumulator has one column per SUB-wide chunk of a step."""
+    steps of BLOCK_K); the accumulator has one column per SUB-wide chunk of a step. ACTIVATED (one split):
+    out[0, N / 2] = silu(gate) * up of the product's halves (gemv.paired_rows, gemv.store_activated)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     if PDL:  # the next kernel may start once every program has begun
         gdc_launch_dependents()
     k_start = split * STEPS * BLOCK_K
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    if ACTIVATED:
+        cols, col_mask = paired_rows(pid, N, BLOCK_N)
+    else:
+        cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < N
     ks = tl.arange(0, BLOCK_K)
-    col_mask = cols < N
     w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_K // SUB), dtype=tl.float32)
     k_mask = _k_mask(ks, k_start, K, EVEN_K)
@@ -90,7 +94,10 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, STEPS, stride_wn, strid
     y = tl.sum(acc, axis=1)
     if not BLOCK_SCALES:
         y = y * tl.load(s_ptr + cols, mask=col_mask, other=0.0)
-    tl.store(out_ptr + split * stride_os + cols, y.to(out_ptr.dtype.element_ty), mask=col_mask)
+    if ACTIVATED:
+        store_activated(y, out_ptr, pid, N, BLOCK_N)
+    else:
+        tl.store(out_ptr + split * stride_os + cols, y.to(out_ptr.dtype.element_ty), mask=col_mask)
 
 
 @triton.jit
@@ -165,22 +172,26 @@ def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) ->
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-             tiles: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
-    """x [1, K] @ dequantized weight^T with the one-row kernel; `tiles` defaults to `gemv_tiling`."""
+             tiles: tuple[int, int, int, int, int] | None = None, activated: bool = False) -> torch.Tensor:
+    """x [1, K] @ dequantized weight^T with the one-row kernel; `tiles` defaults to `gemv_tiling`. `activated`
+    (N even): silu(y[:, :N/2]) * y[:, N/2:] of that product y, [1, N/2], in the kernel's epilogue where K is not
+    split, by the SiLU-and-mul kernel after the split's sum otherwise."""
     n, k = weight.shape
     block_n, block_k, splits, warps, stages = tiles or gemv_tiling(n, k, multiprocessors(x.device))
     splits, steps = k_steps(k, splits, block_k)
     block_scales = weight_scale.dim() == 2
-    out = output(1, n, splits, x.dtype, x.device)
+    in_epilogue = activated and splits == 1
+    out = output(1, n // 2 if in_epilogue else n, splits, x.dtype, x.device)
     launch_pdl = pdl_on(x.device)
     launch(
-        _fp8_gemv_kernel, (triton.cdiv(n, block_n), splits),
+        _fp8_gemv_kernel, (triton.cdiv(n // 2, block_n // 2) if in_epilogue else triton.cdiv(n, block_n), splits),
         x, weight, weight_scale, out, n, k, steps, weight.stride(0), weight_scale.stride(0), n, BLOCK_N=block_n,
         BLOCK_K=block_k, SUB=min(block_k, BLOCK), EVEN_K=k % block_k == 0,
-        BLOCK_SCALES=block_scales, STAGES=stages, PDL=launch_pdl,
+        BLOCK_SCALES=block_scales, ACTIVATED=in_epilogue, STAGES=stages, PDL=launch_pdl,
         num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,
     )
-    return finish(out, x.dtype)
+    y = finish(out, x.dtype)
+    return silu_mul(y) if activated and not in_epilogue else y
 
 
 def quantize_rows(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -259,8 +270,10 @@ def scaled_mm_fits(x: torch.Tensor, weight: torch.Tensor, block_scales: bool) ->
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-               input_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] (bfloat16/float16) @ dequantized fp8 weight [N, K]^T -> [M, N] in x's dtype.
+               input_scale: torch.Tensor | None = None, activated: bool = False) -> torch.Tensor:
+    """x [M, K] (bfloat16/float16) @ dequantized fp8 weight [N, K]^T -> [M, N] in x's dtype; `activated` (N even):
+    silu(y[:, :N/2]) * y[:, N/2:] of that product y, [M, N/2] (the MLP's gate and up projections with their
+    activation), in the one-row kernel's epilogue, by the SiLU-and-mul kernel at other row counts.
 
     weight_scale: float32 [N] per output channel or [ceil(N/128), ceil(K/128)] per block. input_scale:
     a static per-tensor activation scale (float32, one element) used where a kernel of its own quantizes the
@@ -270,12 +283,19 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     _check(x, weight, weight_scale)
     block_scales = _block_scales(weight, weight_scale)
     x, weight_scale = x if x.stride(1) == 1 else x.contiguous(), weight_scale.contiguous()
-    m, k = x.shape
-    n = weight.shape[0]
+    m, n = x.shape[0], weight.shape[0]
     if m == 0:
-        return x.new_empty(0, n)
+        return x.new_empty(0, n // 2 if activated else n)
     if m == 1:
-        return fp8_gemv(x, weight, weight_scale)
+        return fp8_gemv(x, weight, weight_scale, activated=activated)
+    y = _rows_product(x, weight, weight_scale, input_scale, block_scales)
+    return silu_mul(y) if activated else y
+
+
+def _rows_product(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None,
+                  block_scales: bool) -> torch.Tensor:
+    """fp8_linear of 2 or more rows (checked, contiguous)."""
+    m, k = x.shape
     if m <= FEW_ROWS:
         return fp8_mma(x, weight, weight_scale)
     if m > MMA_ROWS and not scaled_mm_fits(x, weight, block_scales):

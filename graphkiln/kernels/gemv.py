@@ -1,7 +1,9 @@
 """Triton kernels behind models/linear.py.
 
 GEMV: y[1, N] = x[1, K] @ w[N, K]^T, one program per slab of BLOCK_N weight rows over all of K;
-gated, x is silu(g) * u of the row [g | u] (2K wide), computed as the weight streams by.
+gated, x is silu(g) * u of the row [g | u] (2K wide), computed as the weight streams by;
+activated, the product's own halves go through the activation: a program takes gate rows j and up
+rows I + j (I = N / 2) and stores silu(y[j]) * y[I + j], each sigmoid computed once.
 SiLU-and-mul: y[M, I] = silu(x[:, :I]) * x[:, I:], for the gated product's other row counts.
 """
 
@@ -23,6 +25,26 @@ def _k_mask(ks, k, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def paired_rows(pid, N, BLOCK_N: tl.constexpr):
+    """The weight rows of program `pid`'s slab when it applies the activation: BLOCK_N / 2 pairs of a gate row j
+    and its up row N / 2 + j, each pair adjacent; and which of them exist."""
+    r = tl.arange(0, BLOCK_N)
+    j = pid * (BLOCK_N // 2) + r // 2
+    return j + (r % 2) * (N // 2), j < N // 2
+
+
+@triton.jit
+def store_activated(y, y_ptr, pid, N, BLOCK_N: tl.constexpr):
+    """Store silu(gate) * up of each pair of the slab's products y [BLOCK_N] (float32, rows as paired_rows gives
+    them): both rounded to y_ptr's dtype first, as the product's output is, and the activation computed as the
+    SiLU-and-mul kernel computes it."""
+    dtype = y_ptr.dtype.element_ty
+    gate, up = tl.split(tl.reshape(y.to(dtype).to(tl.float32), (BLOCK_N // 2, 2)))
+    j = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    tl.store(y_ptr + j, (gate * tl.sigmoid(gate) * up).to(dtype), mask=j < N // 2)
+
+
+@triton.jit
 def _gemv_step(acc, w, k, ks, k_mask, x_ptr, K, GATED: tl.constexpr):
     """acc + w * x over the K step at k (x gated if the kernel's mode says so)."""
     x = tl.load(x_ptr + k + ks, mask=k_mask, other=0.0)
@@ -34,13 +56,16 @@ def _gemv_step(acc, w, k, ks, k_mask, x_ptr, K, GATED: tl.constexpr):
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
+                 EVEN_K: tl.constexpr, GATED: tl.constexpr, ACTIVATED: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     if PDL:  # the next kernel may start once every program has begun
         gdc_launch_dependents()
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    if ACTIVATED:
+        cols, col_mask = paired_rows(pid, N, BLOCK_N)
+    else:
+        cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < N
     ks = tl.arange(0, BLOCK_K)
-    col_mask = cols < N
     w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     k_mask = _k_mask(ks, 0, K, EVEN_K)
@@ -52,7 +77,10 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, BL
         k_mask = _k_mask(ks, k, K, EVEN_K)
         w = tl.load(w_ptrs + k, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
         acc = _gemv_step(acc, w, k, ks, k_mask, x_ptr, K, GATED)
-    tl.store(y_ptr + cols, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=col_mask)
+    if ACTIVATED:
+        store_activated(tl.sum(acc, axis=1), y_ptr, pid, N, BLOCK_N)
+    else:
+        tl.store(y_ptr + cols, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=col_mask)
 
 
 def tiling(n: int, k: int) -> tuple[int, int, int, int]:
@@ -75,18 +103,21 @@ def tiling(n: int, k: int) -> tuple[int, int, int, int]:
 
 
 def gemv(
-    x: torch.Tensor, weight: torch.Tensor, gated: bool = False, tiles: tuple[int, int, int, int] | None = None
+    x: torch.Tensor, weight: torch.Tensor, gated: bool = False, tiles: tuple[int, int, int, int] | None = None,
+    activated: bool = False,
 ) -> torch.Tensor:
     """x [1, K] @ weight [N, K]^T, or with `gated` silu(x[:, :K]) * x[:, K:] @ weight^T for x [1, 2K];
-    unit stride along K. `tiles` defaults to `tiling(N, K)`; a benchmark may pass others."""
+    `activated` (N even): silu(y[:, :N/2]) * y[:, N/2:] of that product y, [1, N/2]. Unit stride along K.
+    `tiles` defaults to `tiling(N, K)`; a benchmark may pass others."""
     n, k = weight.shape
     block_n, block_k, warps, stages = tiles or tiling(n, k)
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    width = n // 2 if activated else n
+    y = torch.empty(1, width, dtype=x.dtype, device=x.device)
     launch_pdl = pdl_on(x.device)
     launch(
-        _gemv_kernel, (triton.cdiv(n, block_n),),
+        _gemv_kernel, (triton.cdiv(width, block_n // 2 if activated else block_n),),
         x, weight, y, n, k, weight.stride(0), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        GATED=gated, PDL=launch_pdl, num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,
+        GATED=gated, ACTIVATED=activated, PDL=launch_pdl, num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,
     )
     return y
 

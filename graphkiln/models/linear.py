@@ -1,6 +1,8 @@
 """`graphkiln::linear(x, weight)`: y = x @ weight^T, with a Triton kernel for one-row inputs on CUDA;
 `graphkiln::silu_mul_linear(gate_up, weight)`: y = (silu(gate) * up) @ weight^T, the MLP's down
 projection with its activation, so that at one row the activation rides in the GEMV.
+`graphkiln::linear_silu_mul(x, weight)`: silu(gate) * up of [gate | up] = x @ weight^T, the MLP's gate and
+up projections with their activation, which at one row the GEMV applies to its own outputs.
 
 At one row (decode at batch 1) the product is a pass over the weight, and cuBLAS reads the
 narrow projections of a decoder (q/k/v, o, down: 2048 to 6144 outputs) at a half to two thirds of
@@ -63,6 +65,30 @@ def _silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tenso
 
 silu_mul_linear = define("silu_mul_linear(Tensor gate_up, Tensor weight) -> Tensor", _silu_mul_linear,
                          _linear_shape)
+
+
+def silu_mul_reference(y: torch.Tensor) -> torch.Tensor:
+    """silu(y[:, :I]) * y[:, I:] computed in float32 and rounded once, as the kernels and Inductor's fusion do."""
+    gate, up = y.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(y.dtype)
+
+
+def _linear_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight [2I, K]^T = [gate | up] -> silu(gate) * up [M, I]."""
+    if on_triton(x, weight):  # triton is optional: the kernels are imported only where they run
+        from graphkiln.kernels.gemv import gemv, silu_mul
+
+        if x.shape[0] == 1:
+            return gemv(x, weight, activated=True)
+        return silu_mul(torch.mm(x, weight.t()))
+    return silu_mul_reference(torch.mm(x, weight.t()))
+
+
+def _activated_shape(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0] // 2)
+
+
+linear_silu_mul = define("linear_silu_mul(Tensor x, Tensor weight) -> Tensor", _linear_silu_mul, _activated_shape)
 
 
 def import_kernels(device: torch.device, shipped: Path | None = None) -> None:

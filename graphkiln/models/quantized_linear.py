@@ -4,16 +4,19 @@
 scales per output channel ([N]) or per 128 x 128 block ([ceil(N/128), ceil(K/128)], the factor
 to multiply by); activations quantized per token (channel scales) or per 1 x 128 group (block
 scales) at run time, or with one static scale when `input_scale` [1] is given.
+`graphkiln::fp8_linear_silu_mul(x, weight, weight_scale, input_scale)`: silu(gate) * up of fp8_linear's
+[gate | up], the MLP's fused gate and up projections with their activation (passes/silu_mul_epilogue.py).
 `graphkiln::int4_linear(x, qweight, scales, zeros, group_size, tinygemm_weight, tinygemm_params)`: w[n, k] =
 (q[n, k] - zeros[n, g]) * scales[n, g] with g = k // group_size, q in 0..15 packed two to a byte, the low
 nibble first; the optional tinygemm tensors hold the same weight in the layout of torch's own int4 kernel
 (`tinygemm_layout`), which the CUDA path takes at a few rows.
 
-On CUDA both ops call the Triton kernels of `graphkiln.kernels`; elsewhere they dequantize to
+On CUDA the ops call the Triton kernels of `graphkiln.kernels`; elsewhere they dequantize to
 float32 and multiply, quantizing the activations as the CUDA path does above FEW_ROWS rows
 (kernels/fp8_linear.py) at every row count. Up to FEW_ROWS rows the CUDA kernel quantizes them per
 1 x 128 group instead, a finer grouping of the same one fp8 rounding. The ops are opaque to Inductor
-and to the linear passes.
+and to linear_op; silu_mul_epilogue, where enabled, turns an fp8_linear and its activation into
+fp8_linear_silu_mul.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .linear import silu_mul_reference
 from .ops import define
 
 FP8 = torch.float8_e4m3fn
@@ -86,6 +90,27 @@ def _fp8_linear_shape(x, weight, weight_scale, input_scale) -> torch.Tensor:
 
 fp8_linear = define("fp8_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? input_scale) -> Tensor",
                     _fp8_linear, _fp8_linear_shape)
+
+
+def _fp8_linear_silu_mul(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None
+) -> torch.Tensor:
+    """fp8_linear(x, ...) = [gate | up] [M, 2I] -> silu(gate) * up [M, I] in x.dtype."""
+    if x.is_cuda:  # at one row the GEMV's epilogue applies the activation
+        from graphkiln.kernels.fp8_linear import fp8_linear as kernel
+
+        return kernel(x, weight, weight_scale, input_scale, activated=True)
+    return silu_mul_reference(_fp8_linear(x, weight, weight_scale, input_scale))
+
+
+def _fp8_activated_shape(x, weight, weight_scale, input_scale) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0] // 2)
+
+
+fp8_linear_silu_mul = define(
+    "fp8_linear_silu_mul(Tensor x, Tensor weight, Tensor weight_scale, Tensor? input_scale) -> Tensor",
+    _fp8_linear_silu_mul, _fp8_activated_shape,
+)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:

@@ -15,13 +15,15 @@ from .attention_split import AttentionSplit
 from .base import Pass
 from .boundary_recompute import BoundaryRecompute
 from .linear_op import LinearOp
+from .silu_mul_epilogue import SiluMulEpilogue
 from .silu_mul_linear import SiluMulLinear
 from .symm_mem_all_reduce import SymmMemAllReduce
 
 
 def default_passes(extra: Sequence[Pass] = ()) -> list[Pass]:
     """Built-in passes in pipeline order; `extra` Dynamo-graph passes run just before the split."""
-    return [BoundaryRecompute(), SiluMulLinear(), *extra, AttentionSplit(), LinearOp(), SymmMemAllReduce()]
+    return [BoundaryRecompute(), SiluMulEpilogue(), SiluMulLinear(), *extra, AttentionSplit(), LinearOp(),
+            SymmMemAllReduce()]
 
 
 def check_disabled(passes: Sequence[Pass], disabled: Iterable[str], field: str = "disabled_passes") -> frozenset[str]:

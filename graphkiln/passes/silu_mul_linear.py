@@ -39,7 +39,7 @@ def _half(node, index: int) -> torch.fx.Node | None:
     return source if chunks == 2 and dim in (-1, ndim - 1) else None
 
 
-def _gated_input(mul) -> torch.fx.Node | None:
+def gated_input(mul) -> torch.fx.Node | None:
     """t, when `mul` is silu(t.chunk(2, -1)[0]) * t.chunk(2, -1)[1] (either operand order)."""
     if not (isinstance(mul, torch.fx.Node) and mul.op == "call_function" and mul.target in MULS):
         return None
@@ -51,7 +51,7 @@ def _gated_input(mul) -> torch.fx.Node | None:
     return None
 
 
-def _erase_unused(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
+def erase_unused(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
     """Erase `node` and, transitively, the pure ops that fed only it (the old chunk, silu, mul)."""
     work = [node]
     while work:
@@ -72,7 +72,7 @@ class SiluMulLinear(GraphPass):
                 continue
             x, weight, *rest = node.args
             bias = rest[0] if rest else node.kwargs.get("bias")
-            gate_up = _gated_input(x)
+            gate_up = gated_input(x)
             if gate_up is None:
                 continue
             with graph.inserting_before(node):
@@ -82,7 +82,7 @@ class SiluMulLinear(GraphPass):
                     result = graph.call_function(operator.add, (result, bias))
                     result.meta["example_value"] = node.meta["example_value"]
             node.replace_all_uses_with(result)
-            _erase_unused(graph, node)
+            erase_unused(graph, node)
             matches += 1
         gm.recompile()
         return matches

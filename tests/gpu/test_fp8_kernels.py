@@ -1,7 +1,8 @@
 """The fp8 weight kernels (the one-row GEMV, the tensor-core kernel on activations quantized in registers or
 before it, fp8_linear's choice among them and torch._scaled_mm) against float32 products of the dequantized
 weight, at decode and prefill row counts, on the bench models' projections and ragged shapes, with every split
-of K."""
+of K; with the activation of the gate and up projections (`activated`) against the SiLU-and-mul kernel on the
+plain product."""
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from graphkiln.kernels import fp8_mma as mma_kernels  # noqa: E402
 from graphkiln.kernels.fp8_linear import (  # noqa: E402
     FP8, MMA_ROWS, fp8_linear, quantize_rows, quantize_static, scaled_mm_fits,
 )
+from graphkiln.kernels.gemv import silu_mul  # noqa: E402
 from graphkiln.kernels.split_k import multiprocessors  # noqa: E402
 from kernel_weights import (  # noqa: E402
     MODEL_SHAPES, ROWS, SPLITS, activation, fp8_weight, relative_error, with_splits,
@@ -132,3 +134,29 @@ def test_fp8_mma_on_quantized_rows_is_the_float32_product_of_what_it_reads(shape
                             out_dtype=torch.bfloat16)
     assert y.shape == (rows, n) and y.dtype == torch.bfloat16
     assert relative_error(y, (xq.float() * per_element) @ reference_weight.t()) < 0.006
+
+
+@pytest.mark.parametrize("splits", SPLITS)
+@pytest.mark.parametrize("blocks", [False, True], ids=["per-channel", "block"])
+@pytest.mark.parametrize("rows", [1, 8, 33])
+@pytest.mark.parametrize("shape", {"8b-gate_up": (28672, 4096), "1b-gate_up": (16384, 2048), "tiny": (200, 1160)}
+                         .values(), ids=["8b-gate_up", "1b-gate_up", "tiny"])
+def test_activated_fp8_linear_is_the_silu_mul_kernel_on_its_product(shape, rows, blocks, splits):
+    """The gate and up projections with their activation: at one row the GEMV's epilogue (one split of K), or
+    its product summed over the splits and then the SiLU-and-mul kernel; at more rows that kernel on the
+    product. Either way it equals, bit for bit, the SiLU-and-mul kernel on the ungated product at the same
+    tiles, and the float32 reference within fp8's step."""
+    n, k = shape
+    weight, scale, reference_weight = fp8_weight(n, k, blocks)
+    x = activation(rows, k)
+    if rows == 1:
+        tiles = with_splits(fp8_kernels.gemv_tiling(n, k, multiprocessors(x.device)), splits, False)
+        y = fp8_kernels.fp8_gemv(x, weight, scale, tiles=tiles, activated=True)
+        product = fp8_kernels.fp8_gemv(x, weight, scale, tiles=tiles)
+    else:
+        y = fp8_linear(x, weight, scale, activated=True)
+        product = fp8_linear(x, weight, scale)
+    assert y.shape == (rows, n // 2) and y.dtype == torch.bfloat16
+    assert torch.equal(y, silu_mul(product))
+    gate, up = (x.float() @ reference_weight.t()).chunk(2, dim=-1)
+    assert relative_error(y, torch.nn.functional.silu(gate) * up) < (0.005 if rows == 1 else 0.05)

@@ -1,0 +1,60 @@
+"""silu_mul_epilogue: the MLP's `silu(gate) * up` of one fused gate/up product becomes that product's epilogue.
+
+A Dynamo-graph pass, off by default (`CompileConfig(enabled_passes=("silu_mul_epilogue",))`) until the GPU
+measures it against `silu_mul_linear`. It matches `silu(a) * b` where a and b are the two halves of one
+`chunk(2, dim=-1)` of `linear(x, w)` (no bias) or `graphkiln::fp8_linear(x, w, scale, input_scale)`, the chunk
+the product's only user, and calls graphkiln::linear_silu_mul or graphkiln::fp8_linear_silu_mul on the
+product's arguments instead. At one row on CUDA their GEMV takes a gate row and its up row in each program and
+applies the activation to its own outputs, so the step loses the SiLU-and-mul launch of every layer without
+computing a sigmoid more than once per output (computing it in the down projection's GEMV, as silu_mul_linear
+does, makes every program compute it over all of K, which the fp8 GEMV measured slower for); at more rows the
+ops are the product and one SiLU-and-mul launch, as before. It runs before silu_mul_linear, which then finds
+no activation to take.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from graphkiln.models.linear import linear_silu_mul
+from graphkiln.models.quantized_linear import fp8_linear, fp8_linear_silu_mul
+
+from .base import GraphPass
+from .silu_mul_linear import LINEARS, erase_unused, gated_input
+
+FP8_LINEARS = (fp8_linear, fp8_linear.default)
+
+
+def _activated_call(product: torch.fx.Node) -> tuple | None:
+    """(op, args) computing silu(gate) * up of `product`'s halves, when `product` is a product this pass takes."""
+    if product.op != "call_function" or len(product.users) != 1:
+        return None
+    if product.target in FP8_LINEARS:
+        x, weight, scale, *rest = product.args
+        return fp8_linear_silu_mul.default, (x, weight, scale, rest[0] if rest else product.kwargs.get("input_scale"))
+    if product.target in LINEARS:
+        x, weight, *rest = product.args
+        if (rest[0] if rest else product.kwargs.get("bias")) is None:
+            return linear_silu_mul.default, (x, weight)
+    return None
+
+
+class SiluMulEpilogue(GraphPass):
+    name = "silu_mul_epilogue"
+    default_enabled = False
+
+    def __call__(self, gm: torch.fx.GraphModule) -> int:
+        graph, matches = gm.graph, 0
+        for node in list(graph.nodes):
+            product = gated_input(node)
+            call = product and _activated_call(product)
+            if not call:
+                continue
+            with graph.inserting_before(node):
+                result = graph.call_function(*call)
+                result.meta["example_value"] = node.meta["example_value"]
+            node.replace_all_uses_with(result)
+            erase_unused(graph, node)
+            matches += 1
+        gm.recompile()
+        return matches
