@@ -20,7 +20,7 @@ from graphkiln.models.linear import linear_silu_mul
 from graphkiln.models.quantized_linear import fp8_linear, fp8_linear_silu_mul
 
 from .base import GraphPass
-from .silu_mul_linear import LINEARS, erase_unused, gated_input
+from .silu_mul_linear import LINEARS, gated_input, replace
 
 FP8_LINEARS = (fp8_linear, fp8_linear.default)
 
@@ -50,11 +50,7 @@ class SiluMulEpilogue(GraphPass):
             call = product and _activated_call(product)
             if not call:
                 continue
-            with graph.inserting_before(node):
-                result = graph.call_function(*call)
-                result.meta["example_value"] = node.meta["example_value"]
-            node.replace_all_uses_with(result)
-            erase_unused(graph, node)
+            replace(graph, node, *call)
             matches += 1
         gm.recompile()
         return matches

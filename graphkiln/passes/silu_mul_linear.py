@@ -51,6 +51,19 @@ def gated_input(mul) -> torch.fx.Node | None:
     return None
 
 
+def replace(graph: torch.fx.Graph, node: torch.fx.Node, target, args: tuple, bias=None) -> None:
+    """A call of `target` on `args` (plus `bias`, when given) in place of `node`: inserted before it with its
+    example value, its users routed to the call, and `node` and the pure ops that fed only it erased."""
+    with graph.inserting_before(node):
+        result = graph.call_function(target, args)
+        result.meta["example_value"] = node.meta["example_value"]
+        if bias is not None:
+            result = graph.call_function(operator.add, (result, bias))
+            result.meta["example_value"] = node.meta["example_value"]
+    node.replace_all_uses_with(result)
+    erase_unused(graph, node)
+
+
 def erase_unused(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
     """Erase `node` and, transitively, the pure ops that fed only it (the old chunk, silu, mul)."""
     work = [node]
@@ -75,14 +88,7 @@ class SiluMulLinear(GraphPass):
             gate_up = gated_input(x)
             if gate_up is None:
                 continue
-            with graph.inserting_before(node):
-                result = graph.call_function(SILU_MUL_LINEAR, (gate_up, weight))
-                result.meta["example_value"] = node.meta["example_value"]
-                if bias is not None:
-                    result = graph.call_function(operator.add, (result, bias))
-                    result.meta["example_value"] = node.meta["example_value"]
-            node.replace_all_uses_with(result)
-            erase_unused(graph, node)
+            replace(graph, node, SILU_MUL_LINEAR, (gate_up, weight), bias)
             matches += 1
         gm.recompile()
         return matches
