@@ -145,3 +145,21 @@ def write_fp8_checkpoint(source: Path, model: PreTrainedModel, out: Path, layout
         tensors.pop("lm_head.weight", None)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return reference
+
+
+def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    """The largest absolute difference, relative to the reference's largest magnitude."""
+    return ((ours - ref).abs().max() / ref.abs().max()).item()
+
+
+def top1_agreement(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    """The share of positions whose most likely token is the same."""
+    return (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
+
+
+def with_quantization_config(source: Path, dest: Path, qc: dict) -> Path:
+    """A copy of the checkpoint at `source` in `dest` whose config.json declares `qc` as its quantization_config."""
+    shutil.copytree(source, dest)
+    config = json.loads((dest / "config.json").read_text())
+    (dest / "config.json").write_text(json.dumps({**config, "quantization_config": qc}))
+    return dest

@@ -112,7 +112,7 @@ def test_quantized_quality_smoke(bench: Bench, tmp_path: Path, held_out_windows:
     # the weights rounded through fp8 and nothing else: a part of what fp8 moves
     assert 0 < logits["fp8-rounded"]["median_relative_l2"] < logits["fp8"]["worst_relative_l2"], logits
     # a few windows only: the formats land on either side of the unquantized model (the full set is in
-    # tests/test_quantization.py), but within the issue's 1% and 5%
+    # tests/test_quantized_artifacts.py), but within the issue's 1% and 5%
     assert abs(ppl["fp8"] / ppl["unquantized"] - 1) < 0.01 and abs(ppl["int4"] / ppl["unquantized"] - 1) < 0.05
     # the fp8 KV cache: within the 0.9-1.3% of the logits' norm and 99% greedy agreement tests/test_kv_cache_dtype.py
     # measures on this model, and within 1% of its perplexity
