@@ -3,8 +3,10 @@ copy-rate floor (weight and activation bytes / copy rate). A few minutes.
 
     python -m bench products --out $OUT [--rows 1 128] [--models 1b 8b] [--sweep]
 
-  1 row      cuBLAS (torch.mm) against the Triton GEMV behind graphkiln::linear; --sweep: every
-             tiling of the GEMV too, back to back (`python -m bench tiles` tries them in place)
+  1 row      cuBLAS (torch.mm) against the Triton GEMV behind graphkiln::linear, and its modes: gate_up with the
+             activation applied to its outputs (graphkiln::linear_silu_mul), down on a gated input
+             (graphkiln::silu_mul_linear); --sweep: every tiling of the GEMV too (of the activated one for
+             gate_up), back to back (`python -m bench tiles` tries them in place)
   M rows     cuBLAS, cuBLASLt and Inductor's max-autotune choice (its Triton templates vs ATen;
              --no-inductor leaves it out)
 
@@ -48,8 +50,9 @@ def with_blas(library: str, fn):
     return run
 
 
-def variants(study: Study, x, rows: int, inductor: bool = True) -> dict:
-    """name -> fn(weight) of every product timed at this row count (those this device can run)."""
+def variants(study: Study, x, rows: int, inductor: bool = True, projection: str = "") -> dict:
+    """name -> fn(weight) of every product timed at this row count (those this device can run); at one row the
+    GEMV's mode for `projection` too (activated for gate_up, gated for down)."""
     import torch
 
     def product(a, w):
@@ -60,6 +63,11 @@ def variants(study: Study, x, rows: int, inductor: bool = True) -> dict:
         from graphkiln.kernels.gemv import gemv
 
         out["gemv"] = lambda w: gemv(x, w)
+        if projection == "gate_up":
+            out["gemv_activated"] = lambda w: gemv(x, w, activated=True)
+        if projection == "down":
+            gate_up = torch.cat([x, x], dim=1)
+            out["gemv_gated"] = lambda w: gemv(gate_up, w, gated=True)
     if rows > 1:
         if study.cuda:
             out["cublas"] = with_blas("cublas", out["cublas"])
@@ -70,8 +78,9 @@ def variants(study: Study, x, rows: int, inductor: bool = True) -> dict:
     return out
 
 
-def sweep(x, weights: list, calls: int) -> dict:
-    """Microseconds per call of the GEMV at every tiling in SWEEP that fits the GPU."""
+def sweep(x, weights: list, calls: int, activated: bool = False) -> dict:
+    """Microseconds per call of the GEMV (`activated`: applying the activation to its outputs) at every tiling in
+    SWEEP that fits the GPU."""
     from triton.runtime.errors import OutOfResources
 
     from graphkiln.kernels.gemv import gemv
@@ -79,7 +88,8 @@ def sweep(x, weights: list, calls: int) -> dict:
     timed = {}
     for tiles in SWEEP:
         try:
-            timed[tiles] = per_call_us(lambda w, t=tiles: gemv(x, w, tiles=t), weights, calls, "cuda")
+            timed[tiles] = per_call_us(lambda w, t=tiles: gemv(x, w, tiles=t, activated=activated), weights, calls,
+                                       "cuda")
         except OutOfResources:
             continue
     return timed
@@ -131,7 +141,7 @@ def main(a: argparse.Namespace) -> int:
                 x = torch.randn(m, k, device=device, dtype=dtype)
                 floor_us = (nbytes + dtype.itemsize * m * (n + k)) / rate * 1e6
                 row = {"model": model, "name": name, "m": m, "n": n, "k": k, "floor_us": floor_us}
-                for variant, fn in variants(study, x, m, a.inductor).items():
+                for variant, fn in variants(study, x, m, a.inductor, name).items():
                     row[f"{variant}_us"] = per_call_us(fn, weights, calls, device)
                     row[f"{variant}_of_floor"] = floor_us / row[f"{variant}_us"]
                 if m == 1 and "gemv_us" in row:
@@ -139,6 +149,9 @@ def main(a: argparse.Namespace) -> int:
                     row["gemv_max_err"] = (variants(study, x, 1)["gemv"](weights[0]).float() - want).abs().max().item()
                     if a.sweep:
                         row["sweep_top5"] = sorted((us, t) for t, us in sweep(x, weights, calls).items())[:5]
+                    if a.sweep and name == "gate_up":
+                        row["sweep_activated_top5"] = sorted(
+                            (us, t) for t, us in sweep(x, weights, calls, activated=True).items())[:5]
                 results["shapes"].append(row)
                 log(f"{model:5} {name:8} m={m:<4} floor {floor_us:8.1f} us | " + " | ".join(
                     f"{v.removesuffix('_us')} {row[v]:8.1f} us ({row[v.replace('_us', '_of_floor')]:.0%})"

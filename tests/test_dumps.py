@@ -68,9 +68,9 @@ def test_decompiled_bytecode_and_every_pass_before_and_after(dumped):
     before, after = ((dump / f"{number['linear_op']:02d}-linear_op.{when}.submod_0.dynamic.py").read_text()
                      for when in ("before", "after"))
     assert "aten.mm.default" in before and "aten.mm.default" not in after and "graphkiln.linear.default" in after
-    before, after = ((dump / f"{number['silu_mul_linear']:02d}-silu_mul_linear.{when}.py").read_text()
+    before, after = ((dump / f"{number['silu_mul_epilogue']:02d}-silu_mul_epilogue.{when}.py").read_text()
                      for when in ("before", "after"))
-    assert "silu" in before and "silu_mul_linear" not in before and "graphkiln.silu_mul_linear.default" in after
+    assert "silu" in before and "linear_silu_mul" not in before and "graphkiln.linear_silu_mul.default" in after
     summary = (dump / f"{number['attention_split']:02d}-split.summary.md").read_text()
     assert "5 pieces, 4 attention submodules; 28 tensors cross 8 cuts" in summary
     assert "`x: float32[s" in summary

@@ -34,8 +34,8 @@ from graphkiln.passes.pipeline import default_passes
 from graphkiln.passes.silu_mul_epilogue import SiluMulEpilogue
 from graphkiln.passes.silu_mul_linear import SiluMulLinear
 
-DYNAMO_NAMES = ["boundary_recompute", "silu_mul_linear", "attention_split"]
-OFF_BY_DEFAULT = ["silu_mul_epilogue", "symm_mem_all_reduce"]
+DYNAMO_NAMES = ["boundary_recompute", "silu_mul_epilogue", "attention_split"]
+OFF_BY_DEFAULT = ["symm_mem_all_reduce"]
 NAMES = ["boundary_recompute", "silu_mul_epilogue", "silu_mul_linear", "attention_split", "linear_op",
          "symm_mem_all_reduce"]
 
@@ -155,10 +155,10 @@ def test_default_pipeline_matches_eager_and_reports_every_pass(toy):
     eager_and_compiled_agree(toy, compiled)
     assert [(r.name, r.enabled) for r in report.passes] == [(n, n not in OFF_BY_DEFAULT) for n in NAMES]
     recompute, epilogue, silu_mul, split, *_ = report.passes  # linear_op runs inside Inductor, on cache misses only
-    assert epilogue.runs == 0
     assert (recompute.runs, recompute.matches, recompute.nodes_added) == (1, 1, 1)
-    # per layer: chunk, two getitems, silu, mul and linear become one silu_mul_linear
-    assert (silu_mul.runs, silu_mul.matches, silu_mul.nodes_removed, silu_mul.nodes_added) == (1, 2, 12, 2)
+    # per layer: the gate/up linear, chunk, two getitems, silu and mul become one linear_silu_mul
+    assert (epilogue.runs, epilogue.matches, epilogue.nodes_removed, epilogue.nodes_added) == (1, 2, 12, 2)
+    assert (silu_mul.runs, silu_mul.matches) == (1, 0)
     assert (split.runs, split.matches, split.nodes_removed) == (1, 2, 0)
 
 
@@ -328,16 +328,19 @@ def test_silu_mul_epilogue_takes_the_activation_of_an_unbiased_fused_product(nam
     torch.testing.assert_close(gm(*args)[0], fn(x, w, q, s, b), rtol=1e-6, atol=1e-6)
 
 
-def test_silu_mul_epilogue_runs_only_when_enabled_and_leaves_silu_mul_linear_nothing(toy_graph):
-    """Off by default; enabled, it takes every layer's activation before silu_mul_linear looks for it."""
-    off, on = toy_graph(), toy_graph()
-    assert run_manager(off).records["silu_mul_epilogue"].runs == 0
-    manager = PassManager(default_passes(), enabled=("silu_mul_epilogue",))
-    manager.run_dynamo(on)
-    records = manager.records
+def test_silu_mul_epilogue_leaves_silu_mul_linear_nothing_and_disabled_leaves_it_every_layer(toy_graph):
+    """On by default, it takes every layer's activation before silu_mul_linear looks for it; disabled, each
+    layer's activation goes into its down projection's graphkiln::silu_mul_linear instead."""
+    on, off = toy_graph(), toy_graph()
+    records = run_manager(on).records
     assert records["silu_mul_epilogue"].matches == TOY.num_layers and records["silu_mul_linear"].matches == 0
-    code = "".join(m.code for m in on.modules() if isinstance(m, torch.fx.GraphModule))
-    assert code.count("graphkiln.linear_silu_mul") == TOY.num_layers and "graphkiln.silu_mul_linear" not in code
+    records = run_manager(off, disabled=("silu_mul_epilogue",)).records
+    # per layer: chunk, two getitems, silu, mul and the down linear become one silu_mul_linear
+    silu_mul = records["silu_mul_linear"]
+    assert (silu_mul.matches, silu_mul.nodes_removed, silu_mul.nodes_added) == (TOY.num_layers, 12, 2)
+    code = ["".join(m.code for m in gm.modules() if isinstance(m, torch.fx.GraphModule)) for gm in (on, off)]
+    assert code[0].count("graphkiln.linear_silu_mul") == TOY.num_layers and "graphkiln.silu_mul_linear" not in code[0]
+    assert code[1].count("graphkiln.silu_mul_linear") == TOY.num_layers and "graphkiln.linear_silu_mul" not in code[1]
 
 
 def test_post_grad_pass_runs_inside_inductor_and_stays_cacheable(tmp_path):

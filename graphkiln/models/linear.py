@@ -9,7 +9,8 @@ narrow projections of a decoder (q/k/v, o, down: 2048 to 6144 outputs) at a half
 the memory bandwidth: its few output tiles leave multiprocessors idle, and a split-K variant adds
 a second launch. Here each program owns a slab of a few weight rows and walks all of K, so every
 multiprocessor streams. Every other input (more rows, CPU, float32) goes to torch.mm. The ops are opaque to Inductor; the
-passes `passes/linear_op.py` and `passes/silu_mul_linear.py` route the decoder's products to them.
+passes `passes/linear_op.py`, `passes/silu_mul_epilogue.py` and `passes/silu_mul_linear.py` route the
+decoder's products to them.
 """
 
 from __future__ import annotations

@@ -15,8 +15,7 @@ On CUDA the ops call the Triton kernels of `graphkiln.kernels`; elsewhere they d
 float32 and multiply, quantizing the activations as the CUDA path does above FEW_ROWS rows
 (kernels/fp8_linear.py) at every row count. Up to FEW_ROWS rows the CUDA kernel quantizes them per
 1 x 128 group instead, a finer grouping of the same one fp8 rounding. The ops are opaque to Inductor
-and to linear_op; silu_mul_epilogue, where enabled, turns an fp8_linear and its activation into
-fp8_linear_silu_mul.
+and to linear_op; silu_mul_epilogue turns an fp8_linear and its activation into fp8_linear_silu_mul.
 """
 
 from __future__ import annotations

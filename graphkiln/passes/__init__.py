@@ -3,17 +3,21 @@
 Pipeline (`pipeline.default_passes`), each switchable with `CompileConfig.disabled_passes`:
 
 1. `boundary_recompute`: recomputes the rope gather in every piece instead of carrying it across cuts.
-2. `silu_mul_linear`: `down_proj(silu(gate) * up)` becomes one graphkiln::silu_mul_linear call,
-   whose one-row GEMV computes the activation as it streams the weight.
-3. `attention_split`: cuts the graph at every graphkiln::attention call into pieces.
-4. `linear_op` (post-grad): routes weight products through graphkiln::linear, whose one-row
+2. `silu_mul_epilogue`: `silu(gate) * up` of an unbiased gate/up product (bf16 or fp8) becomes one
+   graphkiln::linear_silu_mul or fp8_linear_silu_mul call, whose one-row GEMV applies the activation
+   to its own outputs.
+3. `silu_mul_linear`: `down_proj(silu(gate) * up)` that the pass before left (a biased gate/up product)
+   becomes one graphkiln::silu_mul_linear call, whose one-row GEMV computes the activation as it
+   streams the weight.
+4. `attention_split`: cuts the graph at every graphkiln::attention call into pieces.
+5. `linear_op` (post-grad): routes weight products through graphkiln::linear, whose one-row
    Triton GEMV reads the narrow projections faster than cuBLAS (see models/linear.py).
-5. `symm_mem_all_reduce` (post-grad, off unless named; CUDA, 2+ ranks): in compiles specialized to a
+6. `symm_mem_all_reduce` (post-grad, off unless named; CUDA, 2+ ranks): in compiles specialized to a
    token count, an all-reduce of at most 128 KiB becomes PyTorch's symmetric-memory one-shot kernel
    instead of NCCL's; the residual add + RMSNorm after it stay one Inductor kernel.
 
 Post-grad passes (`base.PostGradPass`) run inside Inductor through the one `PassManager`. The
 other fusions worth a pass in this decoder are already Inductor's: the residual add joins the
-RMSNorm kernel (once `linear_op` takes the add out of cuBLAS's addmm), and SiLU-and-mul is one
-kernel reading the gate_up output. Passes that were measured and removed are listed in README.
+RMSNorm kernel (once `linear_op` takes the add out of cuBLAS's addmm), and at more rows SiLU-and-mul is
+one kernel reading the gate_up output. Passes that were measured and removed are listed in README.
 """
