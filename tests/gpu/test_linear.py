@@ -55,9 +55,9 @@ def test_silu_mul_linear_matches_float32(shape, rows):
 @pytest.mark.parametrize("shape", [(16384, 2048), (28672, 4096), (74, 100)], ids=lambda s: f"n{s[0]}-k{s[1]}")
 def test_linear_silu_mul_is_the_activation_of_the_product(shape, rows):
     """One row: the GEMV pairs gate row j with up row I + j in a program and applies the activation to its own
-    outputs, so it equals, bit for bit, the SiLU-and-mul kernel on the GEMV's product; more rows: cuBLAS, then
-    that kernel."""
-    from graphkiln.kernels.gemv import gemv, silu_mul
+    outputs, so it equals, bit for bit, the SiLU-and-mul kernel on the product of the GEMV at the same tiling
+    (the same K steps, so the same float32 sums); more rows: cuBLAS, then that kernel."""
+    from graphkiln.kernels.gemv import gemv, silu_mul, tiling
     from graphkiln.models.linear import linear_silu_mul
 
     n, k = shape
@@ -66,7 +66,7 @@ def test_linear_silu_mul_is_the_activation_of_the_product(shape, rows):
     weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * k**-0.5
     y = linear_silu_mul(x, weight)
     assert y.shape == (rows, n // 2) and y.dtype == torch.bfloat16
-    product = gemv(x, weight) if rows == 1 else torch.mm(x, weight.t())
+    product = gemv(x, weight, tiles=tiling(n, k, activated=True)) if rows == 1 else torch.mm(x, weight.t())
     assert torch.equal(y, silu_mul(product))
     gate, up = (x.float() @ weight.float().t()).chunk(2, dim=-1)
     torch.testing.assert_close(y.float(), torch.nn.functional.silu(gate) * up, rtol=2e-2, atol=2e-2)
