@@ -153,6 +153,7 @@ def test_buckets_and_padding():
         ({"device": "tpu"}, "device"),
         ({"dtype": "int8"}, "dtype"),
         ({"inductor_options": {"pass": object()}}, "inductor_options"),
+        ({"inductor_options": {"triton.multi_kernel": 2}}, "triton.multi_kernel"),
     ],
 )
 def test_compile_config_rejects_invalid_values(kwargs, field):

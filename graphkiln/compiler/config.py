@@ -68,3 +68,9 @@ class CompileConfig:
             json.dumps(self.inductor_options)
         except (TypeError, ValueError) as e:
             raise ConfigError(f"CompileConfig.inductor_options must hold JSON values (numbers, strings, ...): {e}") from e
+        if self.inductor_options.get("triton.multi_kernel"):
+            raise ConfigError(
+                "CompileConfig.inductor_options sets triton.multi_kernel: Inductor's saved code calls multi-kernel "
+                "launchers it does not define, so the artifact's pieces would fail to load (NameError: "
+                "multi_kernel_0); leave it unset"
+            )
