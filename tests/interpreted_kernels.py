@@ -1,4 +1,4 @@
-"""Run graphkiln's attention kernels (decode, prefill) and quantized products under Triton's interpreter
+"""Run graphkiln's attention kernels (decode, prefill), quantized products and RMSNorm under Triton's interpreter
 (TRITON_INTERPRET=1, set by the caller before Triton is imported) on CPU tensors, and print one JSON line: each
 case's relative error against float32 (attention over the cache as the kernel left it; the product of the
 dequantized weight); for decode also the new key as stored and whether the split counters were zeros again.
@@ -24,7 +24,9 @@ from graphkiln.kernels.fp8_linear import fp8_linear
 from graphkiln.kernels.gemv import gemv
 from graphkiln.kernels.int4_linear import int4_linear
 from graphkiln.kernels.prefill_attention import paged_prefill
+from graphkiln.kernels.rms_norm import add_rms_norm
 from graphkiln.models.linear import silu_mul_reference
+from graphkiln.models.norm import add_rms_norm_reference
 from graphkiln.models.quantized_linear import quantize_activations_fp8
 from graphkiln.runtime.attention.triton_backend import prefill_work, work_table
 from graphkiln.runtime.kv_dtype import dequantize, quantize
@@ -182,6 +184,19 @@ def run_product(kind: str, rows: int, n: int, k: int, seed: int = 0) -> dict:
     return {"error": ((got.float() - want).norm() / want.norm()).item()}
 
 
+def run_norm(dtype: torch.dtype, rows: int, width: int, seed: int = 0) -> dict:
+    """The residual add and RMSNorm kernel against the model's own ops (add_rms_norm_reference): whether the sums
+    are equal, the norm's relative error and the fraction of its outputs equal to the reference's."""
+    gen = torch.Generator().manual_seed(seed)
+    x, residual = (torch.randn(rows, width, generator=gen).to(dtype) for _ in range(2))
+    weight = (1 + 0.1 * torch.randn(width, generator=gen)).to(dtype)
+    total, out = add_rms_norm(x, residual, weight, 1e-5)
+    want_total, want = add_rms_norm_reference(x, residual, weight, 1e-5)
+    return {"sum_equal": bool(torch.equal(total, want_total)),
+            "error": ((out.double() - want.double()).norm() / want.double().norm()).item(),
+            "equal": (out == want).float().mean().item()}
+
+
 CASES = {  # name: (kernel, query dtype, q heads, kv heads, head_dim, lengths, splits, fp8 cache[, unsplit tiles])
     "rows-gqa4-splits": ("rows", torch.float16, 8, 2, 64, [1, 17, 100, 33], 4, False),
     "rows-one-split": ("rows", torch.float16, 4, 4, 32, [40, 1], 1, False),
@@ -210,6 +225,10 @@ PRODUCT_CASES = {  # name: (kind, rows, N, K); the rows pick each path fp8_linea
        for rows in (1, 8)},
     "half-activated-1-row": ("half-activated", 1, 200, 384),
 }
+NORM_CASES = {  # name: (dtype, rows, width); float16: the interpreter does not round to bfloat16 as torch does
+    "norm-fp16-3x4096": (torch.float16, 3, 4096),
+    "norm-fp16-2x1000": (torch.float16, 2, 1000),  # a width short of its power of two: masked lanes
+}
 
 if __name__ == "__main__":
     _index_any_scalar()
@@ -217,4 +236,5 @@ if __name__ == "__main__":
     results = {name: run_decode(*case) for name, case in CASES.items()}
     results |= {name: run_prefill(*case) for name, case in PREFILL_CASES.items()}
     results |= {name: run_product(*case) for name, case in PRODUCT_CASES.items()}
+    results |= {name: run_norm(*case) for name, case in NORM_CASES.items()}
     print(json.dumps(results))

@@ -3,8 +3,8 @@ by Triton's interpreter in a fresh process (tests/interpreted_kernels.py) agains
 
 Speed, concurrency and the compiled code are the GPU tests' (tests/gpu/); this checks a kernel change before a
 GPU sees it: masks, the step's new row, the split merge and the cache write in decode; causal masks over cached
-prefixes and a work table shared by fewer programs in prefill; and the fp8 and int4 weight products on every
-path their row count picks, x rounded as the kernels round it.
+prefixes and a work table shared by fewer programs in prefill; the fp8 and int4 weight products on every
+path their row count picks, x rounded as the kernels round it; and the residual add and RMSNorm kernel.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from interpreted_kernels import CASES, PREFILL_CASES, PRODUCT_CASES  # noqa: E402
+from interpreted_kernels import CASES, NORM_CASES, PREFILL_CASES, PRODUCT_CASES  # noqa: E402
 
 HERE = Path(__file__).parent
 ERROR = 1e-3
@@ -54,3 +54,13 @@ def test_interpreted_prefill_matches_float32_causal_attention(results: dict, nam
 @pytest.mark.parametrize("name", PRODUCT_CASES)
 def test_interpreted_quantized_product_matches_float32(results: dict, name: str) -> None:
     assert results[name]["error"] < ERROR  # float16 output rounding
+
+
+@pytest.mark.parametrize("name", NORM_CASES)
+def test_interpreted_add_rms_norm_matches_the_models_ops(results: dict, name: str) -> None:
+    """The sum as the model's add rounds it; the norm within float32's rsqrt and sum order of it, nearly every
+    output the same number."""
+    case = results[name]
+    assert case["sum_equal"]
+    assert case["error"] < 2e-3  # under one rounding of the half-precision output
+    assert case["equal"] > 0.95

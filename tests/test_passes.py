@@ -25,6 +25,7 @@ from graphkiln.compiler.inductor import InductorCompiler
 from graphkiln.compiler.split import split_pieces
 from graphkiln.errors import ConfigError
 from graphkiln.models.attention import ForwardContext, forward_context
+from graphkiln.passes.add_rms_norm import AddRmsNorm
 from graphkiln.passes.attention_split import AttentionSplit, boundaries
 from graphkiln.passes.base import GraphPass, PostGradPass, content_hash
 from graphkiln.passes.boundary_recompute import BoundaryRecompute, BoundaryRecomputeConfig
@@ -35,9 +36,9 @@ from graphkiln.passes.silu_mul_epilogue import SiluMulEpilogue
 from graphkiln.passes.silu_mul_linear import SiluMulLinear
 
 DYNAMO_NAMES = ["boundary_recompute", "silu_mul_epilogue", "attention_split"]
-OFF_BY_DEFAULT = ["symm_mem_all_reduce"]
-NAMES = ["boundary_recompute", "silu_mul_epilogue", "silu_mul_linear", "attention_split", "linear_op",
-         "symm_mem_all_reduce"]
+OFF_BY_DEFAULT = ["add_rms_norm", "symm_mem_all_reduce"]
+NAMES = ["boundary_recompute", "silu_mul_epilogue", "silu_mul_linear", "add_rms_norm", "attention_split",
+         "linear_op", "symm_mem_all_reduce"]
 
 
 def dynamo_graph(fn, *args) -> torch.fx.GraphModule:
@@ -154,7 +155,8 @@ def test_default_pipeline_matches_eager_and_reports_every_pass(toy):
     compiled, report = compile_module(toy, CompileConfig())
     eager_and_compiled_agree(toy, compiled)
     assert [(r.name, r.enabled) for r in report.passes] == [(n, n not in OFF_BY_DEFAULT) for n in NAMES]
-    recompute, epilogue, silu_mul, split, *_ = report.passes  # linear_op runs inside Inductor, on cache misses only
+    recompute, epilogue, silu_mul, norm, split, *_ = report.passes  # linear_op runs in Inductor, on cache misses only
+    assert norm.runs == 0
     assert (recompute.runs, recompute.matches, recompute.nodes_added) == (1, 1, 1)
     # per layer: the gate/up linear, chunk, two getitems, silu and mul become one linear_silu_mul
     assert (epilogue.runs, epilogue.matches, epilogue.nodes_removed, epilogue.nodes_added) == (1, 2, 12, 2)
@@ -341,6 +343,67 @@ def test_silu_mul_epilogue_leaves_silu_mul_linear_nothing_and_disabled_leaves_it
     code = ["".join(m.code for m in gm.modules() if isinstance(m, torch.fx.GraphModule)) for gm in (on, off)]
     assert code[0].count("graphkiln.linear_silu_mul") == TOY.num_layers and "graphkiln.silu_mul_linear" not in code[0]
     assert code[1].count("graphkiln.silu_mul_linear") == TOY.num_layers and "graphkiln.linear_silu_mul" not in code[1]
+
+
+def _norm_variants():
+    """(name, fn(x, r, w), matches): residual adds and RMSNorms, as transformer.RMSNorm writes them, that
+    add_rms_norm must take or leave."""
+
+    def rms_norm(s, w):
+        s32 = s.float()
+        return w * (s32 * torch.rsqrt(s32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(s.dtype)
+
+    def residual_and_norm(x, r, w):
+        s = x + r
+        return rms_norm(s, w), s * 2
+
+    def norm_alone(x, r, w):
+        return rms_norm(x, w)
+
+    def other_eps_form(x, r, w):  # eps added before the mean: not an RMSNorm
+        s = x + r
+        s32 = s.float()
+        return w * (s32 * torch.rsqrt((s32.pow(2) + 1e-5).mean(-1, keepdim=True))).to(s.dtype)
+
+    def float32_weight(x, r, w):
+        return rms_norm(x + r, w.float())
+
+    def kept_in_float32(x, r, w):  # cast to float32, not back to the input's dtype
+        s = x + r
+        s32 = s.float()
+        return w * (s32 * torch.rsqrt(s32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(torch.float32)
+
+    def heads(x, r, w):  # 3-D: a per-head norm
+        return rms_norm((x + r).view(x.shape[0], 2, -1), w[: w.shape[0] // 2])
+
+    return [("add, then the norm", residual_and_norm, 1), ("no add", norm_alone, 0), ("another form", other_eps_form, 0),
+            ("weight of another dtype", float32_weight, 0), ("kept in float32", kept_in_float32, 0), ("3-D", heads, 0)]
+
+
+@pytest.mark.parametrize("name,fn,matches", _norm_variants(), ids=[v[0] for v in _norm_variants()])
+def test_add_rms_norm_takes_a_residual_add_and_its_norm_only(name, fn, matches):
+    """The sum's other users take the op's first output, the norm's users its second; on the CPU the op runs
+    the model's own ops, so the graph computes what it did, bit for bit."""
+    x, r, w = (torch.randn(5, 16, dtype=torch.bfloat16), torch.randn(5, 16, dtype=torch.bfloat16),
+               torch.randn(16, dtype=torch.bfloat16))
+    torch._dynamo.mark_dynamic(r, 0)  # as x's: the sum's rows are the tokens
+    gm = dynamo_graph(fn, x, r, w)
+    assert AddRmsNorm()(gm) == matches
+    gm.graph.lint()
+    assert ("add_rms_norm.default" in gm.code) == bool(matches) and ("torch.rsqrt" in gm.code) != bool(matches)
+    args = [{"L_x_": x, "L_r_": r, "L_w_": w}.get(n.target, 5) for n in gm.graph.nodes if n.op == "placeholder"]
+    for ours, theirs in zip(gm(*args), torch.utils._pytree.tree_leaves(fn(x, r, w))):
+        assert torch.equal(ours, theirs)
+
+
+def test_add_rms_norm_takes_every_norm_after_a_residual_add_and_compiles_to_the_same_model(toy):
+    """Enabled, each layer's post-attention norm, the next layer's input norm and the final norm become the
+    op (the embedding's norm has no add before it); Inductor compiles the graph to what the eager model
+    computes."""
+    compiled, report = compile_module(toy, CompileConfig(enabled_passes=("add_rms_norm",)))
+    records = {r.name: r for r in report.passes}
+    assert records["add_rms_norm"].matches == 2 * TOY.num_layers
+    eager_and_compiled_agree(toy, compiled)
 
 
 def test_post_grad_pass_runs_inside_inductor_and_stays_cacheable(tmp_path):

@@ -1,4 +1,4 @@
-"""Programmatic dependent launch: whether graphkiln's own kernels (GEMV, decode attention) use it.
+"""Programmatic dependent launch: whether graphkiln's own kernels (GEMV, decode attention, RMSNorm) use it.
 
 A kernel launched with it may start while the kernel before it drains: it does what does not
 depend on that kernel's output (weight or cache loads), then waits (griddepcontrol.wait) for it

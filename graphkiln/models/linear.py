@@ -99,6 +99,7 @@ def import_kernels(device: torch.device, shipped: Path | None = None) -> None:
     Triton kernels, put into Triton's cache where it lacks them, before any launch (kernels/shipped.py)."""
     if device.type == "cuda":
         import graphkiln.kernels.gemv  # noqa: F401
+        import graphkiln.kernels.rms_norm  # noqa: F401
         from graphkiln.kernels.shipped import install_shipped_kernels
 
         pin_triton_environment()

@@ -9,10 +9,13 @@ Pipeline (`pipeline.default_passes`), each switchable with `CompileConfig.disabl
 3. `silu_mul_linear`: `down_proj(silu(gate) * up)` that the pass before left (a biased gate/up product)
    becomes one graphkiln::silu_mul_linear call, whose one-row GEMV computes the activation as it
    streams the weight.
-4. `attention_split`: cuts the graph at every graphkiln::attention call into pieces.
-5. `linear_op` (post-grad): routes weight products through graphkiln::linear, whose one-row
+4. `add_rms_norm` (off unless named): a residual add and the RMSNorm of its sum become one
+   graphkiln::add_rms_norm call, a Triton kernel holding each row in registers (Inductor's loops over
+   a row twice above 1024 inputs) and launched with programmatic dependent launch.
+5. `attention_split`: cuts the graph at every graphkiln::attention call into pieces.
+6. `linear_op` (post-grad): routes weight products through graphkiln::linear, whose one-row
    Triton GEMV reads the narrow projections faster than cuBLAS (see models/linear.py).
-6. `symm_mem_all_reduce` (post-grad, off unless named; CUDA, 2+ ranks): in compiles specialized to a
+7. `symm_mem_all_reduce` (post-grad, off unless named; CUDA, 2+ ranks): in compiles specialized to a
    token count, an all-reduce of at most 128 KiB becomes PyTorch's symmetric-memory one-shot kernel
    instead of NCCL's; the residual add + RMSNorm after it stay one Inductor kernel.
 

@@ -11,6 +11,7 @@ from collections.abc import Iterable, Sequence
 
 from graphkiln.errors import ConfigError
 
+from .add_rms_norm import AddRmsNorm
 from .attention_split import AttentionSplit
 from .base import Pass
 from .boundary_recompute import BoundaryRecompute
@@ -22,7 +23,7 @@ from .symm_mem_all_reduce import SymmMemAllReduce
 
 def default_passes(extra: Sequence[Pass] = ()) -> list[Pass]:
     """Built-in passes in pipeline order; `extra` Dynamo-graph passes run just before the split."""
-    return [BoundaryRecompute(), SiluMulEpilogue(), SiluMulLinear(), *extra, AttentionSplit(), LinearOp(),
+    return [BoundaryRecompute(), SiluMulEpilogue(), SiluMulLinear(), AddRmsNorm(), *extra, AttentionSplit(), LinearOp(),
             SymmMemAllReduce()]
 
 

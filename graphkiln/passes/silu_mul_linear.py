@@ -66,13 +66,14 @@ def replace(graph: torch.fx.Graph, node: torch.fx.Node, target, args: tuple, bia
 
 def erase_unused(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
     """Erase `node` and, transitively, the pure ops that fed only it (the old chunk, silu, mul)."""
-    work = [node]
+    work, erased = [node], set()
     while work:
         n = work.pop()
-        if n.users or n.op not in ("call_function", "call_method") or n.is_impure():
+        if n in erased or n.users or n.op not in ("call_function", "call_method") or n.is_impure():
             continue
         work.extend(n.all_input_nodes)
         graph.erase_node(n)
+        erased.add(n)
 
 
 class SiluMulLinear(GraphPass):

@@ -1,0 +1,61 @@
+"""The residual add and the RMSNorm after it, one program per row holding the row in registers.
+
+sum = x + residual (rounded to x's dtype, as the model's add is); out = weight * (sum32 * rsqrt(mean(sum32²) +
+eps)) rounded to the dtype before the weight multiplies it and once after, as models/transformer.py's RMSNorm
+computes it. Inductor's fused kernel for the same graph loops over a row twice above 1024 inputs (it keeps a
+row in registers only up to that width), and launches without programmatic dependent launch; here a program
+loads its row once, and with PDL (kernels/pdl.py) loads the norm's weight while the kernel before it drains.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from .launch import launch
+from .pdl import pdl_on
+
+MAX_WIDTH = 16384  # widest row a program holds; wider rows go to the torch reference
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, sum_ptr, out_ptr, H, stride_x, stride_r, stride_s, stride_o, eps,
+                         BLOCK: tl.constexpr, PDL: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    if PDL:  # the next kernel may start once every program has begun
+        gdc_launch_dependents()
+    cols = tl.arange(0, BLOCK)
+    mask = cols < H
+    weight = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # no earlier kernel writes it
+    if PDL:  # x and the residual are: wait for the previous kernel to finish and its writes to land
+        gdc_wait()
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+    dtype = sum_ptr.dtype.element_ty
+    total = (x + r).to(dtype)
+    tl.store(sum_ptr + row * stride_s + cols, total, mask=mask)
+    s = total.to(tl.float32)
+    normed = (s * tl.rsqrt(tl.sum(s * s, axis=0) / H + eps)).to(dtype).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (weight * normed).to(dtype), mask=mask)
+
+
+def warps(width: int) -> int:
+    """Warps of a program for a row of `width` inputs: 16-byte loads, a few per thread."""
+    return min(max(triton.next_power_of_2(width) // 512, 1), 16)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + residual, RMSNorm of it) for x, residual [M, H] and weight [H] of one dtype, unit stride along H,
+    H at most MAX_WIDTH: one launch of M programs."""
+    rows, width = x.shape
+    total = torch.empty_like(x)
+    out = torch.empty_like(x)
+    if rows:
+        launch_pdl = pdl_on(x.device)
+        launch(_add_rms_norm_kernel, (rows,), x, residual, weight, total, out, width, x.stride(0), residual.stride(0),
+               total.stride(0), out.stride(0), eps, BLOCK=triton.next_power_of_2(width), PDL=launch_pdl,
+               num_warps=warps(width), launch_pdl=launch_pdl)
+    return total, out
