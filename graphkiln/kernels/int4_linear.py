@@ -12,6 +12,11 @@ int-to-float conversions (int4_words.py), where the groups hold a dot's 16 words
 and zero point per group, not per weight, and split K so that every multiprocessor has loads in
 flight (split_k.py: partials summed in a second kernel, the same result on every call).
 
+`int4_word_gemv` is the one-row kernel on the weight's int32 words, turning nibbles into floats as int4_words.py
+does (the byte GEMV converts each nibble with an int-to-float instruction, which Hopper issues at a quarter of
+the FMA rate): written to be measured against the byte GEMV and tinygemm (`python -m bench quantized --formats
+int4 --rows 1`, word_gemv), not yet dispatched.
+
 A tiled byte kernel, which dequantizes each weight tile in registers for tensor-core dots, takes
 DOT_ROWS to MM_ROWS rows, where it measured faster than the word kernel over a layer's products, and
 what the word kernel cannot read below: a qweight whose rows do not start on 4-byte boundaries and
@@ -31,7 +36,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from graphkiln.errors import ConfigError
 
 from .gemv import _k_mask
-from .int4_words import MIN_DOT_GROUP, group_params, int4_dot, words
+from .int4_words import MIN_DOT_GROUP, group_params, int4_dot, nibble, words
 from .launch import launch
 from .pdl import pdl_on
 from .split_k import finish, k_steps, multiprocessors, output, split_count
@@ -88,6 +93,58 @@ def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, N, K, STEPS, G, strid
         k_mask = js < BLOCK_K // 2 if EVEN_K else k + 2 * js < K
         b = tl.load(q_ptrs + k // 2, mask=col_mask[:, None] & k_mask[None, :], other=0)
         acc = _int4_gemv_step(acc, b, s, z, k, ks, x_ptr, K, BLOCK_N, BLOCK_K, BLOCK_K // SUB, EVEN_K)
+    tl.store(out_ptr + split * stride_os + cols, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=col_mask)
+
+
+@triton.jit
+def _int4_word_gemv_step(acc, w, s, z, k, ws, x_ptr, K, BLOCK_N: tl.constexpr, WORDS: tl.constexpr,
+                         CHUNKS: tl.constexpr):
+    """acc [BLOCK_N, CHUNKS] + this K step of 8 * WORDS inputs, the weight w [BLOCK_N, WORDS] int32 words: nibble j
+    of word i is input k + 8i + j, taken with x's inputs at that stride (a strided load the caches serve)."""
+    in_k = k + 8 * ws < K
+    qx = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
+    xs = tl.zeros((WORDS,), dtype=tl.float32)
+    for j in tl.static_range(8):
+        x_j = tl.load(x_ptr + k + 8 * ws + j, mask=in_k, other=0.0).to(tl.float32)
+        qx += nibble(w, j) * x_j[None, :]
+        xs += x_j
+    qx = tl.sum(tl.reshape(qx, (BLOCK_N, CHUNKS, WORDS // CHUNKS)), axis=2)
+    xs = tl.sum(tl.reshape(xs, (CHUNKS, WORDS // CHUNKS)), axis=1)
+    return acc + s * (qx - z * xs[None, :])
+
+
+@triton.jit(do_not_specialize=["STEPS"])  # a loop bound: one build for every split
+def _int4_word_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, N, K, STEPS, G, stride_qn, stride_sn, stride_zn,
+                           stride_os, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
+                           STAGES: tl.constexpr, PDL: tl.constexpr):
+    """The one-row kernel of _int4_gemv_kernel on the weight's int32 words: a nibble becomes a float by an AND-OR
+    and a multiply-add (int4_words.nibble), no int-to-float conversion, where the byte kernel converts each."""
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    if PDL:  # the next kernel may start once every program has begun
+        gdc_launch_dependents()
+    WORDS: tl.constexpr = BLOCK_K // 8
+    CHUNKS: tl.constexpr = BLOCK_K // SUB
+    k_start = split * STEPS * BLOCK_K
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    ws = tl.arange(0, WORDS)
+    col_mask = cols < N
+    w_ptrs = q_ptr + cols[:, None].to(tl.int64) * stride_qn + ws[None, :]
+    acc = tl.zeros((BLOCK_N, CHUNKS), dtype=tl.float32)
+    w = tl.load(w_ptrs + k_start // 8, mask=col_mask[:, None] & (k_start + 8 * ws < K)[None, :], other=0)
+    s, z = group_params(s_ptr, z_ptr, cols, col_mask, k_start, K, G, stride_sn, stride_zn, CHUNKS, SUB)
+    if PDL:  # x is: wait for the previous kernel to finish and its writes to land
+        gdc_wait()
+    s_next, z_next = group_params(s_ptr, z_ptr, cols, col_mask, k_start + BLOCK_K, K, G, stride_sn, stride_zn,
+                                   CHUNKS, SUB)
+    acc = _int4_word_gemv_step(acc, w, s, z, k_start, ws, x_ptr, K, BLOCK_N, WORDS, CHUNKS)
+    for step in tl.range(1, STEPS, num_stages=STAGES):  # the loop attribute pipelines loads without a dot
+        k = k_start + step * BLOCK_K
+        s, z = s_next, z_next
+        s_next, z_next = group_params(s_ptr, z_ptr, cols, col_mask, k + BLOCK_K, K, G, stride_sn, stride_zn,
+                                       CHUNKS, SUB)
+        w = tl.load(w_ptrs + k // 8, mask=col_mask[:, None] & (k + 8 * ws < K)[None, :], other=0)
+        acc = _int4_word_gemv_step(acc, w, s, z, k, ws, x_ptr, K, BLOCK_N, WORDS, CHUNKS)
     tl.store(out_ptr + split * stride_os + cols, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=col_mask)
 
 
@@ -245,6 +302,28 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
         x, qweight, scales, zeros, out, n, k, steps, group_size, qweight.stride(0), scales.stride(0),
         zeros.stride(0), n, BLOCK_N=block_n, BLOCK_K=block_k, SUB=min(block_k, group_size), EVEN_K=k % block_k == 0,
         STAGES=stages, PDL=launch_pdl, num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,
+    )
+    return finish(out, x.dtype)
+
+
+def int4_word_gemv(x: torch.Tensor, qwords: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                   tiles: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """x [1, K] @ w^T with the one-row word kernel, qwords the int32 words of `words`; `tiles` default to
+    `gemv_tiling` (BLOCK_K in inputs; a K step and the group are whole words)."""
+    n, k = qwords.shape[0], x.shape[1]
+    block_n, block_k, splits, warps, stages = tiles or gemv_tiling(n, k, multiprocessors(x.device))
+    sub = min(block_k, group_size)
+    if sub % 8 or block_k % sub:
+        raise ConfigError(f"int4_word_gemv takes K steps and groups of whole 8-input words, one dividing the other; "
+                          f"got BLOCK_K {block_k} and group_size {group_size}")
+    splits, steps = k_steps(k, splits, block_k)
+    out = output(1, n, splits, x.dtype, x.device)
+    launch_pdl = pdl_on(x.device)
+    launch(
+        _int4_word_gemv_kernel, (triton.cdiv(n, block_n), splits),
+        x, qwords, scales, zeros, out, n, k, steps, group_size, qwords.stride(0), scales.stride(0), zeros.stride(0), n,
+        BLOCK_N=block_n, BLOCK_K=block_k, SUB=sub, STAGES=stages, PDL=launch_pdl, num_warps=warps,
+        num_stages=stages, launch_pdl=launch_pdl,
     )
     return finish(out, x.dtype)
 
