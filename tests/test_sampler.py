@@ -170,3 +170,13 @@ def test_argmax_rows_matches_torch_argmax_including_ties(vocab: int) -> None:
     logits[1] = 0.0  # every index ties: the first wins
     logits[2, vocab // 2] = logits[2, -1] = 100.0  # a tie across chunks
     assert torch.equal(argmax_rows(logits), logits.argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_greedy_tokens_of_half_precision_logits_are_those_of_their_float32_values(dtype: torch.dtype) -> None:
+    """A greedy step takes the argmax in the logits' own dtype, converting nothing: the same tokens as float32,
+    ties (frequent at 8 bits of mantissa) to the first index."""
+    logits = (torch.randn(6, 128256, generator=torch.Generator().manual_seed(0)) * 4).to(dtype)
+    logits[3, 100] = logits[3, 90000] = logits[3].max() + 1  # a tie across chunks
+    greedy = rows_of([SamplingParams()] * 6)
+    assert torch.equal(sample(logits, greedy.tensors("cpu"), greedy.mode).ids, logits.float().argmax(-1))

@@ -151,11 +151,12 @@ def exponential_noise(seed: torch.Tensor, step: torch.Tensor, vocab: int) -> tor
 
 def sample(logits: torch.Tensor, rows: SamplingTensors, mode: str) -> Sampled:
     """Token ids [N] for logits [N, V] and, unless greedy, the model's log-probabilities of them and its
-    min(MAX_LOGPROBS, V) most likely tokens."""
-    logits = logits.float()
+    min(MAX_LOGPROBS, V) most likely tokens. The greedy choice is taken in the logits' own dtype, whose
+    conversion to float32 keeps their order: a greedy step converts nothing."""
     greedy = argmax_rows(logits)
     if mode == "greedy":
         return Sampled(greedy, None, None, None)
+    logits = logits.float()
     scaled = logits / rows.temperature.clamp_min(1e-6)[:, None]
     if mode == "filter":
         scaled = filter_rows(scaled, rows.top_k, rows.top_p)
