@@ -273,7 +273,10 @@ def forget_vec_isa_checks() -> None:
     classes' methods and on `valid_vec_isa_list`), not the folder. A CPU compile into a private cache after
     another compile or a load in the same process would leave those libraries out of it, and so out of the
     artifact's cpu-kernels/; a fresh process on a machine without a compiler would then find no ISA usable and
-    look every kernel up under other keys (compiling them)."""
+    look every kernel up under other keys (compiling them). The AVX-512 check also leaves its answer on the ISA
+    objects, which Inductor keeps (`supported_vec_isa_list`): where the CPU has AVX-512 BF16 a second check would
+    build with that flag added (twice, for its own probe), so under other keys than a fresh process's; that
+    answer is forgotten too."""
     from torch._inductor import cpu_vec_isa
 
     cpu_vec_isa.valid_vec_isa_list.cache_clear()
@@ -282,6 +285,8 @@ def forget_vec_isa_checks() -> None:
             for member in vars(isa).values():
                 if callable(getattr(member, "cache_clear", None)):
                     member.cache_clear()
+    for isa in getattr(cpu_vec_isa, "supported_vec_isa_list", ()):
+        vars(isa).pop("_is_avx512_bf16_supported", None)  # back to the class's False
 
 
 def artifact_cache(digest: str) -> Path:

@@ -115,6 +115,23 @@ print({RESULT_PREFIX!r} + json.dumps({{"events": torch_compile_events(), "tokens
     assert {p.relative_to(own) for p in fresh_cache.rglob("*.so")} == shipped
 
 
+def test_forgetting_the_vector_isa_checks_forgets_the_avx512_bf16_answer_too() -> None:
+    """On a CPU with AVX-512 BF16 the check leaves its answer on Inductor's ISA object; kept, a second check would
+    build its probes with the flag added, under other keys than a fresh process's (seen on such a CPU: the
+    test above then found two probe libraries the artifact lacked). Set here by hand, on any CPU."""
+    from torch._inductor import cpu_vec_isa
+
+    from graphkiln.compat import forget_vec_isa_checks
+
+    avx512 = next(isa for isa in cpu_vec_isa.supported_vec_isa_list if type(isa) is cpu_vec_isa.VecAVX512)
+    forget_vec_isa_checks()  # what an earlier compile in this process found
+    flags = avx512.build_arch_flags()
+    avx512._is_avx512_bf16_supported = True
+    assert avx512.build_arch_flags() != flags
+    forget_vec_isa_checks()
+    assert avx512.build_arch_flags() == flags and not avx512.is_avx512_bf16_supported()
+
+
 def test_copied_artifact_loads_and_matches_eager(art: Path, eager_tokens: list[list[int]]) -> None:
     """The control for every corruption test below: an untouched copy (in another folder) loads and generates."""
     llm = graphkiln.load(art, **ENGINE)
