@@ -10,7 +10,7 @@ shape alone, `Engine.recapture()` captures the graphs again, and the batch-1 gre
 replays are timed (CUDA events). The default is timed before and after each shape's candidates; a
 row's delta is against their mean. The JSON is rewritten after every shape.
 
-The tiling reaches the kernel through a CUDA kernel registered for graphkiln's two product ops
+The tiling reaches the kernel through a CUDA kernel registered for graphkiln's three product ops
 with `torch.library` (`register_kernel`, torch's documented way to add a device's implementation):
 it runs what the ops run, passing the tiling for the chosen shape; graphkiln's modules are not
 touched. On the CPU (--smoke) the sweep's loop runs with engine steps timed instead of replays
@@ -33,8 +33,8 @@ WIDE = [(16, 512, 4, 3), (16, 512, 4, 4), (16, 512, 8, 3), (8, 512, 4, 3), (8, 5
 
 
 class TilingForOneShape:
-    """graphkiln::linear and graphkiln::silu_mul_linear on CUDA, with `tiles` for weights of `shape` (N, K)
-    and the kernel's own tiling for the others."""
+    """graphkiln::linear, graphkiln::silu_mul_linear and graphkiln::linear_silu_mul on CUDA, with `tiles` for
+    weights of `shape` (N, K) and the kernel's own tiling for the others."""
 
     def __init__(self) -> None:
         self.shape: tuple[int, int] | None = None
@@ -57,8 +57,14 @@ class TilingForOneShape:
                 return gemv(gate_up, weight, gated=True, tiles=self.chosen(weight))
             return torch.mm(silu_mul(gate_up), weight.t())  # what the op runs on CUDA at more rows
 
+        def linear_silu_mul(x, weight):
+            if x.shape[0] == 1 and ops.on_triton(x, weight):
+                return gemv(x, weight, activated=True, tiles=self.chosen(weight))
+            return silu_mul(torch.mm(x, weight.t()))  # what the op runs on CUDA at more rows
+
         ops.linear.register_kernel("cuda", linear)
         ops.silu_mul_linear.register_kernel("cuda", silu_mul_linear)
+        ops.linear_silu_mul.register_kernel("cuda", linear_silu_mul)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -73,7 +79,7 @@ def main(a: argparse.Namespace) -> int:
     else:
         log("CPU smoke: no CUDA graphs and no GEMV (Triton) on the CPU; the sweep's loop runs on engine steps")
 
-        def tiling(n: int, k: int) -> None:
+        def tiling(n: int, k: int, activated: bool = False) -> None:
             return None
 
     with study.scratch() as work:
@@ -99,7 +105,7 @@ def main(a: argparse.Namespace) -> int:
 
         rows = []
         for name, shape in projections(study.model).items():
-            default = tiling(*shape)
+            default = tiling(*shape, activated=name == "gate_up")  # its GEMV applies the activation
             candidates = [t for t in (THIN if shape[0] <= 8192 else WIDE) if t != default][: 2 if study.smoke else None]
             before = replay_ms(shape, None)
             timed = [(t, ms) for t in candidates if (ms := replay_ms(shape, t)) is not None]
