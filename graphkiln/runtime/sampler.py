@@ -120,7 +120,7 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
         return logits.argmax(-1)
     values, inner = logits.view(rows, chunks, vocab // chunks).max(-1)
     best = values.argmax(-1, keepdim=True)
-    return (best * (vocab // chunks) + inner.gather(1, best)).squeeze(1)
+    return inner.gather(1, best).add_(best, alpha=vocab // chunks).squeeze(1)  # one launch for the offset
 
 
 def filter_rows(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
