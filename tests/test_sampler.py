@@ -180,3 +180,6 @@ def test_greedy_tokens_of_half_precision_logits_are_those_of_their_float32_value
     logits[3, 100] = logits[3, 90000] = logits[3].max() + 1  # a tie across chunks
     greedy = rows_of([SamplingParams()] * 6)
     assert torch.equal(sample(logits, greedy.tensors("cpu"), greedy.mode).ids, logits.float().argmax(-1))
+    padded = torch.cat([logits, torch.full((6, 2), 1e4, dtype=dtype)], dim=1)[:, :-2]  # a tensor-parallel gather's
+    assert not padded.is_contiguous()  # slice of the padded vocabulary
+    assert torch.equal(sample(padded, greedy.tensors("cpu"), greedy.mode).ids, logits.float().argmax(-1))
