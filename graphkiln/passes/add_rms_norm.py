@@ -94,11 +94,13 @@ class AddRmsNorm(GraphPass):
         graph, matches = gm.graph, 0
         for node in list(graph.nodes):
             norm = _norm_of(node)
-            operands = norm and _takes(norm[0].args[0], norm[1], norm[4])
+            if not norm:
+                continue
+            s32, weight, eps, out, dtype = norm
+            total = s32.args[0]
+            operands = _takes(total, weight, dtype)
             if not operands:
                 continue
-            s32, weight, eps, out, _ = norm
-            total = s32.args[0]
             with graph.inserting_before(total):
                 pair = graph.call_function(ADD_RMS_NORM, (*operands, weight, eps))
                 pair.meta["example_value"] = (_value(total), _value(out))
