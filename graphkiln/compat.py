@@ -64,8 +64,8 @@ __all__ = [
     "depyf_debug", "dynamo_counters", "fake_process_group", "forget_vec_isa_checks", "functional_all_reduce_ops",
     "graph_returns_tuple", "import_inductor", "inductor_output_code", "install_cpu_kernels", "is_op_overload",
     "load_artifact", "mark_dynamic_dim", "one_shot_all_reduce_copy", "pin_triton_environment",
-    "private_inductor_cache", "require_depyf", "size_oblivious", "standalone_compile", "symm_mem_multicast_off",
-    "symmetric_empty", "to_empty", "warm_triton",
+    "private_inductor_cache", "require_depyf", "size_oblivious", "standalone_compile", "symm_mem_masked_devices",
+    "symm_mem_multicast_off", "symmetric_empty", "to_empty", "warm_triton",
 ]  # fmt: skip
 
 TORCH_LINEAR = torch._C._nn.linear  # what F.linear and nn.Linear appear as in a Dynamo graph
@@ -380,3 +380,13 @@ def symm_mem_multicast_off() -> None:
         warnings.warn(f"{SYMM_MEM_MULTICAST}={os.environ[SYMM_MEM_MULTICAST]!r} replaced by '1': graphkiln never "
                       "uses NVLink multicast", stacklevel=2)  # fmt: skip
     os.environ[SYMM_MEM_MULTICAST] = "1"
+
+
+SYMM_MEM_OVERLAPPING = "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"
+
+
+def symm_mem_masked_devices() -> None:
+    """Let symmetric memory meet ranks that each see their own GPU as cuda:0. The rendezvous refuses two ranks
+    reporting the same device ordinal, which every spawned rank does (CUDA_VISIBLE_DEVICES masks the others);
+    the runtime checks instead that the ranks' GPUs differ by UUID (`tensor_parallel._check_distinct_gpus`)."""
+    os.environ[SYMM_MEM_OVERLAPPING] = "1"

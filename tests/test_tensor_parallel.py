@@ -35,7 +35,7 @@ from graphkiln.models import load_model
 from graphkiln.models.sharding import Shard
 from graphkiln.passes.manager import PassManager
 from graphkiln.passes.pipeline import default_passes
-from graphkiln.runtime.tensor_parallel import parallel_engine
+from graphkiln.runtime.tensor_parallel import parallel_engine, shared_gpus
 
 if TYPE_CHECKING:
     from conftest import Checkpoint
@@ -192,6 +192,12 @@ def test_more_ranks_than_gpus_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="tensor_parallel_size=2 but this machine shows 0 CUDA device"):
         parallel_engine(2, "cuda", None, graphkiln.EngineConfig())
     assert not dist.is_initialized()
+
+
+def test_ranks_sharing_a_gpu_are_found_by_uuid() -> None:
+    """Every spawned rank sees its GPU as cuda:0, so the ranks compare the GPUs' UUIDs instead of ordinals."""
+    assert shared_gpus(["GPU-a", "GPU-b", "GPU-c"]) == {}
+    assert shared_gpus(["GPU-a", "GPU-b", "GPU-a", "GPU-b"]) == {"GPU-a": [0, 2], "GPU-b": [1, 3]}
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from graphkiln.compat import symm_mem_multicast_off
+from graphkiln.compat import symm_mem_masked_devices, symm_mem_multicast_off
 from graphkiln.compiler.compiled_model import CompiledModel
 from graphkiln.errors import ConfigError, RankFailedError
 from graphkiln.models.sharding import Shard
@@ -150,7 +150,26 @@ def _init_groups(
     backend = "nccl" if device_type == "cuda" else "gloo"
     meet = {"store": store} if store is not None else {"init_method": "env://"}
     dist.init_process_group(backend, rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s), **meet)
-    return dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    if device_type == "cuda":
+        _check_distinct_gpus(size, control)
+    return control
+
+
+def _check_distinct_gpus(size: int, control: dist.ProcessGroup) -> None:
+    """A ConfigError on every rank when two ranks hold the same physical GPU (by UUID): their all-reduces would
+    run, slowly, on one device, and symmetric memory would read one rank's buffer as another's."""
+    uuids: list[str] = [""] * size
+    dist.all_gather_object(uuids, str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid), control)
+    if shared := shared_gpus(uuids):
+        named = "; ".join(f"ranks {ranks} on GPU {uuid}" for uuid, ranks in shared.items())
+        raise ConfigError(f"tensor-parallel ranks share a GPU ({named}): give each rank its own GPU "
+                          "(CUDA_VISIBLE_DEVICES, or torchrun's LOCAL_RANK per GPU)")  # fmt: skip
+
+
+def shared_gpus(uuids: list[str]) -> dict[str, list[int]]:
+    """Each GPU UUID held by more than one rank, with those ranks (`uuids[r]`: rank r's GPU)."""
+    return {u: [r for r, v in enumerate(uuids) if v == u] for u in dict.fromkeys(uuids) if uuids.count(u) > 1}
 
 
 def _joining_key(rank: int) -> str:
@@ -262,9 +281,11 @@ def start_group(size: int, device: str, load_rank: LoadRank, config: EngineConfi
     """Make this process rank 0 of `size` ranks and return its Group. Under torchrun the group's ranks are
     its processes: rank 0 returns, every other rank follows rank 0's steps and then exits this program.
     Otherwise the other ranks are spawned here, each calling `load_rank` for its shard. On CUDA, symmetric
-    memory (the symm_mem_all_reduce pass) never sets up NVLink multicast, here or in the spawned ranks."""
+    memory (the symm_mem_all_reduce pass) never sets up NVLink multicast, here or in the spawned ranks, and
+    meets ranks that each see their GPU as cuda:0, whose GPUs `_init_groups` checks are distinct."""
     if device == "cuda":
         symm_mem_multicast_off()
+        symm_mem_masked_devices()
     launched = torchrun_rank()
     if dist.is_initialized():
         raise ConfigError("this process already has a torch.distributed process group (an LLM with tensor "
