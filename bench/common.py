@@ -102,7 +102,7 @@ def write_json(path: Path, data: dict) -> Path:
 
 def add_study_arguments(p: argparse.ArgumentParser, model: str = "1b", layers: int | None = None) -> None:
     p.add_argument("--out", type=Path, default=None, help="results folder (default $OUT, else the current folder)")
-    p.add_argument("--model", default=model, help=f"model shape: 1b, 8b (default {model}; smoke: smoke)")
+    p.add_argument("--model", default=model, help=f"model shape: 1b, 8b, 70b (default {model}; smoke: smoke)")
     p.add_argument("--layers", type=int, default=layers, help="decoder layers (default: the model's)")
     p.add_argument("--commit", help="git commit to record where the tree has no .git")
     p.add_argument("--smoke", action="store_true", help="CPU, float32, tiny shapes: every code path the CPU can run")

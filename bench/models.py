@@ -14,18 +14,21 @@ import shutil
 import tempfile
 from pathlib import Path
 
-# Llama-3.2-1B-like and Llama-3.1-8B-like shapes; the smoke shapes exercise tied and untied heads.
+# Llama-3.2-1B-like, Llama-3.1-8B-like and Llama-3.1-70B-shaped models; the smoke shapes exercise tied and untied heads.
 MODELS = {
     "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True),
     "8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False),
+    "70b": dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                intermediate_size=28672, vocab_size=128256, tie_word_embeddings=False),
     "smoke": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=128, vocab_size=512, tie_word_embeddings=True),
     "smoke-untied": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          intermediate_size=128, vocab_size=512, tie_word_embeddings=False),
 }
-DESCRIPTIONS = {"1b": "Llama-3.2-1B-like", "8b": "Llama-3.1-8B-like"}
+DESCRIPTIONS = {"1b": "Llama-3.2-1B-like", "8b": "Llama-3.1-8B-like", "70b": "Llama-3.1-70B-shaped"}
+WHOLE_BUILD_BYTES = 32 << 30  # above this a model is written a layer at a time instead of built whole
 
 
 def shape_of(name: str, max_position: int = 8192, layers: int | None = None) -> dict:
@@ -122,10 +125,58 @@ def save_model(name: str, folder: Path, device: str, dtype, layers: int | None =
     """Build model `name` (with `layers` layers) and save it to `folder`, for the studies."""
     import torch
 
-    build_hf_model(shape_of(name, max_position, layers), device, dtype).save_pretrained(folder)
+    shape = shape_of(name, max_position, layers)
+    if model_bytes(shape, torch.tensor([], dtype=dtype).element_size())["weight_bytes_all"] > WHOLE_BUILD_BYTES:
+        save_by_layer(shape, folder, device, dtype)
+        return folder
+    build_hf_model(shape, device, dtype).save_pretrained(folder)
     if device == "cuda":
         torch.cuda.empty_cache()
     return folder
+
+
+def save_by_layer(shape: dict, folder: Path, device: str, dtype, seed: int = 0) -> None:
+    """The random Llama checkpoint `build_hf_model` would save, written one safetensors file per layer (and one for
+    the embeddings, one for the final norm and head), so a model larger than one device's memory never exists whole."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    h, hd, inter = shape["hidden_size"], shape["head_dim"], shape["intermediate_size"]
+    q, kv = shape["num_attention_heads"] * hd, shape["num_key_value_heads"] * hd
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def normal(*size: int) -> torch.Tensor:
+        return torch.empty(size, device=device, dtype=dtype).normal_(0.0, 0.02, generator=gen).cpu()
+
+    def ones() -> torch.Tensor:
+        return torch.ones(h, dtype=dtype)
+
+    layer_shapes = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+                    "self_attn.o_proj": (h, q), "mlp.gate_proj": (inter, h), "mlp.up_proj": (inter, h),
+                    "mlp.down_proj": (h, inter)}  # fmt: skip
+    parts = [lambda: {"model.embed_tokens.weight": normal(shape["vocab_size"], h)}]
+    for i in range(shape["num_hidden_layers"]):
+        prefix = f"model.layers.{i}."
+        parts.append(lambda prefix=prefix: {
+            **{f"{prefix}{name}.weight": normal(*size) for name, size in layer_shapes.items()},
+            f"{prefix}input_layernorm.weight": ones(), f"{prefix}post_attention_layernorm.weight": ones()})
+    parts.append(lambda: {"model.norm.weight": ones(), **({} if shape["tie_word_embeddings"] else
+                                                           {"lm_head.weight": normal(shape["vocab_size"], h)})})
+    folder.mkdir(parents=True, exist_ok=True)
+    weight_map = {}
+    for n, make in enumerate(parts, 1):
+        file = f"model-{n:05d}-of-{len(parts):05d}.safetensors"
+        tensors = make()
+        save_file(tensors, folder / file, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, file))
+    index = {"metadata": {}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    LlamaConfig(**shape, rms_norm_eps=1e-5, rope_theta=500000.0, bos_token_id=1, eos_token_id=2, pad_token_id=None,
+                attention_bias=False, mlp_bias=False, dtype=dtype,
+                architectures=["LlamaForCausalLM"]).save_pretrained(folder)  # fmt: skip
 
 
 # Engine helpers for the studies: public API only (LLM.stats, Engine.add_request/step/abort/cuda_graph).

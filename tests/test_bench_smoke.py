@@ -199,6 +199,27 @@ def test_tp_decode_study_smoke(bench: Bench, tmp_path: Path) -> None:
     assert tp2["token_agreement"] == 1.0 and tp2["max_logit_diff"] == 0.0 and len(tp2["tokens"]) == 4
 
 
+def test_a_model_written_a_layer_at_a_time_is_the_one_transformers_and_graphkiln_load(tmp_path: Path,
+                                                                                      monkeypatch) -> None:
+    """bench's by-layer writer (models over WHOLE_BUILD_BYTES, the 70B-shaped one): a file per layer plus the
+    embeddings' and the head's, which transformers and graphkiln load to the same logits."""
+    from transformers import LlamaForCausalLM
+
+    import graphkiln
+
+    monkeypatch.syspath_prepend(str(REPO))
+    from bench.models import save_by_layer, shape_of
+
+    shape = shape_of("smoke-untied")
+    save_by_layer(shape, tmp_path, "cpu", torch.float32)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(index.values())) == shape["num_hidden_layers"] + 2 and "lm_head.weight" in index
+    ids = [1, 5, 9, 200, 17]
+    want = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)(torch.tensor([ids])).logits[0]
+    with graphkiln.LLM.eager(tmp_path, "cpu", "float32") as llm:
+        torch.testing.assert_close(llm.score(ids), want, atol=1e-5, rtol=0)
+
+
 def test_weights_study_smoke(tmp_path: Path) -> None:
     """`python -m bench weights` on the CPU: the reader and the one before it, alone, beside a thread running
     Python and beside the Inductor import in fresh processes (and that import alone), under a lowered interval."""
