@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
+import time
 from pathlib import Path
 
 from .common import environment, log, write_json
@@ -87,6 +88,22 @@ def rank_main(rank: int, store_path: str, hidden: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+def _join(ranks, table: Path, exit_s: float = 30.0) -> None:
+    """Wait for the ranks; once rank 0 has written `table`, give them `exit_s` to leave the group and exit, then
+    stop them (a teardown that hangs must not hold the measurements back). A rank that fails raises here."""
+    while not ranks.join(timeout=1.0):
+        if table.exists():
+            deadline = time.monotonic() + exit_s
+            while not ranks.join(timeout=1.0):
+                if time.monotonic() > deadline:
+                    log(f"the ranks did not exit within {exit_s:.0f} s of writing their rows: stopped")
+                    for process in ranks.processes:
+                        process.kill()
+                        process.join(5)
+                    return
+            return
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=None, help="results folder (default $OUT, else the current folder)")
     p.add_argument("--hidden", type=int, default=4096, help="elements per row (default 4096)")
@@ -104,7 +121,8 @@ def main(a: argparse.Namespace) -> int:
     out = Path(a.out or os.environ.get("OUT") or ".").resolve()
     with tempfile.TemporaryDirectory(prefix="gk-bench-ar-") as folder:
         table = f"{folder}/rows"
-        mp.spawn(rank_main, args=(f"{folder}/store", a.hidden, table), nprocs=2, join=True)
+        ranks = mp.spawn(rank_main, args=(f"{folder}/store", a.hidden, table), nprocs=2, join=False)
+        _join(ranks, Path(table))
         rows = ast.literal_eval(Path(table).read_text())
     print(text_table(rows, ["rows", "bytes", "symm_mem_us", "nccl_us", "symm_mem_over_nccl", "same_sum"]))
     path = write_json(out / "tp-all-reduce.json",
