@@ -13,15 +13,13 @@ counts, with sweeps of the few-row kernels' tiles. A few minutes on the 8b shape
               quantization + block-scaled _scaled_mm (where this torch has it), dequantize + torch.mm
   int4        int4_linear (groups of 128, what it picks with the layers' tinygemm layout), and each
               candidate: torch's tinygemm (aten._weight_int4pack_mm, torchao's int4 layout on CUDA), the word
-              kernels (the weight read as int32 words: word_gemv at 1 row, no int-to-float conversions;
-              word_dot on tensor cores from 2 rows), the byte kernels
+              kernel (word_dot: the weight read as int32 words, on tensor cores from 2 rows), the byte kernels
               (the GEMV at 1 row, the tiled mm_kernel), dequantize + mm
   --quality   instead: each format's logits against the unquantized model's and the tiny model's held-out
               perplexity per format (bench/quality.py)
   --sweep     fp8, fp8-block: at 1 row every GEMV tiling of SWEEP_GEMV, at 2 to 64 rows every tiling of SWEEP_MMA (above
               FEW_ROWS rows on x quantized first, as mma_quantized);
-              int4: every tiling of SWEEP_WORD_GEMV at 1 row (the one-row word kernel, word_gemv), of
-              SWEEP_WORD_DOT at 2 to 64 rows, of SWEEP_MM (the byte kernel, which
+              int4: every tiling of SWEEP_WORD_DOT at 2 to 64 rows, of SWEEP_MM (the byte kernel, which
               int4_linear leaves to dequantize + mm there) at 65 to 256; each with every split of K in
               SPLITS. The five
               fastest, the rule's own tiles (`*_tiling`) and its time are kept per shape and row count
@@ -52,8 +50,6 @@ SWEEP_GEMV += [(n, k, 8, stages) for n in (8, 16) for k, stages in ((1024, 3), (
 # (BLOCK_N, warps, stages) of int4_dot tried at 2 to 64 rows; BLOCK_M: the rows up to a power of two (16 to 64),
 # BLOCK_K: 128 (a dot's 16 words)
 SWEEP_WORD_DOT = [(n, warps, 4) for n in (32, 64, 128) for warps in (4, 8)]
-SWEEP_WORD_GEMV = [(n, k, warps, stages) for n in (8, 16, 32) for k in (512, 1024, 2048)
-                   for warps, stages in ((4, 4), (8, 3))]
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the int4 byte kernel (int4_mm) tried above 64 rows; BLOCK_K
 # divides the group
 SWEEP_MM = [(m, n, k, warps, stages) for m in (64, 128) for n, k, warps, stages in
@@ -149,7 +145,6 @@ def candidates(fmt: str, x, rows: int, tinygemm: dict | None = None) -> dict:
         out["word_dot"] = lambda q, s, z: w4.int4_dot(x, w4.words(q), s, z, GROUP)
     if rows == 1:
         out["gemv"] = lambda q, s, z: i4.int4_gemv(x, q, s, z, GROUP)
-        out["word_gemv"] = lambda q, s, z: i4.int4_word_gemv(x, w4.words(q), s, z, GROUP)
     out["mm_kernel"] = lambda q, s, z: i4.int4_mm(x, q, s, z, GROUP)
     out["dequant_mm"] = lambda q, s, z: torch.mm(x, i4.dequantize(q, s, z, GROUP, x.dtype).t())
     if tinygemm:
@@ -192,8 +187,6 @@ def sweep_tilings(fmt: str, rows: int) -> list[tuple]:
     block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
     if fmt == "int4" and rows > 64:
         return [(m, n, k, False, split, warps, stages) for m, n, k, warps, stages in SWEEP_MM for split in SPLITS]
-    if fmt == "int4" and rows == 1:
-        return [(n, k, split, warps, stages) for n, k, warps, stages in SWEEP_WORD_GEMV for split in SPLITS]
     if fmt == "int4":
         return [(block_m, n, 128, split, warps, stages) for n, warps, stages in SWEEP_WORD_DOT for split in SPLITS]
     if rows > 1:
@@ -204,7 +197,7 @@ def sweep_tilings(fmt: str, rows: int) -> list[tuple]:
 def swept(fmt: str, rows: int) -> bool:
     """Whether --sweep tries tilings of this format's kernel at this row count."""
     if fmt == "int4":
-        return rows <= 256
+        return 1 < rows <= 256
     return fmt != "bf16" and rows <= 64
 
 
@@ -216,10 +209,8 @@ def tiled(fmt: str, x, rows: int, tiles: tuple | None):
         return lambda q, s, z: int4_mm(x, q, s, z, GROUP, tiles=tiles)
     if fmt == "int4":
         from graphkiln.kernels import int4_words as words
-        from graphkiln.kernels.int4_linear import int4_word_gemv
 
-        kernel = int4_word_gemv if rows == 1 else words.int4_dot
-        return lambda q, s, z: kernel(x, words.words(q), s, z, GROUP, tiles=tiles)
+        return lambda q, s, z: words.int4_dot(x, words.words(q), s, z, GROUP, tiles=tiles)
     from graphkiln.kernels.fp8_linear import FEW_ROWS, fp8_gemv
     from graphkiln.kernels.fp8_mma import fp8_mma
 
@@ -240,8 +231,6 @@ def rule_tiles(fmt: str, rows: int, n: int, k: int, device) -> tuple:
     sms = multiprocessors(device)
     if fmt == "int4" and rows > 64:
         return i4.mm_tiling(rows, n, k, GROUP, sms)
-    if fmt == "int4" and rows == 1:
-        return i4.gemv_tiling(n, k, sms)
     if fmt == "int4":
         return w4.dot_tiling(rows, n, k, sms)
     if rows == 1:

@@ -22,8 +22,7 @@ from graphkiln.kernels.block_decode_attention import block_paged_decode
 from graphkiln.kernels.decode_attention import paged_decode
 from graphkiln.kernels.fp8_linear import fp8_linear
 from graphkiln.kernels.gemv import gemv
-from graphkiln.kernels.int4_linear import int4_linear, int4_word_gemv
-from graphkiln.kernels.int4_words import words
+from graphkiln.kernels.int4_linear import int4_linear
 from graphkiln.kernels.prefill_attention import paged_prefill
 from graphkiln.kernels.rms_norm import add_rms_norm
 from graphkiln.models.linear import silu_mul_reference
@@ -162,17 +161,13 @@ def run_product(kind: str, rows: int, n: int, k: int, seed: int = 0) -> dict:
     they dispatch that many, on the GPU tests' weights (gpu/kernel_weights.py), against float32 products of the
     dequantized weight and of x as the kernels round it (models/quantized_linear.py): unquantized at one row, per
     1 x 128 group in registers up to FEW_ROWS, per token (channel scales) or group (block scales) by a kernel of
-    its own up to MMA_ROWS; int4 keeps x ("int4-words": the one-row word kernel). "-activated" kinds (fp8, and
-    "half" for the float16 GEMV of one row) are silu(gate) * up of the product's halves, against that of the
-    float16 product."""
+    its own up to MMA_ROWS; int4 keeps x. "-activated" kinds (fp8, and "half" for the float16 GEMV of one row) are
+    silu(gate) * up of the product's halves, against that of the float16 product."""
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed)).to(torch.float16)
     activated = kind.endswith("-activated")
-    if kind.startswith("int4"):
+    if kind == "int4":
         qweight, scales, zeros, reference = int4_weight(n, k, 128, "cpu")
-        if kind == "int4-words":
-            got = int4_word_gemv(x, words(qweight), scales, zeros, 128)
-        else:
-            got = int4_linear(x, qweight, scales, zeros, 128)
+        got = int4_linear(x, qweight, scales, zeros, 128)
         want = x.float() @ reference.t()
     elif kind == "half-activated":
         weight = torch.randn(n, k, generator=torch.Generator().manual_seed(seed + 1)).to(torch.float16) / k**0.5
@@ -226,8 +221,6 @@ PREFILL_CASES = {  # name: (query dtype, q heads, kv heads, head_dim, (query_len
 PRODUCT_CASES = {  # name: (kind, rows, N, K); the rows pick each path fp8_linear and int4_linear dispatch
     **{f"{kind}-{rows}-rows": (kind, rows, 200, 384) for kind in ("fp8-channel", "fp8-block") for rows in (1, 8, 24)},
     **{f"int4-{rows}-rows": ("int4", rows, 160, 512) for rows in (1, 8, 48, 80)},
-    "int4-words-1-row": ("int4-words", 1, 160, 512),
-    "int4-words-1-row-partial-step": ("int4-words", 1, 96, 640),  # K short of the step: masked words
     **{f"{kind}-activated-{rows}-rows": (f"{kind}-activated", rows, 200, 384) for kind in ("fp8-channel", "fp8-block")
        for rows in (1, 8)},
     "half-activated-1-row": ("half-activated", 1, 200, 384),

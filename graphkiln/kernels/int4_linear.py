@@ -12,11 +12,6 @@ int-to-float conversions (int4_words.py), where the groups hold a dot's 16 words
 and zero point per group, not per weight, and split K so that every multiprocessor has loads in
 flight (split_k.py: partials summed in a second kernel, the same result on every call).
 
-`int4_word_gemv` is the one-row kernel on the weight's int32 words, turning nibbles into floats as int4_words.py
-does (the byte GEMV converts each nibble with an int-to-float instruction, which Hopper issues at a quarter of
-the FMA rate): written to be measured against the byte GEMV and tinygemm (`python -m bench quantized --formats
-int4 --rows 1`, word_gemv), not yet dispatched.
-
 A tiled byte kernel, which dequantizes each weight tile in registers for tensor-core dots, takes
 DOT_ROWS to MM_ROWS rows, where it measured faster than the word kernel over a layer's products, and
 what the word kernel cannot read below: a qweight whose rows do not start on 4-byte boundaries and
@@ -36,7 +31,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from graphkiln.errors import ConfigError
 
 from .gemv import _k_mask
-from .int4_words import MIN_DOT_GROUP, group_params, int4_dot, nibble, words
+from .int4_words import MIN_DOT_GROUP, group_params, int4_dot, words
 from .launch import launch
 from .pdl import pdl_on
 from .split_k import finish, k_steps, multiprocessors, output, split_count
@@ -63,11 +58,9 @@ def _int4_gemv_step(acc, b, s, z, k, ks, x_ptr, K, BLOCK_N: tl.constexpr, BLOCK_
 @triton.jit(do_not_specialize=["STEPS"])  # a loop bound: one build for every split
 def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, N, K, STEPS, G, stride_qn, stride_sn, stride_zn,
                       stride_os, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
-                      EVEN_K: tl.constexpr, WORDS: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+                      EVEN_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
     """out[split, 0, N] for one row x[0, K]: one program per slab of BLOCK_N weight rows and split of K (STEPS
-    steps of BLOCK_K inputs), accumulated per SUB-wide chunk (SUB divides G). The weight is read as bytes (two
-    inputs each), or with WORDS as int32 words (eight inputs each, taken as _int4_word_gemv_step takes them)."""
-    PER: tl.constexpr = 8 if WORDS else 2  # inputs a loaded weight element holds
+    steps of BLOCK_K inputs, BLOCK_K / 2 bytes a row), accumulated per SUB-wide chunk (SUB divides G)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     if PDL:  # the next kernel may start once every program has begun
@@ -75,57 +68,27 @@ def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, N, K, STEPS, G, strid
     k_start = split * STEPS * BLOCK_K
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
-    js = tl.arange(0, BLOCK_K // PER)
+    js = tl.arange(0, BLOCK_K // 2)
     col_mask = cols < N
     q_ptrs = q_ptr + cols[:, None].to(tl.int64) * stride_qn + js[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_K // SUB), dtype=tl.float32)
-    k_mask = js < BLOCK_K // PER if EVEN_K else k_start + PER * js < K
-    b = tl.load(q_ptrs + k_start // PER, mask=col_mask[:, None] & k_mask[None, :], other=0)  # the weight: no wait
+    k_mask = js < BLOCK_K // 2 if EVEN_K else k_start + 2 * js < K
+    b = tl.load(q_ptrs + k_start // 2, mask=col_mask[:, None] & k_mask[None, :], other=0)  # the weight: no wait
     s, z = group_params(s_ptr, z_ptr, cols, col_mask, k_start, K, G, stride_sn, stride_zn, BLOCK_K // SUB, SUB)
     if PDL:  # x is: wait for the previous kernel to finish and its writes to land
         gdc_wait()
     s_next, z_next = group_params(s_ptr, z_ptr, cols, col_mask, k_start + BLOCK_K, K, G, stride_sn, stride_zn,
                                    BLOCK_K // SUB, SUB)
-    acc = _int4_any_gemv_step(acc, b, s, z, k_start, ks, js, x_ptr, K, BLOCK_N, BLOCK_K, BLOCK_K // SUB, EVEN_K,
-                              WORDS)
+    acc = _int4_gemv_step(acc, b, s, z, k_start, ks, x_ptr, K, BLOCK_N, BLOCK_K, BLOCK_K // SUB, EVEN_K)
     for step in tl.range(1, STEPS, num_stages=STAGES):  # the loop attribute pipelines loads without a dot
         k = k_start + step * BLOCK_K
         s, z = s_next, z_next
         s_next, z_next = group_params(s_ptr, z_ptr, cols, col_mask, k + BLOCK_K, K, G, stride_sn, stride_zn,
                                        BLOCK_K // SUB, SUB)
-        k_mask = js < BLOCK_K // PER if EVEN_K else k + PER * js < K
-        b = tl.load(q_ptrs + k // PER, mask=col_mask[:, None] & k_mask[None, :], other=0)
-        acc = _int4_any_gemv_step(acc, b, s, z, k, ks, js, x_ptr, K, BLOCK_N, BLOCK_K, BLOCK_K // SUB, EVEN_K,
-                                  WORDS)
+        k_mask = js < BLOCK_K // 2 if EVEN_K else k + 2 * js < K
+        b = tl.load(q_ptrs + k // 2, mask=col_mask[:, None] & k_mask[None, :], other=0)
+        acc = _int4_gemv_step(acc, b, s, z, k, ks, x_ptr, K, BLOCK_N, BLOCK_K, BLOCK_K // SUB, EVEN_K)
     tl.store(out_ptr + split * stride_os + cols, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=col_mask)
-
-
-@triton.jit
-def _int4_word_gemv_step(acc, w, s, z, k, ws, x_ptr, K, BLOCK_N: tl.constexpr, WORDS: tl.constexpr,
-                         CHUNKS: tl.constexpr):
-    """acc [BLOCK_N, CHUNKS] + this K step of 8 * WORDS inputs, the weight w [BLOCK_N, WORDS] int32 words: nibble j
-    of word i is input k + 8i + j, taken with x's inputs at that stride (a strided load the caches serve)."""
-    in_k = k + 8 * ws < K
-    qx = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
-    xs = tl.zeros((WORDS,), dtype=tl.float32)
-    for j in tl.static_range(8):
-        x_j = tl.load(x_ptr + k + 8 * ws + j, mask=in_k, other=0.0).to(tl.float32)
-        qx += nibble(w, j) * x_j[None, :]
-        xs += x_j
-    qx = tl.sum(tl.reshape(qx, (BLOCK_N, CHUNKS, WORDS // CHUNKS)), axis=2)
-    xs = tl.sum(tl.reshape(xs, (CHUNKS, WORDS // CHUNKS)), axis=1)
-    return acc + s * (qx - z * xs[None, :])
-
-
-@triton.jit
-def _int4_any_gemv_step(acc, b, s, z, k, ks, js, x_ptr, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        CHUNKS: tl.constexpr, EVEN_K: tl.constexpr, WORDS: tl.constexpr):
-    """The K step of _int4_gemv_kernel on the weight as it was read: int32 words or bytes."""
-    if WORDS:
-        acc = _int4_word_gemv_step(acc, b, s, z, k, js, x_ptr, K, BLOCK_N, BLOCK_K // 8, CHUNKS)
-    else:
-        acc = _int4_gemv_step(acc, b, s, z, k, ks, x_ptr, K, BLOCK_N, BLOCK_K, CHUNKS, EVEN_K)
-    return acc
 
 
 @triton.jit
@@ -272,33 +235,16 @@ def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: 
 def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
               tiles: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """x [1, K] @ w^T with the one-row kernel; `tiles` defaults to `gemv_tiling`."""
-    return _gemv(x, qweight, scales, zeros, group_size, tiles, words=False)
-
-
-def int4_word_gemv(x: torch.Tensor, qwords: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-                   tiles: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
-    """x [1, K] @ w^T with the one-row kernel on words, qwords the int32 words of `words`; `tiles` default to
-    `gemv_tiling` (BLOCK_K in inputs; a K step and the group are whole words)."""
-    return _gemv(x, qwords, scales, zeros, group_size, tiles, words=True)
-
-
-def _gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-          tiles: tuple[int, int, int, int, int] | None, words: bool) -> torch.Tensor:
-    """The one-row kernel on `qweight`'s bytes, or with `words` its int32 words."""
     n, k = qweight.shape[0], x.shape[1]
     block_n, block_k, splits, warps, stages = tiles or gemv_tiling(n, k, multiprocessors(x.device))
-    sub = min(block_k, group_size)
-    if words and (sub % 8 or block_k % sub):
-        raise ConfigError(f"int4_word_gemv takes K steps and groups of whole 8-input words, one dividing the other; "
-                          f"got BLOCK_K {block_k} and group_size {group_size}")
     splits, steps = k_steps(k, splits, block_k)
     out = output(1, n, splits, x.dtype, x.device)
     launch_pdl = pdl_on(x.device)
     launch(
         _int4_gemv_kernel, (triton.cdiv(n, block_n), splits),
         x, qweight, scales, zeros, out, n, k, steps, group_size, qweight.stride(0), scales.stride(0),
-        zeros.stride(0), n, BLOCK_N=block_n, BLOCK_K=block_k, SUB=sub, EVEN_K=k % block_k == 0,
-        WORDS=words, STAGES=stages, PDL=launch_pdl, num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,
+        zeros.stride(0), n, BLOCK_N=block_n, BLOCK_K=block_k, SUB=min(block_k, group_size), EVEN_K=k % block_k == 0,
+        STAGES=stages, PDL=launch_pdl, num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,
     )
     return finish(out, x.dtype)
 

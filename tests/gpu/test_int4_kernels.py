@@ -167,26 +167,3 @@ def test_int4_dot_tiling_puts_enough_programs_on_every_multiprocessor(shape, row
     _, block_n, block_k, splits = word_kernels.dot_tiling(rows, n, k, sms)[:4]
     finest = k // (2 * splits) < max(MIN_SPLIT_K, block_k) or k_steps(k, 2 * splits, block_k)[0] == splits
     assert -(-n // block_n) * splits >= RESIDENT * sms or finest, (block_n, block_k, splits)
-
-
-@pytest.mark.parametrize("splits", SPLITS)
-@pytest.mark.parametrize("shape", [*MODEL_SHAPES.values(), *WORD_SHAPES.values()],
-                         ids=[*MODEL_SHAPES.keys(), *WORD_SHAPES.keys()])
-def test_int4_word_gemv_matches_float32_with_every_split_of_k(shape, splits):
-    """The one-row word kernel (no int-to-float conversions), every split of K, at its rule's tiles."""
-    n, k = shape
-    qweight, scales, zeros, reference_weight = int4_weight(n, k)
-    x = activation(1, k)
-    tiles = int4_kernels.gemv_tiling(n, k, multiprocessors(x.device))
-    y = int4_kernels.int4_word_gemv(x, qwords(qweight), scales, zeros, 128, tiles=(*tiles[:2], splits, *tiles[3:]))
-    assert y.shape == (1, n) and y.dtype == torch.bfloat16
-    assert relative_error(y, x.float() @ reference_weight.t()) < 0.008
-
-
-@pytest.mark.parametrize("group", [32, 64, 256])
-def test_int4_word_gemv_other_group_sizes(group):
-    n, k = 1536, 2048
-    qweight, scales, zeros, reference_weight = int4_weight(n, k, group)
-    x = activation(1, k, torch.float16)
-    y = int4_kernels.int4_word_gemv(x, qwords(qweight), scales, zeros, group)
-    assert y.dtype == torch.float16 and relative_error(y, x.float() @ reference_weight.t()) < 0.008
