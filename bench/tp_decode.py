@@ -13,7 +13,8 @@ would start after --budget-s is skipped and recorded so): `tp2` (NCCL), `tp2-sym
 again (the noise). The JSON has, per row, each batch's share of the bandwidth floor per rank (weights
 and the KV cache at the mean context, divided by the ranks, at the measured copy rate), the pass's
 rewrites (counted only where Inductor compiled afresh), steps that ran without a graph, and the token
-agreement and largest logit difference against the first TP-2 row.
+agreement and largest logit difference against the first TP-2 row, with the reference's top-two logit gap
+where a prompt's greedy tokens first part from it.
 """
 
 from __future__ import annotations
@@ -65,17 +66,24 @@ def measure(study: Study, model_dir: Path, work: Path, name: str, batches: tuple
         for n in prefills:
             row[f"prefill_ms_{n}"] = time_ms(lambda: llm.generate([[11] * n], params), study.device, reps=5,
                                              warmup=1).median_ms  # fmt: skip
-        greedy = graphkiln.SamplingParams(max_tokens=32, ignore_eos=True)
-        row["tokens"] = [o.token_ids for o in llm.generate(prompts, greedy)]
+        greedy = graphkiln.SamplingParams(max_tokens=32, ignore_eos=True, logprobs=2)
+        outs = llm.generate(prompts, greedy)
+        row["tokens"] = [o.token_ids for o in outs]
+        row["top2_gaps"] = [[t.top[0][1] - t.top[1][1] for t in o.logprobs] for o in outs]
         row["logits"] = llm.score(prompts[0]).float().cpu()
         row["steps_without_graph"] = dict(llm.stats().steps_without_graph)
     return row
 
 
 def compare(row: dict, reference: dict) -> None:
-    """Token agreement and the largest logit difference of `row` against `reference`, into `row`."""
+    """Token agreement and the largest logit difference of `row` against `reference`, into `row`; where a
+    prompt's tokens part, how far the reference's best logit stood above its second there (a near-tie
+    parts on a rounding difference, a wide gap on a wrong sum)."""
     pairs = [(a, b) for x, y in zip(row["tokens"], reference["tokens"]) for a, b in zip(x, y)]
     row["token_agreement"] = sum(a == b for a, b in pairs) / len(pairs)
+    parted = [(next((k for k, (a, b) in enumerate(zip(x, y)) if a != b), None), gaps)
+              for x, y, gaps in zip(row["tokens"], reference["tokens"], reference["top2_gaps"])]  # fmt: skip
+    row["divergence_gaps"] = [gaps[k] for k, gaps in parted if k is not None]
     row["max_logit_diff"] = float((row["logits"] - reference["logits"]).abs().max())
 
 

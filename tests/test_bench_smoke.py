@@ -197,6 +197,18 @@ def test_tp_decode_study_smoke(bench: Bench, tmp_path: Path) -> None:
     tp2 = rows["tp2"]
     assert tp2["ranks"] == 2 and tp2["decode_ms_b1"] > 0 and tp2["prefill_ms_16"] > 0 and tp2["x_floor_b1"] > 0
     assert tp2["token_agreement"] == 1.0 and tp2["max_logit_diff"] == 0.0 and len(tp2["tokens"]) == 4
+    assert tp2["divergence_gaps"] == [] and all(len(g) == 32 and min(g) >= 0 for g in tp2["top2_gaps"])
+
+
+def test_tp_decode_names_the_reference_gap_where_tokens_part(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(REPO))
+    from bench.tp_decode import compare
+
+    reference = {"tokens": [[1, 2, 3], [4, 5, 6]], "top2_gaps": [[0.5, 0.01, 0.2], [0.3, 0.4, 0.6]],
+                 "logits": torch.zeros(2, 4)}  # fmt: skip
+    row = {"tokens": [[1, 9, 8], [4, 5, 6]], "logits": torch.tensor([[0.0, 0.5, 0, 0], [0, 0, -2.0, 0]])}
+    compare(row, reference)
+    assert row["token_agreement"] == 4 / 6 and row["max_logit_diff"] == 2.0 and row["divergence_gaps"] == [0.01]
 
 
 def test_a_model_written_a_layer_at_a_time_is_the_one_transformers_and_graphkiln_load(tmp_path: Path,
