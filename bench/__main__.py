@@ -28,6 +28,7 @@ COMMANDS = {  # command -> (module, one line of help)
     "tp-all-reduce": ("tp_all_reduce", "the all-reduce alone on 2 GPUs: symm_mem one-shot vs NCCL by message size"),
     "aoti-load": ("aoti_load", "whether an AOTInductor package loads and runs without importing Inductor or Dynamo"),
     "tp-decode": ("tp_decode", "decode and prefill at TP 1 and TP 2, with NCCL's all-reduces and symm_mem_all_reduce"),
+    "tp-parity": ("tp_parity", "each family's model at TP 2 against TP 1: logits and greedy tokens over 64 prompts"),
 }
 
 

@@ -89,23 +89,30 @@ def scratch_dir(need_bytes: float) -> Path:
     return Path(tempfile.mkdtemp(prefix="gk-bench-"))
 
 
-def build_hf_model(shape: dict, device: str, dtype, seed: int = 0):
-    """A random-weight LlamaForCausalLM built on the device: no default init, then normal_(std=0.02)."""
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # transformers' <Family>Config and <Family>ForCausalLM
+
+
+def build_hf_model(shape: dict, device: str, dtype, seed: int = 0, family: str = "llama"):
+    """A random-weight <family>ForCausalLM built on the device: no default init, then normal_(std=0.02) for
+    matrices and biases (Qwen2's q/k/v), ones for the RMSNorm weights."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
     from transformers.initialization import no_init_weights
 
-    cfg = LlamaConfig(**shape, rms_norm_eps=1e-5, rope_theta=500000.0, bos_token_id=1, eos_token_id=2,
-                      pad_token_id=None, attention_bias=False, mlp_bias=False)
+    name = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
+    config_cls, model_cls = (getattr(transformers, f"{name}{kind}") for kind in ("Config", "ForCausalLM"))
+    extra = dict(attention_bias=False, mlp_bias=False) if family == "llama" else {}
+    cfg = config_cls(**shape, rms_norm_eps=1e-5, rope_theta=500000.0, bos_token_id=1, eos_token_id=2,
+                     pad_token_id=None, **extra)  # fmt: skip
     with torch.device(device), no_init_weights():
-        model = LlamaForCausalLM._from_config(cfg, dtype=dtype)
+        model = model_cls._from_config(cfg, dtype=dtype)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim >= 2:
+        for param_name, p in model.named_parameters():
+            if p.ndim >= 2 or param_name.endswith("bias"):
                 p.normal_(0.0, 0.02, generator=gen)
             else:
-                p.fill_(1.0)  # RMSNorm weights (Llama has no biases)
+                p.fill_(1.0)  # RMSNorm weights
         if shape["tie_word_embeddings"] and model.lm_head.weight is not model.model.embed_tokens.weight:
             model.lm_head.weight = model.model.embed_tokens.weight
         # Buffers skipped by no_init_weights: the rotary frequencies, as Llama computes them.

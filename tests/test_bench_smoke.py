@@ -200,6 +200,15 @@ def test_tp_decode_study_smoke(bench: Bench, tmp_path: Path) -> None:
     assert tp2["divergence_gaps"] == [] and all(len(g) == 32 and min(g) >= 0 for g in tp2["top2_gaps"])
 
 
+def test_tp_parity_study_smoke(bench: Bench, tmp_path: Path) -> None:
+    """`python -m bench tp-parity --smoke`: Qwen2's 2-layer model (q/k/v biases) at TP 2 on gloo against TP 1,
+    float32: the same greedy tokens, logits within float32 rounding."""
+    bench("tp-parity", "--smoke", "--families", "qwen2", "--prompts", "3", "--out", str(tmp_path))
+    (row,) = json.loads((tmp_path / "tp-parity.json").read_text())["rows"]
+    assert (row["family"], row["dtype"], row["prompts"], row["sequences_equal"]) == ("qwen2", "float32", 3, 3)
+    assert row["token_agreement"] == 1.0 and row["divergence_gaps"] == [] and row["logits_rel_diff"] < 1e-5
+
+
 def test_tp_decode_names_the_reference_gap_where_tokens_part(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(REPO))
     from bench.tp_decode import compare
