@@ -40,6 +40,17 @@ def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[
     return torch.randint(0, vocab, (count, length), generator=g).tolist()
 
 
+def greedy_agreement(tokens: list[list[int]], reference: list[list[int]],
+                     reference_gaps: list[list[float]]) -> tuple[float, list[float]]:
+    """The share of `tokens` equal to `reference`'s (per prompt, position by position), and where a prompt's
+    tokens first part from the reference's, the reference's top-two logit gap there: a near-tie parts on a
+    rounding difference, a wide gap on a wrong result."""
+    pairs = [(a, b) for x, y in zip(tokens, reference) for a, b in zip(x, y)]
+    parted = [(next((k for k, (a, b) in enumerate(zip(x, y)) if a != b), None), gaps)
+              for x, y, gaps in zip(tokens, reference, reference_gaps)]  # fmt: skip
+    return sum(a == b for a, b in pairs) / len(pairs), [gaps[k] for k, gaps in parted if k is not None]
+
+
 def git_commit(given: str | None = None) -> tuple[str, bool | None]:
     """(commit, uncommitted changes?): `given` (a copy without .git), else git's answer, else 'unknown'."""
     if given:

@@ -23,7 +23,7 @@ import argparse
 import time
 from pathlib import Path
 
-from .common import Study, add_study_arguments, error_text, log, random_prompts
+from .common import Study, add_study_arguments, error_text, greedy_agreement, log, random_prompts
 from .measure import copy_rate, time_ms
 from .models import decoding, model_bytes, save_model, shape_of, stop
 from .report import text_table
@@ -76,14 +76,10 @@ def measure(study: Study, model_dir: Path, work: Path, name: str, batches: tuple
 
 
 def compare(row: dict, reference: dict) -> None:
-    """Token agreement and the largest logit difference of `row` against `reference`, into `row`; where a
-    prompt's tokens part, how far the reference's best logit stood above its second there (a near-tie
-    parts on a rounding difference, a wide gap on a wrong sum)."""
-    pairs = [(a, b) for x, y in zip(row["tokens"], reference["tokens"]) for a, b in zip(x, y)]
-    row["token_agreement"] = sum(a == b for a, b in pairs) / len(pairs)
-    parted = [(next((k for k, (a, b) in enumerate(zip(x, y)) if a != b), None), gaps)
-              for x, y, gaps in zip(row["tokens"], reference["tokens"], reference["top2_gaps"])]  # fmt: skip
-    row["divergence_gaps"] = [gaps[k] for k, gaps in parted if k is not None]
+    """Token agreement and the largest logit difference of `row` against `reference`, into `row`, with the
+    reference's top-two logit gap where a prompt's tokens part (`greedy_agreement`)."""
+    row["token_agreement"], row["divergence_gaps"] = greedy_agreement(row["tokens"], reference["tokens"],
+                                                                      reference["top2_gaps"])  # fmt: skip
     row["max_logit_diff"] = float((row["logits"] - reference["logits"]).abs().max())
 
 

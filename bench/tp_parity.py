@@ -17,7 +17,7 @@ import argparse
 import time
 from pathlib import Path
 
-from .common import Study, add_study_arguments, error_text, log, random_prompts
+from .common import Study, add_study_arguments, error_text, greedy_agreement, log, random_prompts
 from .models import FAMILIES, build_hf_model, shape_of
 from .report import text_table
 
@@ -39,18 +39,15 @@ def run_engine(study: Study, model_dir: Path, out: Path, size: int, dtype: str, 
         outs = llm.generate(prompts, params)
         return {"logits": [llm.score(p).float().cpu() for p in prompts],
                 "tokens": [o.token_ids for o in outs],
-                "gaps": [[t.top[0][1] - t.top[1][1] for t in o.logprobs] for o in outs]}  # fmt: skip
+                "top2_gaps": [[t.top[0][1] - t.top[1][1] for t in o.logprobs] for o in outs]}  # fmt: skip
 
 
 def agreement(two: dict, one: dict) -> dict:
     """TP 2 against TP 1: relative logit difference, token and sequence agreement, gaps where tokens part."""
     largest = max(float(x.abs().max()) for x in one["logits"])
     diff = max(float((a - b).abs().max()) for a, b in zip(two["logits"], one["logits"]))
-    pairs = [(a, b) for x, y in zip(two["tokens"], one["tokens"]) for a, b in zip(x, y)]
-    parted = [(next((k for k, (a, b) in enumerate(zip(x, y)) if a != b), None), gaps)
-              for x, y, gaps in zip(two["tokens"], one["tokens"], one["gaps"])]  # fmt: skip
-    gaps = [g[k] for k, g in parted if k is not None]
-    return {"logits_rel_diff": diff / largest, "token_agreement": sum(a == b for a, b in pairs) / len(pairs),
+    agree, gaps = greedy_agreement(two["tokens"], one["tokens"], one["top2_gaps"])
+    return {"logits_rel_diff": diff / largest, "token_agreement": agree,
             "sequences_equal": sum(x == y for x, y in zip(two["tokens"], one["tokens"])),
             "prompts": len(one["tokens"]), "divergence_gaps": gaps, "largest_divergence_gap": max(gaps, default=None)}
 
