@@ -92,6 +92,17 @@ def scratch_dir(need_bytes: float) -> Path:
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # transformers' <Family>Config and <Family>ForCausalLM
 
 
+def hf_config(shape: dict, family: str = "llama", **fields):
+    """transformers' <Family>Config of the bench's models for `shape` (its architectures named), plus `fields`."""
+    import transformers
+
+    name = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
+    extra = dict(attention_bias=False, mlp_bias=False) if family == "llama" else {}
+    return getattr(transformers, f"{name}Config")(**shape, rms_norm_eps=1e-5, rope_theta=500000.0, bos_token_id=1,
+                                                  eos_token_id=2, pad_token_id=None,
+                                                  architectures=[f"{name}ForCausalLM"], **extra, **fields)  # fmt: skip
+
+
 def build_hf_model(shape: dict, device: str, dtype, seed: int = 0, family: str = "llama"):
     """A random-weight <family>ForCausalLM built on the device: no default init, then normal_(std=0.02) for
     matrices and biases (Qwen2's q/k/v), ones for the RMSNorm weights."""
@@ -99,11 +110,8 @@ def build_hf_model(shape: dict, device: str, dtype, seed: int = 0, family: str =
     import transformers
     from transformers.initialization import no_init_weights
 
-    name = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
-    config_cls, model_cls = (getattr(transformers, f"{name}{kind}") for kind in ("Config", "ForCausalLM"))
-    extra = dict(attention_bias=False, mlp_bias=False) if family == "llama" else {}
-    cfg = config_cls(**shape, rms_norm_eps=1e-5, rope_theta=500000.0, bos_token_id=1, eos_token_id=2,
-                     pad_token_id=None, **extra)  # fmt: skip
+    cfg = hf_config(shape, family)
+    model_cls = getattr(transformers, cfg.architectures[0])
     with torch.device(device), no_init_weights():
         model = model_cls._from_config(cfg, dtype=dtype)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -133,23 +141,23 @@ def save_model(name: str, folder: Path, device: str, dtype, layers: int | None =
     import torch
 
     shape = shape_of(name, max_position, layers)
-    if model_bytes(shape, torch.tensor([], dtype=dtype).element_size())["weight_bytes_all"] > WHOLE_BUILD_BYTES:
+    if model_bytes(shape, dtype.itemsize)["weight_bytes_all"] > WHOLE_BUILD_BYTES:
         save_by_layer(shape, folder, device, dtype)
-        return folder
-    build_hf_model(shape, device, dtype).save_pretrained(folder)
+    else:
+        build_hf_model(shape, device, dtype).save_pretrained(folder)
     if device == "cuda":
         torch.cuda.empty_cache()
     return folder
 
 
 def save_by_layer(shape: dict, folder: Path, device: str, dtype, seed: int = 0) -> None:
-    """The random Llama checkpoint `build_hf_model` would save, written one safetensors file per layer (and one for
-    the embeddings, one for the final norm and head), so a model larger than one device's memory never exists whole."""
+    """A random Llama checkpoint of `build_hf_model`'s layout, config and init (other draws of it), written one
+    safetensors file per layer (and one for the embeddings, one for the final norm and head), so a model larger
+    than one device's memory never exists whole."""
     import json
 
     import torch
     from safetensors.torch import save_file
-    from transformers import LlamaConfig
 
     h, hd, inter = shape["hidden_size"], shape["head_dim"], shape["intermediate_size"]
     q, kv = shape["num_attention_heads"] * hd, shape["num_key_value_heads"] * hd
@@ -181,9 +189,7 @@ def save_by_layer(shape: dict, folder: Path, device: str, dtype, seed: int = 0) 
         weight_map.update(dict.fromkeys(tensors, file))
     index = {"metadata": {}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
-    LlamaConfig(**shape, rms_norm_eps=1e-5, rope_theta=500000.0, bos_token_id=1, eos_token_id=2, pad_token_id=None,
-                attention_bias=False, mlp_bias=False, dtype=dtype,
-                architectures=["LlamaForCausalLM"]).save_pretrained(folder)  # fmt: skip
+    hf_config(shape, dtype=dtype).save_pretrained(folder)
 
 
 # Engine helpers for the studies: public API only (LLM.stats, Engine.add_request/step/abort/cuda_graph).

@@ -73,11 +73,11 @@ def main(a: argparse.Namespace) -> int:
     dtypes = (a.dtypes or ("float32" if a.smoke else "bfloat16,float32")).split(",")
     shape = shape_of(study.model, max_position=2048, layers=study.layers)
     prompts = random_prompts(a.prompts or (4 if a.smoke else 64), 24, shape["vocab_size"], seed=0)
+    weights = torch.bfloat16 if study.cuda else torch.float32  # float32 runs hold them exactly
     rows = []
     with study.scratch() as work:
         for family in families:
             model_dir = work / family / "model"
-            weights = torch.bfloat16 if study.cuda else torch.float32  # float32 runs hold them exactly
             build_hf_model(shape, study.device, weights, family=family).save_pretrained(model_dir)
             for dtype in dtypes:
                 row = {"family": family, "dtype": dtype}
