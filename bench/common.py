@@ -111,6 +111,17 @@ def write_json(path: Path, data: dict) -> Path:
 # The studies' shared arguments and settings.
 
 
+def inductor_option(text: str) -> tuple[str, object]:
+    """KEY=VALUE as (key, value), VALUE read as JSON where it parses, else kept as a string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
 def add_study_arguments(p: argparse.ArgumentParser, model: str = "1b", layers: int | None = None) -> None:
     p.add_argument("--out", type=Path, default=None, help="results folder (default $OUT, else the current folder)")
     p.add_argument("--model", default=model, help=f"model shape: 1b, 8b, 70b (default {model}; smoke: smoke)")

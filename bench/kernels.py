@@ -3,7 +3,7 @@ step adds to its replay; and where a short prefill's time to first token goes (a
 
     python -m bench kernels --out $OUT [--batches 1 8] [--prefill 128] [--model 8b --layers 4]
                             [--disable-pass NAME] [--max-seq-len 512] [--prompt 4000]
-                            [--inductor-option triton.enable_pdl=true]
+                            [--inductor-option triton.enable_pdl=false]
 
 Compiles the bench's random model for the decode batches asked for, decodes 128-token prompts (`--prompt`),
 then per batch: the engine step's host time against its graph's replay (CUDA events); the
@@ -18,12 +18,11 @@ operators of an engine step and of the prefill's call, and replay-only figures a
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import statistics
 from collections import defaultdict
 
-from .common import Study, add_study_arguments, log
+from .common import Study, add_study_arguments, inductor_option, log
 from .measure import now, time_ms
 from .models import compiled_llm, decode_graph, decoding, stop
 from .report import text_table
@@ -154,17 +153,6 @@ def prefill_timeline(llm, tokens: int, cuda: bool, repeats: int = 5) -> dict:
     return {**median, "unprofiled_ms": time_ms(prefill, "cuda" if cuda else "cpu", reps=10, warmup=1).median_ms}
 
 
-def inductor_option(text: str) -> tuple[str, object]:
-    """KEY=VALUE as (key, value), VALUE read as JSON where it parses, else kept as a string."""
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    try:
-        return key, json.loads(value)
-    except json.JSONDecodeError:
-        return key, value
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_study_arguments(p, layers=None)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="decode batches (smoke: 1 2)")
@@ -174,7 +162,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", choices=("fp8", "int4"), default=None, help="compile with --quantization")
     p.add_argument("--inductor-option", action="append", default=[], type=inductor_option, metavar="KEY=VALUE",
                    help="an Inductor config entry for the compile (CompileConfig.inductor_options; VALUE as JSON, "
-                        "else a string; repeatable), e.g. triton.enable_pdl=true")
+                        "else a string; repeatable), e.g. triton.enable_pdl=false")
     p.add_argument("--max-seq-len", type=int, default=None,
                    help="EngineConfig.max_seq_len (default: the model's 8192); it sizes the decode graphs' block tables, "
                         "and with them the decode attention's planned splits")

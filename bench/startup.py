@@ -52,7 +52,7 @@ import sys
 import time
 from pathlib import Path
 
-from .common import REPO, environment, log, random_prompts, write_json
+from .common import REPO, environment, inductor_option, log, random_prompts, write_json
 from .stack_sampler import StackSampler
 
 CHILD_PREFIX = "GK_BENCH_CHILD "
@@ -146,7 +146,8 @@ def child_main(spec: dict) -> None:
         marks["first_token"] = time.time()
     else:
         if spec["mode"] == "gk_cold":
-            config = graphkiln.CompileConfig(device=device, dtype=spec["dtype"], quantization=spec.get("quantization"))
+            config = graphkiln.CompileConfig(device=device, dtype=spec["dtype"], quantization=spec.get("quantization"),
+                                             inductor_options=spec.get("inductor_options", {}))
             engine = graphkiln.EngineConfig(**spec["engine"])
             _, report = graphkiln.compile_model(spec["model_dir"], spec["artifact"], config, engine=engine, force=True,
                                                 build_kernels=False)  # (this process loads it next)
@@ -246,14 +247,15 @@ def main(a: argparse.Namespace) -> int:
     scratch = Path(tempfile.mkdtemp(prefix="gk-startup-"))
     caches = {"TORCHINDUCTOR_CACHE_DIR": str(scratch / "inductor"), "TRITON_CACHE_DIR": str(scratch / "triton")}
     results = {"meta": {**environment(device), "bytecode": ensure_bytecode(), "models": models,
-                         "cuda_in_load": a.cuda_in_load}, "starts": {}}
+                         "cuda_in_load": a.cuda_in_load, "inductor_options": dict(a.inductor_option)}, "starts": {}}
     rows = []
     try:
         for name in models:
             model_dir = saved_model_dir(name, scratch, device, dtype)
             spec = {"model_dir": model_dir, "artifact": str(scratch / f"{name}-artifact"), "device": device,
                     "profile": a.profile, "cuda_in_load": a.cuda_in_load,
-                    "dtype": dtype, "engine": engine, "prompt": random_prompts(1, 16 if a.smoke else 128, 4096, 7)[0]}
+                    "dtype": dtype, "engine": engine, "inductor_options": dict(a.inductor_option),
+                    "prompt": random_prompts(1, 16 if a.smoke else 128, 4096, 7)[0]}
             whiches = ("cold", "warm", "warm") if a.cold else ("warm", "warm")
             if not a.cold:
                 log(f"{name}: compiling the artifact (not timed)")
@@ -304,7 +306,8 @@ def _compile(spec: dict, caches: dict) -> None:
     import subprocess as sp
 
     code = ("import graphkiln, json, sys; s = json.loads(sys.argv[1]); graphkiln.compile_model(s['model_dir'], "
-            "s['artifact'], graphkiln.CompileConfig(device=s['device'], dtype=s['dtype']), "
+            "s['artifact'], graphkiln.CompileConfig(device=s['device'], dtype=s['dtype'], "
+            "inductor_options=s['inductor_options']), "
             "engine=graphkiln.EngineConfig(**s['engine']), force=True)")
     sp.run([sys.executable, "-c", code, json.dumps(spec)], env=dict(os.environ, **caches), cwd=str(REPO), check=True)
 
@@ -323,4 +326,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "per phase and thread, the functions most often on the stack")
     p.add_argument("--cuda-in-load", action="store_true",
                    help="leave the CUDA context to load, as a user's script does (default: made by hand before it)")
+    p.add_argument("--inductor-option", action="append", default=[], type=inductor_option, metavar="KEY=VALUE",
+                   help="an Inductor config entry for the compile (as `bench kernels` takes it), e.g. "
+                        "triton.enable_pdl=false: what an option costs a start")
     p.add_argument("--out", help="folder for startup-<device>.json and .md")
