@@ -11,6 +11,7 @@ import torch
 from graphkiln import CompileConfig, EngineConfig, LLM, SamplingParams
 from graphkiln.compiler.compile import compile_module
 from graphkiln.compiler.counters import torch_compile_events
+from graphkiln.compiler.inductor import INDUCTOR_PDL, InductorCompiler
 from graphkiln.errors import ConfigError
 from graphkiln.models.attention import ForwardContext, forward_context
 from graphkiln.models.config import ModelConfig
@@ -203,3 +204,17 @@ def test_compiler_hash_follows_the_passes_and_options():
     assert compile_module(model, CompileConfig())[1].compiler_hash == base
     disabled = CompileConfig(disabled_passes=("boundary_recompute",))
     assert compile_module(model, disabled)[1].compiler_hash != base
+
+
+def test_cuda_compiles_launch_inductor_kernels_with_pdl_unless_turned_off(monkeypatch):
+    """A CUDA compile asks Inductor for programmatic dependent launch (it keeps it to sm90+ itself); an explicit
+    option and GRAPHKILN_PDL=0 turn it off, the CPU never gets it, and the compiler hash follows the choice."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.delenv("GRAPHKILN_PDL", raising=False)
+    default = InductorCompiler(cuda)
+    assert default.options[INDUCTOR_PDL] is True
+    assert InductorCompiler(cuda, {INDUCTOR_PDL: False}).options[INDUCTOR_PDL] is False
+    assert INDUCTOR_PDL not in InductorCompiler(cpu).options
+    monkeypatch.setenv("GRAPHKILN_PDL", "0")
+    off = InductorCompiler(cuda)
+    assert INDUCTOR_PDL not in off.options and off.hash() != default.hash()

@@ -19,6 +19,7 @@ import torch
 from graphkiln.errors import ConfigError
 
 from graphkiln.compat import graph_returns_tuple, inductor_output_code, is_op_overload, standalone_compile
+from graphkiln.kernels.pdl import pdl_wanted
 
 from .counters import Counters
 
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from graphkiln.compat import CustomGraphPass
 
 POST_GRAD_PASS = "post_grad_custom_post_pass"
+INDUCTOR_PDL = "triton.enable_pdl"  # Inductor's kernels launched with programmatic dependent launch
 OnCode = Callable[[str, str, str], None]  # (piece key, variant, Inductor output code)
 AroundCompile = Callable[[str, str], contextlib.AbstractContextManager]  # (piece key, variant) -> context
 
@@ -144,6 +146,8 @@ class InductorCompiler:
     ) -> None:
         self.device = device
         self.options = dict(options or {})
+        if device.type == "cuda" and pdl_wanted():  # kernels/pdl.py; measured in README, "Passes and dumps"
+            self.options.setdefault(INDUCTOR_PDL, True)
         if post_grad_pass is not None:
             if POST_GRAD_PASS in self.options:
                 raise ConfigError(f"CompileConfig.inductor_options sets {POST_GRAD_PASS}; register a pass instead")
