@@ -35,6 +35,7 @@ class CompileConfig:
     enabled_passes: tuple[str, ...] = ()  # passes that are off by default, turned on
     dump_dir: str | None = None
     tensor_parallel_size: int = 1
+    # Inductor config entries; a CUDA compile adds triton.enable_pdl=True unless set here (compiler/inductor.py)
     inductor_options: dict = field(default_factory=dict, hash=False, compare=False)
     quantization: str | None = None
 
