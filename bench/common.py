@@ -51,6 +51,11 @@ def greedy_agreement(tokens: list[list[int]], reference: list[list[int]],
     return sum(a == b for a, b in pairs) / len(pairs), [gaps[k] for k, gaps in parted if k is not None]
 
 
+def top2_gaps(outputs) -> list[list[float]]:
+    """Per request of `outputs` (generated with logprobs=2 or more), each new token's top-two logprob gap."""
+    return [[t.top[0][1] - t.top[1][1] for t in o.logprobs] for o in outputs]
+
+
 def git_commit(given: str | None = None) -> tuple[str, bool | None]:
     """(commit, uncommitted changes?): `given` (a copy without .git), else git's answer, else 'unknown'."""
     if given:
@@ -162,6 +167,20 @@ class Study:
     @property
     def cuda(self) -> bool:
         return self.device == "cuda"
+
+    def two_gpus(self) -> None:
+        """Exit, naming the study, where it runs on CUDA with fewer than 2 GPUs (its TP-2 rows need them)."""
+        import torch
+
+        if self.cuda and (count := torch.cuda.device_count()) < 2:
+            raise SystemExit(f"bench {self.name}: needs 2 GPUs (this machine shows {count}); --smoke runs it on the CPU")
+
+    def chosen(self, text: str, known: tuple[str, ...], what: str) -> list[str]:
+        """The names of the comma list `text`, in order; exit naming any not in `known`."""
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        if unknown := sorted(set(names) - set(known)):
+            raise SystemExit(f"bench {self.name}: unknown {what} {unknown}; use some of {list(known)}")
+        return names
 
     def gpu_only(self, what: str) -> bool:
         """False, after saying so, where `what` needs the GPU (CUDA graphs, Triton kernels)."""

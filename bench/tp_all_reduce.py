@@ -91,16 +91,15 @@ def rank_main(rank: int, store_path: str, hidden: int, out: str) -> None:
 def _join(ranks, table: Path, exit_s: float = 30.0) -> None:
     """Wait for the ranks; once rank 0 has written `table`, give them `exit_s` to leave the group and exit, then
     stop them (a teardown that hangs must not hold the measurements back). A rank that fails raises here."""
+    deadline = None
     while not ranks.join(timeout=1.0):
-        if table.exists():
+        if deadline is None and table.exists():
             deadline = time.monotonic() + exit_s
-            while not ranks.join(timeout=1.0):
-                if time.monotonic() > deadline:
-                    log(f"the ranks did not exit within {exit_s:.0f} s of writing their rows: stopped")
-                    for process in ranks.processes:
-                        process.kill()
-                        process.join(5)
-                    return
+        if deadline is not None and time.monotonic() > deadline:
+            log(f"the ranks did not exit within {exit_s:.0f} s of writing their rows: stopped")
+            for process in ranks.processes:
+                process.kill()
+                process.join(5)
             return
 
 

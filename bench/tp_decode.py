@@ -23,7 +23,7 @@ import argparse
 import time
 from pathlib import Path
 
-from .common import Study, add_study_arguments, error_text, greedy_agreement, log, random_prompts
+from .common import Study, add_study_arguments, error_text, greedy_agreement, log, random_prompts, top2_gaps
 from .measure import copy_rate, time_ms
 from .models import decoding, model_bytes, save_model, shape_of, stop
 from .report import text_table
@@ -69,7 +69,7 @@ def measure(study: Study, model_dir: Path, work: Path, name: str, batches: tuple
         greedy = graphkiln.SamplingParams(max_tokens=32, ignore_eos=True, logprobs=2)
         outs = llm.generate(prompts, greedy)
         row["tokens"] = [o.token_ids for o in outs]
-        row["top2_gaps"] = [[t.top[0][1] - t.top[1][1] for t in o.logprobs] for o in outs]
+        row["top2_gaps"] = top2_gaps(outs)
         row["logits"] = llm.score(prompts[0]).float().cpu()
         row["steps_without_graph"] = dict(llm.stats().steps_without_graph)
     return row
@@ -102,17 +102,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(a: argparse.Namespace) -> int:
-    import torch
-
     t0 = time.perf_counter()
     study = Study.of("tp-decode", a)
-    if study.cuda and torch.cuda.device_count() < 2:
-        raise SystemExit("bench tp-decode: needs 2 GPUs (this machine shows 1); --smoke runs it on the CPU")
+    study.two_gpus()
     batches = tuple(int(x) for x in (a.batches or ("1,2" if study.smoke else "1,8,32,64")).split(","))
     prefills = tuple(int(x) for x in (a.prefill or ("16,48" if study.smoke else "128,1024,4096")).split(","))
-    names = [n.strip() for n in a.configs.split(",") if n.strip()]
-    if unknown := sorted(set(names) - set(CONFIGS)):
-        raise SystemExit(f"bench tp-decode: unknown configs {unknown}; use some of {list(CONFIGS)}")
+    names = study.chosen(a.configs, tuple(CONFIGS), "configs")
     rate = copy_rate(study.device, (1 << 24) if study.smoke else (2 << 30))
     rows: dict[str, dict] = {}
     results = {"batches": batches, "prefill_tokens": prefills, "copy_rate_bytes_per_s": rate, "rows": rows}

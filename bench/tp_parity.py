@@ -17,7 +17,7 @@ import argparse
 import time
 from pathlib import Path
 
-from .common import Study, add_study_arguments, error_text, greedy_agreement, log, random_prompts
+from .common import Study, add_study_arguments, error_text, greedy_agreement, log, random_prompts, top2_gaps
 from .models import FAMILIES, build_hf_model, shape_of
 from .report import text_table
 
@@ -39,7 +39,7 @@ def run_engine(study: Study, model_dir: Path, out: Path, size: int, dtype: str, 
         outs = llm.generate(prompts, params)
         return {"logits": [llm.score(p).float().cpu() for p in prompts],
                 "tokens": [o.token_ids for o in outs],
-                "top2_gaps": [[t.top[0][1] - t.top[1][1] for t in o.logprobs] for o in outs]}  # fmt: skip
+                "top2_gaps": top2_gaps(outs)}
 
 
 def agreement(two: dict, one: dict) -> dict:
@@ -65,11 +65,8 @@ def main(a: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     study = Study.of("tp-parity", a)
-    if study.cuda and torch.cuda.device_count() < 2:
-        raise SystemExit("bench tp-parity: needs 2 GPUs (this machine shows 1); --smoke runs it on the CPU")
-    families = [f.strip() for f in (a.families or ("llama" if a.smoke else ",".join(FAMILIES))).split(",")]
-    if unknown := sorted(set(families) - set(FAMILIES)):
-        raise SystemExit(f"bench tp-parity: unknown families {unknown}; use some of {list(FAMILIES)}")
+    study.two_gpus()
+    families = study.chosen(a.families or ("llama" if a.smoke else ",".join(FAMILIES)), FAMILIES, "families")
     dtypes = (a.dtypes or ("float32" if a.smoke else "bfloat16,float32")).split(",")
     shape = shape_of(study.model, max_position=2048, layers=study.layers)
     prompts = random_prompts(a.prompts or (4 if a.smoke else 64), 24, shape["vocab_size"], seed=0)
