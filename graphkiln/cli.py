@@ -61,7 +61,7 @@ def _compile_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="token counts that get one more Inductor compile each, with the token dim fixed")
     parser.add_argument("--disable-pass", action="append", default=[], metavar="NAME")
     parser.add_argument("--enable-pass", action="append", default=[], metavar="NAME",
-                        help="turn on a pass that is off by default (add_rms_norm, symm_mem_all_reduce)")
+                        help="turn on a pass that is off by default (symm_mem_all_reduce; add_rms_norm on the CPU)")
     parser.add_argument("--quantization", choices=("fp8", "int4"), default=None,
                         help="quantize the decoder's linear layers at compile time (fp8: per-channel weights, "
                              "per-token activations; int4: weight-only, groups of 128)")

@@ -30,7 +30,7 @@ from graphkiln.passes.base import GraphPass, PostGradPass, content_hash
 from graphkiln.passes.boundary_recompute import BoundaryRecompute, BoundaryRecomputeConfig
 from graphkiln.passes.linear_op import LinearOp
 from graphkiln.passes.manager import PassManager
-from graphkiln.passes.pipeline import default_passes
+from graphkiln.passes.pipeline import default_passes, passes_off
 
 DYNAMO_NAMES = ["boundary_recompute", "silu_mul_epilogue", "attention_split"]
 OFF_BY_DEFAULT = ["add_rms_norm", "symm_mem_all_reduce"]
@@ -159,6 +159,18 @@ def test_default_pipeline_matches_eager_and_reports_every_pass(toy):
     assert (epilogue.runs, epilogue.matches, epilogue.nodes_removed, epilogue.nodes_added) == (1, 2, 12, 2)
     assert (silu_mul.runs, silu_mul.matches) == (1, 0)
     assert (split.runs, split.matches, split.nodes_removed) == (1, 2, 0)
+
+
+def test_default_passes_depend_on_the_compile_device():
+    """add_rms_norm runs by default in CUDA compiles only; symm_mem_all_reduce only when named; disabled wins."""
+    passes = default_passes()
+    assert passes_off(passes, ()) == {"add_rms_norm", "symm_mem_all_reduce"}
+    assert passes_off(passes, (), device="cuda") == {"symm_mem_all_reduce"}
+    assert passes_off(passes, (), ("add_rms_norm",)) == {"symm_mem_all_reduce"}
+    assert passes_off(passes, ("add_rms_norm",), device="cuda") == {"add_rms_norm", "symm_mem_all_reduce"}
+    records = PassManager(default_passes(), device="cuda").records
+    assert [n for n in NAMES if not records[n].enabled] == ["symm_mem_all_reduce"]
+    assert PassManager(default_passes(), device="cuda").uuid() != PassManager(default_passes()).uuid()
 
 
 def test_unknown_pass_name_is_a_config_error_listing_known_names(toy):

@@ -181,7 +181,7 @@ def write_artifact(
     check_device(config.device)
     model_scheme(model_dir, config.quantization)  # an unsupported or conflicting scheme, before anything is written
     check_paths(out, model_dir, config)
-    passes_off(default_passes(graph_passes), config.disabled_passes, config.enabled_passes)
+    passes_off(default_passes(graph_passes), config.disabled_passes, config.enabled_passes, config.device)
     if config.dump_dir:
         require_depyf()
     _claim(out, force)  # before the lock file and OUT's parents are created; again under the lock

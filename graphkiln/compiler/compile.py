@@ -64,7 +64,7 @@ def compile_module(
 
     dump = Dump(config.dump_dir) if config.dump_dir else None
     manager = PassManager(default_passes(graph_passes), config.disabled_passes, dump.graph if dump else None,
-                          config.enabled_passes)
+                          config.enabled_passes, config.device)
     if dump is None:
         return _compile(model, config, manager, progress, None)
     require_depyf()

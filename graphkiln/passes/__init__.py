@@ -9,7 +9,7 @@ Pipeline (`pipeline.default_passes`), each switchable with `CompileConfig.disabl
 3. `silu_mul_linear`: `down_proj(silu(gate) * up)` that the pass before left (a biased gate/up product)
    becomes one graphkiln::silu_mul_linear call, whose one-row GEMV computes the activation as it
    streams the weight.
-4. `add_rms_norm` (off unless named): a residual add and the RMSNorm of its sum become one
+4. `add_rms_norm` (CUDA compiles; on the CPU only when named): a residual add and the RMSNorm of its sum become one
    graphkiln::add_rms_norm call, a Triton kernel holding each row in registers (Inductor's loops over
    a row twice above 1024 inputs) and launched with programmatic dependent launch.
 5. `attention_split`: cuts the graph at every graphkiln::attention call into pieces.

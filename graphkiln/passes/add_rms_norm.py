@@ -1,7 +1,7 @@
 """add_rms_norm: a residual add and the RMSNorm of its sum become one graphkiln::add_rms_norm call.
 
-A Dynamo-graph pass, off by default (`CompileConfig(enabled_passes=("add_rms_norm",))`) until the GPU measures
-it. It matches transformer.RMSNorm's ops, `weight * (s32 * rsqrt(s32.pow(2).mean(-1, keepdim=True) + eps)).to(
+A Dynamo-graph pass, on by default in CUDA compiles (the decode step measured faster: README, "Passes and
+dumps") and off on the CPU unless named (`CompileConfig(enabled_passes=("add_rms_norm",))`). It matches transformer.RMSNorm's ops, `weight * (s32 * rsqrt(s32.pow(2).mean(-1, keepdim=True) + eps)).to(
 dtype)` with s32 = s.float(), where s = a + b of two 2-D tensors of the weight's dtype, and calls the op on a, b,
 the weight and eps: its first output takes the sum's other users (the residual stream), its second the
 norm's. The norms of the embedding and of q/k heads, with no add before them, are left to Inductor. On CUDA
@@ -88,7 +88,7 @@ def _takes(total: torch.fx.Node, weight: torch.fx.Node, dtype: torch.dtype) -> t
 
 class AddRmsNorm(GraphPass):
     name = "add_rms_norm"
-    default_enabled = False
+    default_devices = ("cuda",)  # on the CPU the op runs its reference body, which Inductor fuses no further
 
     def __call__(self, gm: torch.fx.GraphModule) -> int:
         graph, matches = gm.graph, 0

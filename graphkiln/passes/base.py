@@ -46,12 +46,12 @@ def source_files(cls: type) -> list[str]:
 
 
 class Pass(ABC):
-    """A named graph rewrite; `config` (a frozen dataclass or None) is part of its uuid. A pass whose
-    `default_enabled` is False runs only when `CompileConfig.enabled_passes` names it."""
+    """A named graph rewrite; `config` (a frozen dataclass or None) is part of its uuid. In a compile for a
+    device outside `default_devices` the pass runs only when `CompileConfig.enabled_passes` names it."""
 
     name: ClassVar[str]
     stage: ClassVar[str]
-    default_enabled: ClassVar[bool] = True
+    default_devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
     config: Any = None
 
     def uuid(self) -> str | None:

@@ -39,17 +39,17 @@ def _ops(target: torch.fx.GraphModule | torch.fx.Graph) -> Counter:
 
 
 class PassManager(CustomGraphPass):
-    """Ordered passes; `disabled` names, and passes off by default unless `enabled` names them, are registered
-    but never run. Unknown names are a ConfigError."""
+    """Ordered passes; `disabled` names, and passes off by default on `device` unless `enabled` names them, are
+    registered but never run. Unknown names are a ConfigError."""
 
     def __init__(
         self, passes: Sequence[Pass], disabled: Iterable[str] = (), dump: GraphDump | None = None,
-        enabled: Iterable[str] = (),
+        enabled: Iterable[str] = (), device: str = "cpu",
     ) -> None:
         self.passes: list[Pass] = []
         for p in passes:
             self.register(p)
-        self.disabled = passes_off(self.passes, disabled, enabled)
+        self.disabled = passes_off(self.passes, disabled, enabled, device)
         self.dump = dump
         self.records = {p.name: PassRecord(p.name, p.stage, p.uuid(), p.name not in self.disabled) for p in self.passes}
 

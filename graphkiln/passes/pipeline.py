@@ -37,7 +37,10 @@ def check_disabled(passes: Sequence[Pass], disabled: Iterable[str], field: str =
     return frozenset(disabled)
 
 
-def passes_off(passes: Sequence[Pass], disabled: Iterable[str], enabled: Iterable[str] = ()) -> frozenset[str]:
-    """The passes that do not run: those `disabled` names, and those off by default that `enabled` does not name."""
+def passes_off(passes: Sequence[Pass], disabled: Iterable[str], enabled: Iterable[str] = (),
+               device: str = "cpu") -> frozenset[str]:
+    """The passes that do not run in a compile for `device`: those `disabled` names, and those off by default
+    there (`Pass.default_devices`) that `enabled` does not name."""
     on = check_disabled(passes, enabled, "enabled_passes")
-    return check_disabled(passes, disabled) | {p.name for p in passes if not p.default_enabled and p.name not in on}
+    off_here = {p.name for p in passes if device not in p.default_devices and p.name not in on}
+    return check_disabled(passes, disabled) | off_here

@@ -79,7 +79,7 @@ def _static_bytes(value: torch.Tensor) -> int | None:
 
 class SymmMemAllReduce(PostGradPass):
     name = NAME
-    default_enabled = False
+    default_devices = ()
 
     def __init__(self, config: SymmMemAllReduceConfig = SymmMemAllReduceConfig()) -> None:
         self.config = config

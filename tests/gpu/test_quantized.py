@@ -146,15 +146,19 @@ def _check_engine(out, reference: LLM, name: str, max_error: float) -> dict:
     want = [o.token_ids for o in plain.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))]
     exact = assert_greedy_agrees(plain, prompts, want, result["tokens"], ulps=QUANTIZED_TIE_ULPS)
     record(f"quantized_{name}_graphs_vs_no_graphs_exact", {"exact": exact, "of": len(prompts)})
-    # decoded alone (one row: int4's tinygemm, fp8's GEMV) against decoded six together (the few-row kernels)
-    exact_alone = assert_greedy_agrees(plain, prompts[:2], want[:2], result["alone"], ulps=QUANTIZED_TIE_ULPS)
-    record(f"quantized_{name}_alone_vs_batched_exact", {"exact": exact_alone, "of": 2})
     ids = list(range(100, 228))
     ref, ours = reference.score(ids).cpu(), plain.score(ids).cpu()
-    error = ((ours - ref).abs().max() / ref.abs().max()).item()
+    distance = (ours - ref).abs().max().item()
+    error = distance / ref.abs().max().item()
     top1 = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
     record(f"quantized_{name}_vs_reference", {"relative_error": error, "top1": top1})
     assert error < max_error and top1 >= 0.8
+    # Decoded alone (one row: int4's tinygemm, fp8's GEMV, which multiplies the activation as it is) against
+    # decoded six together (the few-row kernels; fp8's round the activation to fp8): the paths differ by design,
+    # so a divergence is a tie within the engine's measured distance from the float32 reference.
+    exact_alone = assert_greedy_agrees(plain, prompts[:2], want[:2], result["alone"], ulps=QUANTIZED_TIE_ULPS,
+                                       tolerance=distance)
+    record(f"quantized_{name}_alone_vs_batched_exact", {"exact": exact_alone, "of": 2, "tolerance": distance})
     return result
 
 
