@@ -190,10 +190,16 @@ def _int4_dequantize_kernel(q_ptr, s_ptr, z_ptr, out_ptr, N, K, G, stride_qn, st
 
 def gemv_tiling(n: int, k: int, sms: int = 132) -> tuple[int, int, int, int, int]:
     """(BLOCK_N, BLOCK_K, splits, warps, stages) of the one-row kernel: slabs of a few weight rows over long K
-    steps (a step loads 2-8 KiB of each row's packed bytes), a deep pipeline of short steps for the wide
-    projections, and K split where the slabs alone leave multiprocessors idle (the benchmark's sweep checks them)."""
+    steps (a step loads 1-4 KiB of each row's packed bytes; 2048 inputs divide the long K of Llama-shaped down
+    projections, whose masked steps ran at half speed), a deep pipeline of short steps for the wide projections,
+    and K split where the slabs alone leave multiprocessors idle (the benchmark's sweep checks them)."""
     if n <= 8192:
-        tiles = (4, 8192, 4, 2) if k <= 2048 else (8, 2048, 4, 3) if k < 8192 else (8, 4096, 8, 2)
+        if k <= 2048:
+            tiles = 4, 8192, 4, 2
+        elif k < 8192:
+            tiles = (8, 1024, 4, 4) if n > 4096 else (8, 2048, 4, 3)
+        else:
+            tiles = 16, 2048, 8, 2
     elif n <= 32768:
         tiles = 32, 512, 4, 6
     else:
