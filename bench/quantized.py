@@ -13,16 +13,16 @@ counts, with sweeps of the few-row kernels' tiles. A few minutes on the 8b shape
               quantization + block-scaled _scaled_mm (where this torch has it), dequantize + torch.mm
   int4        int4_linear (groups of 128, what it picks with the layers' tinygemm layout), and each
               candidate: torch's tinygemm (aten._weight_int4pack_mm, torchao's int4 layout on CUDA), the word
-              kernel (word_dot: the weight read as int32 words, on tensor cores from 2 rows), the byte kernels
-              (the GEMV at 1 row, the tiled mm_kernel), dequantize + mm
+              kernel (word_dot: the weight read as int32 words, on tensor cores from 2 rows), the dp4a GEMV at 1
+              row (dp4a_gemv, int4_dp4a.py), the byte kernels (the GEMV at 1 row, the tiled mm_kernel),
+              dequantize + mm
   --quality   instead: each format's logits against the unquantized model's and the tiny model's held-out
               perplexity per format (bench/quality.py)
-  --sweep     fp8, fp8-block: at 1 row every GEMV tiling of SWEEP_GEMV, at 2 to 64 rows every tiling of SWEEP_MMA (above
-              FEW_ROWS rows on x quantized first, as mma_quantized);
-              int4: every tiling of SWEEP_WORD_DOT at 2 to 64 rows, of SWEEP_MM (the byte kernel, which
-              int4_linear leaves to dequantize + mm there) at 65 to 256; each with every split of K in
-              SPLITS. The five
-              fastest, the rule's own tiles (`*_tiling`) and its time are kept per shape and row count
+  --sweep     fp8, fp8-block: at 1 row every GEMV tiling of SWEEP_GEMV, at 2 to 64 rows every tiling of SWEEP_MMA
+              (above FEW_ROWS rows on x quantized first, as mma_quantized);
+              int4: every tiling of SWEEP_DP4A (the dp4a GEMV) at 1 row, of SWEEP_WORD_DOT at 2 to 64 rows, of
+              SWEEP_MM (the byte kernel, which int4_linear leaves to dequantize + mm there) at 65 to 256; each
+              with every split of K in SPLITS. The five fastest, the rule's own tiles (`*_tiling`) and its time are kept per shape and row count
               (quantized-sweep-<formats>.json), and the best per shape printed at the end, one line each
 
 The floor of a format is its weight bytes (with scales and zero points) and the activation and output
@@ -47,6 +47,9 @@ SPLITS = (1, 2, 4, 8)  # K splits tried with every tiling (split K is a run-time
 # (BLOCK_N, BLOCK_K, warps, stages) of the fp8 GEMV (either scale layout) tried at 1 row; one stage: loads not pipelined
 SWEEP_GEMV = [(n, k, 4, 4) for n in (8, 16, 32) for k in (512, 1024, 2048)] + [(n, 1024, 4, 1) for n in (8, 16, 32)]
 SWEEP_GEMV += [(n, k, 8, stages) for n in (8, 16) for k, stages in ((1024, 3), (2048, 2))]
+# (BLOCK_N, BLOCK_K, warps, stages) of the int4 dp4a GEMV tried at 1 row
+SWEEP_DP4A = [(n, k, 4, stages) for n in (8, 16, 32) for k in (512, 1024, 2048) for stages in (3, 4)]
+SWEEP_DP4A += [(n, k, 8, 2) for n in (16, 32) for k in (1024, 2048)]
 # (BLOCK_N, warps, stages) of int4_dot tried at 2 to 64 rows; BLOCK_M: the rows up to a power of two (16 to 64),
 # BLOCK_K: 128 (a dot's 16 words)
 SWEEP_WORD_DOT = [(n, warps, 4) for n in (32, 64, 128) for warps in (4, 8)]
@@ -138,6 +141,7 @@ def candidates(fmt: str, x, rows: int, tinygemm: dict | None = None) -> dict:
         return out
     from graphkiln.kernels import int4_linear as i4
     from graphkiln.kernels import int4_words as w4
+    from graphkiln.kernels.int4_dp4a import int4_dp4a_gemv
 
     layout = tinygemm or {}
     out = {"picked": lambda q, s, z: i4.int4_linear(x, q, s, z, GROUP, *layout.get(id(q), ()))}
@@ -145,6 +149,7 @@ def candidates(fmt: str, x, rows: int, tinygemm: dict | None = None) -> dict:
         out["word_dot"] = lambda q, s, z: w4.int4_dot(x, w4.words(q), s, z, GROUP)
     if rows == 1:
         out["gemv"] = lambda q, s, z: i4.int4_gemv(x, q, s, z, GROUP)
+        out["dp4a_gemv"] = lambda q, s, z: int4_dp4a_gemv(x, w4.words(q), s, z, GROUP)
     out["mm_kernel"] = lambda q, s, z: i4.int4_mm(x, q, s, z, GROUP)
     out["dequant_mm"] = lambda q, s, z: torch.mm(x, i4.dequantize(q, s, z, GROUP, x.dtype).t())
     if tinygemm:
@@ -187,6 +192,8 @@ def sweep_tilings(fmt: str, rows: int) -> list[tuple]:
     block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
     if fmt == "int4" and rows > 64:
         return [(m, n, k, False, split, warps, stages) for m, n, k, warps, stages in SWEEP_MM for split in SPLITS]
+    if fmt == "int4" and rows == 1:
+        return [(n, k, split, warps, stages) for n, k, warps, stages in SWEEP_DP4A for split in SPLITS]
     if fmt == "int4":
         return [(block_m, n, 128, split, warps, stages) for n, warps, stages in SWEEP_WORD_DOT for split in SPLITS]
     if rows > 1:
@@ -197,7 +204,7 @@ def sweep_tilings(fmt: str, rows: int) -> list[tuple]:
 def swept(fmt: str, rows: int) -> bool:
     """Whether --sweep tries tilings of this format's kernel at this row count."""
     if fmt == "int4":
-        return 1 < rows <= 256
+        return rows <= 256
     return fmt != "bf16" and rows <= 64
 
 
@@ -209,7 +216,10 @@ def tiled(fmt: str, x, rows: int, tiles: tuple | None):
         return lambda q, s, z: int4_mm(x, q, s, z, GROUP, tiles=tiles)
     if fmt == "int4":
         from graphkiln.kernels import int4_words as words
+        from graphkiln.kernels.int4_dp4a import int4_dp4a_gemv
 
+        if rows == 1:
+            return lambda q, s, z: int4_dp4a_gemv(x, words.words(q), s, z, GROUP, tiles=tiles)
         return lambda q, s, z: words.int4_dot(x, words.words(q), s, z, GROUP, tiles=tiles)
     from graphkiln.kernels.fp8_linear import FEW_ROWS, fp8_gemv
     from graphkiln.kernels.fp8_mma import fp8_mma
@@ -226,11 +236,14 @@ def rule_tiles(fmt: str, rows: int, n: int, k: int, device) -> tuple:
     from graphkiln.kernels import int4_linear as i4
     from graphkiln.kernels import int4_words as w4
     from graphkiln.kernels.fp8_mma import mma_tiling
+    from graphkiln.kernels.int4_dp4a import dp4a_tiling
     from graphkiln.kernels.split_k import multiprocessors
 
     sms = multiprocessors(device)
     if fmt == "int4" and rows > 64:
         return i4.mm_tiling(rows, n, k, GROUP, sms)
+    if fmt == "int4" and rows == 1:
+        return dp4a_tiling(n, k, GROUP, sms)
     if fmt == "int4":
         return w4.dot_tiling(rows, n, k, sms)
     if rows == 1:
@@ -244,14 +257,16 @@ def sweep(fmt: str, x, rows: int, weights: list, calls: int) -> dict:
     from triton.compiler.errors import CompilationError
     from triton.runtime.errors import OutOfResources
 
+    from graphkiln.errors import ConfigError
+
     n, k = weights[0][0].shape[0], x.shape[1]
     rule = rule_tiles(fmt, rows, n, k, x.device)
     timed, failed = [], []
-    for tiles in dict.fromkeys([rule, *sweep_tilings(fmt, rows)]):
+    for tiles in dict.fromkeys([rule, *sweep_tilings(fmt, rows)]):  # ConfigError: steps that do not divide K
         fn = tiled(fmt, x, rows, tiles)
         try:
             timed.append((per_call_us(lambda w, fn=fn: fn(*w), weights, calls, "cuda"), tiles))
-        except (OutOfResources, CompilationError, RuntimeError) as e:  # RuntimeError: a failed compiler pass
+        except (OutOfResources, CompilationError, RuntimeError, ConfigError) as e:  # RuntimeError: a failed pass
             failed.append((tiles, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"))
     rule_us = next((us for us, tiles in timed if tiles == rule), None)
     return {"rule": [rule_us, rule], "top5": sorted(timed)[:5], "failed": failed}

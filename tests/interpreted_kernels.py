@@ -22,7 +22,9 @@ from graphkiln.kernels.block_decode_attention import block_paged_decode
 from graphkiln.kernels.decode_attention import paged_decode
 from graphkiln.kernels.fp8_linear import fp8_linear
 from graphkiln.kernels.gemv import gemv
+from graphkiln.kernels.int4_dp4a import int4_dp4a_gemv
 from graphkiln.kernels.int4_linear import int4_linear
+from graphkiln.kernels.int4_words import words
 from graphkiln.kernels.prefill_attention import paged_prefill
 from graphkiln.kernels.rms_norm import add_rms_norm
 from graphkiln.models.linear import silu_mul_reference
@@ -157,17 +159,23 @@ def run_prefill(dtype: torch.dtype, hq: int, hkv: int, d: int, lens: list[tuple[
 
 
 def run_product(kind: str, rows: int, n: int, k: int, seed: int = 0) -> dict:
-    """fp8_linear ("fp8-channel", "fp8-block") or int4_linear ("int4", groups of 128) of `rows` float16 rows, as
+    """fp8_linear ("fp8-channel", "fp8-block"), int4_linear ("int4", groups of 128) or the int4 dp4a GEMV
+    ("int4-dp4a", "-g32": groups of 32) of `rows` float16 rows, as
     they dispatch that many, on the GPU tests' weights (gpu/kernel_weights.py), against float32 products of the
     dequantized weight and of x as the kernels round it (models/quantized_linear.py): unquantized at one row, per
     1 x 128 group in registers up to FEW_ROWS, per token (channel scales) or group (block scales) by a kernel of
-    its own up to MMA_ROWS; int4 keeps x. "-activated" kinds (fp8, and "half" for the float16 GEMV of one row) are
+    its own up to MMA_ROWS; int4 keeps x (the dp4a GEMV's 16-bit fixed point per group is finer than
+    float16 for all but a group's smallest inputs). "-activated" kinds (fp8, and "half" for the float16 GEMV of one row) are
     silu(gate) * up of the product's halves, against that of the float16 product."""
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed)).to(torch.float16)
     activated = kind.endswith("-activated")
-    if kind == "int4":
-        qweight, scales, zeros, reference = int4_weight(n, k, 128, "cpu")
-        got = int4_linear(x, qweight, scales, zeros, 128)
+    if kind.startswith("int4"):
+        group = 32 if kind.endswith("g32") else 128
+        qweight, scales, zeros, reference = int4_weight(n, k, group, "cpu")
+        if kind.startswith("int4-dp4a"):
+            got = int4_dp4a_gemv(x, words(qweight), scales, zeros, group)
+        else:
+            got = int4_linear(x, qweight, scales, zeros, group)
         want = x.float() @ reference.t()
     elif kind == "half-activated":
         weight = torch.randn(n, k, generator=torch.Generator().manual_seed(seed + 1)).to(torch.float16) / k**0.5
@@ -221,6 +229,9 @@ PREFILL_CASES = {  # name: (query dtype, q heads, kv heads, head_dim, (query_len
 PRODUCT_CASES = {  # name: (kind, rows, N, K); the rows pick each path fp8_linear and int4_linear dispatch
     **{f"{kind}-{rows}-rows": (kind, rows, 200, 384) for kind in ("fp8-channel", "fp8-block") for rows in (1, 8, 24)},
     **{f"int4-{rows}-rows": ("int4", rows, 160, 512) for rows in (1, 8, 48, 80)},
+    "int4-dp4a-1-row": ("int4-dp4a", 1, 160, 512),
+    "int4-dp4a-1-row-11-groups": ("int4-dp4a", 1, 96, 1408),  # K steps halved to one group
+    "int4-dp4a-1-row-g32": ("int4-dp4a-g32", 1, 72, 2048),  # split K, groups of 32
     **{f"{kind}-activated-{rows}-rows": (f"{kind}-activated", rows, 200, 384) for kind in ("fp8-channel", "fp8-block")
        for rows in (1, 8)},
     "half-activated-1-row": ("half-activated", 1, 200, 384),

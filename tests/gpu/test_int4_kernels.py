@@ -1,5 +1,5 @@
-"""The int4 weight kernels (torch's tinygemm where it runs, our byte and word kernels, dequantize + cuBLAS, and
-int4_linear's choice among them) against float32 products of the dequantized weight, at decode and prefill row
+"""The int4 weight kernels (torch's tinygemm where it runs, our byte, word and dp4a kernels, dequantize + cuBLAS,
+and int4_linear's choice among them) against float32 products of the dequantized weight, at decode and prefill row
 counts, on the bench models' projections and ragged shapes, with every split of K."""
 
 import pytest
@@ -8,6 +8,7 @@ import torch
 pytest.importorskip("triton")
 
 from graphkiln.errors import ConfigError  # noqa: E402
+from graphkiln.kernels import int4_dp4a as dp4a_kernels  # noqa: E402
 from graphkiln.kernels import int4_linear as int4_kernels  # noqa: E402
 from graphkiln.kernels import int4_words as word_kernels  # noqa: E402
 from graphkiln.kernels.int4_linear import int4_linear  # noqa: E402
@@ -165,5 +166,104 @@ def test_int4_dot_tiling_puts_enough_programs_on_every_multiprocessor(shape, row
     n, k = shape
     sms = multiprocessors(torch.device("cuda"))
     _, block_n, block_k, splits = word_kernels.dot_tiling(rows, n, k, sms)[:4]
+    finest = k // (2 * splits) < max(MIN_SPLIT_K, block_k) or k_steps(k, 2 * splits, block_k)[0] == splits
+    assert -(-n // block_n) * splits >= RESIDENT * sms or finest, (block_n, block_k, splits)
+
+
+DP4A_SHAPES = {**WORD_SHAPES, **MODEL_SHAPES}
+
+
+@pytest.mark.parametrize("splits", SPLITS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", DP4A_SHAPES.values(), ids=DP4A_SHAPES.keys())
+def test_int4_dp4a_gemv_matches_float32_with_every_split_of_k(shape, dtype, splits):
+    """The dp4a GEMV (x in 16-bit fixed point per group, exact integer sums) within one rounding of the output."""
+    n, k = shape
+    qweight, scales, zeros, reference_weight = int4_weight(n, k)
+    x = activation(1, k, dtype)
+    tiles = dp4a_kernels.dp4a_tiling(n, k, 128, multiprocessors(x.device))
+    y = dp4a_kernels.int4_dp4a_gemv(x, qwords(qweight), scales, zeros, 128, tiles=with_splits(tiles, splits, False))
+    assert y.shape == (1, n) and y.dtype == dtype
+    assert relative_error(y, x.float() @ reference_weight.t()) < 0.008
+
+
+@pytest.mark.parametrize("group", [16, 32, 64, 256, 1024])
+def test_int4_dp4a_gemv_other_group_sizes(group):
+    n, k = 1536, 2048
+    qweight, scales, zeros, reference_weight = int4_weight(n, k, group)
+    x = activation(1, k)
+    y = dp4a_kernels.int4_dp4a_gemv(x, qwords(qweight), scales, zeros, group)
+    assert relative_error(y, x.float() @ reference_weight.t()) < 0.008
+
+
+def fixed_point(words: torch.Tensor) -> torch.Tensor:
+    """f [K] from x_words' words: the bytes of its four arrays (little-endian), f = 256 h + l."""
+    high_even, high_odd, low_even, low_odd = words.contiguous().view(torch.uint8).view(4, -1)
+    high = torch.stack((high_even.view(torch.int8), high_odd.view(torch.int8)), 1).reshape(-1).int()
+    return 256 * high + torch.stack((low_even, low_odd), 1).reshape(-1).int()
+
+
+def test_int4_dp4a_x_words_round_each_group_to_its_own_fixed_point():
+    """Every input within half a step of its group's fixed point (its largest input / 32767): a group of zeros,
+    one of inputs near 1e-3, one with an input of 60000 (near float16's largest), the rest normal."""
+    k = 2944
+    x = activation(1, k, torch.float16)
+    x[0, :128] = 0
+    x[0, 128:256] *= 1e-3
+    x[0, 1000] = 60000.0
+    words, scales, sums = dp4a_kernels.x_words(x, 128)
+    largest = x.float().abs().view(-1, 128).amax(1)
+    assert torch.allclose(scales, torch.where(largest > 0, largest / 32767, 1.0), rtol=1e-6, atol=0)
+    f = fixed_point(words)
+    error = (f.float() * scales.repeat_interleave(128) - x.float()[0]).abs().view(-1, 128).amax(1)
+    assert (error <= 0.51 * scales).all()
+    assert torch.equal(sums, f.view(-1, 128).sum(1).float())
+
+
+def test_int4_dp4a_gemv_carries_a_non_finite_input_to_the_outputs():
+    qweight, scales, zeros, _ = int4_weight(1000, 2944)
+    x = activation(1, 2944)
+    x[0, 300] = float("inf")
+    assert not torch.isfinite(dp4a_kernels.int4_dp4a_gemv(x, qwords(qweight), scales, zeros, 128)).any()
+
+
+def test_int4_dp4a_gemv_replays_in_a_cuda_graph():
+    """Captured once (the x-words kernel, the product and the split sum), replayed on new inputs: equal to the
+    eager call bit for bit."""
+    n, k = 4096, 14336
+    qweight, scales, zeros, _ = int4_weight(n, k)
+    words = qwords(qweight)
+    tiles = with_splits(dp4a_kernels.dp4a_tiling(n, k, 128, multiprocessors(torch.device("cuda"))), 2, False)
+    static_x = activation(1, k)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        dp4a_kernels.int4_dp4a_gemv(static_x, words, scales, zeros, 128, tiles=tiles)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        static_y = dp4a_kernels.int4_dp4a_gemv(static_x, words, scales, zeros, 128, tiles=tiles)
+    for seed in (1, 2):
+        x = torch.randn(1, k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed)).bfloat16()
+        static_x.copy_(x)
+        graph.replay()
+        assert torch.equal(static_y, dp4a_kernels.int4_dp4a_gemv(x, words, scales, zeros, 128, tiles=tiles))
+
+
+def test_int4_dp4a_gemv_refuses_more_rows_and_partial_groups():
+    qweight, scales, zeros, _ = int4_weight(256, 1024)
+    with pytest.raises(ConfigError, match="takes one row"):
+        dp4a_kernels.int4_dp4a_gemv(activation(2, 1024), qwords(qweight), scales, zeros, 128)
+    with pytest.raises(ConfigError, match="BLOCK_K 192"):
+        dp4a_kernels.int4_dp4a_gemv(activation(1, 1024), qwords(qweight), scales, zeros, 128,
+                                    tiles=(8, 192, 1, 4, 2))
+
+
+@pytest.mark.parametrize("shape", MODEL_SHAPES.values(), ids=MODEL_SHAPES.keys())
+def test_int4_dp4a_tiling_takes_whole_groups_and_fills_the_multiprocessors(shape):
+    n, k = shape
+    sms = multiprocessors(torch.device("cuda"))
+    block_n, block_k, splits = dp4a_kernels.dp4a_tiling(n, k, 128, sms)[:3]
+    assert k % block_k == 0 and block_k % 128 == 0
     finest = k // (2 * splits) < max(MIN_SPLIT_K, block_k) or k_steps(k, 2 * splits, block_k)[0] == splits
     assert -(-n // block_n) * splits >= RESIDENT * sms or finest, (block_n, block_k, splits)

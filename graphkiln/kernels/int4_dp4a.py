@@ -1,0 +1,201 @@
+"""int4 one-row product on integer dot products (dp4a), four inputs an instruction.
+
+A one-row int4 product is bound by the instructions per weight, not by its bytes (README: the byte GEMV and
+torch's tinygemm issue about six a weight). Here x [1, K] is first written, by a small kernel, as 16-bit fixed
+point per group of G inputs (x ~ xs_g * f, |f| <= 32767: finer than bfloat16 for every input above 1/128 of its
+group's largest), each f split into a signed high and an unsigned low byte (f = 256 h + l), the bytes packed into
+int32 words that line up with the weight's (`x_words`). Word i of the weight holds the nibbles of inputs 8i to
+8i + 7, byte j the even input 8i + 2j in its low nibble and the odd one in its high; so x's words are four
+arrays [4, K/8]: the even inputs' high bytes, the odd inputs' high bytes, then the low bytes alike. Per weight
+word, lo = w & 0x0F0F0F0F and hi = (w >> 4) & 0x0F0F0F0F hold its eight nibbles as bytes, and four dp4a
+give sum(q * f) over its inputs exactly, in int32: about two instructions a weight, conversions included. A
+group's sum S and the sum F of its f give y_n += s_ng * xs_g * (S - z_ng * F).
+
+Both kernels launch with programmatic dependent launch (pdl.py): x_words waits for x's producer, the product
+starts loading its weight while x_words runs. K splits as split_k.py says. On the CPU (Triton's interpreter,
+which runs no PTX) dp4a is computed with shifts and products.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.runtime.interpreter import InterpretedFunction
+
+from graphkiln.errors import ConfigError
+
+from .launch import launch
+from .pdl import pdl_on
+from .split_k import finish, k_steps, multiprocessors, output, split_count
+
+FIXED = tl.constexpr(32767.0)  # the largest |f| of a group
+LOW_NIBBLES = tl.constexpr(0x0F0F0F0F)
+MIN_GROUP = 16  # the smallest group int4_linear takes: two words
+
+
+@triton.jit
+def _or(a, b):
+    return a | b
+
+
+@triton.jit
+def _pack(bytes4):
+    """[W, 4] int32 bytes (either sign) -> [W] int32 words, byte j in bits 8j to 8j + 7."""
+    shifts = 8 * tl.arange(0, 4)
+    return tl.reduce((bytes4 & 255) << shifts[None, :], 1, _or)
+
+
+@triton.jit
+def _x_words_kernel(x_ptr, words_ptr, scales_ptr, sums_ptr, KW, G: tl.constexpr, PDL: tl.constexpr):
+    """Group g of x: its scale xs, the sum F of its fixed-point values, and its four words arrays' part."""
+    if PDL:
+        gdc_launch_dependents()
+    g = tl.program_id(0)
+    if PDL:  # x is the previous kernel's output
+        gdc_wait()
+    x = tl.load(x_ptr + g * G + tl.arange(0, G)).to(tl.float32)
+    largest = tl.max(tl.abs(x), 0)
+    scale = tl.where(largest > 0, largest / FIXED, 1.0)
+    f = tl.floor(x / scale + 0.5).to(tl.int32)
+    high_even, high_odd = tl.split(tl.reshape(f >> 8, (G // 8, 4, 2)))
+    low_even, low_odd = tl.split(tl.reshape(f & 255, (G // 8, 4, 2)))
+    w = g * (G // 8) + tl.arange(0, G // 8)
+    tl.store(words_ptr + w, _pack(high_even))
+    tl.store(words_ptr + KW + w, _pack(high_odd))
+    tl.store(words_ptr + 2 * KW + w, _pack(low_even))
+    tl.store(words_ptr + 3 * KW + w, _pack(low_odd))
+    tl.store(scales_ptr + g, scale)
+    tl.store(sums_ptr + g, tl.sum(f, 0).to(tl.float32))
+
+
+@triton.jit
+def _dp4a(a, b, c, SIGNED: tl.constexpr, ASM: tl.constexpr):
+    """c + the sum over the four bytes of a (unsigned) times those of b (signed with SIGNED), in int32."""
+    if ASM:
+        if SIGNED:
+            out = tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
+                                            is_pure=True, pack=1)
+        else:
+            out = tl.inline_asm_elementwise("dp4a.u32.u32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
+                                            is_pure=True, pack=1)
+    else:
+        out = c
+        for j in tl.static_range(4):
+            if SIGNED:
+                b_j = (b << (24 - 8 * j)) >> 24
+            else:
+                b_j = (b >> (8 * j)) & 255
+            out += ((a >> (8 * j)) & 255) * b_j
+    return out
+
+
+@triton.jit
+def _group_sums(w, xw_ptr, kw, KW, WORDS: tl.constexpr, CHUNKS: tl.constexpr, ASM: tl.constexpr):
+    """[BLOCK_N, CHUNKS] int32: sum(q * f) over each group of the step's weight words w [BLOCK_N, WORDS]."""
+    ws = kw + tl.arange(0, WORDS)
+    high_even = tl.load(xw_ptr + ws)[None, :]
+    high_odd = tl.load(xw_ptr + KW + ws)[None, :]
+    low_even = tl.load(xw_ptr + 2 * KW + ws)[None, :]
+    low_odd = tl.load(xw_ptr + 3 * KW + ws)[None, :]
+    lo = w & LOW_NIBBLES
+    hi = (w >> 4) & LOW_NIBBLES
+    high = _dp4a(hi, high_odd, _dp4a(lo, high_even, tl.zeros_like(w), True, ASM), True, ASM)
+    word = _dp4a(hi, low_odd, _dp4a(lo, low_even, high << 8, False, ASM), False, ASM)
+    return tl.sum(tl.reshape(word, (w.shape[0], CHUNKS, WORDS // CHUNKS)), axis=2)
+
+
+@triton.jit
+def _scaled(acc, sums, cols, col_mask, k, s_ptr, z_ptr, xs_ptr, xf_ptr, stride_sn, stride_zn, G: tl.constexpr,
+            CHUNKS: tl.constexpr):
+    """acc + s * xs * (S - z * F) for the step's groups."""
+    groups = k // G + tl.arange(0, CHUNKS)
+    s = tl.load(s_ptr + cols[:, None] * stride_sn + groups[None, :], mask=col_mask[:, None], other=0.0)
+    z = tl.load(z_ptr + cols[:, None] * stride_zn + groups[None, :], mask=col_mask[:, None], other=0.0)
+    xs = tl.load(xs_ptr + groups)[None, :]
+    xf = tl.load(xf_ptr + groups)[None, :]
+    return acc + s.to(tl.float32) * xs * (sums.to(tl.float32) - z.to(tl.float32) * xf)
+
+
+@triton.jit(do_not_specialize=["STEPS"])  # a loop bound: one build for every split
+def _int4_dp4a_gemv_kernel(q_ptr, xw_ptr, xs_ptr, xf_ptr, s_ptr, z_ptr, out_ptr, N, KW, STEPS, stride_qn, stride_sn,
+                           stride_zn, stride_os, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, G: tl.constexpr,
+                           STAGES: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
+    """out[split, 0, N]: BLOCK_N weight rows (int32 words [N, K/8]) over STEPS steps of BLOCK_K inputs, whole
+    groups, from the split's start."""
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    if PDL:  # the next kernel may start once every program has begun
+        gdc_launch_dependents()
+    WORDS: tl.constexpr = BLOCK_K // 8
+    CHUNKS: tl.constexpr = BLOCK_K // G
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    k_start = split * STEPS * BLOCK_K
+    q_ptrs = q_ptr + cols[:, None].to(tl.int64) * stride_qn + tl.arange(0, WORDS)[None, :]
+    w = tl.load(q_ptrs + k_start // 8, mask=col_mask[:, None], other=0)  # the weight: no wait
+    if PDL:  # x's words are the previous kernel's output
+        gdc_wait()
+    sums = _group_sums(w, xw_ptr, k_start // 8, KW, WORDS, CHUNKS, ASM)
+    acc = _scaled(tl.zeros((BLOCK_N, CHUNKS), dtype=tl.float32), sums, cols, col_mask, k_start, s_ptr, z_ptr,
+                  xs_ptr, xf_ptr, stride_sn, stride_zn, G, CHUNKS)
+    for step in tl.range(1, STEPS, num_stages=STAGES):  # the loop attribute pipelines loads without a dot
+        k = k_start + step * BLOCK_K
+        w = tl.load(q_ptrs + k // 8, mask=col_mask[:, None], other=0)
+        sums = _group_sums(w, xw_ptr, k // 8, KW, WORDS, CHUNKS, ASM)
+        acc = _scaled(acc, sums, cols, col_mask, k, s_ptr, z_ptr, xs_ptr, xf_ptr, stride_sn, stride_zn, G, CHUNKS)
+    tl.store(out_ptr + split * stride_os + cols, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=col_mask)
+
+
+def x_words(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(words [4, K/8] int32, scales [K/G] float32, sums [K/G] float32) of one row x [1, K], as the module
+    docstring says."""
+    k = x.shape[1]
+    words = torch.empty(4, k // 8, dtype=torch.int32, device=x.device)
+    scales = torch.empty(k // group_size, dtype=torch.float32, device=x.device)
+    sums = torch.empty_like(scales)
+    launch_pdl = pdl_on(x.device)
+    launch(_x_words_kernel, (k // group_size,), x, words, scales, sums, k // 8, G=group_size, PDL=launch_pdl,
+           num_warps=1, launch_pdl=launch_pdl)
+    return words, scales, sums
+
+
+def dp4a_tiling(n: int, k: int, group_size: int, sms: int = 132) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, splits, warps, stages): slabs of 8 or 16 weight rows over 1024- or 2048-wide steps,
+    halved until they divide K (a whole number of groups), K split where the slabs alone leave multiprocessors
+    idle."""
+    if n > 8192:
+        block_n, block_k, warps, stages = 16, 1024, 4, 3
+    elif k < 8192:
+        block_n, block_k, warps, stages = 8, 1024, 4, 4
+    else:
+        block_n, block_k, warps, stages = 16, 2048, 8, 2
+    block_k = max(block_k, group_size)
+    while block_k > group_size and k % block_k:
+        block_k //= 2
+    splits = split_count(triton.cdiv(n, block_n), k, block_k, 4 * n, n * k // 2, sms)
+    return block_n, block_k, splits, warps, stages
+
+
+def int4_dp4a_gemv(x: torch.Tensor, qwords: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                   group_size: int, tiles: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """x [1, K] (bfloat16/float16) @ w^T -> [1, N] in x's dtype, the weight as the int32 words of
+    int4_words.words, groups of MIN_GROUP or more; `tiles` defaults to `dp4a_tiling` (BLOCK_K a multiple of the
+    group size dividing K)."""
+    n, k = qwords.shape[0], x.shape[1]
+    block_n, block_k, splits, warps, stages = tiles or dp4a_tiling(n, k, group_size, multiprocessors(x.device))
+    if x.shape[0] != 1 or group_size < MIN_GROUP or k % block_k or block_k % group_size:
+        raise ConfigError(f"int4_dp4a_gemv takes one row and K steps of whole groups of at least {MIN_GROUP}; got x "
+                          f"of shape {tuple(x.shape)}, group_size {group_size}, BLOCK_K {block_k}")
+    xw, xs, xf = x_words(x if x.stride(1) == 1 else x.contiguous(), group_size)
+    splits, steps = k_steps(k, splits, block_k)
+    out = output(1, n, splits, x.dtype, x.device)
+    launch_pdl = pdl_on(x.device)
+    launch(
+        _int4_dp4a_gemv_kernel, (triton.cdiv(n, block_n), splits),
+        qwords, xw, xs, xf, scales, zeros, out, n, k // 8, steps, qwords.stride(0), scales.stride(0),
+        zeros.stride(0), n, BLOCK_N=block_n, BLOCK_K=block_k, G=group_size, STAGES=stages,
+        ASM=not isinstance(_int4_dp4a_gemv_kernel, InterpretedFunction), PDL=launch_pdl, num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,
+    )
+    return finish(out, x.dtype)
