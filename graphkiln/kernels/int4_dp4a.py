@@ -107,15 +107,22 @@ def _group_sums(w, xw_ptr, kw, KW, WORDS: tl.constexpr, CHUNKS: tl.constexpr, AS
 
 
 @triton.jit
-def _scaled(acc, sums, cols, col_mask, k, s_ptr, z_ptr, xs_ptr, xf_ptr, stride_sn, stride_zn, G: tl.constexpr,
-            CHUNKS: tl.constexpr):
-    """acc + s * xs * (S - z * F) for the step's groups."""
-    groups = k // G + tl.arange(0, CHUNKS)
-    s = tl.load(s_ptr + cols[:, None] * stride_sn + groups[None, :], mask=col_mask[:, None], other=0.0)
-    z = tl.load(z_ptr + cols[:, None] * stride_zn + groups[None, :], mask=col_mask[:, None], other=0.0)
-    xs = tl.load(xs_ptr + groups)[None, :]
-    xf = tl.load(xf_ptr + groups)[None, :]
-    return acc + s.to(tl.float32) * xs * (sums.to(tl.float32) - z.to(tl.float32) * xf)
+def _weight_params(s_ptr, z_ptr, cols, col_mask, groups, NG, stride_sn, stride_zn):
+    """The scales and zero points [BLOCK_N, CHUNKS] (float32) of `groups` (zeros past the last group). The kernel
+    loads them a step ahead: too narrow for the pipeliner's copies, they would stall every step."""
+    mask = col_mask[:, None] & (groups < NG)[None, :]
+    s = tl.load(s_ptr + cols[:, None] * stride_sn + groups[None, :], mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + cols[:, None] * stride_zn + groups[None, :], mask=mask, other=0.0).to(tl.float32)
+    return s, z
+
+
+@triton.jit
+def _x_params(xs_ptr, xf_ptr, groups, NG):
+    """x's scales and fixed-point sums [1, CHUNKS] of `groups` (zeros past the last group)."""
+    mask = groups < NG
+    xs = tl.load(xs_ptr + groups, mask=mask, other=0.0)[None, :]
+    xf = tl.load(xf_ptr + groups, mask=mask, other=0.0)[None, :]
+    return xs, xf
 
 
 @triton.jit(do_not_specialize=["STEPS"])  # a loop bound: one build for every split
@@ -123,28 +130,37 @@ def _int4_dp4a_gemv_kernel(q_ptr, xw_ptr, xs_ptr, xf_ptr, s_ptr, z_ptr, out_ptr,
                            stride_zn, stride_os, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, G: tl.constexpr,
                            STAGES: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
     """out[split, 0, N]: BLOCK_N weight rows (int32 words [N, K/8]) over STEPS steps of BLOCK_K inputs, whole
-    groups, from the split's start."""
+    groups, from the split's start: y += s * xs * (S - z * F) per group."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     if PDL:  # the next kernel may start once every program has begun
         gdc_launch_dependents()
     WORDS: tl.constexpr = BLOCK_K // 8
     CHUNKS: tl.constexpr = BLOCK_K // G
+    NG = KW * 8 // G
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     k_start = split * STEPS * BLOCK_K
     q_ptrs = q_ptr + cols[:, None].to(tl.int64) * stride_qn + tl.arange(0, WORDS)[None, :]
-    w = tl.load(q_ptrs + k_start // 8, mask=col_mask[:, None], other=0)  # the weight: no wait
+    groups = k_start // G + tl.arange(0, CHUNKS)
+    s, z = _weight_params(s_ptr, z_ptr, cols, col_mask, groups, NG, stride_sn, stride_zn)
+    w = tl.load(q_ptrs + k_start // 8, mask=col_mask[:, None], other=0)  # the weight and its scales: no wait
     if PDL:  # x's words are the previous kernel's output
         gdc_wait()
-    sums = _group_sums(w, xw_ptr, k_start // 8, KW, WORDS, CHUNKS, ASM)
-    acc = _scaled(tl.zeros((BLOCK_N, CHUNKS), dtype=tl.float32), sums, cols, col_mask, k_start, s_ptr, z_ptr,
-                  xs_ptr, xf_ptr, stride_sn, stride_zn, G, CHUNKS)
+    xs, xf = _x_params(xs_ptr, xf_ptr, groups, NG)
+    s_next, z_next = _weight_params(s_ptr, z_ptr, cols, col_mask, groups + CHUNKS, NG, stride_sn, stride_zn)
+    xs_next, xf_next = _x_params(xs_ptr, xf_ptr, groups + CHUNKS, NG)
+    sums = _group_sums(w, xw_ptr, k_start // 8, KW, WORDS, CHUNKS, ASM).to(tl.float32)
+    acc = s * xs * (sums - z * xf)
     for step in tl.range(1, STEPS, num_stages=STAGES):  # the loop attribute pipelines loads without a dot
         k = k_start + step * BLOCK_K
+        groups = k // G + tl.arange(0, CHUNKS)
+        s, z, xs, xf = s_next, z_next, xs_next, xf_next
+        s_next, z_next = _weight_params(s_ptr, z_ptr, cols, col_mask, groups + CHUNKS, NG, stride_sn, stride_zn)
+        xs_next, xf_next = _x_params(xs_ptr, xf_ptr, groups + CHUNKS, NG)
         w = tl.load(q_ptrs + k // 8, mask=col_mask[:, None], other=0)
-        sums = _group_sums(w, xw_ptr, k // 8, KW, WORDS, CHUNKS, ASM)
-        acc = _scaled(acc, sums, cols, col_mask, k, s_ptr, z_ptr, xs_ptr, xf_ptr, stride_sn, stride_zn, G, CHUNKS)
+        sums = _group_sums(w, xw_ptr, k // 8, KW, WORDS, CHUNKS, ASM).to(tl.float32)
+        acc += s * xs * (sums - z * xf)
     tl.store(out_ptr + split * stride_os + cols, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=col_mask)
 
 
@@ -192,10 +208,11 @@ def int4_dp4a_gemv(x: torch.Tensor, qwords: torch.Tensor, scales: torch.Tensor, 
     splits, steps = k_steps(k, splits, block_k)
     out = output(1, n, splits, x.dtype, x.device)
     launch_pdl = pdl_on(x.device)
+    runs_ptx = not isinstance(_int4_dp4a_gemv_kernel, InterpretedFunction)  # the interpreter runs no inline PTX
     launch(
         _int4_dp4a_gemv_kernel, (triton.cdiv(n, block_n), splits),
         qwords, xw, xs, xf, scales, zeros, out, n, k // 8, steps, qwords.stride(0), scales.stride(0),
-        zeros.stride(0), n, BLOCK_N=block_n, BLOCK_K=block_k, G=group_size, STAGES=stages,
-        ASM=not isinstance(_int4_dp4a_gemv_kernel, InterpretedFunction), PDL=launch_pdl, num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,
+        zeros.stride(0), n, BLOCK_N=block_n, BLOCK_K=block_k, G=group_size, STAGES=stages, ASM=runs_ptx,
+        PDL=launch_pdl, num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,
     )
     return finish(out, x.dtype)
