@@ -194,11 +194,14 @@ def dp4a_tiling(n: int, k: int, group_size: int, sms: int = 132) -> tuple[int, i
     return block_n, block_k, splits, warps, stages
 
 
-def int4_dp4a_gemv(x: torch.Tensor, qwords: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+def int4_dp4a_gemv(x: torch.Tensor, qwords: torch.Tensor | None, scales: torch.Tensor, zeros: torch.Tensor,
                    group_size: int, tiles: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """x [1, K] (bfloat16/float16) @ w^T -> [1, N] in x's dtype, the weight as the int32 words of
     int4_words.words, groups of MIN_GROUP or more; `tiles` defaults to `dp4a_tiling` (BLOCK_K a multiple of the
     group size dividing K)."""
+    if qwords is None or qwords.dtype != torch.int32 or qwords.shape[1] * 8 != x.shape[1]:
+        raise ConfigError("int4_dp4a_gemv takes the weight as int4_words.words gives it (int32 [N, K/8]); a qweight "
+                          "whose rows do not start on 4-byte boundaries has no words")
     n, k = qwords.shape[0], x.shape[1]
     block_n, block_k, splits, warps, stages = tiles or dp4a_tiling(n, k, group_size, multiprocessors(x.device))
     if x.shape[0] != 1 or group_size < MIN_GROUP or k % block_k or block_k % group_size:

@@ -250,10 +250,12 @@ def test_int4_dp4a_gemv_replays_in_a_cuda_graph():
         assert torch.equal(static_y, dp4a_kernels.int4_dp4a_gemv(x, words, scales, zeros, 128, tiles=tiles))
 
 
-def test_int4_dp4a_gemv_refuses_more_rows_and_partial_groups():
+def test_int4_dp4a_gemv_refuses_more_rows_unaligned_weights_and_partial_groups():
     qweight, scales, zeros, _ = int4_weight(256, 1024)
     with pytest.raises(ConfigError, match="takes one row"):
         dp4a_kernels.int4_dp4a_gemv(activation(2, 1024), qwords(qweight), scales, zeros, 128)
+    with pytest.raises(ConfigError, match="4-byte boundaries"):
+        dp4a_kernels.int4_dp4a_gemv(activation(1, 1024), None, scales, zeros, 128)
     with pytest.raises(ConfigError, match="BLOCK_K 192"):
         dp4a_kernels.int4_dp4a_gemv(activation(1, 1024), qwords(qweight), scales, zeros, 128,
                                     tiles=(8, 192, 1, 4, 2))
