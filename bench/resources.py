@@ -9,8 +9,11 @@ machine: no GPU needed (a minute or so).
 Per model: the row decode kernel at each batch, planned as the engine plans it for a block table of
 `--max-context` tokens (its grid is that plan's, whatever the context), at the last batch also on an fp8 cache
 and the block kernel on both caches, the prefill kernel for one prompt of `--prefill-tokens`, and each
-projection's products: the bf16 one-row GEMV, and fp8 (per-channel and 128 x 128 block scales) at each of
-`--rows` as fp8_linear dispatches it, with the kernels around it (x's quantization, a split-K sum). Each
+projection's products: the bf16 one-row GEMV, the int4 one-row byte and dp4a GEMVs, and fp8 (per-channel and
+128 x 128 block scales) at each of `--rows` as fp8_linear dispatches it, with the kernels around it (x's
+quantization or words, a split-K sum). `loop`: the instructions of a kernel's longest loop (`nvdisasm`);
+`per_weight`: for the one-row GEMVs, those a thread issues per weight it takes (the loop over the weights a
+thread takes a step), the work that bounds a one-row product where the bytes do not. Each
 kernel is built through graphkiln's own wrappers on CPU tensors, their launches turned into Triton's warmup
 against a stand-in driver that names the target, so the specializations are the ones a launch makes there
 (PDL aside: it is decided per CUDA device, and is off here). `ptxas -v`, which Triton ships, counts
@@ -42,8 +45,10 @@ from .report import text_table
 REGISTERS_PER_SM = 65536
 WARPS_PER_SM = 64
 SHARED_PER_SM = 227 * 1024
-HELPERS = ("_quantize_groups_kernel", "_sum_splits_kernel")  # launched around a product by its wrapper
-COLUMNS = ["model", "kernel", "what", "tiles", "grid", "warps", "shared", "registers", "spilled", "per_sm", "waves"]
+# launched around a product by its wrapper
+HELPERS = ("_quantize_groups_kernel", "_sum_splits_kernel", "_x_words_kernel")
+COLUMNS = ["model", "kernel", "what", "tiles", "grid", "warps", "shared", "registers", "spilled", "per_sm", "waves",
+           "loop", "per_weight"]
 
 
 class _TargetDriver:
@@ -112,6 +117,28 @@ def ptxas_usage(kernel, arch: int) -> tuple[int, int]:
     registers = int(re.search(r"Used (\d+) registers", out).group(1))
     stack = re.search(r"(\d+) bytes cumulative stack size", out)
     return registers, int(stack.group(1)) if stack else 0
+
+
+def loop_instructions(kernel) -> int | None:
+    """Instructions of the compiled kernel's longest loop (a backward branch and what it jumps over), from
+    `nvdisasm`, which Triton ships; None without a loop (the one-instruction loop after the exit aside)."""
+    import triton
+
+    nvdisasm = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm"))[0]
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        text = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+    addresses, labels, branches = [], {}, []
+    for line in text.splitlines():
+        if label := re.match(r"\s*(\.L_x_\d+):", line):
+            labels[label.group(1)] = len(addresses)
+        elif instruction := re.search(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", line):
+            if target := re.search(r"BRA\s+`\((\.L_x_\d+)\)", instruction.group(2)):
+                branches.append((target.group(1), len(addresses)))
+            addresses.append(instruction.group(1))
+    spans = [end - labels[name] + 1 for name, end in branches if labels.get(name, end) < end]  # not the self-loop
+    return max(spans, default=None)  # after the exit
 
 
 def occupancy(registers: int, warps: int, shared: int) -> int:
@@ -197,14 +224,14 @@ def product_launches(name: str, n: int, k: int, rows: int, block_scales: bool) -
 
     scale = torch.ones(-(-n // 128), -(-k // 128)) if block_scales else torch.ones(n)
     fp8_linear(torch.zeros(rows, k, dtype=torch.bfloat16), torch.zeros(n, k, dtype=FP8), scale)
+    label = f"{name} fp8 {'per block' if block_scales else 'per channel'} m={rows}"
     if rows == 1:
-        block_n, block_k, splits, _, stages = gemv_tiling(n, k)
-        tiles = f"block_n={block_n} block_k={block_k} splits={splits} stages={stages}"
-    else:
-        block_m, block_n, block_k, splits, _, stages = mma_tiling(rows, n, k, 132, x_fp8=rows > FEW_ROWS,
-                                                                  block_scales=block_scales)
-        tiles = f"block_m={block_m} block_n={block_n} block_k={block_k} splits={splits} stages={stages}"
-    return f"{name} fp8 {'per block' if block_scales else 'per channel'} m={rows}", tiles
+        block_n, block_k, splits, warps, stages = gemv_tiling(n, k)
+        return (label, f"block_n={block_n} block_k={block_k} splits={splits} stages={stages}",
+                block_n * block_k / (32 * warps))
+    block_m, block_n, block_k, splits, _, stages = mma_tiling(rows, n, k, 132, x_fp8=rows > FEW_ROWS,
+                                                              block_scales=block_scales)
+    return label, f"block_m={block_m} block_n={block_n} block_k={block_k} splits={splits} stages={stages}"
 
 
 def bf16_gemv_launch(name: str, n: int, k: int) -> tuple[str, str]:
@@ -214,24 +241,51 @@ def bf16_gemv_launch(name: str, n: int, k: int) -> tuple[str, str]:
     from graphkiln.kernels.gemv import gemv, tiling
 
     gemv(torch.zeros(1, k, dtype=torch.bfloat16), torch.zeros(n, k, dtype=torch.bfloat16))
-    block_n, block_k, _, stages = tiling(n, k)
-    return f"{name} bf16 m=1", f"block_n={block_n} block_k={block_k} stages={stages}"
+    block_n, block_k, warps, stages = tiling(n, k)
+    return f"{name} bf16 m=1", f"block_n={block_n} block_k={block_k} stages={stages}", block_n * block_k / (32 * warps)
 
 
-def rows_of(model: str, built: list, launch: tuple[str, str], arch: int, sms: int) -> list[dict]:
-    """One row per kernel one call launched (`built`, emptied after), all under the call's label; the tiles on
-    the call's main kernel (the first built), not on its helpers (a quantization before, a split-K sum after)."""
-    what, tiles = launch
+def int4_gemv_launch(name: str, n: int, k: int, dp4a: bool) -> tuple[str, str, float]:
+    """The int4 one-row product of an N x K weight (groups of 128, or of K where shorter): the byte GEMV, or the
+    dp4a GEMV after its x-words kernel; its (label, tiles, weights a thread takes a loop step)."""
+    import torch
+
+    from graphkiln.kernels.int4_dp4a import dp4a_tiling, int4_dp4a_gemv
+    from graphkiln.kernels.int4_linear import gemv_tiling, int4_gemv
+    from graphkiln.kernels.int4_words import words
+
+    group = min(128, k)
+    x, qweight = torch.zeros(1, k, dtype=torch.bfloat16), torch.zeros(n, k // 2, dtype=torch.uint8)
+    scales = torch.ones(n, k // group, dtype=torch.bfloat16)
+    if dp4a:
+        int4_dp4a_gemv(x, words(qweight), scales, scales, group)
+        block_n, block_k, splits, warps, stages = dp4a_tiling(n, k, group)
+    else:
+        int4_gemv(x, qweight, scales, scales, group)
+        block_n, block_k, splits, warps, stages = gemv_tiling(n, k)
+    return (f"{name} int4 {'dp4a' if dp4a else 'byte'} m=1",
+            f"block_n={block_n} block_k={block_k} splits={splits} stages={stages}", block_n * block_k / (32 * warps))
+
+
+def rows_of(model: str, built: list, launch: tuple, arch: int, sms: int) -> list[dict]:
+    """One row per kernel one call launched (`built`, emptied after), all under the call's label (launch: label,
+    tiles[, weights a thread takes a loop step]); the tiles, and the main loop's instructions per weight where
+    given, on the call's main kernel (the first built but its helpers: a quantization before, a split-K sum
+    after)."""
+    what, tiles, per_thread = (*launch, None)[:3]
     main = next((b[0] for b in built if b[0] not in HELPERS), built[0][0])
     rows = []
     for name, grid, kernel in built:
         registers, spilled = ptxas_usage(kernel, arch)
         warps, shared = kernel.metadata.num_warps, kernel.metadata.shared
         per_sm = occupancy(registers, warps, shared)
+        loop = loop_instructions(kernel)
+        per_weight = round(loop / per_thread, 2) if loop and per_thread and name == main else None
         rows.append(dict(model=model, kernel=name.strip("_"), what=what, tiles=tiles if name == main else "",
                          grid="x".join(str(g) for g in grid), warps=warps, shared=shared, registers=registers,
                          spilled=spilled, per_sm=per_sm,
-                         waves=-(-math.prod(grid) // (per_sm * sms)) if per_sm else None))
+                         waves=-(-math.prod(grid) // (per_sm * sms)) if per_sm else None, loop=loop,
+                         per_weight=per_weight))
     built.clear()
     return rows
 
@@ -281,6 +335,8 @@ def main(a: argparse.Namespace) -> int:
                 rows += rows_of(model, built, prefill_launches(model, a.prefill_tokens, variant), a.arch, a.sms)
             for name, (n, k) in projections(model).items():
                 rows += rows_of(model, built, bf16_gemv_launch(name, n, k), a.arch, a.sms)
+                for dp4a in (False, True):
+                    rows += rows_of(model, built, int4_gemv_launch(name, n, k, dp4a), a.arch, a.sms)
                 for m in a.rows:
                     for block_scales in (False, True):
                         rows += rows_of(model, built, product_launches(name, n, k, m, block_scales), a.arch, a.sms)
