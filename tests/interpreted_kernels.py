@@ -230,7 +230,7 @@ PRODUCT_CASES = {  # name: (kind, rows, N, K); the rows pick each path fp8_linea
     **{f"{kind}-{rows}-rows": (kind, rows, 200, 384) for kind in ("fp8-channel", "fp8-block") for rows in (1, 8, 24)},
     **{f"int4-{rows}-rows": ("int4", rows, 160, 512) for rows in (1, 8, 48, 80)},
     "int4-dp4a-1-row": ("int4-dp4a", 1, 160, 512),
-    "int4-dp4a-1-row-11-groups": ("int4-dp4a", 1, 96, 1408),  # K steps halved to one group
+    "int4-dp4a-1-row-11-groups": ("int4-dp4a", 1, 100, 1408),  # K steps halved to one group, a partial slab
     "int4-dp4a-1-row-g32": ("int4-dp4a-g32", 1, 72, 2048),  # split K, groups of 32
     **{f"{kind}-activated-{rows}-rows": (f"{kind}-activated", rows, 200, 384) for kind in ("fp8-channel", "fp8-block")
        for rows in (1, 8)},
