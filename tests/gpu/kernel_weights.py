@@ -1,6 +1,6 @@
 """Weights and activations for the GPU tests of the quantized kernels (test_fp8_kernels.py, test_int4_kernels.py,
 test_quantized_kernels.py; the weights also for tests/interpreted_kernels.py, on the CPU): random weights quantized the way the kernels read them, with their dequantized float32
-reference, and the shapes and splits the tests share."""
+reference, the shapes and splits the tests share, and a CUDA-graph capture of a product."""
 
 import functools
 
@@ -71,3 +71,17 @@ def with_splits(tiles: tuple, splits: int, swap_ab: bool) -> tuple:
     if len(tiles) == 7:
         tiles = (*tiles[:3], swap_ab, *tiles[4:])
     return (*tiles[:-3], splits, *tiles[-2:])
+
+
+def captured(fn, x: torch.Tensor):
+    """fn(x) captured in a CUDA graph after a warm-up: (static input, static output, replay)."""
+    static_x = x.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn(static_x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        static_y = fn(static_x)
+    return static_x, static_y, graph.replay

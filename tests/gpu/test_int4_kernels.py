@@ -15,7 +15,7 @@ from graphkiln.kernels.int4_linear import int4_linear  # noqa: E402
 from graphkiln.kernels.split_k import MIN_SPLIT_K, RESIDENT, k_steps, multiprocessors  # noqa: E402
 from graphkiln.models.quantized_linear import tinygemm_inner_k_tiles  # noqa: E402
 from kernel_weights import (  # noqa: E402
-    MODEL_SHAPES, ROWS, SPLITS, activation, int4_weight, relative_error, tinygemm, with_splits,
+    MODEL_SHAPES, ROWS, SPLITS, activation, captured, int4_weight, relative_error, tinygemm, with_splits,
 )
 
 INT4_ROWS = sorted({*ROWS, 3, 4, 5, 32})  # our kernels at every row count (these calls give no tinygemm layout)
@@ -234,20 +234,16 @@ def test_int4_dp4a_gemv_replays_in_a_cuda_graph():
     qweight, scales, zeros, _ = int4_weight(n, k)
     words = qwords(qweight)
     tiles = with_splits(dp4a_kernels.dp4a_tiling(n, k, 128, multiprocessors(torch.device("cuda"))), 2, False)
-    static_x = activation(1, k)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        dp4a_kernels.int4_dp4a_gemv(static_x, words, scales, zeros, 128, tiles=tiles)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        static_y = dp4a_kernels.int4_dp4a_gemv(static_x, words, scales, zeros, 128, tiles=tiles)
+
+    def fn(x):
+        return dp4a_kernels.int4_dp4a_gemv(x, words, scales, zeros, 128, tiles=tiles)
+
+    static_x, static_y, replay = captured(fn, activation(1, k))
     for seed in (1, 2):
         x = torch.randn(1, k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed)).bfloat16()
         static_x.copy_(x)
-        graph.replay()
-        assert torch.equal(static_y, dp4a_kernels.int4_dp4a_gemv(x, words, scales, zeros, 128, tiles=tiles))
+        replay()
+        assert torch.equal(static_y, fn(x))
 
 
 def test_int4_dp4a_gemv_refuses_more_rows_unaligned_weights_and_partial_groups():

@@ -13,7 +13,7 @@ from graphkiln.kernels import int4_linear as int4_kernels  # noqa: E402
 from graphkiln.kernels.fp8_linear import fp8_linear  # noqa: E402
 from graphkiln.kernels.int4_linear import int4_linear  # noqa: E402
 from graphkiln.kernels.split_k import MIN_SPLIT_K, RESIDENT, k_steps, multiprocessors  # noqa: E402
-from kernel_weights import MODEL_SHAPES, activation, fp8_weight, int4_weight, tinygemm  # noqa: E402
+from kernel_weights import MODEL_SHAPES, activation, captured, fp8_weight, int4_weight, tinygemm  # noqa: E402
 
 @pytest.mark.parametrize("rows", [1, 2, 8])
 @pytest.mark.parametrize("shape", MODEL_SHAPES.values(), ids=MODEL_SHAPES.keys())
@@ -32,20 +32,6 @@ def test_decode_tilings_put_enough_programs_on_every_multiprocessor(shape, rows)
     for block_n, block_k, splits, resident in shapes:
         finest = k // (2 * splits) < max(MIN_SPLIT_K, block_k) or k_steps(k, 2 * splits, block_k)[0] == splits
         assert -(-n // block_n) * splits >= resident * sms or finest, (block_n, block_k, splits)
-
-
-def captured(fn, x: torch.Tensor):
-    """fn(x) captured in a CUDA graph after a warm-up: (static input, static output, replay)."""
-    static_x = x.clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn(static_x)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        static_y = fn(static_x)
-    return static_x, static_y, graph.replay
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 32, 64, 1024])
