@@ -26,6 +26,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from graphkiln.errors import ConfigError
 
+from .int4_words import group_params
 from .launch import launch
 from .pdl import pdl_on
 from .split_k import finish, k_steps, multiprocessors, output, split_count
@@ -107,18 +108,10 @@ def _group_sums(w, xw_ptr, kw, KW, WORDS: tl.constexpr, CHUNKS: tl.constexpr, AS
 
 
 @triton.jit
-def _weight_params(s_ptr, z_ptr, cols, col_mask, groups, NG, stride_sn, stride_zn):
-    """The scales and zero points [BLOCK_N, CHUNKS] (float32) of `groups` (zeros past the last group). The kernel
-    loads them a step ahead: too narrow for the pipeliner's copies, they would stall every step."""
-    mask = col_mask[:, None] & (groups < NG)[None, :]
-    s = tl.load(s_ptr + cols[:, None] * stride_sn + groups[None, :], mask=mask, other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + cols[:, None] * stride_zn + groups[None, :], mask=mask, other=0.0).to(tl.float32)
-    return s, z
-
-
-@triton.jit
 def _x_params(xs_ptr, xf_ptr, groups, NG):
-    """x's scales and fixed-point sums [1, CHUNKS] of `groups` (zeros past the last group)."""
+    """x's scales and fixed-point sums [1, CHUNKS] of `groups` (zeros past the last group). The kernel loads
+    them, and the weight's (int4_words.group_params), a step ahead: too narrow for the pipeliner's copies, they
+    would stall every step."""
     mask = groups < NG
     xs = tl.load(xs_ptr + groups, mask=mask, other=0.0)[None, :]
     xf = tl.load(xf_ptr + groups, mask=mask, other=0.0)[None, :]
@@ -137,18 +130,20 @@ def _int4_dp4a_gemv_kernel(q_ptr, xw_ptr, xs_ptr, xf_ptr, s_ptr, z_ptr, out_ptr,
         gdc_launch_dependents()
     WORDS: tl.constexpr = BLOCK_K // 8
     CHUNKS: tl.constexpr = BLOCK_K // G
-    NG = KW * 8 // G
+    K = KW * 8
+    NG = K // G
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     k_start = split * STEPS * BLOCK_K
     q_ptrs = q_ptr + cols[:, None].to(tl.int64) * stride_qn + tl.arange(0, WORDS)[None, :]
     groups = k_start // G + tl.arange(0, CHUNKS)
-    s, z = _weight_params(s_ptr, z_ptr, cols, col_mask, groups, NG, stride_sn, stride_zn)
+    s, z = group_params(s_ptr, z_ptr, cols, col_mask, k_start, K, G, stride_sn, stride_zn, CHUNKS, G)
     w = tl.load(q_ptrs + k_start // 8, mask=col_mask[:, None], other=0)  # the weight and its scales: no wait
     if PDL:  # x's words are the previous kernel's output
         gdc_wait()
     xs, xf = _x_params(xs_ptr, xf_ptr, groups, NG)
-    s_next, z_next = _weight_params(s_ptr, z_ptr, cols, col_mask, groups + CHUNKS, NG, stride_sn, stride_zn)
+    s_next, z_next = group_params(s_ptr, z_ptr, cols, col_mask, k_start + BLOCK_K, K, G, stride_sn, stride_zn,
+                                  CHUNKS, G)
     xs_next, xf_next = _x_params(xs_ptr, xf_ptr, groups + CHUNKS, NG)
     sums = _group_sums(w, xw_ptr, k_start // 8, KW, WORDS, CHUNKS, ASM).to(tl.float32)
     acc = s * xs * (sums - z * xf)
@@ -156,7 +151,8 @@ def _int4_dp4a_gemv_kernel(q_ptr, xw_ptr, xs_ptr, xf_ptr, s_ptr, z_ptr, out_ptr,
         k = k_start + step * BLOCK_K
         groups = k // G + tl.arange(0, CHUNKS)
         s, z, xs, xf = s_next, z_next, xs_next, xf_next
-        s_next, z_next = _weight_params(s_ptr, z_ptr, cols, col_mask, groups + CHUNKS, NG, stride_sn, stride_zn)
+        s_next, z_next = group_params(s_ptr, z_ptr, cols, col_mask, k + BLOCK_K, K, G, stride_sn, stride_zn,
+                                      CHUNKS, G)
         xs_next, xf_next = _x_params(xs_ptr, xf_ptr, groups + CHUNKS, NG)
         w = tl.load(q_ptrs + k // 8, mask=col_mask[:, None], other=0)
         sums = _group_sums(w, xw_ptr, k // 8, KW, WORDS, CHUNKS, ASM).to(tl.float32)
