@@ -177,14 +177,13 @@ def test_block_fp8_checkpoint_matches_its_dequantized_reference(
 
 
 def test_unsupported_schemes_are_named_with_what_is_supported(llama: Checkpoint, tmp_path: Path) -> None:
-    gptq = with_quantization_config(llama.path, tmp_path / "gptq", {"quant_method": "gptq", "bits": 4})
-    with pytest.raises(UnsupportedModelError, match=r"quant_method 'gptq' is not supported; graphkiln loads compressed-tensors fp8"):
-        load_model(gptq)
-    w4 = compressed_tensors_config("channel", "dynamic")
-    w4["config_groups"]["group_0"]["weights"].update(num_bits=4, type="int", strategy="group", group_size=128)
-    w4["config_groups"]["group_0"]["input_activations"] = None
-    with pytest.raises(UnsupportedModelError, match=r"config.json: quantization_config: weights .*num_bits=4"):
-        load_model(with_quantization_config(llama.path, tmp_path / "w4", w4))
+    hqq = with_quantization_config(llama.path, tmp_path / "hqq", {"quant_method": "hqq", "nbits": 4})
+    with pytest.raises(UnsupportedModelError, match=r"quant_method 'hqq' is not supported; graphkiln loads compressed-tensors fp8"):
+        load_model(hqq)
+    w8a8 = compressed_tensors_config("channel", "dynamic")
+    w8a8["config_groups"]["group_0"]["weights"].update(type="int")
+    with pytest.raises(UnsupportedModelError, match=r"config.json: quantization_config: weights .*type='int'"):
+        load_model(with_quantization_config(llama.path, tmp_path / "w8a8", w8a8))
     blocks = {**BLOCK_FP8_CONFIG, "weight_block_size": [64, 64]}
     with pytest.raises(UnsupportedModelError, match=r"weight_block_size \[64, 64\] is not supported"):
         load_model(with_quantization_config(llama.path, tmp_path / "b64", blocks))

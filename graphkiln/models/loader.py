@@ -25,13 +25,14 @@ from .config import ModelConfig, model_config_from_hf, read_hf_config
 from .quant_scheme import QuantScheme, model_scheme
 from .quantized_layers import (
     allocate_tinygemm,
+    checkpoint_kinds,
     fill_quantized,
     fill_tinygemm,
     install_quantized,
     is_projection_tensor,
     load_quantized,
     quantize_model,
-    reset_input_scales,
+    reset_before_fill,
 )
 from .quantized_linear import FP8, QuantizedLinear
 from .rope import rope_cache
@@ -162,7 +163,7 @@ def empty_model(
     if scheme is not None and (scheme.from_checkpoint or quantized_weights is not None):
         install_quantized(model, cfg, scheme, dtype)
     model = to_empty(model, device)
-    reset_input_scales(model)
+    reset_before_fill(model)
     allocate_tinygemm(model)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -209,11 +210,15 @@ def fill_model(model: CausalLM, model_dir: str | Path, clock: Stopwatch | None =
 
 
 def _checkpoint_names(model: CausalLM) -> set[str]:
-    """The checkpoint tensor names that fill every parameter (fused ones by their separate parts)."""
+    """The checkpoint tensor names that fill every parameter (fused ones by their separate parts; a quantized
+    projection by the tensors of its checkpoint's format)."""
     parts = {fused: [p for p, (f, _) in FUSED.items() if f == fused] for fused, _ in FUSED.values()}
+    quantized = {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    owners = [name.rsplit(".", 1) for name, _ in model.named_parameters() if name.rsplit(".", 1)[0] not in quantized]
+    owners += [(name, kind) for name, module in quantized.items() for kind in checkpoint_kinds(module)]
     names = set()
-    for name, _ in model.named_parameters():
-        *prefix, module, kind = name.split(".")
+    for owner, kind in owners:
+        *prefix, module = owner.split(".")
         for part in parts.get(module, [module]):
             names.add(".".join([*prefix, part, kind]))
     return names
@@ -261,13 +266,15 @@ def _fill_weights(model: CausalLM, cfg: ModelConfig, files: dict[Path, Path], de
 
 def _quantized_owner(model: CausalLM, cfg: ModelConfig, entry: TensorEntry) -> tuple | None:
     """(module, tensor kind, fused index) where the tensor fills a QuantizedLinear (read whole, then
-    placed by fill_quantized, which fuses scales); None for a plain parameter."""
+    placed by fill_quantized, which fuses scales and reads int4 formats); None for a plain parameter."""
+    *path, kind = entry.name.split(".")
+    index = None
+    if path and path[-1] in FUSED:
+        path[-1], index = FUSED[path[-1]]
     try:
-        ours, _, index = _target(model, entry.name)
+        module = model.get_submodule(".".join(path))
     except AttributeError:
         return None  # _destination names the misplaced tensor
-    owner, kind = ours.rsplit(".", 1)
-    module = model.get_submodule(owner)
     return (module, kind, index) if isinstance(module, QuantizedLinear) else None
 
 

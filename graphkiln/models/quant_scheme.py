@@ -2,8 +2,9 @@
 
 A scheme comes either from compile-model (`CompileConfig.quantization`: "fp8" or "int4", the
 checkpoint's bf16/fp16 weights quantized at compile time) or from the checkpoint itself
-(`quantization_config` in config.json): compressed-tensors fp8, read with the compressed-tensors
-library, or block-wise fp8 as published for Qwen3. Anything else is refused by name.
+(`quantization_config` in config.json): compressed-tensors fp8 or int4 (pack-quantized), read with
+the compressed-tensors library; block-wise fp8 as published for Qwen3; GPTQ and AWQ int4
+(int4_checkpoints.py reads their tensors). Anything else is refused by name.
 """
 
 from __future__ import annotations
@@ -22,21 +23,31 @@ COMPILE_SCHEMES = ("fp8", "int4")
 CHECKPOINT_FORMATS = (
     "compressed-tensors fp8 (float-quantized: per-tensor or per-channel weight scales, static per-tensor or "
     "dynamic per-token activations)",
+    "compressed-tensors int4 (pack-quantized, weight-only, group scales, symmetric or asymmetric)",
     "fp8 with weight_block_size [128, 128] and dynamic activations",
+    "GPTQ int4 (desc_act false, checkpoint_format gptq or gptq_v2)",
+    "AWQ int4 (version gemm, with zero points)",
 )
+INT4_GROUPS = "a power of two from 16 that divides every projection's input size"
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-CT_FORMATS = ("float-quantized", "naive-quantized")
+FP8_CT_FORMATS = ("float-quantized", "naive-quantized")
+INT4_CT_FORMAT = "pack-quantized"
 
 
 @dataclass(frozen=True)
 class QuantScheme:
     """method "fp8" or "int4"; weights "channel", "tensor", "block" or "group"; activations "dynamic",
-    "static" or "none" (weight-only); source "compile" or the checkpoint format."""
+    "static" or "none" (weight-only); source "compile" or the checkpoint format ("compressed-tensors",
+    "fp8", "gptq", "gptq_v2", "awq"). An int4 checkpoint sets its `group_size` and whether it is
+    `symmetric` (zero points of 8 that compressed-tensors does not store); compile-model picks the group
+    per layer (quantized_linear.int4_group_size) and quantizes asymmetrically."""
 
     method: str
     weights: str
     activations: str
     source: str
+    group_size: int | None = None
+    symmetric: bool = False
 
     @property
     def from_checkpoint(self) -> bool:
@@ -45,7 +56,10 @@ class QuantScheme:
     def describe(self) -> str:
         where = "quantized by compile-model" if not self.from_checkpoint else f"{self.source} checkpoint"
         activations = "weight-only" if self.activations == "none" else f"{self.activations} activations"
-        return f"{self.method}, {self.weights} weight scales, {activations} ({where})"
+        weights = f"{self.weights} weight scales"
+        if self.group_size:
+            weights = f"{'symmetric' if self.symmetric else 'asymmetric'} groups of {self.group_size}"
+        return f"{self.method}, {weights}, {activations} ({where})"
 
 
 def compile_scheme(name: str) -> QuantScheme:
@@ -71,6 +85,10 @@ def checkpoint_scheme(model_dir: Path) -> QuantScheme | None:
         return _compressed_tensors_scheme(qc, path, config.get("num_hidden_layers", 1))
     if method == "fp8":
         return _block_fp8_scheme(qc, path)
+    if method == "gptq":
+        return _gptq_scheme(qc, path)
+    if method == "awq":
+        return _awq_scheme(qc, path)
     raise _unsupported(path, f"quant_method {method!r}")
 
 
@@ -89,9 +107,52 @@ def _block_fp8_scheme(qc: dict, path: Path) -> QuantScheme:
     return QuantScheme("fp8", "block", "dynamic", "fp8")
 
 
+def _check_int4_group(group, path: Path, what: str) -> int:
+    if not isinstance(group, int) or isinstance(group, bool) or group < 16 or group & (group - 1):
+        raise _unsupported(path, f"{what} group_size {group!r} (int4 groups must be {INT4_GROUPS})")
+    return group
+
+
+def _gptq_scheme(qc: dict, path: Path) -> QuantScheme:
+    """GPTQ (AutoGPTQ, GPTQModel): 4 bits, groups that are runs of inputs (no act-order), every projection."""
+    bits, fmt = qc.get("bits"), qc.get("checkpoint_format", "gptq")
+    if bits != 4:
+        raise _unsupported(path, f"GPTQ with bits {bits!r} (graphkiln reads 4-bit GPTQ)")
+    if qc.get("desc_act"):
+        raise _unsupported(path, "GPTQ with desc_act true (act-order groups are not runs of inputs)")
+    if fmt not in ("gptq", "gptq_v2"):
+        raise _unsupported(path, f"GPTQ checkpoint_format {fmt!r}")
+    if qc.get("lm_head"):
+        raise _unsupported(path, "a quantized lm_head")
+    if qc.get("dynamic"):
+        raise _unsupported(path, f"GPTQ per-module overrides (dynamic: {qc['dynamic']!r})")
+    if qc.get("modules_in_block_to_quantize"):
+        named = {m.rsplit(".", 1)[-1] for ms in qc["modules_in_block_to_quantize"] for m in ms}
+        if not set(PROJECTIONS) <= named:
+            raise _unsupported(path, f"GPTQ leaving {sorted(set(PROJECTIONS) - named)} unquantized")
+    group = _check_int4_group(qc.get("group_size"), path, "GPTQ")
+    return QuantScheme("int4", "group", "none", fmt, group, bool(qc.get("sym", True)))
+
+
+def _awq_scheme(qc: dict, path: Path) -> QuantScheme:
+    """AWQ (AutoAWQ) in its gemm layout, with zero points, every projection."""
+    version, bits = str(qc.get("version", "gemm")).lower(), qc.get("bits", qc.get("w_bit"))
+    if bits != 4:
+        raise _unsupported(path, f"AWQ with bits {bits!r}")
+    if version != "gemm":
+        raise _unsupported(path, f"AWQ version {version!r} (graphkiln reads the gemm layout)")
+    if not qc.get("zero_point", True):
+        raise _unsupported(path, "AWQ without zero points")
+    kept = [m for m in qc.get("modules_to_not_convert") or [] if any(m in p or p in m for p in PROJECTIONS)]
+    if kept:
+        raise _unsupported(path, f"AWQ leaving projections unquantized (modules_to_not_convert {kept!r})")
+    group = _check_int4_group(qc.get("group_size", qc.get("q_group_size")), path, "AWQ")
+    return QuantScheme("int4", "group", "none", "awq", group, False)
+
+
 def _compressed_tensors_scheme(qc: dict, path: Path, num_layers: int) -> QuantScheme:
     """Parsed and validated by the compressed-tensors library; every decoder projection must fall under one
-    fp8 scheme, and the LM head under none."""
+    fp8 or int4 scheme, and the LM head under none."""
     try:
         from compressed_tensors.quantization import QuantizationConfig
         from compressed_tensors.utils.match import is_match
@@ -104,7 +165,7 @@ def _compressed_tensors_scheme(qc: dict, path: Path, num_layers: int) -> QuantSc
         config = QuantizationConfig.model_validate(qc)
     except ValueError as e:
         raise UnsupportedModelError(f"{path}: quantization_config is not a valid compressed-tensors config: {e}") from e
-    if config.format not in CT_FORMATS:
+    if config.format not in (*FP8_CT_FORMATS, INT4_CT_FORMAT):
         raise _unsupported(path, f"compressed-tensors format {config.format!r}")
     if config.kv_cache_scheme is not None:
         raise _unsupported(path, "compressed-tensors kv_cache_scheme")
@@ -120,11 +181,15 @@ def _compressed_tensors_scheme(qc: dict, path: Path, num_layers: int) -> QuantSc
             continue
         if len(groups) != 1:
             raise _unsupported(path, f"{len(groups)} config_groups for {module} (graphkiln needs exactly one)")
-        schemes.add(_fp8_args(groups[0], path))
+        weights = groups[0].weights
+        packed = weights is not None and weights.num_bits == 4 and _value(weights.type) == "int"
+        schemes.add(_int4_args(groups[0], path) if packed else _fp8_args(groups[0], path))
     if len(schemes) != 1:
         raise _unsupported(path, f"different schemes per projection {sorted(schemes)}")
-    weights, activations = schemes.pop()
-    return QuantScheme("fp8", weights, activations, "compressed-tensors")
+    scheme = QuantScheme(*schemes.pop())
+    if (scheme.method == "int4") != (config.format == INT4_CT_FORMAT):
+        raise _unsupported(path, f"{scheme.method} weights in compressed-tensors format {config.format!r}")
+    return scheme
 
 
 def _value(field) -> str | None:
@@ -132,8 +197,21 @@ def _value(field) -> str | None:
     return getattr(field, "value", field)
 
 
-def _fp8_args(group, path: Path) -> tuple[str, str]:
-    """(weight scales, activations) of one fp8 config group."""
+def _int4_args(group, path: Path) -> tuple:
+    """QuantScheme's fields for one int4 config group: weight-only, group scales, runs of inputs."""
+    w, a = group.weights, group.input_activations
+    if a is not None:
+        raise _unsupported(path, f"int4 weights with quantized activations {a!r}")
+    if _value(w.strategy) != "group":
+        raise _unsupported(path, f"int4 weights with strategy {_value(w.strategy)!r} (graphkiln takes groups)")
+    if _value(w.actorder) not in (None, "weight", "static"):
+        raise _unsupported(path, f"int4 weights with actorder {_value(w.actorder)!r} (groups must be runs of inputs)")
+    group = _check_int4_group(w.group_size, path, "compressed-tensors")
+    return "int4", "group", "none", "compressed-tensors", group, bool(w.symmetric)
+
+
+def _fp8_args(group, path: Path) -> tuple:
+    """QuantScheme's fields for one fp8 config group."""
     w, a = group.weights, group.input_activations
     if w is None or w.num_bits != 8 or _value(w.type) != "float" or not w.symmetric or _value(w.strategy) not in ("tensor", "channel"):
         raise _unsupported(path, f"weights {w!r}")
@@ -142,9 +220,9 @@ def _fp8_args(group, path: Path) -> tuple[str, str]:
     if a.num_bits != 8 or _value(a.type) != "float" or not a.symmetric:
         raise _unsupported(path, f"input_activations {a!r}")
     if a.dynamic is True and _value(a.strategy) == "token":
-        return _value(w.strategy), "dynamic"
+        return "fp8", _value(w.strategy), "dynamic", "compressed-tensors"
     if a.dynamic is False and _value(a.strategy) == "tensor":
-        return _value(w.strategy), "static"
+        return "fp8", _value(w.strategy), "static", "compressed-tensors"
     raise _unsupported(path, f"input_activations strategy {_value(a.strategy)!r} with dynamic={a.dynamic!r}")
 
 

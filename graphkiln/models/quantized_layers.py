@@ -15,7 +15,9 @@ from safetensors.torch import save_file
 
 from graphkiln.errors import ArtifactError, UnsupportedModelError, WeightMismatchError
 
+from . import int4_checkpoints
 from .config import ModelConfig
+from .int4_checkpoints import SYMMETRIC_ZERO
 from .quant_scheme import PROJECTIONS, QuantScheme
 from .quantized_linear import (
     BLOCK,
@@ -42,6 +44,11 @@ def _projections(model: CausalLM, cfg: ModelConfig):
 
 
 def _module(scheme: QuantScheme, in_features: int, parts: tuple[int, ...], bias: bool, dtype) -> QuantizedLinear:
+    if scheme.method == "int4" and scheme.from_checkpoint:
+        if in_features % scheme.group_size:
+            raise UnsupportedModelError(f"{scheme.source} int4 groups of {scheme.group_size} inputs do not divide "
+                                        f"a projection's input size {in_features}")
+        return Int4Linear(in_features, parts, bias, dtype, scheme.group_size, scheme.source, scheme.symmetric)
     if scheme.method == "int4":
         group = int4_group_size(in_features)
         if group is None:
@@ -63,44 +70,57 @@ def install_quantized(model: CausalLM, cfg: ModelConfig, scheme: QuantScheme, dt
             setattr(parent, name, _module(scheme, in_features, parts, bias, dtype))
 
 
-def reset_input_scales(model: CausalLM) -> None:
-    """Static activation scales start at zero: the fused parts' scales are combined by their maximum."""
+def reset_before_fill(model: CausalLM) -> None:
+    """Static activation scales start at zero: the fused parts' scales are combined by their maximum. A symmetric
+    int4 checkpoint that stores no zero points has them all at 8."""
     for module in model.modules():
         if isinstance(module, Fp8Linear) and module.input_scale is not None:
             module.input_scale.zero_()
+        if isinstance(module, Int4Linear) and module.symmetric:
+            module.zeros.fill_(SYMMETRIC_ZERO)
 
 
-def fill_quantized(module: QuantizedLinear, kind: str, index: int | None, tensor: torch.Tensor, where: str) -> torch.Tensor:
-    """Copy one checkpoint tensor (`kind` of fused part `index`, None: unfused) into `module`; return its
-    destination. Per-tensor weight scales are spread over their part's channels; the static activation
-    scales of fused parts are combined by their maximum, which every part's activations fit."""
+def checkpoint_kinds(module: QuantizedLinear) -> list[str]:
+    """The kinds of checkpoint tensor (the last part of their names) that fill each part of a projection."""
+    if isinstance(module, Int4Linear) and module.source is not None:
+        return [*int4_checkpoints.checkpoint_kinds(module.source, module.symmetric)] + ["bias"] * (module.bias is not None)
+    return [name for name, _ in module.named_parameters()]
+
+
+def fill_quantized(module: QuantizedLinear, kind: str, index: int | None, tensor: torch.Tensor, where: str) -> None:
+    """Copy one checkpoint tensor (`kind` of fused part `index`, None: unfused) into `module`; an int4 one is
+    read in its checkpoint format's layout (int4_checkpoints.py). Per-tensor weight scales are spread over
+    their part's channels; the static activation scales of fused parts are combined by their maximum, which
+    every part's activations fit."""
     part = 0 if index is None else index
-    if kind == "input_scale":
-        dest = module.input_scale
-        _check_shape(tensor.reshape(-1), (1,), where)
-        return dest.copy_(torch.maximum(dest, tensor.float().reshape(1)))
     if kind == "bias":
         dest = module.bias.split(module.parts)[part]
         _check_shape(tensor, dest.shape, where)
-        return dest.copy_(tensor)
-    if kind == "weight":
+        dest.copy_(tensor)
+    elif isinstance(module, Int4Linear):
+        int4_checkpoints.fill_int4(module, module.source, kind, index, tensor, where)
+    elif kind == "input_scale":
+        _check_shape(tensor.reshape(-1), (1,), where)
+        module.input_scale.copy_(torch.maximum(module.input_scale, tensor.float().reshape(1)))
+    elif kind == "weight":
         dest = module.weight.split(module.parts)[part]
         _check_shape(tensor, dest.shape, where)
         if tensor.dtype != FP8:
             raise WeightMismatchError(f"{where}: dtype {tensor.dtype}, the checkpoint's quantization_config needs {FP8}")
-        return dest.copy_(tensor)
-    if kind == "weight_scale_inv" and isinstance(module, BlockFp8Linear):
+        dest.copy_(tensor)
+    elif kind == "weight_scale_inv" and isinstance(module, BlockFp8Linear):
         dest = module.weight_scale_inv.split([-(-p // BLOCK) for p in module.parts])[part]
         _check_shape(tensor, dest.shape, where)
-        return dest.copy_(tensor)
-    if kind == "weight_scale" and not isinstance(module, BlockFp8Linear):
+        dest.copy_(tensor)
+    elif kind == "weight_scale" and not isinstance(module, BlockFp8Linear):
         dest = module.weight_scale.split(module.parts)[part]
         values = tensor.float().reshape(-1)
         if values.numel() == 1:
             values = values.expand(dest.shape)
         _check_shape(values, dest.shape, where)
-        return dest.copy_(values)
-    raise WeightMismatchError(f"{where}: no place for a {kind!r} tensor in a {type(module).__name__}")
+        dest.copy_(values)
+    else:
+        raise WeightMismatchError(f"{where}: no place for a {kind!r} tensor in a {type(module).__name__}")
 
 
 def _check_shape(tensor: torch.Tensor, shape, where: str) -> None:

@@ -270,13 +270,18 @@ class BlockFp8Linear(Fp8Linear):
 
 
 class Int4Linear(QuantizedLinear):
-    """Weight-only int4: packed values, and a scale and zero point per group of `group_size` inputs."""
+    """Weight-only int4: packed values, and a scale and zero point per group of `group_size` inputs. `source`
+    names the checkpoint format it is read from (int4_checkpoints.py), None when compile-model quantized it;
+    `symmetric`: zero points of 8 throughout."""
 
     def __init__(
-        self, in_features: int, parts: tuple[int, ...], bias: bool, dtype: torch.dtype, group_size: int = INT4_GROUP
+        self, in_features: int, parts: tuple[int, ...], bias: bool, dtype: torch.dtype, group_size: int = INT4_GROUP,
+        source: str | None = None, symmetric: bool = False,
     ) -> None:
         super().__init__(in_features, parts, bias, dtype)
         self.group_size = group_size
+        self.source = source
+        self.symmetric = symmetric
         groups = in_features // group_size
         self.qweight = _frozen((self.out_features, in_features // 2), torch.uint8)
         self.scales = _frozen((self.out_features, groups), dtype)
@@ -305,7 +310,7 @@ class Int4Linear(QuantizedLinear):
             self.tinygemm_params.copy_(params)
 
     def describe(self) -> str:
-        return f"int4, asymmetric, groups of {self.group_size}, weight-only"
+        return f"int4, {'symmetric' if self.symmetric else 'asymmetric'}, groups of {self.group_size}, weight-only"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._add_bias(torch.ops.graphkiln.int4_linear(x, self.qweight, self.scales, self.zeros,

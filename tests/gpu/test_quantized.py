@@ -15,6 +15,7 @@ import graphkiln
 from graphkiln import CompileConfig, LLM, SamplingParams
 from graphkiln.models.quantized_linear import dequantize_int4, fp8_linear, int4_linear, quantize_fp8, quantize_int4
 from greedy_helpers import assert_greedy_agrees
+from int4_checkpoint_helpers import write_int4_checkpoint
 from quant_helpers import write_fp8_checkpoint
 
 FP8 = torch.float8_e4m3fn
@@ -174,11 +175,16 @@ def test_tiny_compiled_with_quantization_loads_fresh_with_zero_compiles(scheme, 
     assert result["tinygemm"] == ([True, True, True, False] * 4 if scheme == "int4" else [])
 
 
-@pytest.mark.parametrize("layout", ["compressed-tensors", "block"])
+PREQUANTIZED = ["compressed-tensors", "block", "int4-compressed-tensors", "int4-gptq", "int4-awq"]
+
+
+@pytest.mark.parametrize("layout", PREQUANTIZED)
 def test_prequantized_checkpoint_compiles_and_loads_fresh_with_zero_compiles(layout, tmp_path):
+    """fp8 checkpoints (compressed-tensors, Qwen3's blocks) and int4 ones (llm-compressor's symmetric W4A16, GPTQ,
+    AWQ; groups of 128, so tinygemm takes one to four rows) against the CPU float32 engine of the same checkpoint."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    if layout == "compressed-tensors":
+    if layout.endswith("compressed-tensors"):
         pytest.importorskip("compressed_tensors", reason="pip install 'graphkiln[quant]' (tests/gpu/carry_wheels.sh)")
     shape = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=128, vocab_size=1024, max_position_embeddings=1024)  # fmt: skip
@@ -186,11 +192,19 @@ def test_prequantized_checkpoint_compiles_and_loads_fresh_with_zero_compiles(lay
     torch.manual_seed(0)
     model = model_cls(config_cls(**shape)).eval()
     model.save_pretrained(tmp_path / "source")
-    write_fp8_checkpoint(tmp_path / "source", model, tmp_path / "fp8", layout)
+    checkpoint = tmp_path / "quantized"
+    if layout.startswith("int4-"):
+        fmt = layout.removeprefix("int4-")
+        write_int4_checkpoint(tmp_path / "source", model, checkpoint, fmt, 128, symmetric=fmt != "awq")
+    else:
+        write_fp8_checkpoint(tmp_path / "source", model, checkpoint, layout)
     out = tmp_path / "art"
-    graphkiln.compile_model(tmp_path / "fp8", out, CompileConfig(device="cuda", dtype="bfloat16"))
-    reference = LLM.eager(tmp_path / "fp8", kv_cache_tokens=8192)  # CPU, float32: the ops' reference bodies
-    _check_engine(out, reference, f"{layout}_fp8", 0.1)
+    graphkiln.compile_model(checkpoint, out, CompileConfig(device="cuda", dtype="bfloat16"))
+    reference = LLM.eager(checkpoint, kv_cache_tokens=8192)  # CPU, float32: the ops' reference bodies
+    result = _check_engine(out, reference, layout.replace("-", "_") if layout.startswith("int4") else f"{layout}_fp8",
+                           0.1)
+    if layout.startswith("int4-"):
+        assert result["tinygemm"] == [True] * 8
 
 
 @pytest.mark.parametrize("scheme", ["fp8", "int4"])

@@ -1,0 +1,121 @@
+"""int4 checkpoints as their publishers store them, read into Int4Linear's layout.
+
+Three formats hold the same weight, w = (q - z) * s per group of G inputs, each packing eight 4-bit
+values into an int32 its own way (N outputs, K inputs, little-endian words):
+- compressed-tensors pack-quantized (llm-compressor's W4A16): `weight_packed` [N, K/8] packed along K,
+  each value stored as q + 8 for a signed q; `weight_scale` [N, K/G]; `weight_zero_point` [N/8, K/G]
+  packed along N, z + 8 for a signed z, when asymmetric (z = 0 otherwise); `weight_shape` [N, K]. Its packed bytes are
+  Int4Linear's qweight as they are: both put input 2j in the low nibble of byte j.
+- GPTQ (AutoGPTQ, GPTQModel): `qweight` [K/8, N] packed along K, `qzeros` [K/G, N/8] packed along N
+  (z - 1 in the "gptq" checkpoint_format, z in "gptq_v2"), `scales` [K/G, N], `g_idx` [K].
+- AWQ (AutoAWQ, gemm): `qweight` [K, N/8] and `qzeros` [K/G, N/8] packed along N, nibble i of a word
+  holding output AWQ_ORDER[i] of its eight, `scales` [K/G, N].
+The conversion runs on the device the tensors were read to, at every load (no copy is stored), with
+plain tensor ops: a warm load imports neither compressed-tensors nor transformers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from graphkiln.errors import UnsupportedModelError, WeightMismatchError
+
+from .quantized_linear import pack_int4, unpack_int4
+
+AWQ_UNDO_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # AutoAWQ packs outputs 0, 2, 4, 6, 1, 3, 5, 7 of each eight
+SYMMETRIC_ZERO = 8
+
+
+def checkpoint_kinds(source: str, symmetric: bool) -> tuple[str, ...]:
+    """The tensors every int4 projection of a checkpoint in format `source` must hold (a bias besides, where
+    the model has one; GPTQ's `g_idx` and compressed-tensors' `weight_g_idx` are checked where present)."""
+    if source == "compressed-tensors":
+        return ("weight_packed", "weight_scale", "weight_shape") + (() if symmetric else ("weight_zero_point",))
+    return ("qweight", "qzeros", "scales")
+
+
+def nibbles(words: torch.Tensor) -> torch.Tensor:
+    """int32 [..., W] -> uint8 [..., 8W]: the 4-bit values of each word, lowest bits first."""
+    return unpack_int4(words.contiguous().view(torch.uint8))
+
+
+def undo_awq_order(values: torch.Tensor) -> torch.Tensor:
+    """[..., 8M] values in AutoAWQ's packing order -> in output order."""
+    order = torch.tensor(AWQ_UNDO_ORDER, device=values.device)
+    return values.unflatten(-1, (-1, 8)).index_select(-1, order).flatten(-2)
+
+
+class Int4Part:
+    """The rows of one fused part (q, k or v; gate or up) of an Int4Linear, to fill from a checkpoint."""
+
+    def __init__(self, module, index: int | None, where: str) -> None:
+        part = 0 if index is None else index
+        self.n, self.k, self.group = module.parts[part], module.in_features, module.group_size
+        self.groups = self.k // self.group
+        self.qweight = module.qweight.split(module.parts)[part]
+        self.scales = module.scales.split(module.parts)[part]
+        self.zeros = module.zeros.split(module.parts)[part]
+        self.where = where
+
+    def check(self, tensor: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
+        if tuple(tensor.shape) != shape:
+            raise WeightMismatchError(f"{self.where}: shape {tuple(tensor.shape)} but config.json and "
+                                      f"quantization_config imply {shape}")
+        if dtype is not None and tensor.dtype != dtype:
+            raise WeightMismatchError(f"{self.where}: dtype {tensor.dtype}, the format stores {dtype}")
+        if dtype is None and not tensor.is_floating_point():
+            raise WeightMismatchError(f"{self.where}: dtype {tensor.dtype}, the format stores floating-point scales")
+        return tensor
+
+    def check_group_index(self, g_idx: torch.Tensor) -> None:
+        """Act-order checkpoints number each input's group freely; Int4Linear needs runs of `group` inputs."""
+        self.check(g_idx, (self.k,), g_idx.dtype)
+        runs = torch.arange(self.k, device=g_idx.device) // self.group
+        if not torch.equal(g_idx.long(), runs):
+            raise UnsupportedModelError(
+                f"{self.where}: group indices that are not runs of {self.group} inputs (act-order); graphkiln "
+                "reads int4 checkpoints quantized without act-order (desc_act false)"
+            )
+
+
+def fill_int4(module, source: str, kind: str, index: int | None, tensor: torch.Tensor, where: str) -> None:
+    """Copy one checkpoint tensor of an int4 projection (`kind`, fused part `index`) into `module`, an
+    Int4Linear, in its layout."""
+    part = Int4Part(module, index, where)
+    n, k, groups = part.n, part.k, part.groups
+    if source == "compressed-tensors":
+        _fill_compressed_tensors(part, kind, tensor)
+    elif kind == "qweight" and source == "awq":
+        part.qweight.copy_(pack_int4(undo_awq_order(nibbles(part.check(tensor, (k, n // 8), torch.int32))).t()))
+    elif kind == "qweight":  # GPTQ's words run along K: transposed, their bytes are ours
+        part.qweight.copy_(part.check(tensor, (k // 8, n), torch.int32).t().contiguous().view(torch.uint8))
+    elif kind == "qzeros":
+        zeros = nibbles(part.check(tensor, (groups, n // 8), torch.int32))
+        if source == "awq":
+            zeros = undo_awq_order(zeros)
+        elif source == "gptq":  # the v1 format stores z - 1
+            zeros = zeros + 1
+        part.zeros.copy_(zeros.t())
+    elif kind == "scales":
+        part.scales.copy_(part.check(tensor, (groups, n)).t())
+    elif kind == "g_idx" and source != "awq":
+        part.check_group_index(tensor)
+    else:
+        raise WeightMismatchError(f"{where}: no place for a {kind!r} tensor in a {source} int4 projection")
+
+
+def _fill_compressed_tensors(part: Int4Part, kind: str, tensor: torch.Tensor) -> None:
+    n, k, groups = part.n, part.k, part.groups
+    if kind == "weight_packed":
+        part.qweight.copy_(part.check(tensor, (n, k // 8), torch.int32).view(torch.uint8))
+    elif kind == "weight_scale":
+        part.scales.copy_(part.check(tensor, (n, groups)))
+    elif kind == "weight_zero_point":  # packed along N, each stored as z + 8 for a signed z: our zero point
+        part.zeros.copy_(nibbles(part.check(tensor, (-(-n // 8), groups), torch.int32).t())[:, :n].t())
+    elif kind == "weight_shape":
+        if tensor.numel() != 2 or tensor.tolist() != [n, k]:
+            raise WeightMismatchError(f"{part.where}: weight_shape {tensor.tolist()} but config.json implies {[n, k]}")
+    elif kind == "weight_g_idx":
+        part.check_group_index(tensor)
+    else:
+        raise WeightMismatchError(f"{part.where}: no place for a {kind!r} tensor in a compressed-tensors int4 projection")

@@ -1,0 +1,125 @@
+"""Pre-quantized int4 checkpoints in the layouts their publishers use, written from a float32 transformers
+model, and the float32 model of the dequantized weights they are checked against.
+
+compressed-tensors' pack-quantized tensors are packed by the compressed-tensors library itself. GPTQ and
+AWQ are packed here with shifts, as AutoGPTQ and AutoAWQ write them (`awq_words` is checked against
+compressed-tensors' AWQ reader in the tests).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from transformers import PreTrainedModel
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # output AWQ_ORDER[i] of each eight goes to nibble i
+FORMATS = ("compressed-tensors", "gptq", "gptq_v2", "awq")
+
+
+def int4_config(fmt: str, group: int, symmetric: bool) -> dict:
+    """quantization_config as llm-compressor (compressed-tensors), AutoGPTQ / GPTQModel or AutoAWQ writes it."""
+    if fmt == "compressed-tensors":
+        weights = {"num_bits": 4, "type": "int", "symmetric": symmetric, "group_size": group, "strategy": "group",
+                   "block_structure": None, "dynamic": False, "actorder": None, "observer": "minmax",
+                   "observer_kwargs": {}}
+        return {"config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                                              "output_activations": None, "format": "pack-quantized"}},
+                "format": "pack-quantized", "ignore": ["lm_head"], "kv_cache_scheme": None,
+                "quant_method": "compressed-tensors", "quantization_status": "compressed"}
+    if fmt == "awq":
+        return {"quant_method": "awq", "bits": 4, "group_size": group, "version": "gemm", "zero_point": True,
+                "modules_to_not_convert": None}
+    return {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False, "sym": symmetric,
+            "checkpoint_format": fmt, "static_groups": False, "true_sequential": True, "damp_percent": 0.01}
+
+
+def quantize(w: torch.Tensor, group: int, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (q [N, K] in 0..15, scales [N, K/G], zero points [N, K/G] in 0..15), w ~ (q - z) * s."""
+    g = w.unflatten(-1, (-1, group))
+    if symmetric:
+        scale = g.abs().amax(-1) / 7
+        zero = torch.full_like(scale, 8)
+    else:
+        low, high = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+        scale = (high - low) / 15
+        zero = (-low / scale).round().clamp(0, 15)
+    q = (g / scale[..., None] + zero[..., None]).round().clamp(0, 15).flatten(-2)
+    return q.to(torch.int64), scale, zero.to(torch.int64)
+
+
+def _int32(words: torch.Tensor) -> torch.Tensor:
+    """int64 holding unsigned 32-bit words -> the int32 of the same bits."""
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def words_along_rows(values: torch.Tensor) -> torch.Tensor:
+    """[R, C] values 0..15 -> int32 [R / 8, C]: value 8i + j of each column in bits 4j of word i (GPTQ's qweight)."""
+    parts = values.unflatten(0, (-1, 8))
+    return _int32(sum(parts[:, j] << (4 * j) for j in range(8)))
+
+
+def words_along_columns(values: torch.Tensor, order: tuple[int, ...] = tuple(range(8))) -> torch.Tensor:
+    """[R, C] values 0..15 -> int32 [R, C / 8]: column 8i + order[j] in bits 4j of word i."""
+    parts = values.unflatten(1, (-1, 8))
+    return _int32(sum(parts[:, :, order[j]] << (4 * j) for j in range(8)))
+
+
+def awq_words(values: torch.Tensor) -> torch.Tensor:
+    return words_along_columns(values, AWQ_ORDER)
+
+
+def _tensors(fmt: str, q, scale, zero, group: int, symmetric: bool) -> dict[str, torch.Tensor]:
+    """One projection's tensors in `fmt`, by kind; q, scale, zero as `quantize` returns them ([N, K], [N, G])."""
+    n, k = q.shape
+    if fmt == "compressed-tensors":
+        from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+        out = {"weight_packed": pack_to_int32((q - 8).to(torch.int8), 4), "weight_scale": scale.to(torch.bfloat16),
+               "weight_shape": torch.tensor([n, k])}
+        if not symmetric:
+            out["weight_zero_point"] = pack_to_int32((zero - 8).to(torch.int8), 4, packed_dim=0)
+        return out
+    scales = scale.t().to(torch.float16).contiguous()
+    if fmt == "awq":
+        return {"qweight": awq_words(q.t()), "qzeros": awq_words(zero.t()), "scales": scales}
+    stored_zero = zero - 1 if fmt == "gptq" else zero
+    return {"qweight": words_along_rows(q.t()), "qzeros": words_along_columns(stored_zero.t()), "scales": scales,
+            "g_idx": (torch.arange(k) // group).to(torch.int32)}
+
+
+def _dequantized(fmt: str, q, scale, zero, group: int) -> torch.Tensor:
+    stored = scale.to(torch.bfloat16 if fmt == "compressed-tensors" else torch.float16).float()
+    return ((q - zero.repeat_interleave(group, 1)) * stored.repeat_interleave(group, 1)).float()
+
+
+def write_int4_checkpoint(source: Path, model: PreTrainedModel, out: Path, fmt: str, group: int,
+                          symmetric: bool) -> PreTrainedModel:
+    """Write `model` to `out` as an int4 checkpoint in format `fmt` (FORMATS) beside the tokenizer-less files of
+    `source`; return the float32 model of the dequantized weights (scales as stored)."""
+    out.mkdir(parents=True)
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = int4_config(fmt, group, symmetric)
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    for extra in source.glob("generation_config.json"):
+        shutil.copy(extra, out)
+    reference = copy.deepcopy(model)
+    tensors = {name: t.detach().clone().contiguous() for name, t in model.state_dict().items()}
+    with torch.no_grad():
+        for name, module in reference.named_modules():
+            if name.rsplit(".", 1)[-1] not in PROJECTIONS:
+                continue
+            q, scale, zero = quantize(module.weight.float(), group, symmetric)
+            del tensors[f"{name}.weight"]
+            tensors.update({f"{name}.{kind}": t.contiguous() for kind, t in _tensors(fmt, q, scale, zero, group,
+                                                                                       symmetric).items()})
+            module.weight.copy_(_dequantized(fmt, q, scale, zero, group))
+    if model.config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return reference

@@ -1,0 +1,179 @@
+"""Pre-quantized int4 checkpoints (compressed-tensors pack-quantized, GPTQ, AWQ) against transformers and the
+float32 model of their dequantized weights; what graphkiln does not read, refused by name."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import LlamaForCausalLM
+
+import graphkiln
+from artifact_helpers import ENGINE, RESULT_PREFIX, SMALL_ENGINE, run_python_json
+from graphkiln.compiler.artifacts import QUANTIZED_FILE
+from graphkiln.errors import UnsupportedModelError, WeightMismatchError
+from graphkiln.models.loader import load_model
+from graphkiln.models.quantized_linear import Int4Linear
+from int4_checkpoint_helpers import awq_words, int4_config, write_int4_checkpoint
+from quant_helpers import relative_error, top1_agreement, with_quantization_config
+
+if TYPE_CHECKING:
+    from conftest import Checkpoint, CheckpointFactory
+
+GROUP = 32  # the test model's inputs are 64 (q/k/v, gate/up, o) and 128 (down) wide
+CASES = [("compressed-tensors", True), ("compressed-tensors", False), ("gptq", True), ("gptq_v2", False),
+         ("awq", False)]
+
+
+@pytest.fixture(scope="module")
+def int4_checkpoints(llama: Checkpoint, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """(format, symmetric) -> (checkpoint directory, float32 transformers model of its dequantized weights)."""
+    root = tmp_path_factory.mktemp("int4")
+    return {(fmt, sym): (root / f"{fmt}-{sym}",
+                         write_int4_checkpoint(llama.path, llama.model, root / f"{fmt}-{sym}", fmt, GROUP, sym))
+            for fmt, sym in CASES}
+
+
+def _reference_logits(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0]
+
+
+@pytest.mark.parametrize("fmt,symmetric", CASES, ids=[f"{f}-{'sym' if s else 'asym'}" for f, s in CASES])
+def test_int4_checkpoint_matches_its_dequantized_reference(
+    int4_checkpoints: dict, llama: Checkpoint, random_ids: Callable[..., list[int]], fmt: str, symmetric: bool
+) -> None:
+    path, reference = int4_checkpoints[(fmt, symmetric)]
+    qkv = load_model(path).model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, Int4Linear) and qkv.group_size == GROUP and qkv.source == fmt
+    assert qkv.describe() == f"int4, {'symmetric' if symmetric else 'asymmetric'}, groups of {GROUP}, weight-only"
+    ids = random_ids(48)
+    ours = graphkiln.LLM.eager(path, **ENGINE).score(ids)
+    ref = _reference_logits(reference, ids)
+    assert relative_error(ours, ref) < 1e-4 and top1_agreement(ours, ref) == 1.0
+    assert relative_error(llama.reference_logits(ids), ref) > 0.05  # the bound above tells int4 from the original
+
+
+def test_awq_checkpoint_with_biases_matches_its_dequantized_reference(
+    hf_checkpoint: CheckpointFactory, random_ids: Callable[..., list[int]], tmp_path: Path
+) -> None:
+    """Qwen2's q, k and v biases beside the int4 weights (Qwen publishes its AWQ checkpoints so)."""
+    ckpt = hf_checkpoint("qwen2")
+    reference = write_int4_checkpoint(ckpt.path, ckpt.model, tmp_path / "awq", "awq", GROUP, False)
+    assert load_model(tmp_path / "awq").model.layers[0].self_attn.qkv_proj.bias is not None
+    ids = random_ids(48)
+    ours = graphkiln.LLM.eager(tmp_path / "awq", **ENGINE).score(ids)
+    assert relative_error(ours, _reference_logits(reference, ids)) < 1e-4
+
+
+def test_compressed_tensors_int4_checkpoint_matches_transformers_reading_it(
+    int4_checkpoints: dict, random_ids: Callable[..., list[int]]
+) -> None:
+    """transformers reads the same checkpoint through compressed-tensors (decompressed to float32)."""
+    path, _ = int4_checkpoints[("compressed-tensors", True)]
+    ids = random_ids(48)
+    theirs = _reference_logits(LlamaForCausalLM.from_pretrained(path).eval(), ids)
+    assert relative_error(graphkiln.LLM.eager(path, **ENGINE).score(ids), theirs) < 1e-4
+
+
+def test_awq_test_layout_is_the_one_compressed_tensors_reads() -> None:
+    autoawq = pytest.importorskip("compressed_tensors.entrypoints.convert.converters.autoawq")
+    values = torch.randint(0, 16, (64, 48))
+    words = awq_words(values)
+    unpacked, _ = autoawq.AutoAWQConverter.unpack_awq(words, None, 4)
+    ordered, _ = autoawq.AutoAWQConverter.reverse_awq_order(unpacked, None, 4)
+    assert torch.equal(ordered.to(torch.int64) & 15, values)
+
+
+def _with_config(llama: Checkpoint, tmp_path: Path, name: str, qc: dict) -> Path:
+    return with_quantization_config(llama.path, tmp_path / name, qc)
+
+
+def test_unsupported_int4_schemes_are_named(llama: Checkpoint, tmp_path: Path) -> None:
+    ct = int4_config("compressed-tensors", 128, True)
+    channel = {**ct, "config_groups": {"g": {**ct["config_groups"]["group_0"], "weights": {
+        **ct["config_groups"]["group_0"]["weights"], "strategy": "channel", "group_size": None}}}}
+    cases = {
+        "gptq-8bit": ({**int4_config("gptq", 128, True), "bits": 8}, r"GPTQ with bits 8 "),
+        "act-order": ({**int4_config("gptq", 128, True), "desc_act": True}, r"desc_act true \(act-order"),
+        "marlin": ({**int4_config("gptq", 128, True), "checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
+        "channel": ({**int4_config("gptq", -1, True)}, r"GPTQ group_size -1 \(int4 groups must be a power of two"),
+        "group-48": ({**int4_config("awq", 48, False)}, r"AWQ group_size 48 "),
+        "gemv": ({**int4_config("awq", 128, False), "version": "gemv"}, "AWQ version 'gemv'"),
+        "no-zeros": ({**int4_config("awq", 128, False), "zero_point": False}, "AWQ without zero points"),
+        "ct-channel": (channel, "int4 weights with strategy 'channel'"),
+        "ct-float-format": ({**ct, "format": "float-quantized"}, "int4 weights in compressed-tensors format 'float-quant"),
+    }
+    for name, (qc, message) in cases.items():
+        with pytest.raises(UnsupportedModelError, match=message):
+            load_model(_with_config(llama, tmp_path, name, qc))
+    wide = _with_config(llama, tmp_path, "group-128", int4_config("gptq", 128, True))
+    with pytest.raises(UnsupportedModelError, match="gptq int4 groups of 128 inputs do not divide a projection's input "
+                                                    "size 64"):
+        load_model(wide)
+    with pytest.raises(UnsupportedModelError, match="quant_method 'bitsandbytes' is not supported; graphkiln loads .*GPTQ"):
+        load_model(_with_config(llama, tmp_path, "bnb", {"quant_method": "bitsandbytes", "load_in_4bit": True}))
+
+
+def _rewrite(source: Path, dest: Path, change: Callable[[dict[str, torch.Tensor]], None]) -> Path:
+    """A copy of the int4 checkpoint `source` whose tensors `change` edited in place."""
+    dest.mkdir()
+    (dest / "config.json").write_text((source / "config.json").read_text())
+    with safe_open(str(source / "model.safetensors"), "pt") as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    change(tensors)
+    save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    return dest
+
+
+def test_damaged_int4_tensors_are_named(int4_checkpoints: dict, tmp_path: Path) -> None:
+    gptq, _ = int4_checkpoints[("gptq", True)]
+    ct, _ = int4_checkpoints[("compressed-tensors", False)]
+    awq, _ = int4_checkpoints[("awq", False)]
+    prefix = "model.layers.0.mlp.down_proj"
+
+    def permute_groups(t):
+        t[f"{prefix}.g_idx"] = t[f"{prefix}.g_idx"].flip(0)
+
+    with pytest.raises(UnsupportedModelError, match=rf"model.safetensors: tensor '{prefix}.g_idx': group indices that "
+                                                    "are not runs of 32 inputs \\(act-order\\)"):
+        load_model(_rewrite(gptq, tmp_path / "g_idx", permute_groups))
+    with pytest.raises(WeightMismatchError, match=r"weight_shape \[64, 100\] but config.json implies \[64, 128\]"):
+        load_model(_rewrite(ct, tmp_path / "shape", lambda t: t.update({f"{prefix}.weight_shape": torch.tensor([64, 100])})))
+    with pytest.raises(WeightMismatchError, match=rf"checkpoint lacks tensors for \['{prefix}.qzeros'\]"):
+        load_model(_rewrite(gptq, tmp_path / "no-zeros", lambda t: t.pop(f"{prefix}.qzeros")))
+    with pytest.raises(WeightMismatchError, match=r"'model.layers.0.self_attn.k_proj.qweight': dtype torch.float32, "
+                                                  r"the format stores torch.int32"):
+        load_model(_rewrite(awq, tmp_path / "float", lambda t: t.update({
+            "model.layers.0.self_attn.k_proj.qweight": t["model.layers.0.self_attn.k_proj.qweight"].float()})))
+    with pytest.raises(WeightMismatchError, match=r"weight_zero_point': shape \(2, 4\) but config.json and "
+                                                  r"quantization_config imply \(8, 4\)"):
+        load_model(_rewrite(ct, tmp_path / "zeros", lambda t: t.update({
+            f"{prefix}.weight_zero_point": t[f"{prefix}.weight_zero_point"][:2]})))
+
+
+@pytest.mark.slow
+def test_int4_checkpoint_compiles_into_an_artifact_that_reads_it_as_it_is(
+    int4_checkpoints: dict, random_ids: Callable[..., list[int]], tmp_path: Path
+) -> None:
+    """No copy of the weights in the artifact; a fresh process loads it without compressed-tensors or transformers."""
+    path, _ = int4_checkpoints[("compressed-tensors", False)]
+    ids = random_ids(48)
+    manifest, _ = graphkiln.compile_model(path, tmp_path / "art", engine=SMALL_ENGINE)
+    quant = manifest["model"]["quantization"]
+    assert quant["description"] == "int4, asymmetric groups of 32, weight-only (compressed-tensors checkpoint)"
+    assert quant["file"] is None and QUANTIZED_FILE not in manifest["files"]
+    assert quant["layers"]["model.layers.1.mlp.down_proj"] == "int4, asymmetric, groups of 32, weight-only"
+    compiled = graphkiln.load(tmp_path / "art", **ENGINE).score(ids)
+    assert relative_error(compiled, graphkiln.LLM.eager(path, **ENGINE).score(ids)) < 1e-4
+    code = f"""import json, sys, graphkiln
+logits = graphkiln.load({str(tmp_path / "art")!r}, kv_cache_tokens=2048).score({ids!r})
+print("{RESULT_PREFIX}" + json.dumps({{"logits": logits.tolist(), "imported": [m for m in ("compressed_tensors", "transformers") if m in sys.modules]}}))
+"""
+    fresh = run_python_json(code)
+    assert fresh["imported"] == [] and torch.equal(torch.tensor(fresh["logits"]), compiled)
