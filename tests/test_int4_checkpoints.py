@@ -1,5 +1,6 @@
 """Pre-quantized int4 checkpoints (compressed-tensors pack-quantized, GPTQ, AWQ) against transformers and the
-float32 model of their dequantized weights; what graphkiln does not read, refused by name."""
+float32 model of their dequantized weights; what graphkiln does not read, refused by name; quantized
+checkpoints are not split over tensor-parallel ranks."""
 
 from __future__ import annotations
 
@@ -9,18 +10,20 @@ from typing import TYPE_CHECKING
 
 import pytest
 import torch
+import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import LlamaForCausalLM
 
 import graphkiln
 from artifact_helpers import ENGINE, RESULT_PREFIX, SMALL_ENGINE, run_python_json
+from graphkiln import CompileConfig
 from graphkiln.compiler.artifacts import QUANTIZED_FILE
-from graphkiln.errors import UnsupportedModelError, WeightMismatchError
+from graphkiln.errors import ConfigError, UnsupportedModelError, WeightMismatchError
 from graphkiln.models.loader import load_model
 from graphkiln.models.quantized_linear import Int4Linear
 from int4_checkpoint_helpers import awq_words, int4_config, write_int4_checkpoint
-from quant_helpers import relative_error, top1_agreement, with_quantization_config
+from quant_helpers import relative_error, top1_agreement, with_quantization_config, write_fp8_checkpoint
 
 if TYPE_CHECKING:
     from conftest import Checkpoint, CheckpointFactory
@@ -155,6 +158,21 @@ def test_damaged_int4_tensors_are_named(int4_checkpoints: dict, tmp_path: Path) 
                                                   r"quantization_config imply \(8, 4\)"):
         load_model(_rewrite(ct, tmp_path / "zeros", lambda t: t.update({
             f"{prefix}.weight_zero_point": t[f"{prefix}.weight_zero_point"][:2]})))
+
+
+def test_quantized_checkpoints_are_not_split_over_ranks(
+    int4_checkpoints: dict, llama: Checkpoint, tmp_path: Path
+) -> None:
+    fp8 = tmp_path / "fp8"
+    write_fp8_checkpoint(llama.path, llama.model, fp8, "compressed-tensors", "tensor", "static", list(range(20)))
+    gptq, _ = int4_checkpoints[("gptq", True)]
+    for path, what in ((fp8, "fp8, tensor weight scales, static activations"),
+                       (gptq, "int4, symmetric groups of 32, weight-only")):
+        with pytest.raises(ConfigError, match=rf"tensor_parallel_size=2 with a quantized model \({what} .*not sharded"):
+            graphkiln.LLM.eager(path, tensor_parallel_size=2, **ENGINE)
+        with pytest.raises(ConfigError, match="quantized weights are not sharded yet"):
+            graphkiln.compile_model(path, tmp_path / "art", CompileConfig(tensor_parallel_size=2))
+        assert not (tmp_path / "art").exists() and not dist.is_initialized()
 
 
 @pytest.mark.slow

@@ -22,7 +22,7 @@ from graphkiln.errors import ConfigError, ModelFileError, WeightMismatchError
 from graphkiln.timing import Stopwatch
 
 from .config import ModelConfig, model_config_from_hf, read_hf_config
-from .quant_scheme import QuantScheme, model_scheme
+from .quant_scheme import QuantScheme, check_unsharded, model_scheme
 from .quantized_layers import (
     allocate_tinygemm,
     checkpoint_kinds,
@@ -157,6 +157,7 @@ def empty_model(
     dtype = resolve_dtype(dtype)
     cfg = cfg or model_config_from_hf(read_hf_config(model_dir), model_dir)
     scheme = model_scheme(model_dir, quantization)
+    check_unsharded(scheme, shard.size)
     with torch.device("meta"):
         model = CausalLM(cfg, shard)
     model = model.to(dtype=dtype)

@@ -92,6 +92,16 @@ def checkpoint_scheme(model_dir: Path) -> QuantScheme | None:
     raise _unsupported(path, f"quant_method {method!r}")
 
 
+def check_unsharded(scheme: QuantScheme | None, tensor_parallel_size: int) -> None:
+    """Quantized weights are not split over tensor-parallel ranks (their scales and packing follow the
+    checkpoint's rows and columns, not a rank's)."""
+    if scheme is not None and tensor_parallel_size > 1:
+        raise ConfigError(
+            f"tensor_parallel_size={tensor_parallel_size} with a quantized model ({scheme.describe()}): quantized "
+            "weights are not sharded yet; serve it on one rank, or the unquantized checkpoint on several"
+        )
+
+
 def _unsupported(path: Path, what: str) -> UnsupportedModelError:
     return UnsupportedModelError(
         f"{path}: quantization_config: {what} is not supported; graphkiln loads {'; '.join(CHECKPOINT_FORMATS)}"
