@@ -20,14 +20,15 @@ from transformers import PreTrainedModel
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # output AWQ_ORDER[i] of each eight goes to nibble i
 FORMATS = ("compressed-tensors", "gptq", "gptq_v2", "awq")
+INPUTS = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "o_proj": 1, "gate_proj": 2, "up_proj": 2, "down_proj": 3}
 
 
-def int4_config(fmt: str, group: int, symmetric: bool) -> dict:
+def int4_config(fmt: str, group: int, symmetric: bool, act_order: bool = False) -> dict:
     """quantization_config as llm-compressor (compressed-tensors), AutoGPTQ / GPTQModel or AutoAWQ writes it."""
     if fmt == "compressed-tensors":
         weights = {"num_bits": 4, "type": "int", "symmetric": symmetric, "group_size": group, "strategy": "group",
-                   "block_structure": None, "dynamic": False, "actorder": None, "observer": "minmax",
-                   "observer_kwargs": {}}
+                   "block_structure": None, "dynamic": False, "actorder": "group" if act_order else None,
+                   "observer": "minmax", "observer_kwargs": {}}
         return {"config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
                                               "output_activations": None, "format": "pack-quantized"}},
                 "format": "pack-quantized", "ignore": ["lm_head"], "kv_cache_scheme": None,
@@ -35,7 +36,7 @@ def int4_config(fmt: str, group: int, symmetric: bool) -> dict:
     if fmt == "awq":
         return {"quant_method": "awq", "bits": 4, "group_size": group, "version": "gemm", "zero_point": True,
                 "modules_to_not_convert": None}
-    return {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False, "sym": symmetric,
+    return {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": act_order, "sym": symmetric,
             "checkpoint_format": fmt, "static_groups": False, "true_sequential": True, "damp_percent": 0.01}
 
 
@@ -74,8 +75,16 @@ def awq_words(values: torch.Tensor) -> torch.Tensor:
     return words_along_columns(values, AWQ_ORDER)
 
 
-def _tensors(fmt: str, q, scale, zero, group: int, symmetric: bool) -> dict[str, torch.Tensor]:
-    """One projection's tensors in `fmt`, by kind; q, scale, zero as `quantize` returns them ([N, K], [N, G])."""
+def act_order_groups(k: int, group: int, seed: int) -> torch.Tensor:
+    """Each input's group as an act-order GPTQ numbers them: the inputs in a shuffled order, cut into runs."""
+    order = torch.randperm(k, generator=torch.Generator().manual_seed(seed))
+    g_idx = torch.empty(k, dtype=torch.int64)
+    g_idx[order] = torch.arange(k) // group
+    return g_idx
+
+
+def _tensors(fmt: str, q, scale, zero, g_idx, symmetric: bool, act_order: bool) -> dict[str, torch.Tensor]:
+    """One projection's tensors in `fmt`, by kind: q [N, K], scale and zero [N, G], g_idx [K]."""
     n, k = q.shape
     if fmt == "compressed-tensors":
         from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
@@ -84,27 +93,39 @@ def _tensors(fmt: str, q, scale, zero, group: int, symmetric: bool) -> dict[str,
                "weight_shape": torch.tensor([n, k])}
         if not symmetric:
             out["weight_zero_point"] = pack_to_int32((zero - 8).to(torch.int8), 4, packed_dim=0)
+        if act_order:
+            out["weight_g_idx"] = g_idx.to(torch.int32)
         return out
     scales = scale.t().to(torch.float16).contiguous()
     if fmt == "awq":
         return {"qweight": awq_words(q.t()), "qzeros": awq_words(zero.t()), "scales": scales}
     stored_zero = zero - 1 if fmt == "gptq" else zero
     return {"qweight": words_along_rows(q.t()), "qzeros": words_along_columns(stored_zero.t()), "scales": scales,
-            "g_idx": (torch.arange(k) // group).to(torch.int32)}
+            "g_idx": g_idx.to(torch.int32)}
 
 
-def _dequantized(fmt: str, q, scale, zero, group: int) -> torch.Tensor:
+def _dequantized(fmt: str, q, scale, zero, g_idx) -> torch.Tensor:
     stored = scale.to(torch.bfloat16 if fmt == "compressed-tensors" else torch.float16).float()
-    return ((q - zero.repeat_interleave(group, 1)) * stored.repeat_interleave(group, 1)).float()
+    return ((q - zero[:, g_idx]) * stored[:, g_idx]).float()
+
+
+def _quantized(w: torch.Tensor, group: int, symmetric: bool, g_idx: torch.Tensor):
+    """`quantize` over the groups `g_idx` names: (q [N, K] in w's column order, scales, zero points)."""
+    order = torch.sort(g_idx, stable=True).indices
+    q_sorted, scale, zero = quantize(w[:, order], group, symmetric)
+    q = torch.empty_like(q_sorted)
+    q[:, order] = q_sorted
+    return q, scale, zero
 
 
 def write_int4_checkpoint(source: Path, model: PreTrainedModel, out: Path, fmt: str, group: int,
-                          symmetric: bool) -> PreTrainedModel:
+                          symmetric: bool, act_order: bool = False) -> PreTrainedModel:
     """Write `model` to `out` as an int4 checkpoint in format `fmt` (FORMATS) beside the tokenizer-less files of
-    `source`; return the float32 model of the dequantized weights (scales as stored)."""
+    `source`; return the float32 model of the dequantized weights (scales as stored). `act_order`: each input of a
+    layer's projections that read one input (q, k, v; gate, up) gets a shuffled group, as GPTQ's desc_act gives."""
     out.mkdir(parents=True)
     config = json.loads((source / "config.json").read_text())
-    config["quantization_config"] = int4_config(fmt, group, symmetric)
+    config["quantization_config"] = int4_config(fmt, group, symmetric, act_order)
     (out / "config.json").write_text(json.dumps(config, indent=1))
     for extra in source.glob("generation_config.json"):
         shutil.copy(extra, out)
@@ -114,11 +135,15 @@ def write_int4_checkpoint(source: Path, model: PreTrainedModel, out: Path, fmt: 
         for name, module in reference.named_modules():
             if name.rsplit(".", 1)[-1] not in PROJECTIONS:
                 continue
-            q, scale, zero = quantize(module.weight.float(), group, symmetric)
+            k = module.weight.shape[1]
+            layer, projection = int(name.split(".")[2]), name.rsplit(".", 1)[-1]
+            seed = 10 * layer + INPUTS[projection]
+            g_idx = act_order_groups(k, group, seed) if act_order else torch.arange(k) // group
+            q, scale, zero = _quantized(module.weight.float(), group, symmetric, g_idx)
             del tensors[f"{name}.weight"]
-            tensors.update({f"{name}.{kind}": t.contiguous() for kind, t in _tensors(fmt, q, scale, zero, group,
-                                                                                       symmetric).items()})
-            module.weight.copy_(_dequantized(fmt, q, scale, zero, group))
+            tensors.update({f"{name}.{kind}": t.contiguous() for kind, t in _tensors(fmt, q, scale, zero, g_idx,
+                                                                                       symmetric, act_order).items()})
+            module.weight.copy_(_dequantized(fmt, q, scale, zero, g_idx))
     if model.config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})

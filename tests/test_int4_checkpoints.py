@@ -29,17 +29,21 @@ if TYPE_CHECKING:
     from conftest import Checkpoint, CheckpointFactory
 
 GROUP = 32  # the test model's inputs are 64 (q/k/v, gate/up, o) and 128 (down) wide
-CASES = [("compressed-tensors", True), ("compressed-tensors", False), ("gptq", True), ("gptq_v2", False),
-         ("awq", False)]
+CASES = [("compressed-tensors", True, False), ("compressed-tensors", False, False), ("gptq", True, False),
+         ("gptq_v2", False, False), ("awq", False, False), ("gptq", True, True), ("compressed-tensors", False, True)]
 
 
 @pytest.fixture(scope="module")
 def int4_checkpoints(llama: Checkpoint, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """(format, symmetric) -> (checkpoint directory, float32 transformers model of its dequantized weights)."""
+    """(format, symmetric, act_order) -> (checkpoint directory, float32 transformers model of its dequantized
+    weights)."""
     root = tmp_path_factory.mktemp("int4")
-    return {(fmt, sym): (root / f"{fmt}-{sym}",
-                         write_int4_checkpoint(llama.path, llama.model, root / f"{fmt}-{sym}", fmt, GROUP, sym))
-            for fmt, sym in CASES}
+    out = {}
+    for fmt, symmetric, act_order in CASES:
+        path = root / f"{fmt}-{symmetric}-{act_order}"
+        reference = write_int4_checkpoint(llama.path, llama.model, path, fmt, GROUP, symmetric, act_order)
+        out[(fmt, symmetric, act_order)] = (path, reference)
+    return out
 
 
 def _reference_logits(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
@@ -47,14 +51,20 @@ def _reference_logits(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0]
 
 
-@pytest.mark.parametrize("fmt,symmetric", CASES, ids=[f"{f}-{'sym' if s else 'asym'}" for f, s in CASES])
+@pytest.mark.parametrize("fmt,symmetric,act_order", CASES,
+                         ids=[f"{f}-{'sym' if s else 'asym'}{'-act-order' if a else ''}" for f, s, a in CASES])
 def test_int4_checkpoint_matches_its_dequantized_reference(
-    int4_checkpoints: dict, llama: Checkpoint, random_ids: Callable[..., list[int]], fmt: str, symmetric: bool
+    int4_checkpoints: dict, llama: Checkpoint, random_ids: Callable[..., list[int]], fmt: str, symmetric: bool,
+    act_order: bool,
 ) -> None:
-    path, reference = int4_checkpoints[(fmt, symmetric)]
+    """Act-order: each input's group is numbered (shuffled), so the weight's columns are stored sorted by group
+    and the input gathered in that order."""
+    path, reference = int4_checkpoints[(fmt, symmetric, act_order)]
     qkv = load_model(path).model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, Int4Linear) and qkv.group_size == GROUP and qkv.source == fmt
-    assert qkv.describe() == f"int4, {'symmetric' if symmetric else 'asymmetric'}, groups of {GROUP}, weight-only"
+    assert (qkv.input_order is not None) == act_order
+    kind = "symmetric" if symmetric else "asymmetric"
+    assert qkv.describe() == f"int4, {kind}, groups of {GROUP}{' in act-order' if act_order else ''}, weight-only"
     ids = random_ids(48)
     ours = graphkiln.LLM.eager(path, **ENGINE).score(ids)
     ref = _reference_logits(reference, ids)
@@ -78,7 +88,7 @@ def test_compressed_tensors_int4_checkpoint_matches_transformers_reading_it(
     int4_checkpoints: dict, random_ids: Callable[..., list[int]]
 ) -> None:
     """transformers reads the same checkpoint through compressed-tensors (decompressed to float32)."""
-    path, _ = int4_checkpoints[("compressed-tensors", True)]
+    path, _ = int4_checkpoints[("compressed-tensors", True, False)]
     ids = random_ids(48)
     theirs = _reference_logits(LlamaForCausalLM.from_pretrained(path).eval(), ids)
     assert relative_error(graphkiln.LLM.eager(path, **ENGINE).score(ids), theirs) < 1e-4
@@ -103,7 +113,6 @@ def test_unsupported_int4_schemes_are_named(llama: Checkpoint, tmp_path: Path) -
         **ct["config_groups"]["group_0"]["weights"], "strategy": "channel", "group_size": None}}}}
     cases = {
         "gptq-8bit": ({**int4_config("gptq", 128, True), "bits": 8}, r"GPTQ with bits 8 "),
-        "act-order": ({**int4_config("gptq", 128, True), "desc_act": True}, r"desc_act true \(act-order"),
         "marlin": ({**int4_config("gptq", 128, True), "checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
         "channel": ({**int4_config("gptq", -1, True)}, r"GPTQ group_size -1 \(int4 groups must be a power of two"),
         "group-48": ({**int4_config("awq", 48, False)}, r"AWQ group_size 48 "),
@@ -135,16 +144,17 @@ def _rewrite(source: Path, dest: Path, change: Callable[[dict[str, torch.Tensor]
 
 
 def test_damaged_int4_tensors_are_named(int4_checkpoints: dict, tmp_path: Path) -> None:
-    gptq, _ = int4_checkpoints[("gptq", True)]
-    ct, _ = int4_checkpoints[("compressed-tensors", False)]
-    awq, _ = int4_checkpoints[("awq", False)]
+    gptq, _ = int4_checkpoints[("gptq", True, False)]
+    ct, _ = int4_checkpoints[("compressed-tensors", False, False)]
+    awq, _ = int4_checkpoints[("awq", False, False)]
     prefix = "model.layers.0.mlp.down_proj"
 
     def permute_groups(t):
         t[f"{prefix}.g_idx"] = t[f"{prefix}.g_idx"].flip(0)
 
-    with pytest.raises(UnsupportedModelError, match=rf"model.safetensors: tensor '{prefix}.g_idx': group indices that "
-                                                    "are not runs of 32 inputs \\(act-order\\)"):
+    with pytest.raises(WeightMismatchError, match=rf"model.safetensors: tensor '{prefix}.g_idx': group indices that are "
+                                                  r"not runs of 32 inputs \(act-order\), but quantization_config "
+                                                  "declares none"):
         load_model(_rewrite(gptq, tmp_path / "g_idx", permute_groups))
     with pytest.raises(WeightMismatchError, match=r"weight_shape \[64, 100\] but config.json implies \[64, 128\]"):
         load_model(_rewrite(ct, tmp_path / "shape", lambda t: t.update({f"{prefix}.weight_shape": torch.tensor([64, 100])})))
@@ -160,12 +170,30 @@ def test_damaged_int4_tensors_are_named(int4_checkpoints: dict, tmp_path: Path) 
             f"{prefix}.weight_zero_point": t[f"{prefix}.weight_zero_point"][:2]})))
 
 
+def test_damaged_act_order_indices_are_named(int4_checkpoints: dict, tmp_path: Path) -> None:
+    gptq, _ = int4_checkpoints[("gptq", True, True)]
+    attention = "model.layers.1.self_attn"
+
+    def uneven(t):
+        t["model.layers.0.mlp.down_proj.g_idx"][:3] = 0
+
+    with pytest.raises(WeightMismatchError, match=r"down_proj.g_idx': group indices that do not give each of the 4 "
+                                                  "groups 32 inputs"):
+        load_model(_rewrite(gptq, tmp_path / "uneven", uneven))
+    with pytest.raises(UnsupportedModelError, match=rf"'{attention}.(k|q)_proj.g_idx': an input order \(act-order\) "
+                                                    "that differs from that of the projection fused with it"):
+        load_model(_rewrite(gptq, tmp_path / "apart", lambda t: t.update({
+            f"{attention}.k_proj.g_idx": t[f"{attention}.k_proj.g_idx"].roll(1)})))
+    with pytest.raises(WeightMismatchError, match=rf"checkpoint lacks tensors for \['{attention}.v_proj.g_idx'\]"):
+        load_model(_rewrite(gptq, tmp_path / "missing", lambda t: t.pop(f"{attention}.v_proj.g_idx")))
+
+
 def test_quantized_checkpoints_are_not_split_over_ranks(
     int4_checkpoints: dict, llama: Checkpoint, tmp_path: Path
 ) -> None:
     fp8 = tmp_path / "fp8"
     write_fp8_checkpoint(llama.path, llama.model, fp8, "compressed-tensors", "tensor", "static", list(range(20)))
-    gptq, _ = int4_checkpoints[("gptq", True)]
+    gptq, _ = int4_checkpoints[("gptq", True, False)]
     for path, what in ((fp8, "fp8, tensor weight scales, static activations"),
                        (gptq, "int4, symmetric groups of 32, weight-only")):
         with pytest.raises(ConfigError, match=rf"tensor_parallel_size=2 with a quantized model \({what} .*not sharded"):
@@ -179,14 +207,15 @@ def test_quantized_checkpoints_are_not_split_over_ranks(
 def test_int4_checkpoint_compiles_into_an_artifact_that_reads_it_as_it_is(
     int4_checkpoints: dict, random_ids: Callable[..., list[int]], tmp_path: Path
 ) -> None:
-    """No copy of the weights in the artifact; a fresh process loads it without compressed-tensors or transformers."""
-    path, _ = int4_checkpoints[("compressed-tensors", False)]
+    """Act-order (the input gathered in the compiled graph); no copy of the weights in the artifact; a fresh process
+    loads it without compressed-tensors or transformers."""
+    path, _ = int4_checkpoints[("compressed-tensors", False, True)]
     ids = random_ids(48)
     manifest, _ = graphkiln.compile_model(path, tmp_path / "art", engine=SMALL_ENGINE)
     quant = manifest["model"]["quantization"]
-    assert quant["description"] == "int4, asymmetric groups of 32, weight-only (compressed-tensors checkpoint)"
+    assert quant["description"] == "int4, asymmetric groups of 32 in act-order, weight-only (compressed-tensors checkpoint)"
     assert quant["file"] is None and QUANTIZED_FILE not in manifest["files"]
-    assert quant["layers"]["model.layers.1.mlp.down_proj"] == "int4, asymmetric, groups of 32, weight-only"
+    assert quant["layers"]["model.layers.1.mlp.down_proj"] == "int4, asymmetric, groups of 32 in act-order, weight-only"
     compiled = graphkiln.load(tmp_path / "art", **ENGINE).score(ids)
     assert relative_error(compiled, graphkiln.LLM.eager(path, **ENGINE).score(ids)) < 1e-4
     code = f"""import json, sys, graphkiln

@@ -10,6 +10,9 @@ values into an int32 its own way (N outputs, K inputs, little-endian words):
   (z - 1 in the "gptq" checkpoint_format, z in "gptq_v2"), `scales` [K/G, N], `g_idx` [K].
 - AWQ (AutoAWQ, gemm): `qweight` [K, N/8] and `qzeros` [K/G, N/8] packed along N, nibble i of a word
   holding output AWQ_ORDER[i] of its eight, `scales` [K/G, N].
+Each input's group is its index // G, except in act-order checkpoints (GPTQ's desc_act, compressed-tensors'
+actorder "group"), where `g_idx` / `weight_g_idx` numbers it: each group still has G inputs, and
+Int4Linear stores the columns sorted by group (sort_columns) and gathers its input in that order.
 The conversion runs on the device the tensors were read to, at every load (no copy is stored), with
 plain tensor ops: a warm load imports neither compressed-tensors nor transformers.
 """
@@ -26,12 +29,13 @@ AWQ_UNDO_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # AutoAWQ packs outputs 0, 2, 4, 6, 1
 SYMMETRIC_ZERO = 8
 
 
-def checkpoint_kinds(source: str, symmetric: bool) -> tuple[str, ...]:
+def checkpoint_kinds(source: str, symmetric: bool, act_order: bool) -> tuple[str, ...]:
     """The tensors every int4 projection of a checkpoint in format `source` must hold (a bias besides, where
-    the model has one; GPTQ's `g_idx` and compressed-tensors' `weight_g_idx` are checked where present)."""
+    the model has one). Group indices are needed in act-order, and checked wherever they are present."""
     if source == "compressed-tensors":
-        return ("weight_packed", "weight_scale", "weight_shape") + (() if symmetric else ("weight_zero_point",))
-    return ("qweight", "qzeros", "scales")
+        kinds = ("weight_packed", "weight_scale", "weight_shape") + (() if symmetric else ("weight_zero_point",))
+        return kinds + ("weight_g_idx",) * act_order
+    return ("qweight", "qzeros", "scales") + ("g_idx",) * act_order
 
 
 def nibbles(words: torch.Tensor) -> torch.Tensor:
@@ -50,6 +54,7 @@ class Int4Part:
 
     def __init__(self, module, index: int | None, where: str) -> None:
         part = 0 if index is None else index
+        self.module, self.index = module, index
         self.n, self.k, self.group = module.parts[part], module.in_features, module.group_size
         self.groups = self.k // self.group
         self.qweight = module.qweight.split(module.parts)[part]
@@ -67,15 +72,31 @@ class Int4Part:
             raise WeightMismatchError(f"{self.where}: dtype {tensor.dtype}, the format stores floating-point scales")
         return tensor
 
-    def check_group_index(self, g_idx: torch.Tensor) -> None:
-        """Act-order checkpoints number each input's group freely; Int4Linear needs runs of `group` inputs."""
-        self.check(g_idx, (self.k,), g_idx.dtype)
-        runs = torch.arange(self.k, device=g_idx.device) // self.group
-        if not torch.equal(g_idx.long(), runs):
+    def set_group_index(self, g_idx: torch.Tensor) -> None:
+        """Without act-order the group indices must be runs of `group` inputs; in act-order each group must hold
+        `group` inputs, and the fused parts, which read one input, one order of it (their input_order)."""
+        if self.check(g_idx, (self.k,), g_idx.dtype).is_floating_point():
+            raise WeightMismatchError(f"{self.where}: dtype {g_idx.dtype}, group indices are integers")
+        g_idx, module = g_idx.long(), self.module
+        if module.input_order is None:
+            if not torch.equal(g_idx, torch.arange(self.k, device=g_idx.device) // self.group):
+                raise WeightMismatchError(
+                    f"{self.where}: group indices that are not runs of {self.group} inputs (act-order), but "
+                    "quantization_config declares none (GPTQ desc_act, compressed-tensors actorder 'group')"
+                )
+            return
+        sizes = torch.bincount(g_idx.clamp(-1, self.groups) + 1, minlength=self.groups + 2)[1:-1]
+        if not torch.equal(sizes, torch.full_like(sizes, self.group)):
+            raise WeightMismatchError(f"{self.where}: group indices that do not give each of the {self.groups} "
+                                      f"groups {self.group} inputs")
+        order = torch.sort(g_idx, stable=True).indices
+        if module.order_parts and not torch.equal(order, module.input_order):
             raise UnsupportedModelError(
-                f"{self.where}: group indices that are not runs of {self.group} inputs (act-order); graphkiln "
-                "reads int4 checkpoints quantized without act-order (desc_act false)"
+                f"{self.where}: an input order (act-order) that differs from that of the projection fused with it; "
+                "graphkiln reads q, k and v (gate and up), which share one input, in one order"
             )
+        module.input_order.copy_(order)
+        module.order_parts.append(self.index)
 
 
 def fill_int4(module, source: str, kind: str, index: int | None, tensor: torch.Tensor, where: str) -> None:
@@ -99,9 +120,14 @@ def fill_int4(module, source: str, kind: str, index: int | None, tensor: torch.T
     elif kind == "scales":
         part.scales.copy_(part.check(tensor, (groups, n)).t())
     elif kind == "g_idx" and source != "awq":
-        part.check_group_index(tensor)
+        part.set_group_index(tensor)
     else:
         raise WeightMismatchError(f"{where}: no place for a {kind!r} tensor in a {source} int4 projection")
+
+
+def sort_columns(module) -> None:
+    """An act-order Int4Linear's weight columns in its input_order: its groups become runs of inputs again."""
+    module.qweight.copy_(pack_int4(unpack_int4(module.qweight).index_select(1, module.input_order)))
 
 
 def _fill_compressed_tensors(part: Int4Part, kind: str, tensor: torch.Tensor) -> None:
@@ -116,6 +142,6 @@ def _fill_compressed_tensors(part: Int4Part, kind: str, tensor: torch.Tensor) ->
         if tensor.numel() != 2 or tensor.tolist() != [n, k]:
             raise WeightMismatchError(f"{part.where}: weight_shape {tensor.tolist()} but config.json implies {[n, k]}")
     elif kind == "weight_g_idx":
-        part.check_group_index(tensor)
+        part.set_group_index(tensor)
     else:
         raise WeightMismatchError(f"{part.where}: no place for a {kind!r} tensor in a compressed-tensors int4 projection")

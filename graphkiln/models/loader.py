@@ -33,6 +33,7 @@ from .quantized_layers import (
     load_quantized,
     quantize_model,
     reset_before_fill,
+    sort_int4_columns,
 )
 from .quantized_linear import FP8, QuantizedLinear
 from .rope import rope_cache
@@ -203,6 +204,7 @@ def fill_model(model: CausalLM, model_dir: str | Path, clock: Stopwatch | None =
             f"{model_dir}: checkpoint lacks tensors for {missing[:5]}{' ...' if len(missing) > 5 else ''}; "
             "the checkpoint does not match config.json"
         )
+    sort_int4_columns(model)
     if source.quantized_weights is not None:
         load_quantized(model, source.quantized_weights)
     elif source.scheme is not None and not source.scheme.from_checkpoint:

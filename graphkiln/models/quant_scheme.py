@@ -23,9 +23,9 @@ COMPILE_SCHEMES = ("fp8", "int4")
 CHECKPOINT_FORMATS = (
     "compressed-tensors fp8 (float-quantized: per-tensor or per-channel weight scales, static per-tensor or "
     "dynamic per-token activations)",
-    "compressed-tensors int4 (pack-quantized, weight-only, group scales, symmetric or asymmetric)",
+    "compressed-tensors int4 (pack-quantized, weight-only, group scales, symmetric or asymmetric, any actorder)",
     "fp8 with weight_block_size [128, 128] and dynamic activations",
-    "GPTQ int4 (desc_act false, checkpoint_format gptq or gptq_v2)",
+    "GPTQ int4 (checkpoint_format gptq or gptq_v2, desc_act true or false)",
     "AWQ int4 (version gemm, with zero points)",
 )
 INT4_GROUPS = "a power of two from 16 that divides every projection's input size"
@@ -38,9 +38,11 @@ INT4_CT_FORMAT = "pack-quantized"
 class QuantScheme:
     """method "fp8" or "int4"; weights "channel", "tensor", "block" or "group"; activations "dynamic",
     "static" or "none" (weight-only); source "compile" or the checkpoint format ("compressed-tensors",
-    "fp8", "gptq", "gptq_v2", "awq"). An int4 checkpoint sets its `group_size` and whether it is
-    `symmetric` (zero points of 8 that compressed-tensors does not store); compile-model picks the group
-    per layer (quantized_linear.int4_group_size) and quantizes asymmetrically."""
+    "fp8", "gptq", "gptq_v2", "awq"). An int4 checkpoint sets its `group_size`, whether it is
+    `symmetric` (zero points of 8 that compressed-tensors does not store) and whether its groups are
+    numbered in `act_order` (GPTQ's desc_act: a group index per input instead of runs of inputs);
+    compile-model picks the group per layer (quantized_linear.int4_group_size) and quantizes
+    asymmetrically."""
 
     method: str
     weights: str
@@ -48,6 +50,7 @@ class QuantScheme:
     source: str
     group_size: int | None = None
     symmetric: bool = False
+    act_order: bool = False
 
     @property
     def from_checkpoint(self) -> bool:
@@ -59,6 +62,7 @@ class QuantScheme:
         weights = f"{self.weights} weight scales"
         if self.group_size:
             weights = f"{'symmetric' if self.symmetric else 'asymmetric'} groups of {self.group_size}"
+            weights += " in act-order" if self.act_order else ""
         return f"{self.method}, {weights}, {activations} ({where})"
 
 
@@ -124,12 +128,10 @@ def _check_int4_group(group, path: Path, what: str) -> int:
 
 
 def _gptq_scheme(qc: dict, path: Path) -> QuantScheme:
-    """GPTQ (AutoGPTQ, GPTQModel): 4 bits, groups that are runs of inputs (no act-order), every projection."""
+    """GPTQ (AutoGPTQ, GPTQModel): 4 bits, every projection; desc_act numbers each input's group (act-order)."""
     bits, fmt = qc.get("bits"), qc.get("checkpoint_format", "gptq")
     if bits != 4:
         raise _unsupported(path, f"GPTQ with bits {bits!r} (graphkiln reads 4-bit GPTQ)")
-    if qc.get("desc_act"):
-        raise _unsupported(path, "GPTQ with desc_act true (act-order groups are not runs of inputs)")
     if fmt not in ("gptq", "gptq_v2"):
         raise _unsupported(path, f"GPTQ checkpoint_format {fmt!r}")
     if qc.get("lm_head"):
@@ -141,7 +143,7 @@ def _gptq_scheme(qc: dict, path: Path) -> QuantScheme:
         if not set(PROJECTIONS) <= named:
             raise _unsupported(path, f"GPTQ leaving {sorted(set(PROJECTIONS) - named)} unquantized")
     group = _check_int4_group(qc.get("group_size"), path, "GPTQ")
-    return QuantScheme("int4", "group", "none", fmt, group, bool(qc.get("sym", True)))
+    return QuantScheme("int4", "group", "none", fmt, group, bool(qc.get("sym", True)), bool(qc.get("desc_act")))
 
 
 def _awq_scheme(qc: dict, path: Path) -> QuantScheme:
@@ -171,6 +173,7 @@ def _compressed_tensors_scheme(qc: dict, path: Path, num_layers: int) -> QuantSc
             f"{path}: a compressed-tensors checkpoint; reading it needs the compressed-tensors package: "
             "pip install 'graphkiln[quant]'"
         ) from None
+    qc, numbered = _without_numbered_groups(qc)
     try:
         config = QuantizationConfig.model_validate(qc)
     except ValueError as e:
@@ -184,16 +187,17 @@ def _compressed_tensors_scheme(qc: dict, path: Path, num_layers: int) -> QuantSc
     modules = [f"model.layers.{i}.{'mlp' if p.endswith(('gate_proj', 'up_proj', 'down_proj')) else 'self_attn'}.{p}"
                for i in range(num_layers) for p in PROJECTIONS]
     for module in [*modules, "lm_head"]:
-        groups = [g for g in config.config_groups.values() if is_match(module, linear, g.targets, config.ignore)]
+        groups = [(name, g) for name, g in config.config_groups.items()
+                  if is_match(module, linear, g.targets, config.ignore)]
         if module == "lm_head":
             if groups:
                 raise _unsupported(path, "a quantized lm_head")
             continue
         if len(groups) != 1:
             raise _unsupported(path, f"{len(groups)} config_groups for {module} (graphkiln needs exactly one)")
-        weights = groups[0].weights
-        packed = weights is not None and weights.num_bits == 4 and _value(weights.type) == "int"
-        schemes.add(_int4_args(groups[0], path) if packed else _fp8_args(groups[0], path))
+        name, group = groups[0]
+        packed = group.weights is not None and group.weights.num_bits == 4 and _value(group.weights.type) == "int"
+        schemes.add(_int4_args(group, path, name in numbered) if packed else _fp8_args(group, path))
     if len(schemes) != 1:
         raise _unsupported(path, f"different schemes per projection {sorted(schemes)}")
     scheme = QuantScheme(*schemes.pop())
@@ -207,17 +211,29 @@ def _value(field) -> str | None:
     return getattr(field, "value", field)
 
 
-def _int4_args(group, path: Path) -> tuple:
-    """QuantScheme's fields for one int4 config group: weight-only, group scales, runs of inputs."""
+def _without_numbered_groups(qc: dict) -> tuple[dict, set[str]]:
+    """`qc` with actorder "group" (alias "dynamic", or True) taken out, and the config groups that had it: it
+    numbers each input's group (a `weight_g_idx` per projection), as older llm-compressor checkpoints do, and
+    compressed-tensors 0.20 no longer parses it. actorder "weight" changes only the calibration."""
+    numbered = {name for name, group in (qc.get("config_groups") or {}).items()
+                if isinstance(group, dict) and isinstance(group.get("weights"), dict)
+                and group["weights"].get("actorder") in ("group", "dynamic", True)}
+    if not numbered:
+        return qc, numbered
+    groups = {name: {**g, "weights": {**g["weights"], "actorder": None}} if name in numbered else g
+              for name, g in qc["config_groups"].items()}
+    return {**qc, "config_groups": groups}, numbered
+
+
+def _int4_args(group, path: Path, numbered: bool) -> tuple:
+    """QuantScheme's fields for one int4 config group: weight-only, group scales, `numbered` groups (act-order)."""
     w, a = group.weights, group.input_activations
     if a is not None:
         raise _unsupported(path, f"int4 weights with quantized activations {a!r}")
     if _value(w.strategy) != "group":
         raise _unsupported(path, f"int4 weights with strategy {_value(w.strategy)!r} (graphkiln takes groups)")
-    if _value(w.actorder) not in (None, "weight", "static"):
-        raise _unsupported(path, f"int4 weights with actorder {_value(w.actorder)!r} (groups must be runs of inputs)")
     group = _check_int4_group(w.group_size, path, "compressed-tensors")
-    return "int4", "group", "none", "compressed-tensors", group, bool(w.symmetric)
+    return "int4", "group", "none", "compressed-tensors", group, bool(w.symmetric), numbered
 
 
 def _fp8_args(group, path: Path) -> tuple:

@@ -48,7 +48,8 @@ def _module(scheme: QuantScheme, in_features: int, parts: tuple[int, ...], bias:
         if in_features % scheme.group_size:
             raise UnsupportedModelError(f"{scheme.source} int4 groups of {scheme.group_size} inputs do not divide "
                                         f"a projection's input size {in_features}")
-        return Int4Linear(in_features, parts, bias, dtype, scheme.group_size, scheme.source, scheme.symmetric)
+        return Int4Linear(in_features, parts, bias, dtype, scheme.group_size, scheme.source, scheme.symmetric,
+                          scheme.act_order)
     if scheme.method == "int4":
         group = int4_group_size(in_features)
         if group is None:
@@ -80,11 +81,21 @@ def reset_before_fill(model: CausalLM) -> None:
             module.zeros.fill_(SYMMETRIC_ZERO)
 
 
+
 def checkpoint_kinds(module: QuantizedLinear) -> list[str]:
     """The kinds of checkpoint tensor (the last part of their names) that fill each part of a projection."""
     if isinstance(module, Int4Linear) and module.source is not None:
-        return [*int4_checkpoints.checkpoint_kinds(module.source, module.symmetric)] + ["bias"] * (module.bias is not None)
+        kinds = int4_checkpoints.checkpoint_kinds(module.source, module.symmetric, module.input_order is not None)
+        return [*kinds] + ["bias"] * (module.bias is not None)
     return [name for name, _ in module.named_parameters()]
+
+
+def sort_int4_columns(model: CausalLM) -> None:
+    """Store each act-order int4 weight's columns in its input_order (int4_checkpoints.sort_columns), once all
+    of its tensors are in."""
+    for module in model.modules():
+        if isinstance(module, Int4Linear) and module.input_order is not None:
+            int4_checkpoints.sort_columns(module)
 
 
 def fill_quantized(module: QuantizedLinear, kind: str, index: int | None, tensor: torch.Tensor, where: str) -> None:

@@ -272,16 +272,21 @@ class BlockFp8Linear(Fp8Linear):
 class Int4Linear(QuantizedLinear):
     """Weight-only int4: packed values, and a scale and zero point per group of `group_size` inputs. `source`
     names the checkpoint format it is read from (int4_checkpoints.py), None when compile-model quantized it;
-    `symmetric`: zero points of 8 throughout."""
+    `symmetric`: zero points of 8 throughout. `act_order`: the checkpoint numbers each input's group; the
+    weight's columns are then stored sorted by group, and `input_order` (a buffer, made at load from the
+    checkpoint's group indices) gathers the input's in the same order before the product."""
 
     def __init__(
         self, in_features: int, parts: tuple[int, ...], bias: bool, dtype: torch.dtype, group_size: int = INT4_GROUP,
-        source: str | None = None, symmetric: bool = False,
+        source: str | None = None, symmetric: bool = False, act_order: bool = False,
     ) -> None:
         super().__init__(in_features, parts, bias, dtype)
         self.group_size = group_size
         self.source = source
         self.symmetric = symmetric
+        order = torch.empty(in_features, dtype=torch.int64) if act_order else None
+        self.register_buffer("input_order", order, persistent=False)
+        self.order_parts: list[int] = []  # the fused parts whose group indices have set input_order
         groups = in_features // group_size
         self.qweight = _frozen((self.out_features, in_features // 2), torch.uint8)
         self.scales = _frozen((self.out_features, groups), dtype)
@@ -310,9 +315,12 @@ class Int4Linear(QuantizedLinear):
             self.tinygemm_params.copy_(params)
 
     def describe(self) -> str:
-        return f"int4, {'symmetric' if self.symmetric else 'asymmetric'}, groups of {self.group_size}, weight-only"
+        order = " in act-order" if self.input_order is not None else ""
+        return f"int4, {'symmetric' if self.symmetric else 'asymmetric'}, groups of {self.group_size}{order}, weight-only"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_order is not None:
+            x = x.index_select(-1, self.input_order)
         return self._add_bias(torch.ops.graphkiln.int4_linear(x, self.qweight, self.scales, self.zeros,
                                                               self.group_size, self.tinygemm_weight,
                                                               self.tinygemm_params))

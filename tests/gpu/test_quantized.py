@@ -175,13 +175,14 @@ def test_tiny_compiled_with_quantization_loads_fresh_with_zero_compiles(scheme, 
     assert result["tinygemm"] == ([True, True, True, False] * 4 if scheme == "int4" else [])
 
 
-PREQUANTIZED = ["compressed-tensors", "block", "int4-compressed-tensors", "int4-gptq", "int4-awq"]
+PREQUANTIZED = ["compressed-tensors", "block", "int4-compressed-tensors", "int4-gptq", "int4-awq", "int4-gptq-act-order"]
 
 
 @pytest.mark.parametrize("layout", PREQUANTIZED)
 def test_prequantized_checkpoint_compiles_and_loads_fresh_with_zero_compiles(layout, tmp_path):
     """fp8 checkpoints (compressed-tensors, Qwen3's blocks) and int4 ones (llm-compressor's symmetric W4A16, GPTQ,
-    AWQ; groups of 128, so tinygemm takes one to four rows) against the CPU float32 engine of the same checkpoint."""
+    AWQ, act-order GPTQ, whose inputs the graphs gather; groups of 128, so tinygemm takes one to four rows) against
+    the CPU float32 engine of the same checkpoint."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     if layout.endswith("compressed-tensors"):
@@ -194,8 +195,9 @@ def test_prequantized_checkpoint_compiles_and_loads_fresh_with_zero_compiles(lay
     model.save_pretrained(tmp_path / "source")
     checkpoint = tmp_path / "quantized"
     if layout.startswith("int4-"):
-        fmt = layout.removeprefix("int4-")
-        write_int4_checkpoint(tmp_path / "source", model, checkpoint, fmt, 128, symmetric=fmt != "awq")
+        fmt = layout.removeprefix("int4-").removesuffix("-act-order")
+        write_int4_checkpoint(tmp_path / "source", model, checkpoint, fmt, 128, symmetric=fmt != "awq",
+                              act_order=layout.endswith("act-order"))
     else:
         write_fp8_checkpoint(tmp_path / "source", model, checkpoint, layout)
     out = tmp_path / "art"
