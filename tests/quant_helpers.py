@@ -3,8 +3,9 @@ and the float32 model of the dequantized weights they are checked against.
 
 The fp8 values are made here with plain torch, apart from graphkiln's quantizers: the layouts are
 compressed-tensors' float-quantized format (Llama 3.x fp8: `weight_scale` per tensor [1] or per
-channel [N, 1], `input_scale` [1] when static) and block-wise fp8 (Qwen3 fp8: `weight_scale_inv`
-[ceil(N/128), ceil(K/128)], the factor to multiply by).
+channel [N, 1], `input_scale` [1] when static), block-wise fp8 (Qwen3 fp8: `weight_scale_inv`
+[ceil(N/128), ceil(K/128)], the factor to multiply by) and AutoFP8's (`quant_method: fp8` without
+blocks: `weight_scale` and, when static, `input_scale` as 0-dimensional float32 tensors).
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ def compressed_tensors_config(weights: str, activations: str) -> dict:
 
 
 BLOCK_FP8_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+
+
+def autofp8_config(activations: str) -> dict:
+    return {"quant_method": "fp8", "activation_scheme": activations, "ignored_layers": ["lm_head"]}
 
 
 def _projections(model: PreTrainedModel):
@@ -110,13 +115,15 @@ def shared_scale(scales: dict[str, torch.Tensor], name: str) -> torch.Tensor:
 
 def write_fp8_checkpoint(source: Path, model: PreTrainedModel, out: Path, layout: str, weights: str = "channel",
                          activations: str = "dynamic", calibration: list[int] | None = None) -> PreTrainedModel:
-    """Write `model` to `out` as a pre-quantized checkpoint (layout 'compressed-tensors' or 'block') beside the
-    tokenizer-less files of `source`; return the float32 model of the dequantized weights."""
+    """Write `model` to `out` as a pre-quantized checkpoint (layout 'compressed-tensors', 'block' or 'autofp8',
+    whose weight scales are per tensor) beside the tokenizer-less files of `source`; return the float32 model of
+    the dequantized weights."""
     out.mkdir(parents=True)
     config = json.loads((source / "config.json").read_text())
-    config["quantization_config"] = (
-        BLOCK_FP8_CONFIG if layout == "block" else compressed_tensors_config(weights, activations)
-    )
+    configs = {"block": BLOCK_FP8_CONFIG, "autofp8": autofp8_config(activations)}
+    config["quantization_config"] = configs.get(layout) or compressed_tensors_config(weights, activations)
+    scalar = layout == "autofp8"
+    weights = "tensor" if scalar else weights
     (out / "config.json").write_text(json.dumps(config, indent=1))
     for extra in source.glob("generation_config.json"):
         shutil.copy(extra, out)
@@ -133,10 +140,10 @@ def write_fp8_checkpoint(source: Path, model: PreTrainedModel, out: Path, layout
                 tensors[f"{name}.weight_scale_inv"] = scale.contiguous()
             else:
                 q, scale, dequantized = _channel_or_tensor(w, weights)
-                tensors[f"{name}.weight_scale"] = scale.contiguous()
+                tensors[f"{name}.weight_scale"] = (scale.reshape(()) if scalar else scale).contiguous()
             static = None
             if activations == "static":
-                tensors[f"{name}.input_scale"] = input_scales[name]
+                tensors[f"{name}.input_scale"] = input_scales[name].reshape(()) if scalar else input_scales[name]
                 static = shared_scale(input_scales, name)
             module.register_forward_pre_hook(lambda m, args, static=static: (_fp8_inputs(args[0], layout, static),))
             tensors[f"{name}.weight"] = q.contiguous()

@@ -29,8 +29,8 @@ from graphkiln.models.quantized_linear import (
     unpack_int4,
 )
 from quant_helpers import (
-    BLOCK_FP8_CONFIG, FP8, compressed_tensors_config, relative_error, top1_agreement, with_quantization_config,
-    write_fp8_checkpoint,
+    BLOCK_FP8_CONFIG, FP8, autofp8_config, compressed_tensors_config, relative_error, top1_agreement,
+    with_quantization_config, write_fp8_checkpoint,
 )
 
 if TYPE_CHECKING:
@@ -160,6 +160,25 @@ def test_compressed_tensors_fp8_checkpoint_matches_its_dequantized_reference(
     assert relative_error(llama.reference_logits(ids), ref) > 0.05  # the bound above tells fp8 from the original
 
 
+@pytest.mark.parametrize("activations", ["static", "dynamic"])
+def test_autofp8_checkpoint_matches_its_dequantized_reference(
+    llama: Checkpoint, random_ids: Callable[..., list[int]], tmp_path: Path, activations: str
+) -> None:
+    """AutoFP8: one scale a weight and, when static, a calibrated input scale, both as 0-dimensional tensors."""
+    ids = random_ids(48)
+    reference = write_fp8_checkpoint(llama.path, llama.model, tmp_path / "fp8", "autofp8", activations=activations,
+                                     calibration=ids)
+    with safe_open(str(tmp_path / "fp8" / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("model.layers.0.mlp.down_proj.weight_scale").shape == ()
+    qkv = load_model(tmp_path / "fp8").model.layers[0].self_attn.qkv_proj
+    assert (qkv.input_scale is not None) == (activations == "static")
+    ours = graphkiln.LLM.eager(tmp_path / "fp8", **ENGINE).score(ids)
+    with torch.no_grad():
+        ref = reference(torch.tensor([ids])).logits[0]
+    assert relative_error(ours, ref) < 0.05 and top1_agreement(ours, ref) >= 0.95
+    assert relative_error(llama.reference_logits(ids), ref) > 0.05
+
+
 def test_block_fp8_checkpoint_matches_its_dequantized_reference(
     hf_checkpoint: CheckpointFactory, random_ids: Callable[..., list[int]], tmp_path: Path
 ) -> None:
@@ -187,6 +206,12 @@ def test_unsupported_schemes_are_named_with_what_is_supported(llama: Checkpoint,
     blocks = {**BLOCK_FP8_CONFIG, "weight_block_size": [64, 64]}
     with pytest.raises(UnsupportedModelError, match=r"weight_block_size \[64, 64\] is not supported"):
         load_model(with_quantization_config(llama.path, tmp_path / "b64", blocks))
+    kv = {**autofp8_config("static"), "kv_cache_scheme": "static"}
+    with pytest.raises(UnsupportedModelError, match=r"fp8 with kv_cache_scheme 'static' is not supported"):
+        load_model(with_quantization_config(llama.path, tmp_path / "kv", kv))
+    kept = {**autofp8_config("dynamic"), "ignored_layers": ["lm_head", "model.layers.1.mlp.down_proj"]}
+    with pytest.raises(UnsupportedModelError, match=r"ignored_layers \['model.layers.1.mlp.down_proj'\]"):
+        load_model(with_quantization_config(llama.path, tmp_path / "kept", kept))
     with pytest.raises(ConfigError, match="quantization='fp8', but .* is already quantized"):
         load_model(with_quantization_config(llama.path, tmp_path / "fp8", compressed_tensors_config("channel", "dynamic")),
                    quantization="fp8")

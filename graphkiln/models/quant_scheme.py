@@ -25,6 +25,7 @@ CHECKPOINT_FORMATS = (
     "dynamic per-token activations)",
     "compressed-tensors int4 (pack-quantized, weight-only, group scales, symmetric or asymmetric, any actorder)",
     "fp8 with weight_block_size [128, 128] and dynamic activations",
+    "AutoFP8's fp8 (per-tensor weight scales, static or dynamic activations)",
     "GPTQ int4 (checkpoint_format gptq or gptq_v2, desc_act true or false)",
     "AWQ int4 (version gemm, with zero points)",
 )
@@ -88,7 +89,7 @@ def checkpoint_scheme(model_dir: Path) -> QuantScheme | None:
     if method == "compressed-tensors":
         return _compressed_tensors_scheme(qc, path, config.get("num_hidden_layers", 1))
     if method == "fp8":
-        return _block_fp8_scheme(qc, path)
+        return _fp8_scheme(qc, path)
     if method == "gptq":
         return _gptq_scheme(qc, path)
     if method == "awq":
@@ -112,12 +113,26 @@ def _unsupported(path: Path, what: str) -> UnsupportedModelError:
     )
 
 
-def _block_fp8_scheme(qc: dict, path: Path) -> QuantScheme:
+def _fp8_scheme(qc: dict, path: Path) -> QuantScheme:
+    """quant_method "fp8": 128 x 128 blocks (Qwen3's fp8, transformers' fine-grained fp8) or, without
+    weight_block_size, AutoFP8's per-tensor weight scales; its dynamic activations are quantized per token
+    here (finer than AutoFP8's one scale a tensor)."""
     block, activations = qc.get("weight_block_size"), qc.get("activation_scheme", "dynamic")
+    if qc.get("fmt", "e4m3") != "e4m3":
+        raise _unsupported(path, f"fp8 with fmt {qc.get('fmt')!r}")
+    if block is None:
+        if activations not in ("static", "dynamic"):
+            raise _unsupported(path, f"fp8 with activation_scheme {activations!r}")
+        if qc.get("kv_cache_scheme"):
+            raise _unsupported(path, f"fp8 with kv_cache_scheme {qc['kv_cache_scheme']!r}")
+        skipped = [m for m in qc.get("ignored_layers") or [] if m.rsplit(".", 1)[-1] in PROJECTIONS]
+        if skipped:
+            raise _unsupported(path, f"fp8 leaving projections unquantized (ignored_layers {skipped[:3]!r})")
+        return QuantScheme("fp8", "tensor", activations, "fp8")
     if block != [BLOCK, BLOCK]:
         raise _unsupported(path, f"fp8 with weight_block_size {block!r}")
-    if activations != "dynamic" or qc.get("fmt", "e4m3") != "e4m3":
-        raise _unsupported(path, f"fp8 with activation_scheme {activations!r} and fmt {qc.get('fmt')!r}")
+    if activations != "dynamic":
+        raise _unsupported(path, f"block-wise fp8 with activation_scheme {activations!r}")
     return QuantScheme("fp8", "block", "dynamic", "fp8")
 
 
