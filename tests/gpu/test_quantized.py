@@ -175,12 +175,13 @@ def test_tiny_compiled_with_quantization_loads_fresh_with_zero_compiles(scheme, 
     assert result["tinygemm"] == ([True, True, True, False] * 4 if scheme == "int4" else [])
 
 
-PREQUANTIZED = ["compressed-tensors", "block", "int4-compressed-tensors", "int4-gptq", "int4-awq", "int4-gptq-act-order"]
+PREQUANTIZED = ["compressed-tensors", "block", "autofp8", "int4-compressed-tensors", "int4-gptq", "int4-awq",
+                "int4-gptq-act-order"]
 
 
 @pytest.mark.parametrize("layout", PREQUANTIZED)
 def test_prequantized_checkpoint_compiles_and_loads_fresh_with_zero_compiles(layout, tmp_path):
-    """fp8 checkpoints (compressed-tensors, Qwen3's blocks) and int4 ones (llm-compressor's symmetric W4A16, GPTQ,
+    """fp8 checkpoints (compressed-tensors, Qwen3's blocks, AutoFP8's per-tensor scales) and int4 ones (llm-compressor's symmetric W4A16, GPTQ,
     AWQ, act-order GPTQ, whose inputs the graphs gather; groups of 128, so tinygemm takes one to four rows) against
     the CPU float32 engine of the same checkpoint."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
