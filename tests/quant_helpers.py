@@ -49,6 +49,13 @@ def autofp8_config(activations: str) -> dict:
     return {"quant_method": "fp8", "activation_scheme": activations, "ignored_layers": ["lm_head"]}
 
 
+def modelopt_config(weights: str) -> dict:
+    """config.json's quantization_config as ModelOpt exports write it: 'tensor' weights with static activations
+    (quant_algo FP8) or 'channel' ones with dynamic per-token activations; an fp8 KV cache with its scales."""
+    algo = "FP8" if weights == "tensor" else "FP8_PER_CHANNEL_PER_TOKEN"
+    return {"quant_method": "modelopt", "quant_algo": algo, "kv_cache_quant_algo": "FP8", "ignore": ["lm_head"]}
+
+
 def _projections(model: PreTrainedModel):
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] in PROJECTIONS:
@@ -115,15 +122,25 @@ def shared_scale(scales: dict[str, torch.Tensor], name: str) -> torch.Tensor:
 
 def write_fp8_checkpoint(source: Path, model: PreTrainedModel, out: Path, layout: str, weights: str = "channel",
                          activations: str = "dynamic", calibration: list[int] | None = None) -> PreTrainedModel:
-    """Write `model` to `out` as a pre-quantized checkpoint (layout 'compressed-tensors', 'block' or 'autofp8',
-    whose weight scales are per tensor) beside the tokenizer-less files of `source`; return the float32 model of
-    the dequantized weights."""
+    """Write `model` to `out` as a pre-quantized checkpoint beside the tokenizer-less files of `source`; return the
+    float32 model of the dequantized weights. Layouts: 'compressed-tensors', 'block', 'autofp8' (per-tensor weight
+    scales, 0-dimensional), 'modelopt' (`weights` 'tensor': 0-dimensional scales, static activations; 'channel':
+    [N] scales, dynamic; KV cache scales beside) and 'modelopt-file' (the same config in hf_quant_config.json)."""
     out.mkdir(parents=True)
     config = json.loads((source / "config.json").read_text())
-    configs = {"block": BLOCK_FP8_CONFIG, "autofp8": autofp8_config(activations)}
-    config["quantization_config"] = configs.get(layout) or compressed_tensors_config(weights, activations)
-    scalar = layout == "autofp8"
-    weights = "tensor" if scalar else weights
+    modelopt = layout.startswith("modelopt")
+    if modelopt:
+        activations = "static" if weights == "tensor" else "dynamic"
+    configs = {"block": BLOCK_FP8_CONFIG, "autofp8": autofp8_config(activations), "modelopt": modelopt_config(weights)}
+    if layout == "modelopt-file":
+        qc = modelopt_config(weights)
+        quantization = {"quant_algo": qc["quant_algo"], "kv_cache_quant_algo": "FP8", "exclude_modules": ["lm_head"]}
+        (out / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"},
+                                                              "quantization": quantization}))
+    else:
+        config["quantization_config"] = configs.get(layout) or compressed_tensors_config(weights, activations)
+    scalar = layout == "autofp8" or (modelopt and weights == "tensor")
+    weights = "tensor" if layout == "autofp8" else weights
     (out / "config.json").write_text(json.dumps(config, indent=1))
     for extra in source.glob("generation_config.json"):
         shutil.copy(extra, out)
@@ -140,7 +157,10 @@ def write_fp8_checkpoint(source: Path, model: PreTrainedModel, out: Path, layout
                 tensors[f"{name}.weight_scale_inv"] = scale.contiguous()
             else:
                 q, scale, dequantized = _channel_or_tensor(w, weights)
-                tensors[f"{name}.weight_scale"] = (scale.reshape(()) if scalar else scale).contiguous()
+                shape = () if scalar else ((-1,) if modelopt else scale.shape)
+                tensors[f"{name}.weight_scale"] = scale.reshape(shape).contiguous()
+            if modelopt and name.endswith(("k_proj", "v_proj")):
+                tensors[f"{name}.{name[-6]}_scale"] = torch.tensor(0.05)
             static = None
             if activations == "static":
                 tensors[f"{name}.input_scale"] = input_scales[name].reshape(()) if scalar else input_scales[name]

@@ -3,6 +3,8 @@ transformers on their dequantized weights (compile-time fp8/int4 artifacts: test
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -10,11 +12,12 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 import graphkiln
 from artifact_helpers import ENGINE
 from graphkiln import CompileConfig
-from graphkiln.errors import ConfigError, UnsupportedModelError
+from graphkiln.errors import ConfigError, ModelFileError, UnsupportedModelError, WeightMismatchError
 from graphkiln.models.loader import load_model
 from graphkiln.models.quantized_linear import (
     dequantize_fp8,
@@ -29,8 +32,8 @@ from graphkiln.models.quantized_linear import (
     unpack_int4,
 )
 from quant_helpers import (
-    BLOCK_FP8_CONFIG, FP8, autofp8_config, compressed_tensors_config, relative_error, top1_agreement,
-    with_quantization_config, write_fp8_checkpoint,
+    BLOCK_FP8_CONFIG, FP8, autofp8_config, compressed_tensors_config, modelopt_config, relative_error,
+    top1_agreement, with_quantization_config, write_fp8_checkpoint,
 )
 
 if TYPE_CHECKING:
@@ -179,6 +182,57 @@ def test_autofp8_checkpoint_matches_its_dequantized_reference(
     assert relative_error(llama.reference_logits(ids), ref) > 0.05
 
 
+@pytest.mark.parametrize("layout,weights", [("modelopt", "tensor"), ("modelopt-file", "channel")])
+def test_modelopt_fp8_checkpoint_matches_its_dequantized_reference(
+    llama: Checkpoint, random_ids: Callable[..., list[int]], tmp_path: Path, layout: str, weights: str
+) -> None:
+    """ModelOpt's FP8 (0-dimensional scales, static activations; its config in config.json) and
+    FP8_PER_CHANNEL_PER_TOKEN (its config in an hf_quant_config.json), each with an fp8 KV cache's scales, which
+    the loader reads past."""
+    ids = random_ids(48)
+    reference = write_fp8_checkpoint(llama.path, llama.model, tmp_path / "fp8", layout, weights, calibration=ids)
+    with safe_open(str(tmp_path / "fp8" / "model.safetensors"), "pt") as f:
+        assert "model.layers.0.self_attn.k_proj.k_scale" in f.keys()
+    assert (tmp_path / "fp8" / "hf_quant_config.json").is_file() == (layout == "modelopt-file")
+    qkv = load_model(tmp_path / "fp8").model.layers[0].self_attn.qkv_proj
+    assert (qkv.input_scale is not None) == (weights == "tensor")
+    ours = graphkiln.LLM.eager(tmp_path / "fp8", **ENGINE).score(ids)
+    with torch.no_grad():
+        ref = reference(torch.tensor([ids])).logits[0]
+    assert relative_error(ours, ref) < 0.05 and top1_agreement(ours, ref) >= 0.95
+    assert relative_error(llama.reference_logits(ids), ref) > 0.05
+
+
+def test_compressed_tensors_kv_cache_scales_are_read_past(
+    llama: Checkpoint, random_ids: Callable[..., list[int]], tmp_path: Path
+) -> None:
+    """A kv_cache_scheme's k_scale / v_scale tensors: the cache keeps the model dtype, the weights load as ever."""
+    ids = random_ids(48)
+    write_fp8_checkpoint(llama.path, llama.model, tmp_path / "plain", "compressed-tensors")
+    with_kv = Path(shutil.copytree(tmp_path / "plain", tmp_path / "kv"))
+    config = json.loads((with_kv / "config.json").read_text())
+    config["quantization_config"]["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "symmetric": True,
+                                                        "strategy": "tensor", "dynamic": False}
+    (with_kv / "config.json").write_text(json.dumps(config))
+    tensors = load_file(str(with_kv / "model.safetensors"))
+    for layer in range(2):
+        tensors.update({f"model.layers.{layer}.self_attn.{kv}_scale": torch.tensor(0.05) for kv in "kv"})
+    save_file(tensors, str(with_kv / "model.safetensors"), metadata={"format": "pt"})
+    plain = graphkiln.LLM.eager(tmp_path / "plain", **ENGINE).score(ids)
+    assert torch.equal(graphkiln.LLM.eager(with_kv, **ENGINE).score(ids), plain)
+    with pytest.raises(WeightMismatchError, match="'model.layers.0.self_attn.k_scale' has no place"):
+        load_model(_unquantized_with_kv_scales(llama, tmp_path))
+
+
+def _unquantized_with_kv_scales(llama: Checkpoint, tmp_path: Path) -> Path:
+    """KV cache scales in a checkpoint that declares no quantization are not read past."""
+    dest = Path(shutil.copytree(llama.path, tmp_path / "unquantized"))
+    tensors = load_file(str(dest / "model.safetensors"))
+    tensors["model.layers.0.self_attn.k_scale"] = torch.tensor(0.05)
+    save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    return dest
+
+
 def test_block_fp8_checkpoint_matches_its_dequantized_reference(
     hf_checkpoint: CheckpointFactory, random_ids: Callable[..., list[int]], tmp_path: Path
 ) -> None:
@@ -206,9 +260,17 @@ def test_unsupported_schemes_are_named_with_what_is_supported(llama: Checkpoint,
     blocks = {**BLOCK_FP8_CONFIG, "weight_block_size": [64, 64]}
     with pytest.raises(UnsupportedModelError, match=r"weight_block_size \[64, 64\] is not supported"):
         load_model(with_quantization_config(llama.path, tmp_path / "b64", blocks))
-    kv = {**autofp8_config("static"), "kv_cache_scheme": "static"}
-    with pytest.raises(UnsupportedModelError, match=r"fp8 with kv_cache_scheme 'static' is not supported"):
-        load_model(with_quantization_config(llama.path, tmp_path / "kv", kv))
+    for algo in ("NVFP4", "FP8_PB_WO"):
+        modelopt = {**modelopt_config("tensor"), "quant_algo": algo}
+        with pytest.raises(UnsupportedModelError, match=f"ModelOpt quant_algo '{algo}' is not supported"):
+            load_model(with_quantization_config(llama.path, tmp_path / algo, modelopt))
+    excluded = {**modelopt_config("tensor"), "ignore": ["lm_head", "model.layers.*.mlp.down_proj"]}
+    with pytest.raises(UnsupportedModelError, match=r"excluded \['model.layers.\*.mlp.down_proj'\]"):
+        load_model(with_quantization_config(llama.path, tmp_path / "excluded", excluded))
+    broken = Path(shutil.copytree(llama.path, tmp_path / "broken"))
+    (broken / "hf_quant_config.json").write_text('{"producer": {}}')
+    with pytest.raises(ModelFileError, match=r"hf_quant_config.json: unreadable \(KeyError\('quantization'\)\)"):
+        load_model(broken)
     kept = {**autofp8_config("dynamic"), "ignored_layers": ["lm_head", "model.layers.1.mlp.down_proj"]}
     with pytest.raises(UnsupportedModelError, match=r"ignored_layers \['model.layers.1.mlp.down_proj'\]"):
         load_model(with_quantization_config(llama.path, tmp_path / "kept", kept))

@@ -52,6 +52,9 @@ DTYPES = {
     "bf16": torch.bfloat16,
 }
 IGNORED_TENSORS = re.compile(r".*rotary_emb\.inv_freq$")
+# a quantized checkpoint's KV cache scales (compressed-tensors, ModelOpt; AutoFP8's k/v output scales): the cache
+# is the model dtype, or fp8 with scales of its own per row, never one static scale
+KV_CACHE_SCALES = re.compile(r".*\.(k_scale|v_scale|kv_scale)$|.*\.[kv]_proj\.output_scale$")
 FUSED = {  # checkpoint projection -> (fused parameter, index of its slice)
     "q_proj": ("qkv_proj", 0),
     "k_proj": ("qkv_proj", 1),
@@ -234,8 +237,12 @@ def _fill_weights(model: CausalLM, cfg: ModelConfig, files: dict[Path, Path], de
     reads = []
     staged = []  # (quantized owner, entry, tensor read whole) for fill_quantized
     held_by_rank0: set[str] = set()  # row-parallel biases, zero on the other ranks
+    scheme = model.weight_source.scheme
+    kv_scales = scheme is not None and scheme.from_checkpoint
     for name, path in files.items():
         if IGNORED_TENSORS.match(name) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
+            continue
+        if kv_scales and KV_CACHE_SCALES.match(name):
             continue
         entry = headers[path].get(name)
         if entry is None:

@@ -3,19 +3,22 @@
 A scheme comes either from compile-model (`CompileConfig.quantization`: "fp8" or "int4", the
 checkpoint's bf16/fp16 weights quantized at compile time) or from the checkpoint itself
 (`quantization_config` in config.json): compressed-tensors fp8 or int4 (pack-quantized), read with
-the compressed-tensors library; block-wise fp8 as published for Qwen3; GPTQ and AWQ int4
-(int4_checkpoints.py reads their tensors). Anything else is refused by name.
+the compressed-tensors library; block-wise fp8 as published for Qwen3; AutoFP8's and NVIDIA
+ModelOpt's fp8; GPTQ and AWQ int4 (int4_checkpoints.py reads their tensors). Anything else is
+refused by name. A checkpoint's KV cache scales (its kv_cache_scheme) are read past: the loader
+skips them, since the cache is the model dtype or fp8 with scales of its own.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from fnmatch import fnmatch
 from pathlib import Path
 
 import torch
 
-from graphkiln.errors import ConfigError, UnsupportedModelError
+from graphkiln.errors import ConfigError, ModelFileError, UnsupportedModelError
 
 from .quantized_linear import BLOCK
 
@@ -26,9 +29,11 @@ CHECKPOINT_FORMATS = (
     "compressed-tensors int4 (pack-quantized, weight-only, group scales, symmetric or asymmetric, any actorder)",
     "fp8 with weight_block_size [128, 128] and dynamic activations",
     "AutoFP8's fp8 (per-tensor weight scales, static or dynamic activations)",
+    "ModelOpt fp8 (quant_algo FP8 or FP8_PER_CHANNEL_PER_TOKEN)",
     "GPTQ int4 (checkpoint_format gptq or gptq_v2, desc_act true or false)",
     "AWQ int4 (version gemm, with zero points)",
 )
+MODELOPT_FILE = "hf_quant_config.json"
 INT4_GROUPS = "a power of two from 16 that divides every projection's input size"
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FP8_CT_FORMATS = ("float-quantized", "naive-quantized")
@@ -76,18 +81,22 @@ def compile_scheme(name: str) -> QuantScheme:
 
 
 def checkpoint_scheme(model_dir: Path) -> QuantScheme | None:
-    """The scheme config.json's `quantization_config` declares, or None for an unquantized checkpoint."""
+    """The scheme config.json's `quantization_config` declares (or, without one, an hf_quant_config.json as
+    older ModelOpt exports write beside it), or None for an unquantized checkpoint."""
     path = model_dir / "config.json"
     try:
         config = json.loads(path.read_text())
         qc = config.get("quantization_config")
+        layers = config.get("num_hidden_layers", 1)
     except (OSError, ValueError, AttributeError):
         return None  # reading config.json itself reports what is wrong with it
     if qc is None:
-        return None
+        return _modelopt_file_scheme(model_dir / MODELOPT_FILE, layers)
     method = qc.get("quant_method") if isinstance(qc, dict) else None
     if method == "compressed-tensors":
-        return _compressed_tensors_scheme(qc, path, config.get("num_hidden_layers", 1))
+        return _compressed_tensors_scheme(qc, path, layers)
+    if method == "modelopt":
+        return _modelopt_scheme(qc, path, layers)
     if method == "fp8":
         return _fp8_scheme(qc, path)
     if method == "gptq":
@@ -123,8 +132,6 @@ def _fp8_scheme(qc: dict, path: Path) -> QuantScheme:
     if block is None:
         if activations not in ("static", "dynamic"):
             raise _unsupported(path, f"fp8 with activation_scheme {activations!r}")
-        if qc.get("kv_cache_scheme"):
-            raise _unsupported(path, f"fp8 with kv_cache_scheme {qc['kv_cache_scheme']!r}")
         skipped = [m for m in qc.get("ignored_layers") or [] if m.rsplit(".", 1)[-1] in PROJECTIONS]
         if skipped:
             raise _unsupported(path, f"fp8 leaving projections unquantized (ignored_layers {skipped[:3]!r})")
@@ -134,6 +141,39 @@ def _fp8_scheme(qc: dict, path: Path) -> QuantScheme:
     if activations != "dynamic":
         raise _unsupported(path, f"block-wise fp8 with activation_scheme {activations!r}")
     return QuantScheme("fp8", "block", "dynamic", "fp8")
+
+
+def _projection_modules(num_layers: int) -> list[str]:
+    """Every decoder projection's module name, as checkpoints of the supported families spell them."""
+    return [f"model.layers.{i}.{'mlp' if p.endswith(('gate_proj', 'up_proj', 'down_proj')) else 'self_attn'}.{p}"
+            for i in range(num_layers) for p in PROJECTIONS]
+
+
+def _modelopt_file_scheme(path: Path, num_layers: int) -> QuantScheme | None:
+    """The scheme of an hf_quant_config.json ({"quantization": {"quant_algo": ...}}), or None without one."""
+    if not path.is_file():
+        return None
+    try:
+        qc = json.loads(path.read_text())["quantization"]
+        if not isinstance(qc, dict):
+            raise TypeError(f"'quantization' is a {type(qc).__name__}")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ModelFileError(f"{path}: unreadable ({e!r}); it needs a 'quantization' object with 'quant_algo'") from e
+    return _modelopt_scheme(qc, path, num_layers)
+
+
+def _modelopt_scheme(qc: dict, path: Path, num_layers: int) -> QuantScheme:
+    """NVIDIA ModelOpt's fp8: quant_algo FP8 (one weight scale a projection, a static input scale) or
+    FP8_PER_CHANNEL_PER_TOKEN (channel scales, dynamic per-token activations); every projection quantized."""
+    algo = str(qc.get("quant_algo")).upper()
+    schemes = {"FP8": ("tensor", "static"), "FP8_PER_CHANNEL_PER_TOKEN": ("channel", "dynamic")}
+    if algo not in schemes:
+        raise _unsupported(path, f"ModelOpt quant_algo {qc.get('quant_algo')!r}")
+    excluded = qc.get("ignore", qc.get("exclude_modules")) or []
+    kept = [p for p in excluded if any(fnmatch(m, p) or p in m for m in _projection_modules(num_layers))]
+    if kept:
+        raise _unsupported(path, f"ModelOpt leaving projections unquantized (excluded {kept[:3]!r})")
+    return QuantScheme("fp8", *schemes[algo], "modelopt")
 
 
 def _check_int4_group(group, path: Path, what: str) -> int:
@@ -195,13 +235,9 @@ def _compressed_tensors_scheme(qc: dict, path: Path, num_layers: int) -> QuantSc
         raise UnsupportedModelError(f"{path}: quantization_config is not a valid compressed-tensors config: {e}") from e
     if config.format not in (*FP8_CT_FORMATS, INT4_CT_FORMAT):
         raise _unsupported(path, f"compressed-tensors format {config.format!r}")
-    if config.kv_cache_scheme is not None:
-        raise _unsupported(path, "compressed-tensors kv_cache_scheme")
     linear = torch.nn.Linear(1, 1, device="meta")
     schemes = set()
-    modules = [f"model.layers.{i}.{'mlp' if p.endswith(('gate_proj', 'up_proj', 'down_proj')) else 'self_attn'}.{p}"
-               for i in range(num_layers) for p in PROJECTIONS]
-    for module in [*modules, "lm_head"]:
+    for module in [*_projection_modules(num_layers), "lm_head"]:
         groups = [(name, g) for name, g in config.config_groups.items()
                   if is_match(module, linear, g.targets, config.ignore)]
         if module == "lm_head":
