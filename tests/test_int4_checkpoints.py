@@ -4,6 +4,8 @@ checkpoints are not split over tensor-parallel ranks."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -82,6 +84,27 @@ def test_awq_checkpoint_with_biases_matches_its_dequantized_reference(
     ids = random_ids(48)
     ours = graphkiln.LLM.eager(tmp_path / "awq", **ENGINE).score(ids)
     assert relative_error(ours, _reference_logits(reference, ids)) < 1e-4
+
+
+@pytest.mark.parametrize("fmt,side_file", [("gptq", "quantize_config.json"), ("awq", "quant_config.json")])
+def test_int4_config_in_the_side_file_older_exports_write(
+    int4_checkpoints: dict, random_ids: Callable[..., list[int]], tmp_path: Path, fmt: str, side_file: str
+) -> None:
+    """AutoGPTQ's quantize_config.json and AutoAWQ's quant_config.json (its own keys) beside a config.json
+    without quantization_config."""
+    source, reference = int4_checkpoints[(fmt, fmt == "gptq", False)]
+    dest = Path(shutil.copytree(source, tmp_path / fmt))
+    config = json.loads((dest / "config.json").read_text())
+    qc = config.pop("quantization_config")
+    if fmt == "awq":
+        qc = {"zero_point": True, "q_group_size": qc["group_size"], "w_bit": 4, "version": "GEMM"}
+    else:
+        del qc["quant_method"], qc["checkpoint_format"]
+    (dest / side_file).write_text(json.dumps(qc))
+    (dest / "config.json").write_text(json.dumps(config))
+    assert load_model(dest).model.layers[0].mlp.down_proj.describe().startswith("int4")
+    ids = random_ids(48)
+    assert relative_error(graphkiln.LLM.eager(dest, **ENGINE).score(ids), _reference_logits(reference, ids)) < 1e-4
 
 
 def test_compressed_tensors_int4_checkpoint_matches_transformers_reading_it(

@@ -33,7 +33,10 @@ CHECKPOINT_FORMATS = (
     "GPTQ int4 (checkpoint_format gptq or gptq_v2, desc_act true or false)",
     "AWQ int4 (version gemm, with zero points)",
 )
-MODELOPT_FILE = "hf_quant_config.json"
+# the files older exports write beside a config.json without quantization_config, and the object in each that
+# holds the config: ModelOpt's "quantization", AutoGPTQ's and AutoAWQ's whole file
+SIDE_FILES = {"hf_quant_config.json": ("modelopt", "quantization"), "quantize_config.json": ("gptq", None),
+              "quant_config.json": ("awq", None)}
 INT4_GROUPS = "a power of two from 16 that divides every projection's input size"
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FP8_CT_FORMATS = ("float-quantized", "naive-quantized")
@@ -81,8 +84,8 @@ def compile_scheme(name: str) -> QuantScheme:
 
 
 def checkpoint_scheme(model_dir: Path) -> QuantScheme | None:
-    """The scheme config.json's `quantization_config` declares (or, without one, an hf_quant_config.json as
-    older ModelOpt exports write beside it), or None for an unquantized checkpoint."""
+    """The scheme config.json's `quantization_config` declares (or, without one, a file that older ModelOpt,
+    AutoGPTQ or AutoAWQ exports write beside it: SIDE_FILES), or None for an unquantized checkpoint."""
     path = model_dir / "config.json"
     try:
         config = json.loads(path.read_text())
@@ -91,7 +94,7 @@ def checkpoint_scheme(model_dir: Path) -> QuantScheme | None:
     except (OSError, ValueError, AttributeError):
         return None  # reading config.json itself reports what is wrong with it
     if qc is None:
-        return _modelopt_file_scheme(model_dir / MODELOPT_FILE, layers)
+        return _side_file_scheme(model_dir, layers)
     method = qc.get("quant_method") if isinstance(qc, dict) else None
     if method == "compressed-tensors":
         return _compressed_tensors_scheme(qc, path, layers)
@@ -149,17 +152,24 @@ def _projection_modules(num_layers: int) -> list[str]:
             for i in range(num_layers) for p in PROJECTIONS]
 
 
-def _modelopt_file_scheme(path: Path, num_layers: int) -> QuantScheme | None:
-    """The scheme of an hf_quant_config.json ({"quantization": {"quant_algo": ...}}), or None without one."""
-    if not path.is_file():
-        return None
-    try:
-        qc = json.loads(path.read_text())["quantization"]
-        if not isinstance(qc, dict):
-            raise TypeError(f"'quantization' is a {type(qc).__name__}")
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ModelFileError(f"{path}: unreadable ({e!r}); it needs a 'quantization' object with 'quant_algo'") from e
-    return _modelopt_scheme(qc, path, num_layers)
+def _side_file_scheme(model_dir: Path, num_layers: int) -> QuantScheme | None:
+    """The scheme of the first of SIDE_FILES in `model_dir`, or None without any."""
+    for name, (method, key) in SIDE_FILES.items():
+        path = model_dir / name
+        if not path.is_file():
+            continue
+        try:
+            qc = json.loads(path.read_text())
+            qc = qc[key] if key else qc
+            if not isinstance(qc, dict):
+                raise TypeError(f"it holds a {type(qc).__name__}, not an object")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ModelFileError(f"{path}: unreadable ({e!r}); it needs {f'a {key!r} object' if key else 'an object'}"
+                                 " with the quantization config") from e
+        if method == "modelopt":
+            return _modelopt_scheme(qc, path, num_layers)
+        return _gptq_scheme(qc, path) if method == "gptq" else _awq_scheme(qc, path)
+    return None
 
 
 def _modelopt_scheme(qc: dict, path: Path, num_layers: int) -> QuantScheme:
