@@ -47,7 +47,7 @@ INT4_CT_FORMAT = "pack-quantized"
 class QuantScheme:
     """method "fp8" or "int4"; weights "channel", "tensor", "block" or "group"; activations "dynamic",
     "static" or "none" (weight-only); source "compile" or the checkpoint format ("compressed-tensors",
-    "fp8", "gptq", "gptq_v2", "awq"). An int4 checkpoint sets its `group_size`, whether it is
+    "fp8" (block-wise, or AutoFP8's), "modelopt", "gptq", "gptq_v2", "awq"). An int4 checkpoint sets its `group_size`, whether it is
     `symmetric` (zero points of 8 that compressed-tensors does not store) and whether its groups are
     numbered in `act_order` (GPTQ's desc_act: a group index per input instead of runs of inputs);
     compile-model picks the group per layer (quantized_linear.int4_group_size) and quantizes
