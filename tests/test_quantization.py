@@ -155,12 +155,17 @@ def test_compressed_tensors_fp8_checkpoint_matches_its_dequantized_reference(
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         assert f.get_tensor("model.layers.0.self_attn.q_proj.weight").dtype == FP8
         assert f.get_tensor("model.layers.0.self_attn.q_proj.weight_scale").shape == ((1,) if weights == "tensor" else (64, 1))
-    llm = graphkiln.LLM.eager(out, **ENGINE)
-    ours = llm.score(ids)
+    _check_against_dequantized(out, reference, llama, ids)
+
+
+def _check_against_dequantized(checkpoint: Path, reference, llama: Checkpoint, ids: list[int]) -> None:
+    """graphkiln's logits on `checkpoint` within 5% of those of `reference`, the float32 model of its dequantized
+    weights, with top-1 agreement of 95%: a bound that tells fp8 from the original model."""
+    ours = graphkiln.LLM.eager(checkpoint, **ENGINE).score(ids)
     with torch.no_grad():
         ref = reference(torch.tensor([ids])).logits[0]
     assert relative_error(ours, ref) < 0.05 and top1_agreement(ours, ref) >= 0.95
-    assert relative_error(llama.reference_logits(ids), ref) > 0.05  # the bound above tells fp8 from the original
+    assert relative_error(llama.reference_logits(ids), ref) > 0.05
 
 
 @pytest.mark.parametrize("activations", ["static", "dynamic"])
@@ -175,11 +180,7 @@ def test_autofp8_checkpoint_matches_its_dequantized_reference(
         assert f.get_tensor("model.layers.0.mlp.down_proj.weight_scale").shape == ()
     qkv = load_model(tmp_path / "fp8").model.layers[0].self_attn.qkv_proj
     assert (qkv.input_scale is not None) == (activations == "static")
-    ours = graphkiln.LLM.eager(tmp_path / "fp8", **ENGINE).score(ids)
-    with torch.no_grad():
-        ref = reference(torch.tensor([ids])).logits[0]
-    assert relative_error(ours, ref) < 0.05 and top1_agreement(ours, ref) >= 0.95
-    assert relative_error(llama.reference_logits(ids), ref) > 0.05
+    _check_against_dequantized(tmp_path / "fp8", reference, llama, ids)
 
 
 @pytest.mark.parametrize("layout,weights", [("modelopt", "tensor"), ("modelopt-file", "channel")])
@@ -196,11 +197,7 @@ def test_modelopt_fp8_checkpoint_matches_its_dequantized_reference(
     assert (tmp_path / "fp8" / "hf_quant_config.json").is_file() == (layout == "modelopt-file")
     qkv = load_model(tmp_path / "fp8").model.layers[0].self_attn.qkv_proj
     assert (qkv.input_scale is not None) == (weights == "tensor")
-    ours = graphkiln.LLM.eager(tmp_path / "fp8", **ENGINE).score(ids)
-    with torch.no_grad():
-        ref = reference(torch.tensor([ids])).logits[0]
-    assert relative_error(ours, ref) < 0.05 and top1_agreement(ours, ref) >= 0.95
-    assert relative_error(llama.reference_logits(ids), ref) > 0.05
+    _check_against_dequantized(tmp_path / "fp8", reference, llama, ids)
 
 
 def test_compressed_tensors_kv_cache_scales_are_read_past(
