@@ -18,7 +18,7 @@ from graphkiln.compiler.config import CompileConfig
 from graphkiln.errors import ConfigError, ModelFileError, RequestError, RequestFailedError
 from graphkiln.models import load_model, resolve_dtype
 from graphkiln.models.config import model_config_from_hf, read_hf_config
-from graphkiln.models.quant_scheme import check_unsharded, model_scheme
+from graphkiln.models.quant_scheme import check_tensor_parallel, model_scheme
 from graphkiln.models.sharding import Shard, check_shardable
 from graphkiln.models.tiny import TINY_NAME, tiny_model_dir
 from graphkiln.models.tokenizer import IncrementalDecoder, Tokenizer
@@ -129,7 +129,7 @@ class LLM:
         device = resolve_device(device)
         if tensor_parallel_size > 1:
             check_shardable(model_config_from_hf(read_hf_config(model_dir), model_dir), tensor_parallel_size)
-            check_unsharded(model_scheme(model_dir, None), tensor_parallel_size)
+            check_tensor_parallel(model_scheme(model_dir, None), tensor_parallel_size)
             load_rank = partial(_eager_rank, model_dir, device.type, resolve_dtype(dtype))
             engine = parallel_engine(tensor_parallel_size, device.type, load_rank, config)
             return cls(engine, Tokenizer.from_dir(model_dir))

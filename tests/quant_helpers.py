@@ -100,7 +100,7 @@ def _round_inputs(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return ((x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * scale).to(x.dtype)
 
 
-def _fp8_inputs(x: torch.Tensor, layout: str, static_scale: torch.Tensor | None) -> torch.Tensor:
+def fp8_inputs(x: torch.Tensor, layout: str, static_scale: torch.Tensor | None) -> torch.Tensor:
     """x as the fp8 products see it: one static scale, else a scale per token (per 1 x 128 group for blocks)."""
     if static_scale is not None:
         return _round_inputs(x, static_scale)
@@ -165,7 +165,7 @@ def write_fp8_checkpoint(source: Path, model: PreTrainedModel, out: Path, layout
             if activations == "static":
                 tensors[f"{name}.input_scale"] = input_scales[name].reshape(()) if scalar else input_scales[name]
                 static = shared_scale(input_scales, name)
-            module.register_forward_pre_hook(lambda m, args, static=static: (_fp8_inputs(args[0], layout, static),))
+            module.register_forward_pre_hook(lambda m, args, static=static: (fp8_inputs(args[0], layout, static),))
             tensors[f"{name}.weight"] = q.contiguous()
             module.weight.copy_(dequantized)
     if model.config.tie_word_embeddings:

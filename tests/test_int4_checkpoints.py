@@ -1,6 +1,6 @@
 """Pre-quantized int4 checkpoints (compressed-tensors pack-quantized, GPTQ, AWQ) against transformers and the
-float32 model of their dequantized weights; what graphkiln does not read, refused by name; quantized
-checkpoints are not split over tensor-parallel ranks."""
+float32 model of their dequantized weights; what graphkiln does not read, refused by name (on two
+tensor-parallel ranks: test_tensor_parallel_quantized.py)."""
 
 from __future__ import annotations
 
@@ -12,20 +12,18 @@ from typing import TYPE_CHECKING
 
 import pytest
 import torch
-import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import LlamaForCausalLM
 
 import graphkiln
 from artifact_helpers import ENGINE, RESULT_PREFIX, SMALL_ENGINE, run_python_json
-from graphkiln import CompileConfig
 from graphkiln.compiler.artifacts import QUANTIZED_FILE
-from graphkiln.errors import ConfigError, UnsupportedModelError, WeightMismatchError
+from graphkiln.errors import UnsupportedModelError, WeightMismatchError
 from graphkiln.models.loader import load_model
 from graphkiln.models.quantized_linear import Int4Linear
 from int4_checkpoint_helpers import awq_words, int4_config, write_int4_checkpoint
-from quant_helpers import relative_error, top1_agreement, with_quantization_config, write_fp8_checkpoint
+from quant_helpers import relative_error, top1_agreement, with_quantization_config
 
 if TYPE_CHECKING:
     from conftest import Checkpoint, CheckpointFactory
@@ -209,21 +207,6 @@ def test_damaged_act_order_indices_are_named(int4_checkpoints: dict, tmp_path: P
             f"{attention}.k_proj.g_idx": t[f"{attention}.k_proj.g_idx"].roll(1)})))
     with pytest.raises(WeightMismatchError, match=rf"checkpoint lacks tensors for \['{attention}.v_proj.g_idx'\]"):
         load_model(_rewrite(gptq, tmp_path / "missing", lambda t: t.pop(f"{attention}.v_proj.g_idx")))
-
-
-def test_quantized_checkpoints_are_not_split_over_ranks(
-    int4_checkpoints: dict, llama: Checkpoint, tmp_path: Path
-) -> None:
-    fp8 = tmp_path / "fp8"
-    write_fp8_checkpoint(llama.path, llama.model, fp8, "compressed-tensors", "tensor", "static", list(range(20)))
-    gptq, _ = int4_checkpoints[("gptq", True, False)]
-    for path, what in ((fp8, "fp8, tensor weight scales, static activations"),
-                       (gptq, "int4, symmetric groups of 32, weight-only")):
-        with pytest.raises(ConfigError, match=rf"tensor_parallel_size=2 with a quantized model \({what} .*not sharded"):
-            graphkiln.LLM.eager(path, tensor_parallel_size=2, **ENGINE)
-        with pytest.raises(ConfigError, match="quantized weights are not sharded yet"):
-            graphkiln.compile_model(path, tmp_path / "art", CompileConfig(tensor_parallel_size=2))
-        assert not (tmp_path / "art").exists() and not dist.is_initialized()
 
 
 @pytest.mark.slow

@@ -30,7 +30,7 @@ from graphkiln.kernels.shipped import TRITON_KERNELS
 from graphkiln.models import load_model
 from graphkiln.models.tokenizer import Tokenizer
 from graphkiln.models.fingerprint import model_fingerprint
-from graphkiln.models.quant_scheme import check_unsharded, model_scheme
+from graphkiln.models.quant_scheme import check_tensor_parallel, model_scheme
 from graphkiln.models.quantized_layers import layer_schemes, save_quantized
 from graphkiln.models.sharding import Shard
 from graphkiln.models.transformer import CausalLM
@@ -180,7 +180,7 @@ def write_artifact(
     fingerprint = model_fingerprint(model_dir)
     check_device(config.device)
     # an unsupported, conflicting or sharded scheme, before anything is written
-    check_unsharded(model_scheme(model_dir, config.quantization), config.tensor_parallel_size)
+    check_tensor_parallel(model_scheme(model_dir, config.quantization), config.tensor_parallel_size)
     check_paths(out, model_dir, config)
     passes_off(default_passes(graph_passes), config.disabled_passes, config.enabled_passes, config.device)
     if config.dump_dir:

@@ -57,6 +57,8 @@ class Int4Part:
         self.module, self.index = module, index
         self.n, self.k, self.group = module.parts[part], module.in_features, module.group_size
         self.groups = self.k // self.group
+        # the projection's part in the checkpoint, of which a tensor-parallel rank reads a slice
+        self.full_n, self.full_k = module.checkpoint_parts[part], module.checkpoint_in_features
         self.qweight = module.qweight.split(module.parts)[part]
         self.scales = module.scales.split(module.parts)[part]
         self.zeros = module.zeros.split(module.parts)[part]
@@ -73,13 +75,14 @@ class Int4Part:
         return tensor
 
     def set_group_index(self, g_idx: torch.Tensor) -> None:
-        """Without act-order the group indices must be runs of `group` inputs; in act-order each group must hold
-        `group` inputs, and the fused parts, which read one input, one order of it (their input_order)."""
-        if self.check(g_idx, (self.k,), g_idx.dtype).is_floating_point():
+        """Without act-order the group indices must be runs of `group` inputs (the checkpoint's, read whole by
+        every tensor-parallel rank); in act-order (never split over ranks) each group must hold `group` inputs, and
+        the fused parts, which read one input, one order of it (their input_order)."""
+        if self.check(g_idx, (self.full_k,), g_idx.dtype).is_floating_point():
             raise WeightMismatchError(f"{self.where}: dtype {g_idx.dtype}, group indices are integers")
         g_idx, module = g_idx.long(), self.module
         if module.input_order is None:
-            if not torch.equal(g_idx, torch.arange(self.k, device=g_idx.device) // self.group):
+            if not torch.equal(g_idx, torch.arange(self.full_k, device=g_idx.device) // self.group):
                 raise WeightMismatchError(
                     f"{self.where}: group indices that are not runs of {self.group} inputs (act-order), but "
                     "quantization_config declares none (GPTQ desc_act, compressed-tensors actorder 'group')"
@@ -139,8 +142,9 @@ def _fill_compressed_tensors(part: Int4Part, kind: str, tensor: torch.Tensor) ->
     elif kind == "weight_zero_point":  # packed along N, each stored as z + 8 for a signed z: our zero point
         part.zeros.copy_(nibbles(part.check(tensor, (-(-n // 8), groups), torch.int32).t())[:, :n].t())
     elif kind == "weight_shape":
-        if tensor.numel() != 2 or tensor.tolist() != [n, k]:
-            raise WeightMismatchError(f"{part.where}: weight_shape {tensor.tolist()} but config.json implies {[n, k]}")
+        full = [part.full_n, part.full_k]
+        if tensor.numel() != 2 or tensor.tolist() != full:
+            raise WeightMismatchError(f"{part.where}: weight_shape {tensor.tolist()} but config.json implies {full}")
     elif kind == "weight_g_idx":
         part.set_group_index(tensor)
     else:

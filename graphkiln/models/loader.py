@@ -22,7 +22,7 @@ from graphkiln.errors import ConfigError, ModelFileError, WeightMismatchError
 from graphkiln.timing import Stopwatch
 
 from .config import ModelConfig, model_config_from_hf, read_hf_config
-from .quant_scheme import QuantScheme, check_unsharded, model_scheme
+from .quant_scheme import QuantScheme, check_tensor_parallel, model_scheme
 from .quantized_layers import (
     allocate_tinygemm,
     checkpoint_kinds,
@@ -36,6 +36,7 @@ from .quantized_layers import (
     sort_int4_columns,
 )
 from .quantized_linear import FP8, QuantizedLinear
+from .quantized_shards import quantized_slice, sliced_shape
 from .rope import rope_cache
 from .sharding import Part, Shard, checkpoint_part, held_by_rank0_only, local_config
 from .transformer import CausalLM
@@ -161,12 +162,12 @@ def empty_model(
     dtype = resolve_dtype(dtype)
     cfg = cfg or model_config_from_hf(read_hf_config(model_dir), model_dir)
     scheme = model_scheme(model_dir, quantization)
-    check_unsharded(scheme, shard.size)
+    check_tensor_parallel(scheme, shard.size)
     with torch.device("meta"):
         model = CausalLM(cfg, shard)
     model = model.to(dtype=dtype)
     if scheme is not None and (scheme.from_checkpoint or quantized_weights is not None):
-        install_quantized(model, cfg, scheme, dtype)
+        install_quantized(model, cfg, scheme, dtype, shard)
     model = to_empty(model, device)
     reset_before_fill(model)
     allocate_tinygemm(model)
@@ -235,7 +236,7 @@ def _fill_weights(model: CausalLM, cfg: ModelConfig, files: dict[Path, Path], de
     the bytes read."""
     headers = {path: read_header(path) for path in sorted(set(files.values()))}
     reads = []
-    staged = []  # (quantized owner, entry, tensor read whole) for fill_quantized
+    staged = []  # (quantized owner, entry, its tensor or this rank's slice of it) for fill_quantized
     held_by_rank0: set[str] = set()  # row-parallel biases, zero on the other ranks
     scheme = model.weight_source.scheme
     kv_scales = scheme is not None and scheme.from_checkpoint
@@ -253,8 +254,10 @@ def _fill_weights(model: CausalLM, cfg: ModelConfig, files: dict[Path, Path], de
             continue
         part = checkpoint_part(cfg, model.shard, name)
         quantized = _quantized_owner(model, cfg, entry)
-        if quantized:
-            dest = torch.empty(entry.shape, dtype=entry.dtype, device=device)
+        if quantized:  # this rank's slice of the stored tensor, in the format's own layout
+            projection = checkpoint_part(cfg, model.shard, f"{name.rsplit('.', 1)[0]}.weight")
+            part = quantized_slice(quantized[0], quantized[1], entry.shape, projection, f"{path}: tensor {name!r}")
+            dest = torch.empty(sliced_shape(entry.shape, part), dtype=entry.dtype, device=device)
         else:
             dest = _destination(model, cfg, entry, part)
         rows = cols = None

@@ -30,6 +30,7 @@ from .quantized_linear import (
     quantize_fp8,
     quantize_int4,
 )
+from .sharding import Shard, local_config
 from .transformer import CausalLM
 
 
@@ -43,11 +44,14 @@ def _projections(model: CausalLM, cfg: ModelConfig):
         yield mlp, "down_proj", cfg.intermediate_size, (cfg.hidden_size,), cfg.mlp_bias
 
 
-def _module(scheme: QuantScheme, in_features: int, parts: tuple[int, ...], bias: bool, dtype) -> QuantizedLinear:
+def _module(scheme: QuantScheme, in_features: int, parts: tuple[int, ...], bias: bool, dtype,
+            ranks: int = 1) -> QuantizedLinear:
+    """An empty quantized projection; `ranks`: the tensor-parallel ranks it is one share of."""
     if scheme.method == "int4" and scheme.from_checkpoint:
         if in_features % scheme.group_size:
+            share = f" (a share of {ranks} tensor-parallel ranks; use fewer ranks)" if ranks > 1 else ""
             raise UnsupportedModelError(f"{scheme.source} int4 groups of {scheme.group_size} inputs do not divide "
-                                        f"a projection's input size {in_features}")
+                                        f"a projection's input size {in_features}{share}")
         return Int4Linear(in_features, parts, bias, dtype, scheme.group_size, scheme.source, scheme.symmetric,
                           scheme.act_order)
     if scheme.method == "int4":
@@ -64,11 +68,17 @@ def _module(scheme: QuantScheme, in_features: int, parts: tuple[int, ...], bias:
     return Fp8Linear(in_features, parts, bias, dtype, static_input=scheme.activations == "static")
 
 
-def install_quantized(model: CausalLM, cfg: ModelConfig, scheme: QuantScheme, dtype: torch.dtype) -> None:
-    """Replace every decoder projection of a model on the meta device by an empty quantized module."""
+def install_quantized(model: CausalLM, cfg: ModelConfig, scheme: QuantScheme, dtype: torch.dtype,
+                      shard: Shard = Shard()) -> None:
+    """Replace every decoder projection of a model on the meta device by an empty quantized module of the rank's
+    shape (`shard`), which records the checkpoint's shape of the projection."""
+    local = local_config(cfg, shard.size)
     with torch.device("meta"):
-        for parent, name, in_features, parts, bias in _projections(model, cfg):
-            setattr(parent, name, _module(scheme, in_features, parts, bias, dtype))
+        for ours, full in zip(_projections(model, local), _projections(model, cfg)):
+            parent, name, in_features, parts, bias = ours
+            module = _module(scheme, in_features, parts, bias, dtype, shard.size)
+            module.checkpoint_in_features, module.checkpoint_parts = full[2], full[3]
+            setattr(parent, name, module)
 
 
 def reset_before_fill(model: CausalLM) -> None:

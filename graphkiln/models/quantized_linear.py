@@ -220,6 +220,9 @@ class QuantizedLinear(nn.Module):
         self.in_features = in_features
         self.out_features = sum(parts)
         self.parts = parts
+        # the checkpoint's sizes of the projection, of which a tensor-parallel rank holds a slice (install_quantized)
+        self.checkpoint_in_features = in_features
+        self.checkpoint_parts = parts
         self.bias = _frozen(self.out_features, dtype) if bias else None
 
     def _add_bias(self, y: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,8 @@ parallel, their outputs summed across ranks), the embedding and the LM head by v
 (the vocabulary padded to a multiple of the ranks). KV heads fewer than ranks are replicated: each
 group of `size // num_kv_heads` ranks holds one KV head, as vLLM does. A row-parallel bias is held
 by rank 0 alone (zeros elsewhere), so the sum adds it once. Every rank's module has the same
-shapes, and the vocabulary offset is a buffer, so every rank traces the same graph.
+shapes, and the vocabulary offset is a buffer, so every rank traces the same graph. A quantized
+checkpoint's tensors are sliced per format (quantized_shards.py).
 
 The collectives are functional collectives on the default process group (`graphkiln.compat`), so a
 Dynamo trace keeps them as graph ops that Inductor compiles with the pieces around them.
