@@ -11,7 +11,8 @@ counts, with sweeps of the few-row kernels' tiles. A few minutes on the 8b shape
               (scaled_mm_only) and with one scale per tensor on each side (scaled_mm_tensor)
   fp8-block   the same with 128 x 128 block scales; candidates: the GEMV, the mma kernel, 1 x 128
               quantization + block-scaled _scaled_mm (where this torch has it), dequantize + torch.mm
-  int4        int4_linear (groups of 128, what it picks with the layers' tinygemm layout), and each
+  int4        int4_linear (groups of 128, what it picks with the layers' tinygemm layout), the same after
+              gathering x in a shuffled order as an act-order checkpoint's layers do (act_order), and each
               candidate: torch's tinygemm (aten._weight_int4pack_mm, torchao's int4 layout on CUDA), the word
               kernel (word_dot: the weight read as int32 words, on tensor cores from 2 rows), the dp4a GEMV at 1
               row (dp4a_gemv, int4_dp4a.py), the byte kernels (the GEMV at 1 row, the tiled mm_kernel),
@@ -144,7 +145,10 @@ def candidates(fmt: str, x, rows: int, tinygemm: dict | None = None) -> dict:
     from graphkiln.kernels.int4_dp4a import int4_dp4a_gemv
 
     layout = tinygemm or {}
-    out = {"picked": lambda q, s, z: i4.int4_linear(x, q, s, z, GROUP, *layout.get(id(q), ()))}
+    order = torch.randperm(x.shape[1], device=x.device)  # an act-order checkpoint's gather of x
+    out = {"picked": lambda q, s, z: i4.int4_linear(x, q, s, z, GROUP, *layout.get(id(q), ())),
+           "act_order": lambda q, s, z: i4.int4_linear(x.index_select(-1, order), q, s, z, GROUP,
+                                                       *layout.get(id(q), ()))}
     if 2 <= rows <= 256:
         out["word_dot"] = lambda q, s, z: w4.int4_dot(x, w4.words(q), s, z, GROUP)
     if rows == 1:

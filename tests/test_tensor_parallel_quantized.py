@@ -1,6 +1,7 @@
-"""Quantized checkpoints on two tensor-parallel ranks (gloo, float32, CPU): each rank reads its slice of every
-format's tensors (models/quantized_shards.py) and the two ranks score as one does, or, where the activations are
-quantized per token, as the float32 model that quantizes each rank's share of o's and down's input on its own."""
+"""Quantized models on two tensor-parallel ranks (gloo, float32, CPU). A pre-quantized checkpoint: each rank reads
+its slice of every format's tensors (models/quantized_shards.py) and the two ranks score as one does, or, where
+the activations are quantized per token, as the float32 model that quantizes each rank's share of o's and down's
+input on its own. Quantized by compile-model: each rank loads its own file of its quantized share."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import torch.distributed as dist
 import graphkiln
 from artifact_helpers import ENGINE, SMALL_ENGINE
 from graphkiln import CompileConfig
-from graphkiln.errors import ConfigError, UnsupportedModelError
+from graphkiln.compiler.artifacts import QUANTIZED_FILE, quantized_file
+from graphkiln.errors import UnsupportedModelError
 from graphkiln.models.loader import load_model
 from graphkiln.models.sharding import Shard
 from int4_checkpoint_helpers import write_int4_checkpoint
@@ -118,8 +120,6 @@ def test_what_ranks_cannot_split_is_refused_before_they_start(
     with pytest.raises(UnsupportedModelError, match="act-order"):
         graphkiln.compile_model(tmp_path / "act-order", tmp_path / "art", CompileConfig(tensor_parallel_size=2))
     assert not (tmp_path / "art").exists() and not dist.is_initialized()
-    with pytest.raises(ConfigError, match="weights quantized by compile-model are not sharded yet"):
-        load_model(llama.path, quantization="int4", shard=Shard(0, 2))
 
 
 @pytest.mark.slow
@@ -135,4 +135,31 @@ def test_compiled_gptq_checkpoint_on_two_ranks(
     assert manifest["model"]["quantization"]["layers"]["model.layers.0.mlp.down_proj"].startswith("int4")
     with graphkiln.load(tmp_path / "art", **ENGINE) as llm:
         torch.testing.assert_close(llm.score(ids), one, atol=1e-4, rtol=0)
+    assert not dist.is_initialized()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["int4", "fp8"])
+def test_compile_time_quantization_on_two_ranks(
+    scheme: str, hf_checkpoint: CheckpointFactory, random_ids: Callable[..., list[int]], tmp_path: Path
+) -> None:
+    """compile-model quantizes every rank's share and writes a file a rank, which that rank alone reads. int4 takes
+    the groups one rank would (chosen from the checkpoint's sizes), so two ranks score as the one-rank artifact;
+    fp8's channel scales of o and down are each rank's own (over its share of the inputs), as are its per-token
+    activation scales there, so two ranks round otherwise than one, and land as near the unquantized model."""
+    ckpt = hf_checkpoint("llama", hidden_size=256, intermediate_size=512, num_attention_heads=4, head_dim=64)
+    ids = random_ids(40)
+    graphkiln.compile_model(ckpt.path, tmp_path / "one", CompileConfig(quantization=scheme), engine=SMALL_ENGINE)
+    two = CompileConfig(quantization=scheme, tensor_parallel_size=2)
+    manifest, _ = graphkiln.compile_model(ckpt.path, tmp_path / "two", two, engine=SMALL_ENGINE)
+    assert {QUANTIZED_FILE, quantized_file(1)} <= set(manifest["files"])
+    one = graphkiln.load(tmp_path / "one", **ENGINE).score(ids)
+    with graphkiln.load(tmp_path / "two", **ENGINE) as llm:
+        logits = llm.score(ids)
+    if scheme == "int4":
+        torch.testing.assert_close(logits, one, atol=1e-4, rtol=0)
+    else:  # two roundings of one model: each as far from the unquantized model as the other (a wrong slice is not)
+        ref = ckpt.reference_logits(ids)
+        assert relative_error(logits, ref) < 1.5 * relative_error(one, ref)
+        assert top1_agreement(logits, ref) >= top1_agreement(one, ref) - 0.15
     assert not dist.is_initialized()

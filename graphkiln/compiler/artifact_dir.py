@@ -38,7 +38,7 @@ from graphkiln.passes.base import Pass
 from graphkiln.passes.dump import check_dump_dir
 from graphkiln.passes.pipeline import default_passes, passes_off
 
-from .artifacts import CPU_KERNELS, QUANTIZED_FILE, TOKENIZER_FILE, save_compiled
+from .artifacts import CPU_KERNELS, QUANTIZED_FILE, TOKENIZER_FILE, quantized_file, save_compiled
 from .compile import CompileReport, Progress, compile_module
 from .config import CompileConfig
 from .manifest import (
@@ -236,7 +236,7 @@ def _compile_into(
     t = time.perf_counter()
     section = save_compiled(compiled, tmp)
     if config.quantization:
-        save_quantized(model, tmp / QUANTIZED_FILE)
+        _save_quantized_ranks(model, model_dir, config, tmp)
     if private_cache.exists():
         _ship_cpu_kernels(private_cache, tmp / CPU_KERNELS)
     report.timings["save"] = time.perf_counter() - t
@@ -280,6 +280,19 @@ def _reseal(tmp: Path, manifest: dict, timings: dict[str, float]) -> dict:
     manifest = {**manifest, "files": {**manifest["files"], **files}, "timings": dict(timings)}
     _write_manifest(tmp, manifest)
     return manifest
+
+
+def _save_quantized_ranks(model: CausalLM, model_dir: Path, config: CompileConfig, tmp: Path) -> None:
+    """Rank 0's quantized projections (`model`), then each other tensor-parallel rank's, loaded and quantized one at
+    a time: every rank's file, so that no rank quantizes at load."""
+    save_quantized(model, tmp / quantized_file(0))
+    size = config.tensor_parallel_size
+    for rank in range(1, size):
+        with fake_process_group(size):
+            share = load_model(model_dir, config.device, config.dtype, quantization=config.quantization,
+                               shard=Shard(rank, size))
+        save_quantized(share, tmp / quantized_file(rank))
+        del share
 
 
 def _quantization(model_dir: Path, config: CompileConfig, model: CausalLM) -> dict | None:

@@ -32,7 +32,7 @@ from graphkiln.passes.pipeline import default_passes
 from graphkiln.timing import Stopwatch
 
 from .artifact_dir import locked
-from .artifacts import QUANTIZED_FILE, TOKENIZER_FILE, load_compiled
+from .artifacts import TOKENIZER_FILE, load_compiled, quantized_file
 from .compiled_model import CompiledModel
 from .manifest import FIX, MANIFEST, REWRITE, check_environment, check_files, read_manifest
 
@@ -40,10 +40,12 @@ log = logging.getLogger(__name__)
 
 
 def check_artifact(
-    out: Path, model_dir: Path, device: str | None = None, dtype: str | None = None, trusted_keys: Sequence = ()
+    out: Path, model_dir: Path, device: str | None = None, dtype: str | None = None, trusted_keys: Sequence = (),
+    unread: frozenset[str] = frozenset(),
 ) -> dict:
     """Every check a load needs, without loading anything; returns the manifest. With `trusted_keys`
-    (signing.load_public_keys) the manifest's signature is checked first."""
+    (signing.load_public_keys) the manifest's signature is checked first. `unread`: files this process will not
+    read (the other tensor-parallel ranks' quantized weights), whose presence alone is checked."""
     manifest = read_manifest(out, trusted_keys)
     config = manifest["config"]
     if device is not None and torch.device(device).type != config["device"]:
@@ -51,7 +53,7 @@ def check_artifact(
     if dtype is not None and resolve_dtype(dtype) != resolve_dtype(config["dtype"]):
         raise ArtifactError(f"{out}: compiled for dtype {config['dtype']!r}, asked for {dtype!r}; {FIX}")
     check_environment(manifest, config["device"])
-    check_files(manifest, out)
+    check_files(manifest, out, already_read=unread)
     check_passes(manifest, out)
     recorded = manifest["model"]
     now = model_fingerprint(model_dir)
@@ -199,7 +201,8 @@ def read_weights(
         with locked(out, shared=True):
             if read_manifest(out, trusted_keys) != manifest:
                 raise ArtifactError(f"{out}: the artifact changed while it was loading; load it again")
-            check_files(manifest, out, already_read=frozenset({QUANTIZED_FILE}))  # the code, not the weights again
+            ranks = manifest["config"].get("tensor_parallel_size", 1)  # the code, not the weights again
+            check_files(manifest, out, already_read=frozenset(quantized_file(rank) for rank in range(ranks)))
             torch.set_num_threads(threads)  # Inductor's CPU kernels are keyed by it: else they would build again
             # (under the preparation's switch interval; the shipped kernels were installed beside the weights)
             return _read_pieces(out, manifest, model, clock)
@@ -211,11 +214,12 @@ def _checked_model(out: Path, model_dir: Path, device, dtype, trusted_keys: Sequ
                    shard: Shard) -> tuple[dict, CausalLM]:  # fmt: skip
     """The checked manifest and the model its weights will fill (allocated, not read)."""
     with clock.stage("checks"):
-        manifest = check_artifact(out, model_dir, device, dtype, trusted_keys)
+        others = frozenset(quantized_file(rank) for rank in range(shard.size) if rank != shard.rank)
+        manifest = check_artifact(out, model_dir, device, dtype, trusted_keys, others)
         config = manifest["config"]
         model_config = recorded_config(manifest, out)
         scheme = recorded_scheme(manifest, out)
-    quantized = out / QUANTIZED_FILE if config.get("quantization") else None
+    quantized = out / quantized_file(shard.rank) if config.get("quantization") else None
     return manifest, empty_model(model_dir, torch.device(config["device"]), config["dtype"], model_config, scheme,
                                  quantized, shard)  # fmt: skip
 

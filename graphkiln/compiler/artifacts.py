@@ -4,7 +4,8 @@ Layout under the directory:
   graph.json                the stitching graph with its attention submodules' graphs (graph_file.py)
   pieces/<key>/<variant>.bin  Inductor standalone artifacts; variant is "dynamic" or a token count
   cpu-kernels/                (CPU only) the compiled C++ kernels, laid out as in Inductor's cache
-  quantized-weights.safetensors  the decoder's projections quantized at compile time (--quantization)
+  quantized-weights.safetensors  the decoder's projections quantized at compile time (--quantization);
+                              with tensor parallel, rank 0's, and quantized-weights-rank<r>.safetensors rank r's
   tokenizer.json              the tokenizer pipeline transformers builds, when it alone reproduces
                               transformers (models/tokenizer.py)
 
@@ -37,6 +38,11 @@ PIECES_DIR = "pieces"
 CPU_KERNELS = "cpu-kernels"
 TOKENIZER_FILE = "tokenizer.json"
 QUANTIZED_FILE = "quantized-weights.safetensors"
+
+
+def quantized_file(rank: int) -> str:
+    """The file of a tensor-parallel rank's quantized projections (rank 0's is QUANTIZED_FILE)."""
+    return QUANTIZED_FILE if rank == 0 else f"quantized-weights-rank{rank}.safetensors"
 
 
 def save_compiled(compiled: CompiledModel, out: Path) -> dict:

@@ -55,11 +55,6 @@ class CompileConfig:
             raise ConfigError(
                 f"CompileConfig.tensor_parallel_size={self.tensor_parallel_size!r}: use a positive integer"
             )
-        if self.tensor_parallel_size > 1 and self.quantization is not None:
-            raise ConfigError(
-                f"CompileConfig.quantization={self.quantization!r} with tensor_parallel_size="
-                f"{self.tensor_parallel_size}: quantized weights are not sharded yet; use one of the two"
-            )
         if symm_mem_all_reduce.NAME in self.enabled_passes:
             symm_mem_all_reduce.check_compile_config(self.device, self.dtype, self.tensor_parallel_size,
                                                      self.specialize_sizes)

@@ -201,8 +201,8 @@ def check_signature_file(root: Path) -> None:
 
 
 def check_files(manifest: dict, root: Path, already_read: frozenset[str] = frozenset()) -> None:
-    """Exactly the listed files exist, each with its recorded sha256 (but those in `already_read`, checked and
-    read before); checked before anything is unpickled."""
+    """Exactly the listed files exist, each with its recorded sha256 (but those in `already_read`: checked and
+    read before, or never read by this process); checked before anything is unpickled."""
     check_signature_file(root)
     present = {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()} - {MANIFEST, SIGNATURE}
     unlisted = sorted(present - set(manifest["files"]))

@@ -110,17 +110,9 @@ def checkpoint_scheme(model_dir: Path) -> QuantScheme | None:
 
 
 def check_tensor_parallel(scheme: QuantScheme | None, tensor_parallel_size: int) -> None:
-    """What tensor parallel does not split: weights quantized by compile-model (CompileConfig refuses the pair too,
-    for each rank would need its own quantized file) and act-order int4, whose groups in o and down are spread
-    over every input, so no rank's columns hold whole groups."""
-    if scheme is None or tensor_parallel_size == 1:
-        return
-    if not scheme.from_checkpoint:
-        raise ConfigError(
-            f"tensor_parallel_size={tensor_parallel_size} with {scheme.describe()}: weights quantized by "
-            "compile-model are not sharded yet; serve on one rank, or load a quantized checkpoint"
-        )
-    if scheme.act_order:
+    """What tensor parallel does not split: act-order int4, whose groups in o and down are spread over every input,
+    so no rank's share of their inputs holds whole groups."""
+    if scheme is not None and tensor_parallel_size > 1 and scheme.act_order:
         raise UnsupportedModelError(
             f"tensor_parallel_size={tensor_parallel_size} with an {scheme.describe()}: act-order groups are spread "
             "over every input of o and down, so no rank's share of their inputs holds whole groups; serve it on one "

@@ -44,41 +44,55 @@ def _projections(model: CausalLM, cfg: ModelConfig):
         yield mlp, "down_proj", cfg.intermediate_size, (cfg.hidden_size,), cfg.mlp_bias
 
 
+def _rank_projections(model: CausalLM, cfg: ModelConfig, ranks: int):
+    """`_projections` at the shapes of one of `ranks` tensor-parallel ranks, each with the checkpoint's in_features
+    and parts of the projection."""
+    for ours, full in zip(_projections(model, local_config(cfg, ranks)), _projections(model, cfg)):
+        yield *ours, full[2], full[3]
+
+
 def _module(scheme: QuantScheme, in_features: int, parts: tuple[int, ...], bias: bool, dtype,
-            ranks: int = 1) -> QuantizedLinear:
-    """An empty quantized projection; `ranks`: the tensor-parallel ranks it is one share of."""
-    if scheme.method == "int4" and scheme.from_checkpoint:
-        if in_features % scheme.group_size:
-            share = f" (a share of {ranks} tensor-parallel ranks; use fewer ranks)" if ranks > 1 else ""
-            raise UnsupportedModelError(f"{scheme.source} int4 groups of {scheme.group_size} inputs do not divide "
-                                        f"a projection's input size {in_features}{share}")
-        return Int4Linear(in_features, parts, bias, dtype, scheme.group_size, scheme.source, scheme.symmetric,
-                          scheme.act_order)
+            checkpoint_in_features: int, ranks: int = 1) -> QuantizedLinear:
+    """An empty quantized projection, one share of `ranks` tensor-parallel ranks of the checkpoint's projection of
+    `checkpoint_in_features` inputs (int4 groups are chosen from it, so that every rank count quantizes alike)."""
+    share = f" (a share of {ranks} tensor-parallel ranks; use fewer ranks)" if ranks > 1 else ""
     if scheme.method == "int4":
-        group = int4_group_size(in_features)
+        group = scheme.group_size if scheme.from_checkpoint else int4_group_size(checkpoint_in_features)
         if group is None:
-            raise UnsupportedModelError(f"int4 needs a layer's input size divisible by 16; a layer has {in_features}")
-        return Int4Linear(in_features, parts, bias, dtype, group)
+            raise UnsupportedModelError(f"int4 needs a layer's input size divisible by 16; a layer has "
+                                        f"{checkpoint_in_features}")
+        if in_features % group:
+            what = f"{scheme.source} int4" if scheme.from_checkpoint else "int4"
+            raise UnsupportedModelError(f"{what} groups of {group} inputs do not divide a projection's input size "
+                                        f"{in_features}{share}")
+        if not scheme.from_checkpoint:
+            return Int4Linear(in_features, parts, bias, dtype, group)
+        return Int4Linear(in_features, parts, bias, dtype, group, scheme.source, scheme.symmetric, scheme.act_order)
     if scheme.weights == "block":
         if len(parts) > 1 and any(p % BLOCK for p in parts):
             raise UnsupportedModelError(
-                f"block-wise fp8 with fused projections of sizes {parts}: each must be a multiple of {BLOCK}"
+                f"block-wise fp8 with fused projections of sizes {parts}: each must be a multiple of {BLOCK}{share}"
             )
         return BlockFp8Linear(in_features, parts, bias, dtype)
     return Fp8Linear(in_features, parts, bias, dtype, static_input=scheme.activations == "static")
 
 
+def _rank_module(scheme: QuantScheme, projection: tuple, dtype, ranks: int) -> QuantizedLinear:
+    """The empty module of one `_rank_projections` entry, which records the checkpoint's shape of it."""
+    _, _, in_features, parts, bias, full_in, full_parts = projection
+    module = _module(scheme, in_features, parts, bias, dtype, full_in, ranks)
+    module.checkpoint_in_features, module.checkpoint_parts = full_in, full_parts
+    return module
+
+
 def install_quantized(model: CausalLM, cfg: ModelConfig, scheme: QuantScheme, dtype: torch.dtype,
                       shard: Shard = Shard()) -> None:
     """Replace every decoder projection of a model on the meta device by an empty quantized module of the rank's
-    shape (`shard`), which records the checkpoint's shape of the projection."""
-    local = local_config(cfg, shard.size)
+    shape (`shard`)."""
     with torch.device("meta"):
-        for ours, full in zip(_projections(model, local), _projections(model, cfg)):
-            parent, name, in_features, parts, bias = ours
-            module = _module(scheme, in_features, parts, bias, dtype, shard.size)
-            module.checkpoint_in_features, module.checkpoint_parts = full[2], full[3]
-            setattr(parent, name, module)
+        for projection in _rank_projections(model, cfg, shard.size):
+            parent, name = projection[:2]
+            setattr(parent, name, _rank_module(scheme, projection, dtype, shard.size))
 
 
 def reset_before_fill(model: CausalLM) -> None:
@@ -161,14 +175,16 @@ def projections_quantized() -> int:
 
 @torch.no_grad()
 def quantize_model(model: CausalLM, cfg: ModelConfig, scheme: QuantScheme) -> None:
-    """Quantize every decoder projection of a loaded model in place, one layer at a time."""
+    """Quantize every decoder projection of a loaded model (one tensor-parallel rank's share of it) in place, one
+    layer at a time."""
     global _quantized_in_process
-    for parent, name, in_features, parts, bias in _projections(model, cfg):
+    for projection in _rank_projections(model, cfg, model.shard.size):
+        parent, name, bias = projection[0], projection[1], projection[4]
         _quantized_in_process += 1
         linear = getattr(parent, name)
         weight = linear.weight
         with torch.device(weight.device):
-            module = _module(scheme, in_features, parts, bias, weight.dtype)
+            module = _rank_module(scheme, projection, weight.dtype, model.shard.size)
         if isinstance(module, Int4Linear):
             for dest, value in zip((module.qweight, module.scales, module.zeros), quantize_int4(weight, module.group_size)):
                 dest.copy_(value)
