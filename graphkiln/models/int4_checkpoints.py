@@ -102,9 +102,10 @@ class Int4Part:
         module.order_parts.append(self.index)
 
 
-def fill_int4(module, source: str, kind: str, index: int | None, tensor: torch.Tensor, where: str) -> None:
+def fill_int4(module, kind: str, index: int | None, tensor: torch.Tensor, where: str) -> None:
     """Copy one checkpoint tensor of an int4 projection (`kind`, fused part `index`) into `module`, an
-    Int4Linear, in its layout."""
+    Int4Linear read from a checkpoint in format `module.source`, in its layout."""
+    source = module.source
     part = Int4Part(module, index, where)
     n, k, groups = part.n, part.k, part.groups
     if source == "compressed-tensors":

@@ -105,7 +105,6 @@ def reset_before_fill(model: CausalLM) -> None:
             module.zeros.fill_(SYMMETRIC_ZERO)
 
 
-
 def checkpoint_kinds(module: QuantizedLinear) -> list[str]:
     """The kinds of checkpoint tensor (the last part of their names) that fill each part of a projection."""
     if isinstance(module, Int4Linear) and module.source is not None:
@@ -133,7 +132,7 @@ def fill_quantized(module: QuantizedLinear, kind: str, index: int | None, tensor
         _check_shape(tensor, dest.shape, where)
         dest.copy_(tensor)
     elif isinstance(module, Int4Linear):
-        int4_checkpoints.fill_int4(module, module.source, kind, index, tensor, where)
+        int4_checkpoints.fill_int4(module, kind, index, tensor, where)
     elif kind == "input_scale":
         _check_shape(tensor.reshape(-1), (1,), where)
         module.input_scale.copy_(torch.maximum(module.input_scale, tensor.float().reshape(1)))
