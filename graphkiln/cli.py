@@ -158,10 +158,39 @@ def run_compile(args) -> int:
 
 
 def run_inspect(args) -> int:
-    from graphkiln.compiler.manifest import read_manifest
+    from graphkiln.compiler.manifest import MANIFEST, read_manifest
 
+    if not (args.artifact / MANIFEST).exists():
+        from graphkiln.llm import is_hub_id, resolve_model_dir
+
+        model_dir = resolve_model_dir(str(args.artifact)) if str(args.artifact) == "tiny" or is_hub_id(
+            str(args.artifact)) else args.artifact
+        if (model_dir / "config.json").is_file():
+            return _inspect_checkpoint(model_dir, args.json)
     manifest = read_manifest(args.artifact)
     print(json.dumps(manifest, indent=1) if args.json else report.format_manifest(manifest, args.artifact))
+    return 0
+
+
+def _inspect_checkpoint(model_dir: Path, as_json: bool) -> int:
+    """A Hugging Face checkpoint as graphkiln would read it (the model, its quantization and each linear layer's
+    format), from config.json and the weight files' headers alone; what it cannot read is the error compile-model
+    would give."""
+    from dataclasses import asdict
+
+    from graphkiln.models.loader import DTYPES, empty_model, weight_files
+    from graphkiln.models.quantized_layers import layer_schemes
+
+    stored = json.loads((model_dir / "config.json").read_text())
+    dtype = stored.get("dtype") or stored.get("torch_dtype")
+    model = empty_model(model_dir, device="meta", dtype=dtype if dtype in DTYPES else "bfloat16")
+    scheme = model.weight_source.scheme
+    quantization = None if scheme is None else {"scheme": asdict(scheme), "description": scheme.describe(),
+                                                "layers": layer_schemes(model)}
+    files = sorted(set(weight_files(model_dir).values()))
+    found = {"checkpoint": str(model_dir), "config": asdict(model.cfg), "quantization": quantization,
+             "weight_files": {f.name: f.stat().st_size for f in files}}
+    print(json.dumps(found, indent=1) if as_json else report.format_checkpoint(found))
     return 0
 
 
@@ -305,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"graphkiln {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _compile_parser(sub.add_parser("compile", help="compile a model (same as compile-model)")).set_defaults(handler=run_compile)
-    inspect = sub.add_parser("inspect", help="print an artifact's manifest and piece table")
+    inspect = sub.add_parser("inspect", help="print an artifact's manifest and piece table, or how graphkiln reads "
+                                             "a model directory (its quantization and each layer's format)")
     inspect.add_argument("artifact", type=Path)
     inspect.add_argument("--json", action="store_true")
     inspect.set_defaults(handler=run_inspect)

@@ -180,6 +180,21 @@ def format_manifest(m: dict, root: Path) -> str:
     return "\n".join(lines)
 
 
+def format_checkpoint(found: dict) -> str:
+    """`graphkiln inspect MODEL_DIR`: the model, its weight files and quantization as graphkiln reads them."""
+    cfg = found["config"]
+    files = found["weight_files"]
+    lines = [
+        f"checkpoint    {found['checkpoint']} (a model directory: compile-model makes an artifact of it)",
+        f"model         {cfg['architecture']}: {cfg['num_layers']} layers, hidden {cfg['hidden_size']}, "
+        f"{cfg['num_heads']} heads of {cfg['head_dim']}, {cfg['num_kv_heads']} KV heads, MLP {cfg['intermediate_size']}, "
+        f"vocabulary {cfg['vocab_size']}",
+        f"weights       {len(files)} file(s), {sum(files.values()) / 2**30:.2f} GiB",
+        *_quantization_lines(found["quantization"]),
+    ]
+    return "\n".join(lines)
+
+
 def format_load_stats(load) -> str:
     """`generate --verbose`: LLM.stats().load as one line per stage, seconds."""
     lines = ["load breakdown (s):"]

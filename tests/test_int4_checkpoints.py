@@ -5,6 +5,7 @@ tensor-parallel ranks: test_tensor_parallel_quantized.py)."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +18,7 @@ from safetensors.torch import save_file
 from transformers import LlamaForCausalLM
 
 import graphkiln
+from graphkiln import cli
 from artifact_helpers import ENGINE, RESULT_PREFIX, SMALL_ENGINE, run_python_json
 from graphkiln.compiler.artifacts import QUANTIZED_FILE
 from graphkiln.errors import UnsupportedModelError, WeightMismatchError
@@ -230,3 +232,19 @@ print("{RESULT_PREFIX}" + json.dumps({{"logits": logits.tolist(), "imported": [m
 """
     fresh = run_python_json(code)
     assert fresh["imported"] == [] and torch.equal(torch.tensor(fresh["logits"]), compiled)
+
+
+def test_inspect_shows_how_a_checkpoint_is_read(int4_checkpoints: dict, llama: Checkpoint, tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """`graphkiln inspect MODEL_DIR`, before any compile: the scheme and each layer's format, or compile-model's
+    error for a checkpoint it cannot read."""
+    path, _ = int4_checkpoints[("gptq", True, True)]
+    assert cli.main(["inspect", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "quantization  int4, symmetric groups of 32 in act-order, weight-only (gptq checkpoint)" in text
+    assert re.search(r"layers 0-1 mlp.down_proj +int4, symmetric, groups of 32 in act-order, weight-only", text)
+    assert "LlamaForCausalLM: 2 layers, hidden 64, 4 heads of 16, 2 KV heads" in text
+    hqq = with_quantization_config(llama.path, tmp_path / "hqq", {"quant_method": "hqq"})
+    assert cli.main(["inspect", str(hqq)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "quant_method 'hqq' is not supported" in err[0]
