@@ -107,6 +107,13 @@ def test_int4_config_in_the_side_file_older_exports_write(
     assert relative_error(graphkiln.LLM.eager(dest, **ENGINE).score(ids), _reference_logits(reference, ids)) < 1e-4
 
 
+def test_a_side_file_beside_weights_that_are_not_quantized_is_not_read(llama: Checkpoint, tmp_path: Path) -> None:
+    """A quantize_config.json left beside plain weights (a model dequantized, or converted back) is no config."""
+    dest = Path(shutil.copytree(llama.path, tmp_path / "plain"))
+    (dest / "quantize_config.json").write_text(json.dumps(int4_config("gptq", 32, True)))
+    assert not any(isinstance(m, Int4Linear) for m in load_model(dest).modules())
+
+
 def test_compressed_tensors_int4_checkpoint_matches_transformers_reading_it(
     int4_checkpoints: dict, random_ids: Callable[..., list[int]]
 ) -> None:

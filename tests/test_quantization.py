@@ -264,10 +264,10 @@ def test_unsupported_schemes_are_named_with_what_is_supported(llama: Checkpoint,
     excluded = {**modelopt_config("tensor"), "ignore": ["lm_head", "model.layers.*.mlp.down_proj"]}
     with pytest.raises(UnsupportedModelError, match=r"excluded \['model.layers.\*.mlp.down_proj'\]"):
         load_model(with_quantization_config(llama.path, tmp_path / "excluded", excluded))
-    broken = Path(shutil.copytree(llama.path, tmp_path / "broken"))
-    (broken / "hf_quant_config.json").write_text('{"producer": {}}')
+    write_fp8_checkpoint(llama.path, llama.model, tmp_path / "broken", "modelopt-file", "channel")
+    (tmp_path / "broken" / "hf_quant_config.json").write_text('{"producer": {}}')
     with pytest.raises(ModelFileError, match=r"hf_quant_config.json: unreadable \(KeyError\('quantization'\)\)"):
-        load_model(broken)
+        load_model(tmp_path / "broken")
     kept = {**autofp8_config("dynamic"), "ignored_layers": ["lm_head", "model.layers.1.mlp.down_proj"]}
     with pytest.raises(UnsupportedModelError, match=r"ignored_layers \['model.layers.1.mlp.down_proj'\]"):
         load_model(with_quantization_config(llama.path, tmp_path / "kept", kept))

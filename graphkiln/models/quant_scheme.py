@@ -21,6 +21,7 @@ import torch
 from graphkiln.errors import ConfigError, ModelFileError, UnsupportedModelError
 
 from .quantized_linear import BLOCK
+from .safetensors_header import read_header
 
 COMPILE_SCHEMES = ("fp8", "int4")
 CHECKPOINT_FORMATS = (
@@ -33,10 +34,10 @@ CHECKPOINT_FORMATS = (
     "GPTQ int4 (checkpoint_format gptq or gptq_v2, desc_act true or false)",
     "AWQ int4 (version gemm, with zero points)",
 )
-# the files older exports write beside a config.json without quantization_config, and the object in each that
-# holds the config: ModelOpt's "quantization", AutoGPTQ's and AutoAWQ's whole file
-SIDE_FILES = {"hf_quant_config.json": ("modelopt", "quantization"), "quantize_config.json": ("gptq", None),
-              "quant_config.json": ("awq", None)}
+# the files older exports write beside a config.json without quantization_config: the object in each that holds the
+# config (ModelOpt's "quantization", AutoGPTQ's and AutoAWQ's whole file), and the kind of tensor its format stores
+SIDE_FILES = {"hf_quant_config.json": ("modelopt", "quantization", "weight_scale"),
+              "quantize_config.json": ("gptq", None, "qweight"), "quant_config.json": ("awq", None, "qweight")}
 INT4_GROUPS = "a power of two from 16 that divides every projection's input size"
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FP8_CT_FORMATS = ("float-quantized", "naive-quantized")
@@ -154,10 +155,12 @@ def _projection_modules(num_layers: int) -> list[str]:
 
 
 def _side_file_scheme(model_dir: Path, num_layers: int) -> QuantScheme | None:
-    """The scheme of the first of SIDE_FILES in `model_dir`, or None without any."""
-    for name, (method, key) in SIDE_FILES.items():
+    """The scheme of the first of SIDE_FILES in `model_dir` whose format's tensors the checkpoint holds (a file left
+    beside weights that are not quantized is not read), or None."""
+    kinds = {name.rsplit(".", 1)[-1] for name in _tensor_names(model_dir)}
+    for name, (method, key, kind) in SIDE_FILES.items():
         path = model_dir / name
-        if not path.is_file():
+        if not path.is_file() or kind not in kinds:
             continue
         try:
             qc = json.loads(path.read_text())
@@ -171,6 +174,18 @@ def _side_file_scheme(model_dir: Path, num_layers: int) -> QuantScheme | None:
             return _modelopt_scheme(qc, path, num_layers)
         return _gptq_scheme(qc, path) if method == "gptq" else _awq_scheme(qc, path)
     return None
+
+
+def _tensor_names(model_dir: Path) -> set[str]:
+    """The checkpoint's tensor names, from its index or its one file's header; none where neither reads (loading
+    then names what is wrong)."""
+    try:
+        index = model_dir / "model.safetensors.index.json"
+        if index.is_file():
+            return set(json.loads(index.read_text())["weight_map"])
+        return set(read_header(model_dir / "model.safetensors"))
+    except (OSError, ValueError, KeyError, TypeError, ModelFileError):
+        return set()
 
 
 def _modelopt_scheme(qc: dict, path: Path, num_layers: int) -> QuantScheme:
