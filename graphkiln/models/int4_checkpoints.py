@@ -8,13 +8,14 @@ values into an int32 its own way (N outputs, K inputs, little-endian words):
   Int4Linear's qweight as they are: both put input 2j in the low nibble of byte j.
 - GPTQ (AutoGPTQ, GPTQModel): `qweight` [K/8, N] packed along K, `qzeros` [K/G, N/8] packed along N
   (z - 1 in the "gptq" checkpoint_format, z in "gptq_v2"), `scales` [K/G, N], `g_idx` [K].
-- AWQ (AutoAWQ, gemm): `qweight` [K, N/8] and `qzeros` [K/G, N/8] packed along N, nibble i of a word
-  holding output AWQ_ORDER[i] of its eight, `scales` [K/G, N].
+- AWQ (AutoAWQ, gemm): `qweight` [K, N/8] and `qzeros` [K/G, N/8] packed along N, nibbles 0..7 of a word
+  holding outputs 0, 2, 4, 6, 1, 3, 5, 7 of its eight, `scales` [K/G, N].
 Each input's group is its index // G, except in act-order checkpoints (GPTQ's desc_act, compressed-tensors'
 actorder "group"), where `g_idx` / `weight_g_idx` numbers it: each group still has G inputs, and
 Int4Linear stores the columns sorted by group (sort_columns) and gathers its input in that order.
 The conversion runs on the device the tensors were read to, at every load (no copy is stored), with
-plain tensor ops: a warm load imports neither compressed-tensors nor transformers.
+plain tensor ops: a warm load imports neither compressed-tensors nor transformers. A tensor-parallel
+rank reads its slice of each tensor (quantized_shards.py) and fills it the same way.
 """
 
 from __future__ import annotations
