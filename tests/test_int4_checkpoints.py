@@ -107,6 +107,19 @@ def test_int4_config_in_the_side_file_older_exports_write(
     assert relative_error(graphkiln.LLM.eager(dest, **ENGINE).score(ids), _reference_logits(reference, ids)) < 1e-4
 
 
+def test_gptq_layout_named_format_as_some_autogptq_versions_write_it(
+    int4_checkpoints: dict, random_ids: Callable[..., list[int]], tmp_path: Path
+) -> None:
+    """`format: gptq_v2` instead of `checkpoint_format`: read as v2 (zero points as stored), not as v1's minus one."""
+    source, reference = int4_checkpoints[("gptq_v2", False, False)]
+    dest = Path(shutil.copytree(source, tmp_path / "format"))
+    config = json.loads((dest / "config.json").read_text())
+    config["quantization_config"]["format"] = config["quantization_config"].pop("checkpoint_format")
+    (dest / "config.json").write_text(json.dumps(config))
+    ids = random_ids(48)
+    assert relative_error(graphkiln.LLM.eager(dest, **ENGINE).score(ids), _reference_logits(reference, ids)) < 1e-4
+
+
 def test_a_side_file_beside_weights_that_are_not_quantized_is_not_read(llama: Checkpoint, tmp_path: Path) -> None:
     """A quantize_config.json left beside plain weights (a model dequantized, or converted back) is no config."""
     dest = Path(shutil.copytree(llama.path, tmp_path / "plain"))
@@ -144,6 +157,7 @@ def test_unsupported_int4_schemes_are_named(llama: Checkpoint, tmp_path: Path) -
     cases = {
         "gptq-8bit": ({**int4_config("gptq", 128, True), "bits": 8}, r"GPTQ with bits 8 "),
         "marlin": ({**int4_config("gptq", 128, True), "checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
+        "is-marlin": ({**int4_config("gptq", 128, True), "is_marlin_format": True}, "checkpoint_format 'marlin'"),
         "channel": ({**int4_config("gptq", -1, True)}, r"GPTQ group_size -1 \(int4 groups must be a power of two"),
         "group-48": ({**int4_config("awq", 48, False)}, r"AWQ group_size 48 "),
         "gemv": ({**int4_config("awq", 128, False), "version": "gemv"}, "AWQ version 'gemv'"),

@@ -209,8 +209,11 @@ def _check_int4_group(group, path: Path, what: str) -> int:
 
 
 def _gptq_scheme(qc: dict, path: Path) -> QuantScheme:
-    """GPTQ (AutoGPTQ, GPTQModel): 4 bits, every projection; desc_act numbers each input's group (act-order)."""
-    bits, fmt = qc.get("bits"), qc.get("checkpoint_format", "gptq")
+    """GPTQ (AutoGPTQ, GPTQModel): 4 bits, every projection; desc_act numbers each input's group (act-order). The
+    layout is `checkpoint_format` (or `format`, as some AutoGPTQ versions write it): gptq, whose zero points are
+    stored minus one, or gptq_v2; `is_marlin_format` is Marlin's own layout."""
+    bits = qc.get("bits")
+    fmt = "marlin" if qc.get("is_marlin_format") else qc.get("checkpoint_format", qc.get("format", "gptq"))
     if bits != 4:
         raise _unsupported(path, f"GPTQ with bits {bits!r} (graphkiln reads 4-bit GPTQ)")
     if fmt not in ("gptq", "gptq_v2"):
