@@ -158,6 +158,7 @@ def test_unsupported_int4_schemes_are_named(llama: Checkpoint, tmp_path: Path) -
         "gptq-8bit": ({**int4_config("gptq", 128, True), "bits": 8}, r"GPTQ with bits 8 "),
         "marlin": ({**int4_config("gptq", 128, True), "checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
         "is-marlin": ({**int4_config("gptq", 128, True), "is_marlin_format": True}, "checkpoint_format 'marlin'"),
+        "int16-words": ({**int4_config("gptq", 128, True), "pack_dtype": "int16"}, "GPTQ pack_dtype 'int16'"),
         "channel": ({**int4_config("gptq", -1, True)}, r"GPTQ group_size -1 \(int4 groups must be a power of two"),
         "group-48": ({**int4_config("awq", 48, False)}, r"AWQ group_size 48 "),
         "gemv": ({**int4_config("awq", 128, False), "version": "gemv"}, "AWQ version 'gemv'"),

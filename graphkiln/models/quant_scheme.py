@@ -218,6 +218,8 @@ def _gptq_scheme(qc: dict, path: Path) -> QuantScheme:
         raise _unsupported(path, f"GPTQ with bits {bits!r} (graphkiln reads 4-bit GPTQ)")
     if fmt not in ("gptq", "gptq_v2"):
         raise _unsupported(path, f"GPTQ checkpoint_format {fmt!r}")
+    if str(qc.get("pack_dtype", "int32")).removeprefix("torch.") != "int32":
+        raise _unsupported(path, f"GPTQ pack_dtype {qc['pack_dtype']!r} (graphkiln reads int32 words)")
     if qc.get("lm_head"):
         raise _unsupported(path, "a quantized lm_head")
     if qc.get("dynamic"):
