@@ -102,14 +102,19 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
     )
 
 
-def _target(model: CausalLM, name: str) -> tuple[str, torch.Tensor, int | None]:
-    """Our parameter for a checkpoint tensor name, and which fused slice it fills (None: whole)."""
+def _our_name(name: str) -> tuple[str, int | None]:
+    """Our parameter name for a checkpoint tensor name, and which fused slice it fills (None: whole)."""
     parts = name.split(".")
     if len(parts) >= 2 and parts[-2] in FUSED:
         fused, index = FUSED[parts[-2]]
-        ours = ".".join(parts[:-2] + [fused, parts[-1]])
-        return ours, model.get_parameter(ours), index
-    return name, model.get_parameter(name), None
+        return ".".join(parts[:-2] + [fused, parts[-1]]), index
+    return name, None
+
+
+def _target(model: CausalLM, name: str) -> tuple[str, torch.Tensor, int | None]:
+    """Our parameter for a checkpoint tensor name, and which fused slice it fills (None: whole)."""
+    ours, index = _our_name(name)
+    return ours, model.get_parameter(ours), index
 
 
 def _slice(cfg: ModelConfig, param: torch.Tensor, fused_name: str, index: int) -> torch.Tensor:
@@ -278,14 +283,13 @@ def _fill_weights(model: CausalLM, cfg: ModelConfig, files: dict[Path, Path], de
 
 
 def _quantized_owner(model: CausalLM, cfg: ModelConfig, entry: TensorEntry) -> tuple | None:
-    """(module, tensor kind, fused index) where the tensor fills a QuantizedLinear (read whole, then
-    placed by fill_quantized, which fuses scales and reads int4 formats); None for a plain parameter."""
-    *path, kind = entry.name.split(".")
-    index = None
-    if path and path[-1] in FUSED:
-        path[-1], index = FUSED[path[-1]]
+    """(module, tensor kind, fused index) where the tensor fills a QuantizedLinear (read whole, or this rank's slice,
+    then placed by fill_quantized, which fuses scales and reads int4 formats); None for a plain parameter. The kind
+    need not be a parameter of the module: each format names its own tensors."""
+    ours, index = _our_name(entry.name)
+    owner, kind = ours.rsplit(".", 1) if "." in ours else ("", ours)
     try:
-        module = model.get_submodule(".".join(path))
+        module = model.get_submodule(owner)
     except AttributeError:
         return None  # _destination names the misplaced tensor
     return (module, kind, index) if isinstance(module, QuantizedLinear) else None
