@@ -21,7 +21,6 @@ import torch
 from graphkiln.errors import ConfigError, ModelFileError, UnsupportedModelError
 
 from .quantized_linear import BLOCK
-from .safetensors_header import read_header
 
 COMPILE_SCHEMES = ("fp8", "int4")
 CHECKPOINT_FORMATS = (
@@ -157,10 +156,12 @@ def _projection_modules(num_layers: int) -> list[str]:
 def _side_file_scheme(model_dir: Path, num_layers: int) -> QuantScheme | None:
     """The scheme of the first of SIDE_FILES in `model_dir` whose format's tensors the checkpoint holds (a file left
     beside weights that are not quantized is not read), or None."""
+    present = [(model_dir / name, *read) for name, read in SIDE_FILES.items() if (model_dir / name).is_file()]
+    if not present:  # the common case: no tensor names read at all
+        return None
     kinds = {name.rsplit(".", 1)[-1] for name in _tensor_names(model_dir)}
-    for name, (method, key, kind) in SIDE_FILES.items():
-        path = model_dir / name
-        if not path.is_file() or kind not in kinds:
+    for path, method, key, kind in present:
+        if kind not in kinds:
             continue
         try:
             qc = json.loads(path.read_text())
@@ -177,14 +178,13 @@ def _side_file_scheme(model_dir: Path, num_layers: int) -> QuantScheme | None:
 
 
 def _tensor_names(model_dir: Path) -> set[str]:
-    """The checkpoint's tensor names, from its index or its one file's header; none where neither reads (loading
-    then names what is wrong)."""
+    """The checkpoint's tensor names (loader.weight_files); none where they do not read (loading then names what
+    is wrong)."""
+    from .loader import weight_files  # the loader reads schemes from here: imported when first needed
+
     try:
-        index = model_dir / "model.safetensors.index.json"
-        if index.is_file():
-            return set(json.loads(index.read_text())["weight_map"])
-        return set(read_header(model_dir / "model.safetensors"))
-    except (OSError, ValueError, KeyError, TypeError, ModelFileError):
+        return set(weight_files(model_dir))
+    except (ModelFileError, OSError):
         return set()
 
 
