@@ -7,7 +7,9 @@ dtype. A checkpoint's separate q, k, v (gate, up) tensors fill slices of one fus
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -34,21 +36,29 @@ from .sharding import Shard, local_config
 from .transformer import CausalLM
 
 
-def _projections(model: CausalLM, cfg: ModelConfig):
-    """(parent module, attribute, in_features, fused parts, has bias) of every decoder projection."""
+class Projection(NamedTuple):
+    """A decoder projection: where it sits (parent module, attribute) and its shape."""
+
+    parent: torch.nn.Module
+    name: str
+    in_features: int
+    parts: tuple[int, ...]
+    bias: bool
+
+
+def _projections(model: CausalLM, cfg: ModelConfig) -> Iterator[Projection]:
+    """Every decoder projection, at the shapes of `cfg`."""
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        yield attn, "qkv_proj", cfg.hidden_size, (cfg.q_size, cfg.kv_size, cfg.kv_size), cfg.qkv_bias
-        yield attn, "o_proj", cfg.q_size, (cfg.hidden_size,), cfg.o_bias
-        yield mlp, "gate_up_proj", cfg.hidden_size, (cfg.intermediate_size,) * 2, cfg.mlp_bias
-        yield mlp, "down_proj", cfg.intermediate_size, (cfg.hidden_size,), cfg.mlp_bias
+        yield Projection(attn, "qkv_proj", cfg.hidden_size, (cfg.q_size, cfg.kv_size, cfg.kv_size), cfg.qkv_bias)
+        yield Projection(attn, "o_proj", cfg.q_size, (cfg.hidden_size,), cfg.o_bias)
+        yield Projection(mlp, "gate_up_proj", cfg.hidden_size, (cfg.intermediate_size,) * 2, cfg.mlp_bias)
+        yield Projection(mlp, "down_proj", cfg.intermediate_size, (cfg.hidden_size,), cfg.mlp_bias)
 
 
-def _rank_projections(model: CausalLM, cfg: ModelConfig, ranks: int):
-    """`_projections` at the shapes of one of `ranks` tensor-parallel ranks, each with the checkpoint's in_features
-    and parts of the projection."""
-    for ours, full in zip(_projections(model, local_config(cfg, ranks)), _projections(model, cfg)):
-        yield *ours, full[2], full[3]
+def _rank_projections(model: CausalLM, cfg: ModelConfig, ranks: int) -> Iterator[tuple[Projection, Projection]]:
+    """Every decoder projection at the shapes of one of `ranks` tensor-parallel ranks, with the checkpoint's."""
+    return zip(_projections(model, local_config(cfg, ranks)), _projections(model, cfg))
 
 
 def _module(scheme: QuantScheme, in_features: int, parts: tuple[int, ...], bias: bool, dtype,
@@ -77,11 +87,11 @@ def _module(scheme: QuantScheme, in_features: int, parts: tuple[int, ...], bias:
     return Fp8Linear(in_features, parts, bias, dtype, static_input=scheme.activations == "static")
 
 
-def _rank_module(scheme: QuantScheme, projection: tuple, dtype, ranks: int) -> QuantizedLinear:
-    """The empty module of one `_rank_projections` entry, which records the checkpoint's shape of it."""
-    _, _, in_features, parts, bias, full_in, full_parts = projection
-    module = _module(scheme, in_features, parts, bias, dtype, full_in, ranks)
-    module.checkpoint_in_features, module.checkpoint_parts = full_in, full_parts
+def _rank_module(scheme: QuantScheme, ours: Projection, full: Projection, dtype, ranks: int) -> QuantizedLinear:
+    """The empty module of one of `ranks` ranks' share (`ours`) of a projection, which records the checkpoint's shape
+    of it (`full`)."""
+    module = _module(scheme, ours.in_features, ours.parts, ours.bias, dtype, full.in_features, ranks)
+    module.checkpoint_in_features, module.checkpoint_parts = full.in_features, full.parts
     return module
 
 
@@ -90,9 +100,8 @@ def install_quantized(model: CausalLM, cfg: ModelConfig, scheme: QuantScheme, dt
     """Replace every decoder projection of a model on the meta device by an empty quantized module of the rank's
     shape (`shard`)."""
     with torch.device("meta"):
-        for projection in _rank_projections(model, cfg, shard.size):
-            parent, name = projection[:2]
-            setattr(parent, name, _rank_module(scheme, projection, dtype, shard.size))
+        for ours, full in _rank_projections(model, cfg, shard.size):
+            setattr(ours.parent, ours.name, _rank_module(scheme, ours, full, dtype, shard.size))
 
 
 def reset_before_fill(model: CausalLM) -> None:
@@ -177,13 +186,12 @@ def quantize_model(model: CausalLM, cfg: ModelConfig, scheme: QuantScheme) -> No
     """Quantize every decoder projection of a loaded model (one tensor-parallel rank's share of it) in place, one
     layer at a time."""
     global _quantized_in_process
-    for projection in _rank_projections(model, cfg, model.shard.size):
-        parent, name, bias = projection[0], projection[1], projection[4]
+    for ours, full in _rank_projections(model, cfg, model.shard.size):
         _quantized_in_process += 1
-        linear = getattr(parent, name)
+        linear = getattr(ours.parent, ours.name)
         weight = linear.weight
         with torch.device(weight.device):
-            module = _rank_module(scheme, projection, weight.dtype, model.shard.size)
+            module = _rank_module(scheme, ours, full, weight.dtype, model.shard.size)
         if isinstance(module, Int4Linear):
             for dest, value in zip((module.qweight, module.scales, module.zeros), quantize_int4(weight, module.group_size)):
                 dest.copy_(value)
@@ -192,9 +200,9 @@ def quantize_model(model: CausalLM, cfg: ModelConfig, scheme: QuantScheme) -> No
             q, scale = quantize_fp8(weight)
             module.weight.copy_(q)
             module.weight_scale.copy_(scale)
-        if bias:
+        if ours.bias:
             module.bias.copy_(linear.bias)
-        setattr(parent, name, module)
+        setattr(ours.parent, ours.name, module)
 
 
 def quantized_tensors(model: CausalLM) -> dict[str, torch.Tensor]:
