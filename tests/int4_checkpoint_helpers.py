@@ -9,15 +9,13 @@ compressed-tensors' AWQ reader in the tests).
 from __future__ import annotations
 
 import copy
-import json
-import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from transformers import PreTrainedModel
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+from quant_helpers import model_tensors, projections, save_checkpoint, start_checkpoint
+
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # output AWQ_ORDER[i] of each eight goes to nibble i
 FORMATS = ("compressed-tensors", "gptq", "gptq_v2", "awq")
 INPUTS = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "o_proj": 1, "gate_proj": 2, "up_proj": 2, "down_proj": 3}
@@ -123,18 +121,10 @@ def write_int4_checkpoint(source: Path, model: PreTrainedModel, out: Path, fmt: 
     """Write `model` to `out` as an int4 checkpoint in format `fmt` (FORMATS) beside the tokenizer-less files of
     `source`; return the float32 model of the dequantized weights (scales as stored). `act_order`: each input of a
     layer's projections that read one input (q, k, v; gate, up) gets a shuffled group, as GPTQ's desc_act gives."""
-    out.mkdir(parents=True)
-    config = json.loads((source / "config.json").read_text())
-    config["quantization_config"] = int4_config(fmt, group, symmetric, act_order)
-    (out / "config.json").write_text(json.dumps(config, indent=1))
-    for extra in source.glob("generation_config.json"):
-        shutil.copy(extra, out)
-    reference = copy.deepcopy(model)
-    tensors = {name: t.detach().clone().contiguous() for name, t in model.state_dict().items()}
+    start_checkpoint(source, out, int4_config(fmt, group, symmetric, act_order))
+    reference, tensors = copy.deepcopy(model), model_tensors(model)
     with torch.no_grad():
-        for name, module in reference.named_modules():
-            if name.rsplit(".", 1)[-1] not in PROJECTIONS:
-                continue
+        for name, module in projections(reference):
             k = module.weight.shape[1]
             layer, projection = int(name.split(".")[2]), name.rsplit(".", 1)[-1]
             seed = 10 * layer + INPUTS[projection]
@@ -144,7 +134,5 @@ def write_int4_checkpoint(source: Path, model: PreTrainedModel, out: Path, fmt: 
             tensors.update({f"{name}.{kind}": t.contiguous() for kind, t in _tensors(fmt, q, scale, zero, g_idx,
                                                                                        symmetric, act_order).items()})
             module.weight.copy_(_dequantized(fmt, q, scale, zero, g_idx))
-    if model.config.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_checkpoint(model, tensors, out)
     return reference

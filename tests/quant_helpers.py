@@ -56,7 +56,7 @@ def modelopt_config(weights: str) -> dict:
     return {"quant_method": "modelopt", "quant_algo": algo, "kv_cache_quant_algo": "FP8", "ignore": ["lm_head"]}
 
 
-def _projections(model: PreTrainedModel):
+def projections(model: PreTrainedModel):
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] in PROJECTIONS:
             yield name, module
@@ -88,7 +88,7 @@ def input_amax(model: PreTrainedModel, ids: list[int]) -> dict[str, float]:
     """Each projection's largest input magnitude on `ids`: the calibration a static activation scale comes from."""
     seen: dict[str, float] = {}
     hooks = [module.register_forward_hook(lambda m, args, out, name=name: seen.__setitem__(name, args[0].abs().max().item()))
-             for name, module in _projections(model)]
+             for name, module in projections(model)]
     with torch.no_grad():
         model(torch.tensor([ids]))
     for hook in hooks:
@@ -126,31 +126,26 @@ def write_fp8_checkpoint(source: Path, model: PreTrainedModel, out: Path, layout
     float32 model of the dequantized weights. Layouts: 'compressed-tensors', 'block', 'autofp8' (per-tensor weight
     scales, 0-dimensional), 'modelopt' (`weights` 'tensor': 0-dimensional scales, static activations; 'channel':
     [N] scales, dynamic; KV cache scales beside) and 'modelopt-file' (the same config in hf_quant_config.json)."""
-    out.mkdir(parents=True)
-    config = json.loads((source / "config.json").read_text())
     modelopt = layout.startswith("modelopt")
     if modelopt:
         activations = "static" if weights == "tensor" else "dynamic"
     configs = {"block": BLOCK_FP8_CONFIG, "autofp8": autofp8_config(activations), "modelopt": modelopt_config(weights)}
-    if layout == "modelopt-file":
+    in_config = layout != "modelopt-file"
+    start_checkpoint(source, out, (configs.get(layout) or compressed_tensors_config(weights, activations)) if in_config
+                     else None)
+    if not in_config:
         qc = modelopt_config(weights)
         quantization = {"quant_algo": qc["quant_algo"], "kv_cache_quant_algo": "FP8", "exclude_modules": ["lm_head"]}
         (out / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"},
                                                               "quantization": quantization}))
-    else:
-        config["quantization_config"] = configs.get(layout) or compressed_tensors_config(weights, activations)
     scalar = layout == "autofp8" or (modelopt and weights == "tensor")
     weights = "tensor" if layout == "autofp8" else weights
-    (out / "config.json").write_text(json.dumps(config, indent=1))
-    for extra in source.glob("generation_config.json"):
-        shutil.copy(extra, out)
     amax = input_amax(model, calibration) if activations == "static" else {}
     # q, k and v (and gate, up) get different scales, as calibrated checkpoints have
     input_scales = {name: torch.tensor([a / FP8_MAX * (1 + 0.25 * (i % 3))]) for i, (name, a) in enumerate(amax.items())}
-    reference = copy.deepcopy(model)
-    tensors = {name: t.detach().clone().contiguous() for name, t in model.state_dict().items()}
+    reference, tensors = copy.deepcopy(model), model_tensors(model)
     with torch.no_grad():
-        for name, module in _projections(reference):
+        for name, module in projections(reference):
             w = module.weight.float()
             if layout == "block":
                 q, scale, dequantized = _blocks(w)
@@ -168,10 +163,32 @@ def write_fp8_checkpoint(source: Path, model: PreTrainedModel, out: Path, layout
             module.register_forward_pre_hook(lambda m, args, static=static: (fp8_inputs(args[0], layout, static),))
             tensors[f"{name}.weight"] = q.contiguous()
             module.weight.copy_(dequantized)
+    save_checkpoint(model, tensors, out)
+    return reference
+
+
+def start_checkpoint(source: Path, out: Path, qc: dict | None) -> None:
+    """`out` with `source`'s config.json, declaring `qc` as its quantization_config (None: none), and its
+    generation_config.json: the tokenizer-less files of a checkpoint whose tensors save_checkpoint writes."""
+    out.mkdir(parents=True)
+    config = json.loads((source / "config.json").read_text())
+    if qc is not None:
+        config["quantization_config"] = qc
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    for extra in source.glob("generation_config.json"):
+        shutil.copy(extra, out)
+
+
+def model_tensors(model: PreTrainedModel) -> dict[str, torch.Tensor]:
+    """A copy of `model`'s tensors by name, to replace the projections' weights with a format's tensors."""
+    return {name: t.detach().clone().contiguous() for name, t in model.state_dict().items()}
+
+
+def save_checkpoint(model: PreTrainedModel, tensors: dict[str, torch.Tensor], out: Path) -> None:
+    """`tensors` as `out`'s model.safetensors, without a tied LM head (as transformers saves it)."""
     if model.config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return reference
 
 
 def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
