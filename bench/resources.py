@@ -229,7 +229,7 @@ def product_launches(name: str, n: int, k: int, rows: int, block_scales: bool) -
         block_n, block_k, splits, warps, stages = gemv_tiling(n, k)
         return (label, f"block_n={block_n} block_k={block_k} splits={splits} stages={stages}",
                 block_n * block_k / (32 * warps))
-    block_m, block_n, block_k, splits, _, stages = mma_tiling(rows, n, k, 132, x_fp8=rows > FEW_ROWS,
+    block_m, block_n, block_k, splits, _, stages = mma_tiling(rows, n, k, 132, x_quantized=rows > FEW_ROWS,
                                                               block_scales=block_scales)
     return label, f"block_m={block_m} block_n={block_n} block_k={block_k} splits={splits} stages={stages}"
 

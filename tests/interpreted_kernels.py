@@ -20,19 +20,21 @@ import triton.runtime.interpreter as interpreter
 
 from graphkiln.kernels.block_decode_attention import block_paged_decode
 from graphkiln.kernels.decode_attention import paged_decode
-from graphkiln.kernels.fp8_linear import fp8_linear
+from graphkiln.kernels.fp8_linear import MMA_ROWS, fp8_linear
 from graphkiln.kernels.gemv import gemv
 from graphkiln.kernels.int4_dp4a import int4_dp4a_gemv
 from graphkiln.kernels.int4_linear import int4_linear
 from graphkiln.kernels.int4_words import words
+from graphkiln.kernels.int8_linear import int8_linear
 from graphkiln.kernels.prefill_attention import paged_prefill
 from graphkiln.kernels.rms_norm import add_rms_norm
+from graphkiln.models.int8_linear import quantize_activations_int8
 from graphkiln.models.linear import silu_mul_reference
 from graphkiln.models.norm import add_rms_norm_reference
 from graphkiln.models.quantized_linear import quantize_activations_fp8
 from graphkiln.runtime.attention.triton_backend import prefill_work, work_table
 from graphkiln.runtime.kv_dtype import dequantize, quantize
-from gpu.kernel_weights import fp8_weight, int4_weight
+from gpu.kernel_weights import fp8_weight, int4_weight, int8_weight
 
 BLOCK = 16
 
@@ -159,12 +161,13 @@ def run_prefill(dtype: torch.dtype, hq: int, hkv: int, d: int, lens: list[tuple[
 
 
 def run_product(kind: str, rows: int, n: int, k: int, seed: int = 0) -> dict:
-    """fp8_linear ("fp8-channel", "fp8-block"), int4_linear ("int4", groups of 128) or the int4 dp4a GEMV
-    ("int4-dp4a", "-g32": groups of 32) of `rows` float16 rows, as
+    """fp8_linear ("fp8-channel", "fp8-block"), int8_linear ("w8a8", "w8a8-static", "w8a16"), int4_linear ("int4",
+    groups of 128) or the int4 dp4a GEMV ("int4-dp4a", "-g32": groups of 32) of `rows` float16 rows, as
     they dispatch that many, on the GPU tests' weights (gpu/kernel_weights.py), against float32 products of the
     dequantized weight and of x as the kernels round it (models/quantized_linear.py): unquantized at one row, per
     1 x 128 group in registers up to FEW_ROWS, per token (channel scales) or group (block scales) by a kernel of
-    its own up to MMA_ROWS; int4 keeps x (the dp4a GEMV's 16-bit fixed point per group is finer than
+    its own up to MMA_ROWS; int8's W8A8 rounds x to int8 likewise, per 1 x 128 group in registers from 2 to
+    MMA_ROWS rows and per token (or by the static scale) past them; W8A16 and int4 keep x (the dp4a GEMV's 16-bit fixed point per group is finer than
     float16 for all but a group's smallest inputs). "-activated" kinds (fp8, and "half" for the float16 GEMV of one row) are
     silu(gate) * up of the product's halves, against that of the float16 product."""
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed)).to(torch.float16)
@@ -177,6 +180,12 @@ def run_product(kind: str, rows: int, n: int, k: int, seed: int = 0) -> dict:
         else:
             got = int4_linear(x, qweight, scales, zeros, group)
         want = x.float() @ reference.t()
+    elif kind.startswith("w8"):
+        weight, scale, reference = int8_weight(n, k, "cpu")
+        static = torch.tensor([x.float().abs().max().item() / 127]) if "static" in kind else None
+        got = int8_linear(x, weight, scale, static, quantize_input=kind.startswith("w8a8"), activated=activated)
+        want = _int8_rounded(x, rows, static) if kind.startswith("w8a8") else x.float()
+        want = want @ reference.t()
     elif kind == "half-activated":
         weight = torch.randn(n, k, generator=torch.Generator().manual_seed(seed + 1)).to(torch.float16) / k**0.5
         got = gemv(x, weight, activated=True)
@@ -190,6 +199,16 @@ def run_product(kind: str, rows: int, n: int, k: int, seed: int = 0) -> dict:
     if activated:
         want = silu_mul_reference(want.to(torch.float16)).float()
     return {"error": ((got.float() - want).norm() / want.norm()).item()}
+
+
+def _int8_rounded(x: torch.Tensor, rows: int, static: torch.Tensor | None) -> torch.Tensor:
+    """x as int8_linear rounds it for W8A8 at `rows` rows: not at one, per 1 x 128 group up to MMA_ROWS, else
+    per token or by the static scale."""
+    if rows == 1:
+        return x.float()
+    if rows <= MMA_ROWS:
+        return quantize_activations_int8(x.unflatten(-1, (-1, 128)), None).flatten(-2)
+    return quantize_activations_int8(x, static)
 
 
 def run_norm(dtype: torch.dtype, rows: int, width: int, seed: int = 0) -> dict:
@@ -235,6 +254,10 @@ PRODUCT_CASES = {  # name: (kind, rows, N, K); the rows pick each path fp8_linea
     **{f"{kind}-activated-{rows}-rows": (f"{kind}-activated", rows, 200, 384) for kind in ("fp8-channel", "fp8-block")
        for rows in (1, 8)},
     "half-activated-1-row": ("half-activated", 1, 200, 384),
+    **{f"{kind}-{rows}-rows": (kind, rows, 200, 384) for kind in ("w8a8", "w8a16") for rows in (1, 8, 24, 80)},
+    "w8a8-static-80-rows": ("w8a8-static", 80, 200, 384),
+    "w8a8-activated-8-rows": ("w8a8-activated", 8, 200, 384),
+    "w8a8-80-rows-k-not-8": ("w8a8", 80, 200, 388),  # no torch._int_mm: fp8_mma on the int8 rows
 }
 NORM_CASES = {  # name: (dtype, rows, width); float16: the interpreter does not round to bfloat16 as torch does
     "norm-fp16-3x4096": (torch.float16, 3, 4096),

@@ -102,29 +102,37 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, STEPS, stride_wn, strid
 
 @triton.jit
 def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm, stride_sg,
-                            GROUP: tl.constexpr, BLOCK: tl.constexpr):
-    """One group of one row of x to fp8 by its absolute maximum: q = x / s, s = amax / 448."""
+                            GROUP: tl.constexpr, BLOCK: tl.constexpr, INT8: tl.constexpr):
+    """One group of one row of x to fp8 (int8) by its absolute maximum: q = x / s, s = amax / 448 (s = amax / 127,
+    q rounded to the nearest integer)."""
     row = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
     ks = group * GROUP + offs
     mask = (offs < GROUP) & (ks < K)
     x = tl.load(x_ptr + row * stride_xm + ks, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0) / 448.0, 1e-12)
-    q = tl.clamp(x / scale, -448.0, 448.0)
+    q_max = 127.0 if INT8 else 448.0
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0) / q_max, 1e-12)
+    q = x / scale
+    if INT8:
+        q = tl.floor(q + 0.5)
+    q = tl.clamp(q, -q_max, q_max)
     tl.store(q_ptr + row * stride_qm + ks, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + row * stride_sm + group * stride_sg, scale)
 
 
 @triton.jit
-def _dequantize_blocks_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on, BLOCK_N: tl.constexpr,
-                              BLOCK_K: tl.constexpr):
-    """out[N, K] = weight times its 128 x 128 block's scale, in out's dtype."""
+def _dequantize_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, BLOCK_SCALES: tl.constexpr):
+    """out[N, K] = weight times its 128 x 128 block's scale (BLOCK_SCALES) or its row's, in out's dtype."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (cols < N)[:, None] & (ks < K)[None, :]
     w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :], mask=mask, other=0.0)
-    s = tl.load(s_ptr + (cols // 128)[:, None] * stride_sn + (ks // 128)[None, :], mask=mask, other=0.0)
+    if BLOCK_SCALES:
+        s = tl.load(s_ptr + (cols // 128)[:, None] * stride_sn + (ks // 128)[None, :], mask=mask, other=0.0)
+    else:
+        s = tl.load(s_ptr + cols, mask=cols < N, other=0.0)[:, None]
     out = (w.to(tl.float32) * s).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + cols[:, None].to(tl.int64) * stride_on + ks[None, :], out, mask=mask)
 
@@ -173,7 +181,8 @@ def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) ->
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
              tiles: tuple[int, int, int, int, int] | None = None, activated: bool = False) -> torch.Tensor:
-    """x [1, K] @ dequantized weight^T with the one-row kernel; `tiles` defaults to `gemv_tiling`. `activated`
+    """x [1, K] @ dequantized weight^T with the one-row kernel, for an fp8 or an int8 weight (each weight is
+    converted to float32 in registers, whichever it is); `tiles` defaults to `gemv_tiling`. `activated`
     (N even): silu(y[:, :N/2]) * y[:, N/2:] of that product y, [1, N/2], in the kernel's epilogue where K is not
     split, by the SiLU-and-mul kernel after the split's sum otherwise."""
     n, k = weight.shape
@@ -194,11 +203,12 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     return silu_mul(y) if activated and not in_epilogue else y
 
 
-def quantize_rows(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] to fp8 with a float32 scale per row (`group` None: [M, 1]) or per `group`-wide slice of a
-    row ([M, ceil(K/group)], column-major as torch._scaled_mm's block scaling wants it)."""
+def quantize_rows(x: torch.Tensor, group: int | None = None, dtype: torch.dtype = FP8) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] to `dtype` (fp8, or int8 rounded to the nearest integer) with a float32 scale per row (`group`
+    None: [M, 1]) or per `group`-wide slice of a row ([M, ceil(K/group)], column-major as torch._scaled_mm's
+    block scaling wants it)."""
     m, k = x.shape
-    q = torch.empty(m, k, dtype=FP8, device=x.device)
+    q = torch.empty(m, k, dtype=dtype, device=x.device)
     if group is None:
         scales = torch.empty(m, 1, dtype=torch.float32, device=x.device)
         width, groups = k, 1
@@ -211,7 +221,7 @@ def quantize_rows(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tens
         launch(
             _quantize_groups_kernel, (m, groups),
             x, q, scales, k, x.stride(0), q.stride(0), scales.stride(0), scales.stride(1), GROUP=width, BLOCK=block,
-            num_warps=max(1, min(16, block // 512)),
+            INT8=dtype == torch.int8, num_warps=max(1, min(16, block // 512)),
         )
     return q, scales
 
@@ -221,14 +231,14 @@ def quantize_static(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
     return (x.float() / input_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
-def dequantize_blocks(weight: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """weight [N, K] times its 128 x 128 block scales, in `dtype`."""
+def dequantize(weight: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """weight [N, K] (fp8 or int8) times its 128 x 128 block scales or its per-row scales [N], in `dtype`."""
     n, k = weight.shape
     out = torch.empty(n, k, dtype=dtype, device=weight.device)
     launch(
-        _dequantize_blocks_kernel, (triton.cdiv(n, 64), triton.cdiv(k, 128)),
+        _dequantize_kernel, (triton.cdiv(n, 64), triton.cdiv(k, 128)),
         weight, weight_scale, out, n, k, weight.stride(0), weight_scale.stride(0), out.stride(0),
-        BLOCK_N=64, BLOCK_K=128,
+        BLOCK_N=64, BLOCK_K=128, BLOCK_SCALES=weight_scale.dim() == 2,
     )
     return out
 
@@ -300,7 +310,7 @@ def _rows_product(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
         return fp8_mma(x, weight, weight_scale)
     if m > MMA_ROWS and not scaled_mm_fits(x, weight, block_scales):
         if block_scales:  # no block-scaled _scaled_mm: cuBLAS on the dequantized weight
-            return torch.mm(x, dequantize_blocks(weight, weight_scale, x.dtype).t())
+            return torch.mm(x, dequantize(weight, weight_scale, x.dtype).t())
         return fp8_mma(x, weight, weight_scale)
     if input_scale is None:
         xq, scale_a = quantize_rows(x, BLOCK if block_scales else None)

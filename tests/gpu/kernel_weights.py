@@ -1,5 +1,5 @@
 """Weights and activations for the GPU tests of the quantized kernels (test_fp8_kernels.py, test_int4_kernels.py,
-test_quantized_kernels.py; the weights also for tests/interpreted_kernels.py, on the CPU): random weights quantized the way the kernels read them, with their dequantized float32
+test_int8_kernels.py, test_quantized_kernels.py; the weights also for tests/interpreted_kernels.py, on the CPU): random weights quantized the way the kernels read them, with their dequantized float32
 reference, the shapes and splits the tests share, and a CUDA-graph capture of a product."""
 
 import functools
@@ -39,6 +39,16 @@ def fp8_weight(n: int, k: int, blocks: bool, device: str = "cuda") -> tuple[torc
         full = scale[:, None]
     q = (w / full).to(FP8)
     return q, scale.float().contiguous(), q.float() * full
+
+
+@functools.cache
+def int8_weight(n: int, k: int, device: str = "cuda") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(int8 weight, its float32 scale per row, the dequantized float32 weight) of a random bf16-range weight."""
+    gen = torch.Generator(device=device).manual_seed(n * 11 + k)
+    w = torch.randn(n, k, device=device, generator=gen) * k**-0.5
+    scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+    q = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+    return q, scale, q.float() * scale[:, None]
 
 
 @functools.cache

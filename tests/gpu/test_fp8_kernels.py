@@ -129,7 +129,7 @@ def test_fp8_mma_on_quantized_rows_is_the_float32_product_of_what_it_reads(shape
     else:
         xq, x_scale = quantize_rows(x, 128 if blocks else None)
         per_element = x_scale.repeat_interleave(128, 1)[:, :k] if blocks else x_scale
-    tiles = mma_kernels.mma_tiling(rows, n, k, multiprocessors(x.device), x_fp8=True, block_scales=blocks)
+    tiles = mma_kernels.mma_tiling(rows, n, k, multiprocessors(x.device), x_quantized=True, block_scales=blocks)
     y = mma_kernels.fp8_mma(xq, weight, scale, tiles=(*tiles[:3], splits, *tiles[4:]), x_scale=x_scale,
                             out_dtype=torch.bfloat16)
     assert y.shape == (rows, n) and y.dtype == torch.bfloat16
