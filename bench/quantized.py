@@ -1,4 +1,4 @@
-"""fp8 and int4 weight products against bf16 and each format's bytes floor, at decode and prefill row
+"""fp8, int8 and int4 weight products against bf16 and each format's bytes floor, at decode and prefill row
 counts, with sweeps of the few-row kernels' tiles. A few minutes on the 8b shapes.
 
     python -m bench quantized --out $OUT [--rows 1 8 32 64 4096] [--models 8b] [--formats ...] [--sweep]
@@ -11,6 +11,12 @@ counts, with sweeps of the few-row kernels' tiles. A few minutes on the 8b shape
               (scaled_mm_only) and with one scale per tensor on each side (scaled_mm_tensor)
   fp8-block   the same with 128 x 128 block scales; candidates: the GEMV, the mma kernel, 1 x 128
               quantization + block-scaled _scaled_mm (where this torch has it), dequantize + torch.mm
+  int8        int8_linear W8A8 (per-channel scales, x quantized per token; what it picks), and each candidate:
+              the one-row GEMV, the int8 tensor-core kernel quantizing x in registers (mma), per-token quantization
+              + torch._int_mm and the scaling kernel (int_mm), above 64 rows that product alone on x quantized
+              before (int_mm_only)
+  int8-w8a16  int8_linear W8A16 (x as it is); candidates: the GEMV, the mma kernel on the weight converted to x's
+              dtype, dequantize + torch.mm
   int4        int4_linear (groups of 128, what it picks with the layers' tinygemm layout), the same after
               gathering x in a shuffled order as an act-order checkpoint's layers do (act_order), and each
               candidate: torch's tinygemm (aten._weight_int4pack_mm, torchao's int4 layout on CUDA), the word
@@ -20,7 +26,8 @@ counts, with sweeps of the few-row kernels' tiles. A few minutes on the 8b shape
   --quality   instead: each format's logits against the unquantized model's and the tiny model's held-out
               perplexity per format (bench/quality.py)
   --sweep     fp8, fp8-block: at 1 row every GEMV tiling of SWEEP_GEMV, at 2 to 64 rows every tiling of SWEEP_MMA
-              (above FEW_ROWS rows on x quantized first, as mma_quantized);
+              (above FEW_ROWS rows on x quantized first, as mma_quantized); int8, int8-w8a16: the same tilings,
+              x quantized in registers (or the weight converted) up to 64 rows, as int8_linear runs them;
               int4: every tiling of SWEEP_DP4A (the dp4a GEMV) at 1 row, of SWEEP_WORD_DOT at 2 to 64 rows, of
               SWEEP_MM (the byte kernel, which int4_linear leaves to dequantize + mm there) at 65 to 256; each
               with every split of K in SPLITS. The five fastest, the rule's own tiles (`*_tiling`) and its time are kept per shape and row count
@@ -42,7 +49,7 @@ from .models import projections
 from .products import per_call_us
 from .report import text_table
 
-FORMATS = ("fp8", "fp8-block", "int4")
+FORMATS = ("fp8", "fp8-block", "int8", "int8-w8a16", "int4")
 GROUP = 128
 SPLITS = (1, 2, 4, 8)  # K splits tried with every tiling (split K is a run-time argument: no extra compiles)
 # (BLOCK_N, BLOCK_K, warps, stages) of the fp8 GEMV (either scale layout) tried at 1 row; one stage: loads not pipelined
@@ -66,7 +73,7 @@ SWEEP_MMA += [(256, 128, 8, stages) for stages in (3, 4)]
 def weight_bytes(fmt: str, n: int, k: int) -> int:
     if fmt == "bf16":
         return 2 * n * k
-    if fmt == "fp8":
+    if fmt in ("fp8", "int8", "int8-w8a16"):
         return n * k + 4 * n
     if fmt == "fp8-block":
         return n * k + 4 * -(-n // 128) * -(-k // 128)
@@ -80,6 +87,8 @@ def make_weights(fmt: str, n: int, k: int, copies: int, device: str) -> list:
     def one():
         if fmt == "bf16":
             return (torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02,)
+        if fmt.startswith("int8"):
+            return torch.randint(-127, 128, (n, k), device=device, dtype=torch.int8), torch.rand(n, device=device) * 1e-3
         if fmt.startswith("fp8"):
             w = (torch.randn(n, k, device=device) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
             shape = (-(-n // 128), -(-k // 128)) if fmt == "fp8-block" else (n,)
@@ -117,6 +126,8 @@ def candidates(fmt: str, x, rows: int, tinygemm: dict | None = None) -> dict:
 
             out["gemv"] = lambda w: gemv(x, w)
         return out
+    if fmt.startswith("int8"):
+        return int8_candidates(fmt, x, rows)
     if fmt.startswith("fp8"):
         from graphkiln.kernels import fp8_linear as f
         from graphkiln.kernels.fp8_mma import fp8_mma
@@ -138,7 +149,7 @@ def candidates(fmt: str, x, rows: int, tinygemm: dict | None = None) -> dict:
         else:
             if rows > f.FEW_ROWS and f.blockwise_scaled_mm(x.device.index or 0):  # as fp8_linear uses it
                 out["scaled_mm"] = lambda w, s: blockwise_scaled_mm(x, w, s)
-            out["dequant_mm"] = lambda w, s: torch.mm(x, f.dequantize_blocks(w, s, x.dtype).t())
+            out["dequant_mm"] = lambda w, s: torch.mm(x, f.dequantize(w, s, x.dtype).t())
         return out
     from graphkiln.kernels import int4_linear as i4
     from graphkiln.kernels import int4_words as w4
@@ -162,6 +173,30 @@ def candidates(fmt: str, x, rows: int, tinygemm: dict | None = None) -> dict:
             return torch.ops.aten._weight_int4pack_mm(x, packed, GROUP, scales_and_zeros)
 
         out["tinygemm"] = tiny
+    return out
+
+
+def int8_candidates(fmt: str, x, rows: int) -> dict:
+    """name -> fn(weight, scale) of every int8 product timed at this row count (W8A8, or W8A16 for int8-w8a16)."""
+    import torch
+
+    from graphkiln.kernels import fp8_linear as f
+    from graphkiln.kernels import int8_linear as i8
+    from graphkiln.kernels.fp8_mma import fp8_mma
+
+    w8a8 = fmt == "int8"
+    out = {"picked": lambda w, s: i8.int8_linear(x, w, s, quantize_input=w8a8)}
+    if rows == 1:
+        out["gemv"] = lambda w, s: f.fp8_gemv(x, w, s)
+    if rows <= 256:
+        out["mma"] = lambda w, s: fp8_mma(x, w, s, weight_to_x=not w8a8)
+    if not w8a8:
+        out["dequant_mm"] = lambda w, s: torch.mm(x, f.dequantize(w, s, x.dtype).t())
+    elif rows > 16:  # what torch._int_mm takes (the projections' N and K are multiples of 8)
+        out["int_mm"] = lambda w, s: i8.scaled_int_mm(*f.quantize_rows(x, dtype=torch.int8), w, s, x.dtype)
+        if rows > f.MMA_ROWS:  # the product alone, on x quantized before the timing
+            q, scale_a = f.quantize_rows(x, dtype=torch.int8)
+            out["int_mm_only"] = lambda w, s: torch._int_mm(q, w.t())
     return out
 
 
@@ -228,7 +263,9 @@ def tiled(fmt: str, x, rows: int, tiles: tuple | None):
     from graphkiln.kernels.fp8_linear import FEW_ROWS, fp8_gemv
     from graphkiln.kernels.fp8_mma import fp8_mma
 
-    if rows > FEW_ROWS:
+    if fmt.startswith("int8") and rows > 1:
+        return lambda w, s: fp8_mma(x, w, s, tiles=tiles, weight_to_x=fmt == "int8-w8a16")
+    if rows > FEW_ROWS and not fmt.startswith("int8"):
         return lambda w, s: quantized_mma(x, w, s, tiles)
     kernel = fp8_gemv if rows == 1 else fp8_mma
     return lambda w, s: kernel(x, w, s, tiles=tiles)
@@ -252,7 +289,8 @@ def rule_tiles(fmt: str, rows: int, n: int, k: int, device) -> tuple:
         return w4.dot_tiling(rows, n, k, sms)
     if rows == 1:
         return f.gemv_tiling(n, k, sms)
-    return mma_tiling(rows, n, k, sms, x_fp8=rows > f.FEW_ROWS, block_scales=fmt == "fp8-block")
+    quantized_first = rows > f.FEW_ROWS and fmt.startswith("fp8")
+    return mma_tiling(rows, n, k, sms, x_quantized=quantized_first, block_scales=fmt == "fp8-block")
 
 
 def sweep(fmt: str, x, rows: int, weights: list, calls: int) -> dict:
