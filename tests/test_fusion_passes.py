@@ -101,6 +101,23 @@ def test_silu_mul_epilogue_takes_the_activation_of_an_unbiased_fused_product(nam
     torch.testing.assert_close(gm(*args)[0], fn(x, w, q, s, b), rtol=1e-6, atol=1e-6)
 
 
+def test_silu_mul_epilogue_takes_an_int8_product_called_with_keywords():
+    """graphkiln::int8_linear's arguments given by name reach int8_linear_silu_mul in their places."""
+    F = torch.nn.functional
+    x, q, s = torch.randn(5, 8), torch.randint(-127, 128, (12, 8), dtype=torch.int8), torch.rand(12) / 100
+
+    def fn(x, q, s):
+        y = torch.ops.graphkiln.int8_linear(x, q, weight_scale=s, input_scale=None, quantize_input=True)
+        gate, up = y.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    gm = dynamo_graph(fn, x, q, s)
+    assert SiluMulEpilogue()(gm) == 1 and "int8_linear_silu_mul.default" in gm.code
+    feeds = {"L_x_": x, "L_q_": q, "L_s_": s}
+    args = [feeds.get(n.target, 5) for n in gm.graph.nodes if n.op == "placeholder"]
+    torch.testing.assert_close(gm(*args)[0], fn(x, q, s), rtol=1e-6, atol=1e-6)
+
+
 def test_silu_mul_epilogue_leaves_silu_mul_linear_nothing_and_disabled_leaves_it_every_layer(toy_graph):
     """On by default, it takes every layer's activation before silu_mul_linear looks for it; disabled, each
     layer's activation goes into its down projection's graphkiln::silu_mul_linear instead."""

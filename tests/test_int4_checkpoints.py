@@ -164,7 +164,9 @@ def test_unsupported_int4_schemes_are_named(llama: Checkpoint, tmp_path: Path) -
         "gemv": ({**int4_config("awq", 128, False), "version": "gemv"}, "AWQ version 'gemv'"),
         "no-zeros": ({**int4_config("awq", 128, False), "zero_point": False}, "AWQ without zero points"),
         "ct-channel": (channel, "int4 weights with strategy 'channel'"),
-        "ct-float-format": ({**ct, "format": "float-quantized"}, "int4 weights in compressed-tensors format 'float-quant"),
+        "ct-float-format": ({**ct, "format": "float-quantized"},
+                            r"int4, symmetric groups of 128, weight-only \(compressed-tensors checkpoint\) in "
+                            "compressed-tensors format 'float-quantized'"),
     }
     for name, (qc, message) in cases.items():
         with pytest.raises(UnsupportedModelError, match=message):

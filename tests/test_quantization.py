@@ -250,10 +250,11 @@ def test_unsupported_schemes_are_named_with_what_is_supported(llama: Checkpoint,
     hqq = with_quantization_config(llama.path, tmp_path / "hqq", {"quant_method": "hqq", "nbits": 4})
     with pytest.raises(UnsupportedModelError, match=r"quant_method 'hqq' is not supported; graphkiln loads compressed-tensors fp8"):
         load_model(hqq)
-    w8a8 = compressed_tensors_config("channel", "dynamic")
-    w8a8["config_groups"]["group_0"]["weights"].update(type="int")
-    with pytest.raises(UnsupportedModelError, match=r"config.json: quantization_config: weights .*type='int'"):
-        load_model(with_quantization_config(llama.path, tmp_path / "w8a8", w8a8))
+    int_fp8 = compressed_tensors_config("channel", "dynamic")
+    int_fp8["config_groups"]["group_0"]["weights"].update(type="int")
+    with pytest.raises(UnsupportedModelError, match=r"config.json: quantization_config: int8 weights with "
+                                                    r"input_activations .*type='float'"):
+        load_model(with_quantization_config(llama.path, tmp_path / "int-fp8", int_fp8))
     blocks = {**BLOCK_FP8_CONFIG, "weight_block_size": [64, 64]}
     with pytest.raises(UnsupportedModelError, match=r"weight_block_size \[64, 64\] is not supported"):
         load_model(with_quantization_config(llama.path, tmp_path / "b64", blocks))

@@ -21,6 +21,7 @@ from graphkiln.errors import UnsupportedModelError
 from graphkiln.models.loader import load_model
 from graphkiln.models.sharding import Shard
 from int4_checkpoint_helpers import write_int4_checkpoint
+from int8_checkpoint_helpers import write_int8_checkpoint
 from quant_helpers import fp8_inputs, relative_error, top1_agreement, write_fp8_checkpoint
 
 if TYPE_CHECKING:
@@ -32,7 +33,8 @@ QWEN3_WHOLE_BLOCKS = dict(hidden_size=256, intermediate_size=512, num_attention_
                           head_dim=128)
 QWEN3_SPLIT_BLOCKS = dict(hidden_size=192, intermediate_size=384, num_attention_heads=2, num_key_value_heads=2,
                           head_dim=64)
-CASES = ["int4-compressed-tensors", "int4-gptq", "int4-awq", "fp8-autofp8-static", "fp8-block"]
+CASES = ["int4-compressed-tensors", "int4-gptq", "int4-awq", "fp8-autofp8-static", "fp8-block", "int8-static",
+         "int8-packed"]
 # Block fp8 quantizes activations per 1 x 128 group as they come: the ranks' sum, in another order, moves the next
 # layer's input by an ulp of float32, which flips the fp8 rounding of the odd element near a boundary (one fp8
 # step is 1/16 of its value), so its logits agree to this share of their largest magnitude, not to float32's.
@@ -45,6 +47,9 @@ def _write(case: str, ckpt: Checkpoint, out: Path, ids: list[int]) -> None:
         write_int4_checkpoint(ckpt.path, ckpt.model, out, fmt, GROUP, symmetric=fmt == "gptq")
     elif case == "fp8-block":
         write_fp8_checkpoint(ckpt.path, ckpt.model, out, "block")
+    elif case.startswith("int8-"):
+        write_int8_checkpoint(ckpt.path, ckpt.model, out, "static" if case == "int8-static" else "none",
+                              calibration=ids)
     else:
         write_fp8_checkpoint(ckpt.path, ckpt.model, out, "autofp8", activations="static", calibration=ids)
 

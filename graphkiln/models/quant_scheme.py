@@ -2,8 +2,8 @@
 
 A scheme comes either from compile-model (`CompileConfig.quantization`: "fp8" or "int4", the
 checkpoint's bf16/fp16 weights quantized at compile time) or from the checkpoint itself
-(`quantization_config` in config.json): compressed-tensors fp8 or int4 (pack-quantized), read with
-the compressed-tensors library; block-wise fp8 as published for Qwen3; AutoFP8's and NVIDIA
+(`quantization_config` in config.json): compressed-tensors fp8, int8 (W8A8, or W8A16 pack-quantized) or
+int4 (pack-quantized), read with the compressed-tensors library; block-wise fp8 as published for Qwen3; AutoFP8's and NVIDIA
 ModelOpt's fp8; GPTQ and AWQ int4 (int4_checkpoints.py reads their tensors). Anything else is
 refused by name. A checkpoint's KV cache scales (its kv_cache_scheme) are read past: the loader
 skips them, since the cache is the model dtype or fp8 with scales of its own.
@@ -27,6 +27,8 @@ CHECKPOINT_FORMATS = (
     "compressed-tensors fp8 (float-quantized: per-tensor or per-channel weight scales, static per-tensor or "
     "dynamic per-token activations)",
     "compressed-tensors int4 (pack-quantized, weight-only, group scales, symmetric or asymmetric, any actorder)",
+    "compressed-tensors int8 (int-quantized or pack-quantized, symmetric per-channel or per-tensor weight scales; "
+    "symmetric int8 activations, dynamic per token or static per tensor (W8A8), or none (W8A16))",
     "fp8 with weight_block_size [128, 128] and dynamic activations",
     "AutoFP8's fp8 (per-tensor weight scales, static or dynamic activations)",
     "ModelOpt fp8 (quant_algo FP8 or FP8_PER_CHANNEL_PER_TOKEN)",
@@ -40,18 +42,19 @@ SIDE_FILES = {"hf_quant_config.json": ("modelopt", "quantization", "weight_scale
 INT4_GROUPS = "a power of two from 16 that divides every projection's input size"
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FP8_CT_FORMATS = ("float-quantized", "naive-quantized")
-INT4_CT_FORMAT = "pack-quantized"
+INT8_CT_FORMATS = ("int-quantized", "naive-quantized")
+PACKED_CT_FORMAT = "pack-quantized"
 
 
 @dataclass(frozen=True)
 class QuantScheme:
-    """method "fp8" or "int4"; weights "channel", "tensor", "block" or "group"; activations "dynamic",
+    """method "fp8", "int8" or "int4"; weights "channel", "tensor", "block" or "group"; activations "dynamic",
     "static" or "none" (weight-only); source "compile" or the checkpoint format ("compressed-tensors",
     "fp8" (block-wise, or AutoFP8's), "modelopt", "gptq", "gptq_v2", "awq"). An int4 checkpoint sets its `group_size`, whether it is
     `symmetric` (zero points of 8 that compressed-tensors does not store) and whether its groups are
     numbered in `act_order` (GPTQ's desc_act: a group index per input instead of runs of inputs);
     compile-model picks the group per layer (quantized_linear.int4_group_size) and quantizes
-    asymmetrically."""
+    asymmetrically. `packed`: an int8 checkpoint stores its weights as pack-quantized int32 words."""
 
     method: str
     weights: str
@@ -60,6 +63,7 @@ class QuantScheme:
     group_size: int | None = None
     symmetric: bool = False
     act_order: bool = False
+    packed: bool = False
 
     @property
     def from_checkpoint(self) -> bool:
@@ -264,7 +268,7 @@ def _compressed_tensors_scheme(qc: dict, path: Path, num_layers: int) -> QuantSc
         config = QuantizationConfig.model_validate(qc)
     except ValueError as e:
         raise UnsupportedModelError(f"{path}: quantization_config is not a valid compressed-tensors config: {e}") from e
-    if config.format not in (*FP8_CT_FORMATS, INT4_CT_FORMAT):
+    if config.format not in {*FP8_CT_FORMATS, *INT8_CT_FORMATS, PACKED_CT_FORMAT}:
         raise _unsupported(path, f"compressed-tensors format {config.format!r}")
     linear = torch.nn.Linear(1, 1, device="meta")
     schemes = set()
@@ -278,14 +282,25 @@ def _compressed_tensors_scheme(qc: dict, path: Path, num_layers: int) -> QuantSc
         if len(groups) != 1:
             raise _unsupported(path, f"{len(groups)} config_groups for {module} (graphkiln needs exactly one)")
         name, group = groups[0]
-        packed = group.weights is not None and group.weights.num_bits == 4 and _value(group.weights.type) == "int"
-        schemes.add(_int4_args(group, path, name in numbered) if packed else _fp8_args(group, path))
+        schemes.add(_group_args(group, path, name in numbered, config.format == PACKED_CT_FORMAT))
     if len(schemes) != 1:
         raise _unsupported(path, f"different schemes per projection {sorted(schemes)}")
     scheme = QuantScheme(*schemes.pop())
-    if (scheme.method == "int4") != (config.format == INT4_CT_FORMAT):
-        raise _unsupported(path, f"{scheme.method} weights in compressed-tensors format {config.format!r}")
+    formats = {"fp8": FP8_CT_FORMATS, "int8": (*INT8_CT_FORMATS, PACKED_CT_FORMAT), "int4": (PACKED_CT_FORMAT,)}
+    if config.format not in formats[scheme.method]:
+        raise _unsupported(path, f"{scheme.describe()} in compressed-tensors format {config.format!r}")
     return scheme
+
+
+def _group_args(group, path: Path, numbered: bool, packed: bool) -> tuple:
+    """QuantScheme's fields for one config group, by its weights' type and bits."""
+    w = group.weights
+    kind = (_value(w.type), w.num_bits) if w is not None else None
+    if kind == ("int", 4):
+        return _int4_args(group, path, numbered)
+    if kind == ("int", 8):
+        return _int8_args(group, path, packed)
+    return _fp8_args(group, path)
 
 
 def _value(field) -> str | None:
@@ -316,6 +331,25 @@ def _int4_args(group, path: Path, numbered: bool) -> tuple:
         raise _unsupported(path, f"int4 weights with strategy {_value(w.strategy)!r} (graphkiln takes groups)")
     group = _check_int4_group(w.group_size, path, "compressed-tensors")
     return "int4", "group", "none", "compressed-tensors", group, bool(w.symmetric), numbered
+
+
+def _int8_args(group, path: Path, packed: bool) -> tuple:
+    """QuantScheme's fields for one int8 config group: symmetric weights with channel (or tensor) scales, and
+    symmetric int8 activations per token (dynamic) or per tensor (static), or none (W8A16)."""
+    w, a = group.weights, group.input_activations
+    strategy = _value(w.strategy)
+    if not w.symmetric or strategy not in ("channel", "tensor"):
+        raise _unsupported(path, f"int8 weights {w!r} (graphkiln takes symmetric ones with per-channel or "
+                                 "per-tensor scales)")
+    if a is None:
+        return "int8", strategy, "none", "compressed-tensors", None, True, False, packed
+    if a.num_bits != 8 or _value(a.type) != "int" or not a.symmetric:
+        raise _unsupported(path, f"int8 weights with input_activations {a!r} (graphkiln takes symmetric int8 ones)")
+    if a.dynamic is True and _value(a.strategy) == "token":
+        return "int8", strategy, "dynamic", "compressed-tensors", None, True, False, packed
+    if a.dynamic is False and _value(a.strategy) == "tensor":
+        return "int8", strategy, "static", "compressed-tensors", None, True, False, packed
+    raise _unsupported(path, f"int8 input_activations strategy {_value(a.strategy)!r} with dynamic={a.dynamic!r}")
 
 
 def _fp8_args(group, path: Path) -> tuple:

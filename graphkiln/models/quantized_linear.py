@@ -11,6 +11,8 @@ scales) at run time, or with one static scale when `input_scale` [1] is given.
 nibble first; the optional tinygemm tensors hold the same weight in the layout of torch's own int4 kernel
 (`tinygemm_layout`), which the CUDA path takes at a few rows.
 
+The int8 ops and layer (W8A8, W8A16) are int8_linear.py's.
+
 On CUDA the ops call the Triton kernels of `graphkiln.kernels`; elsewhere they dequantize to
 float32 and multiply, quantizing the activations as the CUDA path does above FEW_ROWS rows
 (kernels/fp8_linear.py) at every row count. Up to FEW_ROWS rows the CUDA kernel quantizes them per
@@ -238,12 +240,13 @@ class Fp8Linear(QuantizedLinear):
     static activation scale (`input_scale` [1]), else activations are quantized per token as they come."""
 
     scale_name = "weight_scale"
+    weight_dtype = FP8
 
     def __init__(
         self, in_features: int, parts: tuple[int, ...], bias: bool, dtype: torch.dtype, static_input: bool = False
     ) -> None:
         super().__init__(in_features, parts, bias, dtype)
-        self.weight = _frozen((self.out_features, in_features), FP8)
+        self.weight = _frozen((self.out_features, in_features), self.weight_dtype)
         setattr(self, self.scale_name, _frozen(self.scale_shape(), torch.float32))
         self.input_scale = _frozen(1, torch.float32) if static_input else None
 

@@ -5,7 +5,7 @@ A rank holds some output rows of q/k/v and gate/up, and some input columns of o 
 lays a projection's tensors out its own way, so the same rows or columns are another slice of each:
 SLICES says, per format and tensor kind, along which dimension of the stored tensor a rank's output
 rows and input columns run, and how many outputs or inputs one index there stands for (a packed
-word's 8, a group's G, a block's 128). A rank reads only its slice of a tensor that is split, and the
+word's 8 int4 or 4 int8 values, a group's G, a block's 128). A rank reads only its slice of a tensor that is split, and the
 format's reader (quantized_layers.fill_quantized) then fills it into the rank's module as it would
 a whole one. A tensor without an entry for the rank's direction (a per-tensor scale, a channel scale
 of a row-parallel projection, group indices) is read whole by every rank.
@@ -17,6 +17,7 @@ import math
 
 from graphkiln.errors import UnsupportedModelError
 
+from .int8_linear import Int8Linear
 from .quantized_linear import BLOCK, Int4Linear, QuantizedLinear
 from .sharding import Part
 
@@ -30,6 +31,7 @@ FP8 = {
 }
 SLICES: dict[str, dict[str, tuple[Spec, Spec]]] = {  # format -> kind -> (output rows, input columns)
     "fp8": FP8,
+    "int8": {**FP8, "weight_packed": ((0, 1), (1, 4)), "weight_shape": (None, None)},
     "compressed-tensors": {
         "weight_packed": ((0, 1), (1, 8)),
         "weight_scale": ((0, 1), (1, GROUP)),
@@ -52,7 +54,7 @@ def quantized_slice(module: QuantizedLinear, kind: str, shape: tuple[int, ...], 
     None: the whole tensor."""
     if part is None:
         return None
-    fmt = module.source if isinstance(module, Int4Linear) else "fp8"
+    fmt = module.source if isinstance(module, Int4Linear) else "int8" if isinstance(module, Int8Linear) else "fp8"
     kinds = SLICES[fmt]
     if kind == "bias":
         spec = BIAS[part[0]]

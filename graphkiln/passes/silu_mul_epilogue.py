@@ -1,9 +1,9 @@
 """silu_mul_epilogue: the MLP's `silu(gate) * up` of one fused gate/up product becomes that product's epilogue.
 
 A Dynamo-graph pass, on by default. It matches `silu(a) * b` where a and b are the two halves of one
-`chunk(2, dim=-1)` of `linear(x, w)` (no bias) or `graphkiln::fp8_linear(x, w, scale, input_scale)`, the chunk
-the product's only user, and calls graphkiln::linear_silu_mul or graphkiln::fp8_linear_silu_mul on the
-product's arguments instead. At one row on CUDA their GEMV takes a gate row and its up row in each program and
+`chunk(2, dim=-1)` of `linear(x, w)` (no bias), `graphkiln::fp8_linear` or `graphkiln::int8_linear`, the chunk
+the product's only user, and calls graphkiln::linear_silu_mul, fp8_linear_silu_mul or int8_linear_silu_mul
+on the product's arguments instead. At one row on CUDA their GEMV takes a gate row and its up row in each program and
 applies the activation to its own outputs, so the step loses the SiLU-and-mul launch of every layer without
 computing a sigmoid more than once per output (computing it in the down projection's GEMV, as silu_mul_linear
 does, makes every program compute it over all of K, which the fp8 GEMV measured slower for); at more rows the
@@ -15,22 +15,31 @@ from __future__ import annotations
 
 import torch
 
+from graphkiln.models.int8_linear import int8_linear, int8_linear_silu_mul
 from graphkiln.models.linear import linear_silu_mul
 from graphkiln.models.quantized_linear import fp8_linear, fp8_linear_silu_mul
 
 from .base import GraphPass
 from .silu_mul_linear import LINEARS, gated_input, replace
 
-FP8_LINEARS = (fp8_linear, fp8_linear.default)
+ACTIVATED = {op: activated.default for product, activated in ((fp8_linear, fp8_linear_silu_mul),
+                                                                (int8_linear, int8_linear_silu_mul))
+             for op in (product, product.default)}  # a quantized product -> the same with its activation
+
+
+def _arguments(node: torch.fx.Node) -> tuple:
+    """A custom op call's arguments in schema order, however they were passed."""
+    op = node.target.default if isinstance(node.target, torch._ops.OpOverloadPacket) else node.target
+    given = node.args
+    return (*given, *(node.kwargs.get(a.name, a.default_value) for a in op._schema.arguments[len(given):]))
 
 
 def _activated_call(product: torch.fx.Node) -> tuple | None:
     """(op, args) computing silu(gate) * up of `product`'s halves, when `product` is a product this pass takes."""
     if product.op != "call_function" or len(product.users) != 1:
         return None
-    if product.target in FP8_LINEARS:
-        x, weight, scale, *rest = product.args
-        return fp8_linear_silu_mul.default, (x, weight, scale, rest[0] if rest else product.kwargs.get("input_scale"))
+    if product.target in ACTIVATED:
+        return ACTIVATED[product.target], _arguments(product)
     if product.target in LINEARS:
         x, weight, *rest = product.args
         if (rest[0] if rest else product.kwargs.get("bias")) is None:

@@ -16,6 +16,7 @@ from graphkiln import CompileConfig, LLM, SamplingParams
 from graphkiln.models.quantized_linear import dequantize_int4, fp8_linear, int4_linear, quantize_fp8, quantize_int4
 from greedy_helpers import assert_greedy_agrees
 from int4_checkpoint_helpers import write_int4_checkpoint
+from int8_checkpoint_helpers import write_int8_checkpoint
 from quant_helpers import write_fp8_checkpoint
 
 FP8 = torch.float8_e4m3fn
@@ -176,17 +177,18 @@ def test_tiny_compiled_with_quantization_loads_fresh_with_zero_compiles(scheme, 
 
 
 PREQUANTIZED = ["compressed-tensors", "block", "autofp8", "int4-compressed-tensors", "int4-gptq", "int4-awq",
-                "int4-gptq-act-order"]
+                "int4-gptq-act-order", "int8-dynamic", "int8-static", "int8-none"]
 
 
 @pytest.mark.parametrize("layout", PREQUANTIZED)
 def test_prequantized_checkpoint_compiles_and_loads_fresh_with_zero_compiles(layout, tmp_path):
-    """fp8 checkpoints (compressed-tensors, Qwen3's blocks, AutoFP8's per-tensor scales) and int4 ones (llm-compressor's symmetric W4A16, GPTQ,
-    AWQ, act-order GPTQ, whose inputs the graphs gather; groups of 128, so tinygemm takes one to four rows) against
-    the CPU float32 engine of the same checkpoint."""
+    """fp8 checkpoints (compressed-tensors, Qwen3's blocks, AutoFP8's per-tensor scales), int4 ones (llm-compressor's
+    symmetric W4A16, GPTQ, AWQ, act-order GPTQ, whose inputs the graphs gather; groups of 128, so tinygemm takes one
+    to four rows) and llm-compressor's int8 ones (W8A8 with dynamic or static activation scales, W8A16 packed)
+    against the CPU float32 engine of the same checkpoint."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    if layout.endswith("compressed-tensors"):
+    if layout.endswith("compressed-tensors") or layout.startswith("int8-"):
         pytest.importorskip("compressed_tensors", reason="pip install 'graphkiln[quant]' (tests/gpu/carry_wheels.sh)")
     shape = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=128, vocab_size=1024, max_position_embeddings=1024)  # fmt: skip
@@ -195,7 +197,11 @@ def test_prequantized_checkpoint_compiles_and_loads_fresh_with_zero_compiles(lay
     model = model_cls(config_cls(**shape)).eval()
     model.save_pretrained(tmp_path / "source")
     checkpoint = tmp_path / "quantized"
-    if layout.startswith("int4-"):
+    if layout.startswith("int8-"):
+        calibration = torch.randint(0, 1024, (64,), generator=torch.Generator().manual_seed(3)).tolist()
+        write_int8_checkpoint(tmp_path / "source", model, checkpoint, layout.removeprefix("int8-"),
+                              calibration=calibration)
+    elif layout.startswith("int4-"):
         fmt = layout.removeprefix("int4-").removesuffix("-act-order")
         write_int4_checkpoint(tmp_path / "source", model, checkpoint, fmt, 128, symmetric=fmt != "awq",
                               act_order=layout.endswith("act-order"))
@@ -204,8 +210,8 @@ def test_prequantized_checkpoint_compiles_and_loads_fresh_with_zero_compiles(lay
     out = tmp_path / "art"
     graphkiln.compile_model(checkpoint, out, CompileConfig(device="cuda", dtype="bfloat16"))
     reference = LLM.eager(checkpoint, kv_cache_tokens=8192)  # CPU, float32: the ops' reference bodies
-    result = _check_engine(out, reference, layout.replace("-", "_") if layout.startswith("int4") else f"{layout}_fp8",
-                           0.1)
+    name = layout.replace("-", "_") if layout.startswith(("int4", "int8")) else f"{layout}_fp8"
+    result = _check_engine(out, reference, name, 0.1)
     if layout.startswith("int4-"):
         assert result["tinygemm"] == [True] * 8
 

@@ -1,0 +1,172 @@
+"""Pre-quantized int8 checkpoints (compressed-tensors int-quantized W8A8, pack-quantized W8A16) against the float32
+model of their dequantized weights and, for W8A16, transformers reading the same files; what graphkiln does not
+read of int8, refused by name (on two tensor-parallel ranks: test_tensor_parallel_quantized.py)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import LlamaForCausalLM
+
+import graphkiln
+from artifact_helpers import ENGINE, SMALL_ENGINE
+from graphkiln import cli
+from graphkiln.compiler.artifacts import QUANTIZED_FILE
+from graphkiln.errors import UnsupportedModelError, WeightMismatchError
+from graphkiln.models.int8_linear import Int8Linear
+from graphkiln.models.loader import load_model
+from int8_checkpoint_helpers import int8_config, write_int8_checkpoint
+from quant_helpers import relative_error, top1_agreement, with_quantization_config
+
+if TYPE_CHECKING:
+    from conftest import Checkpoint
+
+CASES = [("dynamic", "channel"), ("static", "channel"), ("dynamic", "tensor"), ("none", "channel")]
+DESCRIBED = {"dynamic": "dynamic per-token int8 activations", "static": "static per-tensor int8 activations",
+             "none": "weight-only"}
+
+
+@pytest.fixture(scope="module")
+def int8_checkpoints(llama: Checkpoint, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """(activations, weights) -> (checkpoint directory, float32 transformers model of its dequantized weights whose
+    projections round their inputs as graphkiln does)."""
+    root = tmp_path_factory.mktemp("int8")
+    calibration = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(7)).tolist()
+    return {(a, w): (root / f"{a}-{w}", write_int8_checkpoint(llama.path, llama.model, root / f"{a}-{w}", a, w,
+                                                              calibration)) for a, w in CASES}
+
+
+def _reference_logits(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0]
+
+
+@pytest.mark.parametrize("activations,weights", CASES, ids=[f"{a}-{w}" for a, w in CASES])
+def test_int8_checkpoint_matches_its_dequantized_reference(
+    int8_checkpoints: dict, llama: Checkpoint, random_ids: Callable[..., list[int]], activations: str, weights: str
+) -> None:
+    """W8A8 rounds each projection's input to int8 (per token, or by the static scale of q, k and v, or gate and up,
+    combined); W8A16 (pack-quantized words) keeps it."""
+    path, reference = int8_checkpoints[(activations, weights)]
+    qkv = load_model(path).model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, Int8Linear) and qkv.weight.dtype == torch.int8 and qkv.packed == (activations == "none")
+    assert qkv.describe() == f"int8, symmetric, per-channel weight scales, {DESCRIBED[activations]}"
+    ids = random_ids(48)
+    ours = graphkiln.LLM.eager(path, **ENGINE).score(ids)
+    ref = _reference_logits(reference, ids)
+    assert relative_error(ours, ref) < 1e-4 and top1_agreement(ours, ref) == 1.0
+    assert relative_error(llama.reference_logits(ids), ref) > 1e-3  # the bound above tells int8 from the original
+
+
+def test_w8a16_checkpoint_matches_transformers_reading_it(
+    int8_checkpoints: dict, random_ids: Callable[..., list[int]]
+) -> None:
+    """transformers reads the same pack-quantized files through compressed-tensors (decompressed to float32)."""
+    path, _ = int8_checkpoints[("none", "channel")]
+    ids = random_ids(48)
+    theirs = _reference_logits(LlamaForCausalLM.from_pretrained(path).eval(), ids)
+    assert relative_error(graphkiln.LLM.eager(path, **ENGINE).score(ids), theirs) < 1e-4
+
+
+def _rewrite(source: Path, dest: Path, change: Callable[[dict[str, torch.Tensor]], None]) -> Path:
+    """A copy of the checkpoint `source` whose tensors `change` edited in place."""
+    dest.mkdir()
+    (dest / "config.json").write_text((source / "config.json").read_text())
+    with safe_open(str(source / "model.safetensors"), "pt") as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    change(tensors)
+    save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    return dest
+
+
+def test_symmetric_zero_points_are_read_past_and_others_refused(
+    int8_checkpoints: dict, random_ids: Callable[..., list[int]], tmp_path: Path
+) -> None:
+    """Older compressed-tensors versions stored zero points for symmetric int8 too: all zero, they change nothing."""
+    path, _ = int8_checkpoints[("static", "channel")]
+    prefix = "model.layers.1.mlp.down_proj"
+
+    def zeros(t, value=0):
+        t[f"{prefix}.weight_zero_point"] = torch.full((t[f"{prefix}.weight"].shape[0], 1), value, dtype=torch.int8)
+        t[f"{prefix}.input_zero_point"] = torch.zeros(1, dtype=torch.int8)
+
+    ids = random_ids(48)
+    with_zeros = graphkiln.LLM.eager(_rewrite(path, tmp_path / "zeros", zeros), **ENGINE).score(ids)
+    assert torch.equal(with_zeros, graphkiln.LLM.eager(path, **ENGINE).score(ids))
+    with pytest.raises(UnsupportedModelError, match=rf"tensor '{prefix}.weight_zero_point': non-zero weight_zero_point "
+                                                    r"\(asymmetric int8\)"):
+        load_model(_rewrite(path, tmp_path / "ones", lambda t: zeros(t, 1)))
+
+
+def test_damaged_int8_tensors_are_named(int8_checkpoints: dict, tmp_path: Path) -> None:
+    dynamic, _ = int8_checkpoints[("dynamic", "channel")]
+    packed, _ = int8_checkpoints[("none", "channel")]
+    prefix = "model.layers.0.mlp.up_proj"
+    with pytest.raises(WeightMismatchError, match=rf"'{prefix}.weight': dtype torch.float32, the checkpoint's "
+                                                  r"quantization_config needs torch.int8"):
+        load_model(_rewrite(dynamic, tmp_path / "float", lambda t: t.update({f"{prefix}.weight": t[f"{prefix}.weight"].float()})))
+    with pytest.raises(WeightMismatchError, match=rf"'{prefix}.weight_packed': shape \(128, 8\) but config.json and "
+                                                  r"quantization_config imply \(128, 16\)"):
+        load_model(_rewrite(packed, tmp_path / "short", lambda t: t.update({
+            f"{prefix}.weight_packed": t[f"{prefix}.weight_packed"][:, :8].contiguous()})))
+    with pytest.raises(WeightMismatchError, match=r"weight_shape \[128, 60\] but config.json implies \[128, 64\]"):
+        load_model(_rewrite(packed, tmp_path / "shape", lambda t: t.update({f"{prefix}.weight_shape": torch.tensor([128, 60])})))
+    with pytest.raises(WeightMismatchError, match=rf"checkpoint lacks tensors for \['{prefix}.weight_shape'\]"):
+        load_model(_rewrite(packed, tmp_path / "no-shape", lambda t: t.pop(f"{prefix}.weight_shape")))
+
+
+def test_unsupported_int8_schemes_are_named(llama: Checkpoint, tmp_path: Path) -> None:
+    def changed(activations: str, weights: dict | None = None, inputs: dict | None = None) -> dict:
+        qc = int8_config(activations)
+        group = qc["config_groups"]["group_0"]
+        group["weights"].update(weights or {})
+        if inputs:
+            group["input_activations"].update(inputs)
+        return qc
+
+    cases = {
+        "asymmetric": (changed("dynamic", {"symmetric": False}), r"int8 weights .*symmetric=False"),
+        "groups": (changed("none", {"strategy": "group", "group_size": 128}), r"int8 weights .*strategy='group'"),
+        "asymmetric-inputs": (changed("static", inputs={"symmetric": False}), r"input_activations .*symmetric=False"),
+        "dynamic-per-tensor": (changed("static", inputs={"dynamic": True, "observer": None}),
+                               r"int8 input_activations strategy 'tensor' with dynamic=True"),
+        "float-format": ({**int8_config("dynamic"), "format": "float-quantized"},
+                         r"int8, channel weight scales, dynamic activations \(compressed-tensors checkpoint\) in "
+                         "compressed-tensors format 'float-quantized'"),
+    }
+    for name, (qc, message) in cases.items():
+        with pytest.raises(UnsupportedModelError, match=message):
+            load_model(with_quantization_config(llama.path, tmp_path / name, qc))
+
+
+@pytest.mark.slow
+def test_int8_checkpoint_compiles_into_an_artifact_that_reads_it_as_it_is(
+    int8_checkpoints: dict, random_ids: Callable[..., list[int]], tmp_path: Path
+) -> None:
+    """The compiled graphs call the int8 products (the gate and up one with its activation); no copy of the weights
+    in the artifact."""
+    path, _ = int8_checkpoints[("none", "channel")]
+    ids = random_ids(48)
+    manifest, _ = graphkiln.compile_model(path, tmp_path / "art", engine=SMALL_ENGINE)
+    quant = manifest["model"]["quantization"]
+    assert quant["description"] == "int8, channel weight scales, weight-only (compressed-tensors checkpoint)"
+    assert quant["file"] is None and QUANTIZED_FILE not in manifest["files"]
+    assert quant["layers"]["model.layers.1.mlp.gate_up_proj"] == "int8, symmetric, per-channel weight scales, weight-only"
+    compiled = graphkiln.load(tmp_path / "art", **ENGINE).score(ids)
+    assert relative_error(compiled, graphkiln.LLM.eager(path, **ENGINE).score(ids)) < 1e-4
+
+
+def test_inspect_shows_int8_layers(int8_checkpoints: dict, capsys: pytest.CaptureFixture[str]) -> None:
+    path, _ = int8_checkpoints[("dynamic", "channel")]
+    assert cli.main(["inspect", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "quantization  int8, channel weight scales, dynamic activations (compressed-tensors checkpoint)" in text
+    assert re.search(r"layers 0-1 self_attn.qkv_proj +int8, symmetric, per-channel weight scales, dynamic per-token "
+                     "int8 activations", text)
