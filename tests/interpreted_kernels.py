@@ -161,7 +161,8 @@ def run_prefill(dtype: torch.dtype, hq: int, hkv: int, d: int, lens: list[tuple[
 
 
 def run_product(kind: str, rows: int, n: int, k: int, seed: int = 0) -> dict:
-    """fp8_linear ("fp8-channel", "fp8-block"), int8_linear ("w8a8", "w8a8-static", "w8a16"), int4_linear ("int4",
+    """fp8_linear ("fp8-channel", "fp8-block"), int8_linear ("w8a8", "w8a8-static", "w8a16", "w8a16-groups": scales
+    per 128 inputs), int4_linear ("int4",
     groups of 128) or the int4 dp4a GEMV ("int4-dp4a", "-g32": groups of 32) of `rows` float16 rows, as
     they dispatch that many, on the GPU tests' weights (gpu/kernel_weights.py), against float32 products of the
     dequantized weight and of x as the kernels round it (models/quantized_linear.py): unquantized at one row, per
@@ -181,7 +182,7 @@ def run_product(kind: str, rows: int, n: int, k: int, seed: int = 0) -> dict:
             got = int4_linear(x, qweight, scales, zeros, group)
         want = x.float() @ reference.t()
     elif kind.startswith("w8"):
-        weight, scale, reference = int8_weight(n, k, "cpu")
+        weight, scale, reference = int8_weight(n, k, "cpu", groups=kind.endswith("groups"))
         static = torch.tensor([x.float().abs().max().item() / 127]) if "static" in kind else None
         got = int8_linear(x, weight, scale, static, quantize_input=kind.startswith("w8a8"), activated=activated)
         want = _int8_rounded(x, rows, static) if kind.startswith("w8a8") else x.float()
@@ -255,6 +256,7 @@ PRODUCT_CASES = {  # name: (kind, rows, N, K); the rows pick each path fp8_linea
        for rows in (1, 8)},
     "half-activated-1-row": ("half-activated", 1, 200, 384),
     **{f"{kind}-{rows}-rows": (kind, rows, 200, 384) for kind in ("w8a8", "w8a16") for rows in (1, 8, 24, 80)},
+    **{f"w8a16-groups-{rows}-rows": ("w8a16-groups", rows, 200, 320) for rows in (1, 8, 80)},  # a partial group
     "w8a8-static-80-rows": ("w8a8-static", 80, 200, 384),
     "w8a8-activated-8-rows": ("w8a8-activated", 8, 200, 384),
     "w8a8-80-rows-k-not-8": ("w8a8", 80, 200, 388),  # no torch._int_mm: fp8_mma on the int8 rows

@@ -1,6 +1,7 @@
-"""Pre-quantized int8 checkpoints (compressed-tensors int-quantized W8A8, pack-quantized W8A16) against the float32
-model of their dequantized weights and, for W8A16, transformers reading the same files; what graphkiln does not
-read of int8, refused by name (on two tensor-parallel ranks: test_tensor_parallel_quantized.py)."""
+"""Pre-quantized int8 checkpoints (compressed-tensors int-quantized W8A8, pack-quantized W8A16 per channel or in
+groups of 128, 8-bit GPTQ) against the float32 model of their dequantized weights and, for W8A16, transformers
+reading the same files; what graphkiln does not read of int8, refused by name (on two tensor-parallel ranks:
+test_tensor_parallel_quantized.py)."""
 
 from __future__ import annotations
 
@@ -26,9 +27,11 @@ from int8_checkpoint_helpers import int8_config, write_int8_checkpoint
 from quant_helpers import relative_error, top1_agreement, with_quantization_config
 
 if TYPE_CHECKING:
-    from conftest import Checkpoint
+    from conftest import Checkpoint, CheckpointFactory
 
 CASES = [("dynamic", "channel"), ("static", "channel"), ("dynamic", "tensor"), ("none", "channel")]
+GROUPED = [("none", "group"), ("gptq", "group"), ("gptq_v2", "channel")]
+WIDE = dict(hidden_size=256, intermediate_size=512, head_dim=64)  # inputs of 256 and 512: whole groups of 128
 DESCRIBED = {"dynamic": "dynamic per-token int8 activations", "static": "static per-tensor int8 activations",
              "none": "weight-only"}
 
@@ -63,6 +66,24 @@ def test_int8_checkpoint_matches_its_dequantized_reference(
     ref = _reference_logits(reference, ids)
     assert relative_error(ours, ref) < 1e-4 and top1_agreement(ours, ref) == 1.0
     assert relative_error(llama.reference_logits(ids), ref) > 1e-3  # the bound above tells int8 from the original
+
+
+@pytest.mark.parametrize("fmt,weights", GROUPED, ids=[f"{f}-{w}" for f, w in GROUPED])
+def test_grouped_and_gptq_int8_checkpoints_match_their_dequantized_reference(
+    hf_checkpoint: CheckpointFactory, random_ids: Callable[..., list[int]], tmp_path: Path, fmt: str, weights: str
+) -> None:
+    """Weight-only int8 with a scale per 128 inputs (compressed-tensors' group strategy, GPTQ's group_size 128) or
+    per channel (GPTQ's group_size -1); GPTQ's zero points of 128, stored minus one in checkpoint_format gptq."""
+    ckpt = hf_checkpoint("llama", **WIDE)
+    reference = write_int8_checkpoint(ckpt.path, ckpt.model, tmp_path / fmt, fmt, weights)
+    down = load_model(tmp_path / fmt).model.layers[1].mlp.down_proj
+    scales = "groups of 128" if weights == "group" else "per-channel weight scales"
+    assert down.describe() == f"int8, symmetric, {scales}, weight-only" and down.source == fmt.replace("none", "compressed-tensors")
+    ids = random_ids(48)
+    ours = graphkiln.LLM.eager(tmp_path / fmt, **ENGINE).score(ids)
+    ref = _reference_logits(reference, ids)
+    assert relative_error(ours, ref) < 1e-4 and top1_agreement(ours, ref) == 1.0
+    assert relative_error(ckpt.reference_logits(ids), ref) > 1e-3
 
 
 def test_w8a16_checkpoint_matches_transformers_reading_it(
@@ -122,6 +143,21 @@ def test_damaged_int8_tensors_are_named(int8_checkpoints: dict, tmp_path: Path) 
         load_model(_rewrite(packed, tmp_path / "no-shape", lambda t: t.pop(f"{prefix}.weight_shape")))
 
 
+def test_gptq_int8_zero_points_and_group_indices_are_checked(
+    hf_checkpoint: CheckpointFactory, tmp_path: Path
+) -> None:
+    """Zero points other than 128 are asymmetric int8; group indices other than runs of 128 are act-order."""
+    ckpt = hf_checkpoint("llama", **WIDE)
+    write_int8_checkpoint(ckpt.path, ckpt.model, tmp_path / "gptq", "gptq", "group")
+    prefix = "model.layers.0.self_attn.o_proj"
+    with pytest.raises(UnsupportedModelError, match=rf"'{prefix}.qzeros': zero points other than 128 \(asymmetric"):
+        load_model(_rewrite(tmp_path / "gptq", tmp_path / "zeros", lambda t: t[f"{prefix}.qzeros"].add_(1)))
+    with pytest.raises(UnsupportedModelError, match=rf"'{prefix}.g_idx': group indices that are not runs of 128 "
+                                                    r"inputs \(act-order int8\)"):
+        load_model(_rewrite(tmp_path / "gptq", tmp_path / "g_idx", lambda t: t.update({
+            f"{prefix}.g_idx": t[f"{prefix}.g_idx"].flip(0)})))
+
+
 def test_unsupported_int8_schemes_are_named(llama: Checkpoint, tmp_path: Path) -> None:
     def changed(activations: str, weights: dict | None = None, inputs: dict | None = None) -> dict:
         qc = int8_config(activations)
@@ -133,7 +169,11 @@ def test_unsupported_int8_schemes_are_named(llama: Checkpoint, tmp_path: Path) -
 
     cases = {
         "asymmetric": (changed("dynamic", {"symmetric": False}), r"int8 weights .*symmetric=False"),
-        "groups": (changed("none", {"strategy": "group", "group_size": 128}), r"int8 weights .*strategy='group'"),
+        "groups-of-64": (changed("none", {"strategy": "group", "group_size": 64}), r"int8 weights .*group_size=64"),
+        "w8a8-groups": (changed("dynamic", {"strategy": "group", "group_size": 128}), r"int8 weights .*strategy='group'"),
+        "gptq-asymmetric": ({**int8_config("gptq", "group"), "sym": False}, "asymmetric 8-bit GPTQ"),
+        "gptq-act-order": ({**int8_config("gptq", "group"), "desc_act": True}, r"8-bit GPTQ with desc_act"),
+        "gptq-groups-of-32": ({**int8_config("gptq", "group"), "group_size": 32}, "8-bit GPTQ group_size 32"),
         "asymmetric-inputs": (changed("static", inputs={"symmetric": False}), r"input_activations .*symmetric=False"),
         "dynamic-per-tensor": (changed("static", inputs={"dynamic": True, "observer": None}),
                                r"int8 input_activations strategy 'tensor' with dynamic=True"),

@@ -34,7 +34,8 @@ QWEN3_WHOLE_BLOCKS = dict(hidden_size=256, intermediate_size=512, num_attention_
 QWEN3_SPLIT_BLOCKS = dict(hidden_size=192, intermediate_size=384, num_attention_heads=2, num_key_value_heads=2,
                           head_dim=64)
 CASES = ["int4-compressed-tensors", "int4-gptq", "int4-awq", "fp8-autofp8-static", "fp8-block", "int8-static",
-         "int8-packed"]
+         "int8-packed", "int8-gptq"]
+WHOLE_BLOCKS = ("fp8-block", "int8-gptq")  # on QWEN3_WHOLE_BLOCKS: each rank's share holds whole 128-wide tiles
 # Block fp8 quantizes activations per 1 x 128 group as they come: the ranks' sum, in another order, moves the next
 # layer's input by an ulp of float32, which flips the fp8 rounding of the odd element near a boundary (one fp8
 # step is 1/16 of its value), so its logits agree to this share of their largest magnitude, not to float32's.
@@ -47,6 +48,8 @@ def _write(case: str, ckpt: Checkpoint, out: Path, ids: list[int]) -> None:
         write_int4_checkpoint(ckpt.path, ckpt.model, out, fmt, GROUP, symmetric=fmt == "gptq")
     elif case == "fp8-block":
         write_fp8_checkpoint(ckpt.path, ckpt.model, out, "block")
+    elif case == "int8-gptq":
+        write_int8_checkpoint(ckpt.path, ckpt.model, out, "gptq", "group")
     elif case.startswith("int8-"):
         write_int8_checkpoint(ckpt.path, ckpt.model, out, "static" if case == "int8-static" else "none",
                               calibration=ids)
@@ -69,7 +72,7 @@ def test_quantized_checkpoint_on_two_ranks_scores_as_one(
     """Weights split exactly and activations quantized alike (none, a static scale, or 1 x 128 groups, which a
     rank's share holds whole): the ranks' sum is the single rank's product up to the order of the sum (and, for
     block fp8, the roundings that order flips: FLIPPED_ROUNDINGS)."""
-    ckpt = hf_checkpoint("qwen3", **QWEN3_WHOLE_BLOCKS) if case == "fp8-block" else llama
+    ckpt = hf_checkpoint("qwen3", **QWEN3_WHOLE_BLOCKS) if case in WHOLE_BLOCKS else llama
     ids = random_ids(40)
     _write(case, ckpt, tmp_path / case, ids)
     with graphkiln.LLM.eager(tmp_path / case, **ENGINE) as llm:

@@ -1,7 +1,8 @@
 """fp8 weight products: y [M, N] = x [M, K] @ (weight [N, K] float8_e4m3fn, dequantized by its scales)^T.
 
 Weight scales are per output channel ([N]) or per 128 x 128 block ([ceil(N/128), ceil(K/128)]); the
-dequantized weight is the fp8 value times its scale.
+dequantized weight is the fp8 value times its scale. The GEMV and `dequantize` also take an int8 weight, and
+2-D scales per SCALE_ROWS x 128 tile of it (`scale_rows`: 128 for blocks, 1 for int8's groups of 128 inputs).
 
 Few rows (decode): the product is a pass over the weight, and the bytes read are half of bf16's.
 One row: the GEMV layout of gemv.py (a slab of weight rows per program over a range of K), the
@@ -45,15 +46,15 @@ GEMV_RESIDENT = 2  # programs per multiprocessor below which the one-row kernel 
 
 @triton.jit
 def _gemv_step(acc, w, k, ks, k_mask, cols, col_mask, x_ptr, s_ptr, K, stride_sn, BLOCK_N: tl.constexpr,
-               CHUNKS: tl.constexpr, SUB: tl.constexpr, BLOCK_SCALES: tl.constexpr):
-    """acc + this K step's products summed over each SUB-wide chunk (inside one scale block), times that
-    block's scale for block scales (per-channel scales multiply at the end). The accumulator is one column
+               CHUNKS: tl.constexpr, SUB: tl.constexpr, BLOCK_SCALES: tl.constexpr, SCALE_ROWS: tl.constexpr):
+    """acc + this K step's products summed over each SUB-wide chunk (inside one scale tile), times that
+    tile's scale for 2-D scales (per-channel scales multiply at the end). The accumulator is one column
     per chunk rather than one per input: fewer registers, so more loads in flight."""
     x = tl.load(x_ptr + k + ks, mask=k_mask, other=0.0).to(tl.float32)
     sums = tl.sum(tl.reshape(w.to(tl.float32) * x[None, :], (BLOCK_N, CHUNKS, SUB)), axis=2)
     if BLOCK_SCALES:
         chunk_k = k + tl.arange(0, CHUNKS) * SUB
-        s = tl.load(s_ptr + (cols // 128)[:, None] * stride_sn + (chunk_k // 128)[None, :],
+        s = tl.load(s_ptr + (cols // SCALE_ROWS)[:, None] * stride_sn + (chunk_k // 128)[None, :],
                     mask=col_mask[:, None] & (chunk_k < K)[None, :], other=0.0)
         sums = sums * s
     return acc + sums
@@ -62,7 +63,8 @@ def _gemv_step(acc, w, k, ks, k_mask, cols, col_mask, x_ptr, s_ptr, K, stride_sn
 @triton.jit(do_not_specialize=["STEPS"])  # a loop bound: one build for every split
 def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, STEPS, stride_wn, stride_sn, stride_os,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr, EVEN_K: tl.constexpr,
-                     BLOCK_SCALES: tl.constexpr, ACTIVATED: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+                     BLOCK_SCALES: tl.constexpr, SCALE_ROWS: tl.constexpr, ACTIVATED: tl.constexpr,
+                     STAGES: tl.constexpr, PDL: tl.constexpr):
     """out[split, 0, N] for one row x[0, K]: one program per slab of BLOCK_N weight rows and split of K (STEPS
     steps of BLOCK_K); the accumulator has one column per SUB-wide chunk of a step. ACTIVATED (one split):
     out[0, N / 2] = silu(gate) * up of the product's halves (gemv.paired_rows, gemv.store_activated)."""
@@ -84,13 +86,13 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, STEPS, stride_wn, strid
     if PDL:  # x is: wait for the previous kernel to finish and its writes to land
         gdc_wait()
     acc = _gemv_step(acc, w, k_start, ks, k_mask, cols, col_mask, x_ptr, s_ptr, K, stride_sn, BLOCK_N,
-                     BLOCK_K // SUB, SUB, BLOCK_SCALES)
+                     BLOCK_K // SUB, SUB, BLOCK_SCALES, SCALE_ROWS)
     for step in tl.range(1, STEPS, num_stages=STAGES):  # the loop attribute pipelines loads without a dot
         k = k_start + step * BLOCK_K
         k_mask = _k_mask(ks, k, K, EVEN_K)
         w = tl.load(w_ptrs + k, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
         acc = _gemv_step(acc, w, k, ks, k_mask, cols, col_mask, x_ptr, s_ptr, K, stride_sn, BLOCK_N,
-                         BLOCK_K // SUB, SUB, BLOCK_SCALES)
+                         BLOCK_K // SUB, SUB, BLOCK_SCALES, SCALE_ROWS)
     y = tl.sum(acc, axis=1)
     if not BLOCK_SCALES:
         y = y * tl.load(s_ptr + cols, mask=col_mask, other=0.0)
@@ -123,14 +125,14 @@ def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride
 
 @triton.jit
 def _dequantize_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, BLOCK_SCALES: tl.constexpr):
-    """out[N, K] = weight times its 128 x 128 block's scale (BLOCK_SCALES) or its row's, in out's dtype."""
+                       BLOCK_K: tl.constexpr, BLOCK_SCALES: tl.constexpr, SCALE_ROWS: tl.constexpr):
+    """out[N, K] = weight times its SCALE_ROWS x 128 tile's scale (BLOCK_SCALES) or its row's, in out's dtype."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (cols < N)[:, None] & (ks < K)[None, :]
     w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :], mask=mask, other=0.0)
     if BLOCK_SCALES:
-        s = tl.load(s_ptr + (cols // 128)[:, None] * stride_sn + (ks // 128)[None, :], mask=mask, other=0.0)
+        s = tl.load(s_ptr + (cols // SCALE_ROWS)[:, None] * stride_sn + (ks // 128)[None, :], mask=mask, other=0.0)
     else:
         s = tl.load(s_ptr + cols, mask=cols < N, other=0.0)[:, None]
     out = (w.to(tl.float32) * s).to(out_ptr.dtype.element_ty)
@@ -180,9 +182,11 @@ def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) ->
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-             tiles: tuple[int, int, int, int, int] | None = None, activated: bool = False) -> torch.Tensor:
+             tiles: tuple[int, int, int, int, int] | None = None, activated: bool = False,
+             scale_rows: int = BLOCK) -> torch.Tensor:
     """x [1, K] @ dequantized weight^T with the one-row kernel, for an fp8 or an int8 weight (each weight is
-    converted to float32 in registers, whichever it is); `tiles` defaults to `gemv_tiling`. `activated`
+    converted to float32 in registers, whichever it is) with [N] scales or 2-D ones per `scale_rows` x 128
+    tile; `tiles` defaults to `gemv_tiling`. `activated`
     (N even): silu(y[:, :N/2]) * y[:, N/2:] of that product y, [1, N/2], in the kernel's epilogue where K is not
     split, by the SiLU-and-mul kernel after the split's sum otherwise."""
     n, k = weight.shape
@@ -196,7 +200,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
         _fp8_gemv_kernel, (triton.cdiv(n // 2, block_n // 2) if in_epilogue else triton.cdiv(n, block_n), splits),
         x, weight, weight_scale, out, n, k, steps, weight.stride(0), weight_scale.stride(0), n, BLOCK_N=block_n,
         BLOCK_K=block_k, SUB=min(block_k, BLOCK), EVEN_K=k % block_k == 0,
-        BLOCK_SCALES=block_scales, ACTIVATED=in_epilogue, STAGES=stages, PDL=launch_pdl,
+        BLOCK_SCALES=block_scales, SCALE_ROWS=scale_rows, ACTIVATED=in_epilogue, STAGES=stages, PDL=launch_pdl,
         num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,
     )
     y = finish(out, x.dtype)
@@ -231,14 +235,16 @@ def quantize_static(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
     return (x.float() / input_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
-def dequantize(weight: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """weight [N, K] (fp8 or int8) times its 128 x 128 block scales or its per-row scales [N], in `dtype`."""
+def dequantize(weight: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dtype,
+               scale_rows: int = BLOCK) -> torch.Tensor:
+    """weight [N, K] (fp8 or int8) times its per-row scales [N] or its 2-D ones per `scale_rows` x 128 tile (128
+    x 128 blocks, or int8's groups of 128 inputs), in `dtype`."""
     n, k = weight.shape
     out = torch.empty(n, k, dtype=dtype, device=weight.device)
     launch(
         _dequantize_kernel, (triton.cdiv(n, 64), triton.cdiv(k, 128)),
         weight, weight_scale, out, n, k, weight.stride(0), weight_scale.stride(0), out.stride(0),
-        BLOCK_N=64, BLOCK_K=128, BLOCK_SCALES=weight_scale.dim() == 2,
+        BLOCK_N=64, BLOCK_K=128, BLOCK_SCALES=weight_scale.dim() == 2, SCALE_ROWS=scale_rows,
     )
     return out
 

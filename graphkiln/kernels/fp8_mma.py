@@ -48,10 +48,11 @@ def _dot(w, xq, INT8: tl.constexpr):
 @triton.jit(do_not_specialize=["M", "STEPS", "stride_os"])  # one build for every row count and split
 def _mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, M, N, K, STEPS, stride_xm, stride_xsm, stride_xsg,
                 stride_wn, stride_sn, stride_os, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, BLOCK_SCALES: tl.constexpr, INT8: tl.constexpr, X_QUANTIZED: tl.constexpr,
-                X_GROUPS: tl.constexpr, WEIGHT_TO_X: tl.constexpr, PDL: tl.constexpr):
+                BLOCK_K: tl.constexpr, BLOCK_SCALES: tl.constexpr, SCALE_ROWS: tl.constexpr, INT8: tl.constexpr,
+                X_QUANTIZED: tl.constexpr, X_GROUPS: tl.constexpr, WEIGHT_TO_X: tl.constexpr, PDL: tl.constexpr):
     """out[split, M, N] for one BLOCK_N slab of weight rows and one BLOCK_M tile of x rows over a split of K
-    (STEPS steps of BLOCK_K). INT8: the weight is int8, else fp8. X_QUANTIZED: x is in the weight's type already,
+    (STEPS steps of BLOCK_K). BLOCK_SCALES: 2-D weight scales, one per SCALE_ROWS x 128 tile (128 x 128 blocks,
+    or int8's groups of 128 inputs with SCALE_ROWS 1). INT8: the weight is int8, else fp8. X_QUANTIZED: x is in the weight's type already,
     scaled by xs per row or (X_GROUPS) per 128-wide group. WEIGHT_TO_X: x is multiplied as it is, by the weight
     converted to x's dtype."""
     pid_n = tl.program_id(0)
@@ -94,7 +95,8 @@ def _mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, M, N, K, STEPS, stride_xm,
                 xq = (x / x_scale[:, None]).to(tl.float8e4nv)
             part = _dot(w, xq, INT8) * x_scale[None, :]
         if BLOCK_SCALES:
-            part = part * tl.load(s_ptr + (cols // 128) * stride_sn + k // 128, mask=col_mask, other=0.0)[:, None]
+            part = part * tl.load(s_ptr + (cols // SCALE_ROWS) * stride_sn + k // 128, mask=col_mask,
+                                  other=0.0)[:, None]
         acc += part
     if not BLOCK_SCALES:
         acc = acc * tl.load(s_ptr + cols, mask=col_mask, other=0.0)[:, None]
@@ -127,10 +129,10 @@ def mma_tiling(m: int, n: int, k: int, sms: int = 132, x_quantized: bool = False
 
 def fp8_mma(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
             tiles: tuple[int, int, int, int, int, int] | None = None, x_scale: torch.Tensor | None = None,
-            out_dtype: torch.dtype | None = None, weight_to_x: bool = False) -> torch.Tensor:
+            out_dtype: torch.dtype | None = None, weight_to_x: bool = False, scale_rows: int = 128) -> torch.Tensor:
     """x [M, K] (unit stride along K) @ dequantized 8-bit weight [N, K]^T in `out_dtype` (default x's dtype).
-    weight: float8_e4m3fn with weight_scale float32 [N] or [ceil(N/128), ceil(K/128)], or int8 with [N]
-    (contiguous); `tiles` defaults to `mma_tiling`. x is bfloat16/float16 (quantized per 1 x BLOCK_K group in
+    weight: float8_e4m3fn with weight_scale float32 [N] or [ceil(N/128), ceil(K/128)], or int8 with [N] or, per
+    group of 128 inputs (`scale_rows` 1), [N, ceil(K/128)] (contiguous); `tiles` defaults to `mma_tiling`. x is bfloat16/float16 (quantized per 1 x BLOCK_K group in
     registers, or with `weight_to_x` multiplied as it is by the int8 weight converted to its dtype), or in the
     weight's type with `x_scale` float32 [M, 1] (per row) or [M, ceil(K/128)] (per group)."""
     m, k = x.shape
@@ -148,7 +150,7 @@ def fp8_mma(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
         _mma_kernel, (triton.cdiv(n, block_n), triton.cdiv(m, block_m), splits),
         x, xs, weight, weight_scale, out, m, n, k, steps, x.stride(0), xs.stride(0), xs.stride(-1),
         weight.stride(0), weight_scale.stride(0), m * n, n, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        BLOCK_SCALES=block_scales, INT8=weight.dtype == torch.int8, X_QUANTIZED=x_scale is not None,
+        BLOCK_SCALES=block_scales, SCALE_ROWS=scale_rows, INT8=weight.dtype == torch.int8, X_QUANTIZED=x_scale is not None,
         X_GROUPS=x_groups, WEIGHT_TO_X=weight_to_x, PDL=launch_pdl, num_warps=warps, num_stages=stages,
         launch_pdl=launch_pdl,
     )

@@ -1,6 +1,7 @@
-"""int8 weight products: y [M, N] = x [M, K] @ (weight [N, K] int8 times its per-output-channel scale)^T.
+"""int8 weight products: y [M, N] = x [M, K] @ (weight [N, K] int8 times its scales)^T.
 
-Two schemes share the weight: W8A8, whose activations are quantized to int8 with a scale per token
+Scales are per output channel ([N]) or, weight-only, per group of GROUP inputs ([N, ceil(K/GROUP)]: GPTQ's
+and compressed-tensors' 8-bit groups). Two schemes share the weight: W8A8, whose activations are quantized to int8 with a scale per token
 (or one static scale), and W8A16, whose activations stay as they are. The bytes a decode step reads
 are those of fp8, so the few-row paths are fp8's kernels, which take an int8 weight as well:
 One row: the GEMV of fp8_linear.py (each weight converted to float32 in registers; x as it is, which
@@ -26,6 +27,7 @@ from .gemv import silu_mul
 from .launch import launch
 
 INT8_MAX = 127.0
+GROUP = 128  # the inputs a group scale covers: fp8's block side, which its kernels step by
 
 
 @triton.jit
@@ -50,9 +52,11 @@ def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) ->
     if x.dim() != 2 or x.shape[1] != weight.shape[1] or x.dtype not in (torch.bfloat16, torch.float16):
         raise ConfigError(f"int8_linear takes x [M, {weight.shape[1]}] in bfloat16 or float16; got {x.dtype} of "
                           f"shape {tuple(x.shape)}")
-    if weight_scale.dtype != torch.float32 or tuple(weight_scale.shape) != (weight.shape[0],):
-        raise ConfigError(f"int8 weight_scale must be float32 [{weight.shape[0]}] (one per output channel); got "
-                          f"{weight_scale.dtype} {tuple(weight_scale.shape)}")
+    n, k = weight.shape
+    if weight_scale.dtype != torch.float32 or tuple(weight_scale.shape) not in ((n,), (n, triton.cdiv(k, GROUP))):
+        raise ConfigError(f"int8 weight_scale must be float32 [{n}] (one per output channel) or [{n}, "
+                          f"{triton.cdiv(k, GROUP)}] (one per group of {GROUP} inputs); got {weight_scale.dtype} "
+                          f"{tuple(weight_scale.shape)}")
 
 
 def quantize_static(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
@@ -86,20 +90,22 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     silu(y[:, :N/2]) * y[:, N/2:] of that product y, [M, N/2], in the one-row kernel's epilogue, by the
     SiLU-and-mul kernel at other row counts.
 
-    weight_scale: float32 [N]. `quantize_input` (W8A8): past MMA_ROWS x is quantized per token, or by
-    `input_scale` (float32, one element) where given; up to MMA_ROWS per 1 x 128 group in registers, and
-    one row not at all. Without it (W8A16) x is never quantized."""
+    weight_scale: float32 [N], or [N, ceil(K/GROUP)] without `quantize_input`. `quantize_input` (W8A8): past
+    MMA_ROWS x is quantized per token, or by `input_scale` (float32, one element) where given; up to MMA_ROWS
+    per 1 x 128 group in registers, and one row not at all. Without it (W8A16) x is never quantized."""
     _check(x, weight, weight_scale)
+    if quantize_input and weight_scale.dim() == 2:
+        raise ConfigError("int8_linear quantizes x only against per-channel weight scales, not group ones")
     x, weight_scale = x if x.stride(1) == 1 else x.contiguous(), weight_scale.contiguous()
     m, n = x.shape[0], weight.shape[0]
     if m == 0:
         return x.new_empty(0, n // 2 if activated else n)
     if m == 1:
-        return fp8_gemv(x, weight, weight_scale, activated=activated)
+        return fp8_gemv(x, weight, weight_scale, activated=activated, scale_rows=1)
     if m <= MMA_ROWS:
-        y = fp8_mma(x, weight, weight_scale, weight_to_x=not quantize_input)
+        y = fp8_mma(x, weight, weight_scale, weight_to_x=not quantize_input, scale_rows=1)
     elif not quantize_input:
-        y = torch.mm(x, dequantize(weight, weight_scale, x.dtype).t())
+        y = torch.mm(x, dequantize(weight, weight_scale, x.dtype, scale_rows=1).t())
     elif input_scale is None:
         y = scaled_int_mm(*quantize_rows(x, dtype=torch.int8), weight, weight_scale, x.dtype)
     else:

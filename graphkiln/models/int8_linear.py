@@ -1,7 +1,7 @@
 """int8 weight products: the custom ops, their reference bodies and the layer.
 
 `graphkiln::int8_linear(x, weight, weight_scale, input_scale, quantize_input)`: weight [N, K] int8 with
-a float32 scale per output channel ([N]). With `quantize_input` (W8A8) the activations are quantized
+a float32 scale per output channel ([N]) or, weight-only, per group of 128 inputs ([N, ceil(K/128)]). With `quantize_input` (W8A8) the activations are quantized
 to int8, symmetric, with a scale per token (amax / 127) or the one static scale `input_scale` [1],
 and rounded to the nearest integer; without it (W8A16) they stay as they are.
 `graphkiln::int8_linear_silu_mul(...)`: silu(gate) * up of int8_linear's [gate | up]
@@ -21,11 +21,15 @@ from .ops import define
 from .quantized_linear import MIN_SCALE, Fp8Linear
 
 INT8_MAX = 127.0
+GROUP = 128  # the inputs a group scale covers
 
 
 def dequantize_int8(weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
-    """The float32 weight an int8 weight and its per-channel scales stand for."""
-    return weight.float() * weight_scale.float()[:, None]
+    """The float32 weight an int8 weight and its per-channel or per-group scales stand for."""
+    scale = weight_scale.float()
+    if scale.dim() == 1:
+        return weight.float() * scale[:, None]
+    return weight.float() * scale.repeat_interleave(GROUP, 1)[:, :weight.shape[1]]
 
 
 def quantize_activations_int8(x: torch.Tensor, input_scale: torch.Tensor | None) -> torch.Tensor:
@@ -68,25 +72,37 @@ int8_linear_silu_mul = define(f"int8_linear_silu_mul{ARGS}", _int8_linear_silu_m
 
 
 class Int8Linear(Fp8Linear):
-    """int8 weight with a float32 scale per output channel (`weight_scale` [N]). `quantize_input` (W8A8): the
-    activations are quantized to int8 per token as they come, or by a static scale (`static_input`, `input_scale`
-    [1]); otherwise (W8A16) they are not. `packed`: the checkpoint stores the weight as compressed-tensors'
-    pack-quantized int32 words (int8_checkpoints.py)."""
+    """int8 weight with a float32 scale per output channel (`weight_scale` [N]) or, with `group_size` (GROUP, weight-
+    only), per group of inputs ([N, ceil(K/GROUP)]). `quantize_input` (W8A8): the activations are quantized to int8
+    per token as they come, or by a static scale (`static_input`, `input_scale` [1]); otherwise (W8A16) they are
+    not. `source`: the checkpoint format (int8_checkpoints.py), "compressed-tensors" or GPTQ's; `packed`: its
+    compressed-tensors weights are pack-quantized int32 words."""
 
     weight_dtype = torch.int8
 
     def __init__(self, in_features: int, parts: tuple[int, ...], bias: bool, dtype: torch.dtype,
-                 static_input: bool = False, quantize_input: bool = True, packed: bool = False) -> None:
+                 static_input: bool = False, quantize_input: bool = True, packed: bool = False,
+                 source: str = "compressed-tensors", group_size: int | None = None) -> None:
+        self.group_size = group_size
         super().__init__(in_features, parts, bias, dtype, static_input)
         self.quantize_input = quantize_input
         self.packed = packed
+        self.source = source
+
+    @property
+    def grouped(self) -> bool:
+        return self.group_size is not None
+
+    def scale_shape(self) -> tuple[int, ...]:
+        return (self.out_features, -(-self.in_features // GROUP)) if self.grouped else (self.out_features,)
 
     def describe(self) -> str:
         if not self.quantize_input:
             activations = "weight-only"
         else:
             activations = f"{'static per-tensor' if self.input_scale is not None else 'dynamic per-token'} int8 activations"
-        return f"int8, symmetric, per-channel weight scales, {activations}"
+        scales = f"groups of {self.group_size}" if self.grouped else "per-channel weight scales"
+        return f"int8, symmetric, {scales}, {activations}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._add_bias(torch.ops.graphkiln.int8_linear(x, self.weight, self.weight_scale, self.input_scale,

@@ -20,6 +20,7 @@ import torch
 
 from graphkiln.errors import ConfigError, ModelFileError, UnsupportedModelError
 
+from .int8_linear import GROUP as INT8_GROUP
 from .quantized_linear import BLOCK
 
 COMPILE_SCHEMES = ("fp8", "int4")
@@ -28,11 +29,13 @@ CHECKPOINT_FORMATS = (
     "dynamic per-token activations)",
     "compressed-tensors int4 (pack-quantized, weight-only, group scales, symmetric or asymmetric, any actorder)",
     "compressed-tensors int8 (int-quantized or pack-quantized, symmetric per-channel or per-tensor weight scales; "
-    "symmetric int8 activations, dynamic per token or static per tensor (W8A8), or none (W8A16))",
+    "symmetric int8 activations, dynamic per token or static per tensor (W8A8), or none (W8A16, which may also "
+    "have groups of 128))",
     "fp8 with weight_block_size [128, 128] and dynamic activations",
     "AutoFP8's fp8 (per-tensor weight scales, static or dynamic activations)",
     "ModelOpt fp8 (quant_algo FP8 or FP8_PER_CHANNEL_PER_TOKEN)",
     "GPTQ int4 (checkpoint_format gptq or gptq_v2, desc_act true or false)",
+    "GPTQ int8 (symmetric, groups of 128 or per channel, desc_act false)",
     "AWQ int4 (version gemm, with zero points)",
 )
 # the files older exports write beside a config.json without quantization_config: the object in each that holds the
@@ -218,8 +221,8 @@ def _gptq_scheme(qc: dict, path: Path) -> QuantScheme:
     stored minus one, or gptq_v2; `is_marlin_format` is Marlin's own layout."""
     bits = qc.get("bits")
     fmt = "marlin" if qc.get("is_marlin_format") else qc.get("checkpoint_format", qc.get("format", "gptq"))
-    if bits != 4:
-        raise _unsupported(path, f"GPTQ with bits {bits!r} (graphkiln reads 4-bit GPTQ)")
+    if bits not in (4, 8):
+        raise _unsupported(path, f"GPTQ with bits {bits!r} (graphkiln reads 4-bit and 8-bit GPTQ)")
     if fmt not in ("gptq", "gptq_v2"):
         raise _unsupported(path, f"GPTQ checkpoint_format {fmt!r}")
     if str(qc.get("pack_dtype", "int32")).removeprefix("torch.") != "int32":
@@ -232,8 +235,25 @@ def _gptq_scheme(qc: dict, path: Path) -> QuantScheme:
         named = {m.rsplit(".", 1)[-1] for ms in qc["modules_in_block_to_quantize"] for m in ms}
         if not set(PROJECTIONS) <= named:
             raise _unsupported(path, f"GPTQ leaving {sorted(set(PROJECTIONS) - named)} unquantized")
+    if bits == 8:
+        return _gptq_int8_scheme(qc, path, fmt)
     group = _check_int4_group(qc.get("group_size"), path, "GPTQ")
     return QuantScheme("int4", "group", "none", fmt, group, bool(qc.get("sym", True)), bool(qc.get("desc_act")))
+
+
+def _gptq_int8_scheme(qc: dict, path: Path, fmt: str) -> QuantScheme:
+    """8-bit GPTQ (Qwen's -GPTQ-Int8): symmetric, groups of INT8_GROUP or a scale per channel (group_size -1), no
+    act-order."""
+    group = qc.get("group_size")
+    if not qc.get("sym", True):
+        raise _unsupported(path, "asymmetric 8-bit GPTQ (graphkiln reads symmetric int8)")
+    if qc.get("desc_act"):
+        raise _unsupported(path, "8-bit GPTQ with desc_act (act-order int8)")
+    if group not in (INT8_GROUP, -1):
+        raise _unsupported(path, f"8-bit GPTQ group_size {group!r} (graphkiln reads {INT8_GROUP}, or -1: per channel)")
+    if group == -1:
+        return QuantScheme("int8", "channel", "none", fmt, None, True)
+    return QuantScheme("int8", "group", "none", fmt, group, True)
 
 
 def _awq_scheme(qc: dict, path: Path) -> QuantScheme:
@@ -338,11 +358,12 @@ def _int8_args(group, path: Path, packed: bool) -> tuple:
     symmetric int8 activations per token (dynamic) or per tensor (static), or none (W8A16)."""
     w, a = group.weights, group.input_activations
     strategy = _value(w.strategy)
-    if not w.symmetric or strategy not in ("channel", "tensor"):
+    grouped = strategy == "group" and w.group_size == INT8_GROUP and a is None
+    if not w.symmetric or (strategy not in ("channel", "tensor") and not grouped):
         raise _unsupported(path, f"int8 weights {w!r} (graphkiln takes symmetric ones with per-channel or "
-                                 "per-tensor scales)")
+                                 f"per-tensor scales, or weight-only with groups of {INT8_GROUP})")
     if a is None:
-        return "int8", strategy, "none", "compressed-tensors", None, True, False, packed
+        return "int8", strategy, "none", "compressed-tensors", w.group_size if grouped else None, True, False, packed
     if a.num_bits != 8 or _value(a.type) != "int" or not a.symmetric:
         raise _unsupported(path, f"int8 weights with input_activations {a!r} (graphkiln takes symmetric int8 ones)")
     if a.dynamic is True and _value(a.strategy) == "token":

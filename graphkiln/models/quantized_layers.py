@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from graphkiln.errors import ArtifactError, UnsupportedModelError, WeightMismatchError
 
-from . import int4_checkpoints
+from . import int4_checkpoints, int8_checkpoints
 from .config import ModelConfig
 from .int4_checkpoints import SYMMETRIC_ZERO
 from .int8_linear import Int8Linear
@@ -34,9 +34,6 @@ from .quantized_linear import (
 )
 from .sharding import Shard, local_config
 from .transformer import CausalLM
-
-PACKED_INT8_KINDS = ("weight_packed", "weight_scale", "weight_shape")  # an int8 projection's tensors, packed
-INT8_ONLY_KINDS = ("weight_packed", "weight_shape", "weight_zero_point", "input_zero_point")
 
 
 class Projection(NamedTuple):
@@ -89,7 +86,8 @@ def _module(scheme: QuantScheme, in_features: int, parts: tuple[int, ...], bias:
         return BlockFp8Linear(in_features, parts, bias, dtype)
     if scheme.method == "int8":
         return Int8Linear(in_features, parts, bias, dtype, static_input=scheme.activations == "static",
-                          quantize_input=scheme.activations != "none", packed=scheme.packed)
+                          quantize_input=scheme.activations != "none", packed=scheme.packed, source=scheme.source,
+                          group_size=scheme.group_size)
     return Fp8Linear(in_features, parts, bias, dtype, static_input=scheme.activations == "static")
 
 
@@ -125,8 +123,8 @@ def checkpoint_kinds(module: QuantizedLinear) -> list[str]:
     if isinstance(module, Int4Linear) and module.source is not None:
         kinds = int4_checkpoints.checkpoint_kinds(module.source, module.symmetric, module.input_order is not None)
         return [*kinds] + ["bias"] * (module.bias is not None)
-    if isinstance(module, Int8Linear) and module.packed:
-        return [*PACKED_INT8_KINDS] + ["bias"] * (module.bias is not None)
+    if isinstance(module, Int8Linear):
+        return int8_checkpoints.checkpoint_kinds(module) + ["bias"] * (module.bias is not None)
     return [name for name, _ in module.named_parameters()]
 
 
@@ -150,8 +148,8 @@ def fill_quantized(module: QuantizedLinear, kind: str, index: int | None, tensor
         dest.copy_(tensor)
     elif isinstance(module, Int4Linear):
         int4_checkpoints.fill_int4(module, kind, index, tensor, where)
-    elif isinstance(module, Int8Linear) and kind in INT8_ONLY_KINDS:
-        _fill_int8(module, kind, part, tensor, where)
+    elif isinstance(module, Int8Linear) and int8_checkpoints.reads(module, kind):
+        int8_checkpoints.fill_int8(module, kind, part, tensor, where)
     elif kind == "input_scale":
         _check_shape(tensor.reshape(-1), (1,), where)
         module.input_scale.copy_(torch.maximum(module.input_scale, tensor.float().reshape(1)))
@@ -175,24 +173,6 @@ def fill_quantized(module: QuantizedLinear, kind: str, index: int | None, tensor
         dest.copy_(values)
     else:
         raise WeightMismatchError(f"{where}: no place for a {kind!r} tensor in a {type(module).__name__}")
-
-
-def _fill_int8(module: Int8Linear, kind: str, part: int, tensor: torch.Tensor, where: str) -> None:
-    """compressed-tensors' int8 tensors beyond an fp8 layer's: the weight packed four values to an int32 word
-    along K (each stored as q + 128, the lowest byte first: its little-endian bytes, less 128, are the int8
-    values), its shape, and the zero points symmetric checkpoints may still store, which must be zero."""
-    if kind == "weight_packed":
-        dest = module.weight.split(module.parts)[part]
-        _check_shape(tensor, (dest.shape[0], dest.shape[1] // 4), where)
-        if tensor.dtype != torch.int32:
-            raise WeightMismatchError(f"{where}: dtype {tensor.dtype}, pack-quantized weights are int32 words")
-        dest.copy_((tensor.contiguous().view(torch.uint8) ^ 0x80).view(torch.int8))
-    elif kind == "weight_shape":
-        full = [module.checkpoint_parts[part], module.checkpoint_in_features]
-        if tensor.numel() != 2 or tensor.tolist() != full:
-            raise WeightMismatchError(f"{where}: weight_shape {tensor.tolist()} but config.json implies {full}")
-    elif tensor.count_nonzero():
-        raise UnsupportedModelError(f"{where}: non-zero {kind} (asymmetric int8); graphkiln reads symmetric int8")
 
 
 def _check_shape(tensor: torch.Tensor, shape, where: str) -> None:

@@ -32,6 +32,10 @@ FP8 = {
 SLICES: dict[str, dict[str, tuple[Spec, Spec]]] = {  # format -> kind -> (output rows, input columns)
     "fp8": FP8,
     "int8": {**FP8, "weight_packed": ((0, 1), (1, 4)), "weight_shape": (None, None)},
+    "int8-grouped": {**FP8, "weight_packed": ((0, 1), (1, 4)), "weight_shape": (None, None),
+                     "weight_scale": ((0, 1), (1, GROUP))},
+    "int8-gptq": {"qweight": ((1, 1), (0, 4)), "scales": ((1, 1), None)},  # qzeros and g_idx read whole
+    "int8-gptq-grouped": {"qweight": ((1, 1), (0, 4)), "scales": ((1, 1), (0, GROUP))},
     "compressed-tensors": {
         "weight_packed": ((0, 1), (1, 8)),
         "weight_scale": ((0, 1), (1, GROUP)),
@@ -54,7 +58,7 @@ def quantized_slice(module: QuantizedLinear, kind: str, shape: tuple[int, ...], 
     None: the whole tensor."""
     if part is None:
         return None
-    fmt = module.source if isinstance(module, Int4Linear) else "int8" if isinstance(module, Int8Linear) else "fp8"
+    fmt = _layout(module)
     kinds = SLICES[fmt]
     if kind == "bias":
         spec = BIAS[part[0]]
@@ -75,6 +79,16 @@ def quantized_slice(module: QuantizedLinear, kind: str, shape: tuple[int, ...], 
             f"(packed words, groups or blocks) of this {fmt} checkpoint; use fewer ranks"
         )
     return dim, start // unit, end
+
+
+def _layout(module: QuantizedLinear) -> str:
+    """The SLICES entry of a module's checkpoint format."""
+    if isinstance(module, Int4Linear):
+        return module.source
+    if isinstance(module, Int8Linear):
+        gptq = "-gptq" if module.source.startswith("gptq") else ""
+        return f"int8{gptq}{'-grouped' if module.grouped else ''}"
+    return "fp8"
 
 
 def sliced_shape(shape: tuple[int, ...], part: Part | None) -> tuple[int, ...]:

@@ -42,13 +42,20 @@ def fp8_weight(n: int, k: int, blocks: bool, device: str = "cuda") -> tuple[torc
 
 
 @functools.cache
-def int8_weight(n: int, k: int, device: str = "cuda") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(int8 weight, its float32 scale per row, the dequantized float32 weight) of a random bf16-range weight."""
-    gen = torch.Generator(device=device).manual_seed(n * 11 + k)
+def int8_weight(n: int, k: int, device: str = "cuda", groups: bool = False) -> tuple[torch.Tensor, ...]:
+    """(int8 weight, its float32 scales per row [N] or, with `groups`, per row and 128 inputs [N, ceil(K/128)], the
+    dequantized float32 weight) of a random bf16-range weight."""
+    gen = torch.Generator(device=device).manual_seed(n * 11 + k + groups)
     w = torch.randn(n, k, device=device, generator=gen) * k**-0.5
-    scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
-    q = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
-    return q, scale, q.float() * scale[:, None]
+    if groups:
+        padded = torch.nn.functional.pad(w, (0, -k % 128)).unflatten(1, (-1, 128))
+        scale = (padded.abs().amax(dim=2) / 127).clamp(min=1e-12)
+        full = scale.repeat_interleave(128, 1)[:, :k]
+    else:
+        scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+        full = scale[:, None]
+    q = (w / full).round().clamp(-127, 127).to(torch.int8)
+    return q, scale.contiguous(), q.float() * full
 
 
 @functools.cache

@@ -1,7 +1,8 @@
 """The int8 weight products (int8_linear: the one-row GEMV, fp8_mma on int8 tensor cores with x rounded per 1 x 128
 group in registers or, for W8A16, the weight converted to x's dtype, and past MMA_ROWS torch._int_mm on x quantized
 per token or the dequantized weight in torch.mm) against float32 products of the dequantized weight and of x rounded
-as each path rounds it, at decode and prefill row counts, with every split of K, and replayed in a CUDA graph."""
+as each path rounds it, at decode and prefill row counts, with scales per channel or (W8A16) per 128 inputs, with
+every split of K, and replayed in a CUDA graph."""
 
 import pytest
 import torch
@@ -34,31 +35,33 @@ def _rounded(x: torch.Tensor, static: torch.Tensor | None) -> torch.Tensor:
     return quantize_activations_int8(x, static)
 
 
-@pytest.mark.parametrize("scheme", ["w8a8", "w8a8-static", "w8a16"])
+@pytest.mark.parametrize("scheme", ["w8a8", "w8a8-static", "w8a16", "w8a16-groups"])
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("shape", INT8_SHAPES.values(), ids=INT8_SHAPES.keys())
 def test_int8_linear_matches_float32_of_x_as_rounded(shape, rows, scheme):
     n, k = shape
-    weight, scale, reference_weight = int8_weight(n, k)
+    weight, scale, reference_weight = int8_weight(n, k, groups=scheme == "w8a16-groups")
     x = activation(rows, k)
     static = (x.float().abs().amax() / 127).reshape(1) if scheme == "w8a8-static" else None
-    y = int8_linear(x, weight, scale, static, quantize_input=scheme != "w8a16")
-    expected = (x.float() if scheme == "w8a16" else _rounded(x, static)) @ reference_weight.t()
+    w8a8 = scheme.startswith("w8a8")
+    y = int8_linear(x, weight, scale, static, quantize_input=w8a8)
+    expected = (_rounded(x, static) if w8a8 else x.float()) @ reference_weight.t()
     assert y.shape == (rows, n) and y.dtype == torch.bfloat16
     assert relative_error(y, expected) < ROUNDING
-    if scheme != "w8a16" and rows > 1:  # the rounding is there: x as it is lies further off
+    if w8a8 and rows > 1:  # the rounding is there: x as it is lies further off
         assert relative_error(y, x.float() @ reference_weight.t()) > relative_error(y, expected)
 
 
 @pytest.mark.parametrize("splits", SPLITS)
 @pytest.mark.parametrize("rows", [2, 16])
-@pytest.mark.parametrize("weight_to_x", [False, True], ids=["w8a8", "w8a16"])
-def test_int8_mma_matches_float32_with_every_split_of_k(weight_to_x, rows, splits):
+@pytest.mark.parametrize("scheme", ["w8a8", "w8a16", "w8a16-groups"])
+def test_int8_mma_matches_float32_with_every_split_of_k(scheme, rows, splits):
     n, k = 4096, 14336
-    weight, scale, reference_weight = int8_weight(n, k)
+    weight, scale, reference_weight = int8_weight(n, k, groups=scheme == "w8a16-groups")
+    weight_to_x = scheme != "w8a8"
     x = activation(rows, k)
     tiles = with_splits(mma_kernels.mma_tiling(rows, n, k, multiprocessors(x.device)), splits, False)
-    y = mma_kernels.fp8_mma(x, weight, scale, tiles=tiles, weight_to_x=weight_to_x)
+    y = mma_kernels.fp8_mma(x, weight, scale, tiles=tiles, weight_to_x=weight_to_x, scale_rows=1)
     expected = (x.float() if weight_to_x else _rounded(x, None)) @ reference_weight.t()
     assert relative_error(y, expected) < ROUNDING
 

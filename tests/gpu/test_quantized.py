@@ -177,18 +177,18 @@ def test_tiny_compiled_with_quantization_loads_fresh_with_zero_compiles(scheme, 
 
 
 PREQUANTIZED = ["compressed-tensors", "block", "autofp8", "int4-compressed-tensors", "int4-gptq", "int4-awq",
-                "int4-gptq-act-order", "int8-dynamic", "int8-static", "int8-none"]
+                "int4-gptq-act-order", "int8-dynamic", "int8-static", "int8-none", "int8-gptq"]
 
 
 @pytest.mark.parametrize("layout", PREQUANTIZED)
 def test_prequantized_checkpoint_compiles_and_loads_fresh_with_zero_compiles(layout, tmp_path):
     """fp8 checkpoints (compressed-tensors, Qwen3's blocks, AutoFP8's per-tensor scales), int4 ones (llm-compressor's
     symmetric W4A16, GPTQ, AWQ, act-order GPTQ, whose inputs the graphs gather; groups of 128, so tinygemm takes one
-    to four rows) and llm-compressor's int8 ones (W8A8 with dynamic or static activation scales, W8A16 packed)
-    against the CPU float32 engine of the same checkpoint."""
+    to four rows) and int8 ones (llm-compressor's W8A8 with dynamic or static activation scales, W8A16 packed;
+    8-bit GPTQ in groups of 128) against the CPU float32 engine of the same checkpoint."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    if layout.endswith("compressed-tensors") or layout.startswith("int8-"):
+    if layout.endswith("compressed-tensors") or layout in ("int8-dynamic", "int8-static", "int8-none"):
         pytest.importorskip("compressed_tensors", reason="pip install 'graphkiln[quant]' (tests/gpu/carry_wheels.sh)")
     shape = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=128, vocab_size=1024, max_position_embeddings=1024)  # fmt: skip
@@ -200,7 +200,7 @@ def test_prequantized_checkpoint_compiles_and_loads_fresh_with_zero_compiles(lay
     if layout.startswith("int8-"):
         calibration = torch.randint(0, 1024, (64,), generator=torch.Generator().manual_seed(3)).tolist()
         write_int8_checkpoint(tmp_path / "source", model, checkpoint, layout.removeprefix("int8-"),
-                              calibration=calibration)
+                              "group" if layout == "int8-gptq" else "channel", calibration)
     elif layout.startswith("int4-"):
         fmt = layout.removeprefix("int4-").removesuffix("-act-order")
         write_int4_checkpoint(tmp_path / "source", model, checkpoint, fmt, 128, symmetric=fmt != "awq",
