@@ -31,11 +31,16 @@ def _fp8_args(strategy: str) -> dict:
 
 
 def compressed_tensors_config(weights: str, activations: str) -> dict:
-    """quantization_config as llm-compressor writes it: weights 'tensor'|'channel', activations 'static'|'dynamic'."""
+    """quantization_config as llm-compressor writes it: weights 'tensor'|'channel', activations 'static'|'dynamic';
+    weights 'block' (its FP8_BLOCK: 128 x 128 blocks, dynamic 1 x 128 group activations)."""
     inputs = _fp8_args("tensor") if activations == "static" else {**_fp8_args("token"), "dynamic": True,
                                                                   "observer": None}
+    weight_args = _fp8_args(weights)
+    if weights == "block":
+        weight_args["block_structure"] = [BLOCK, BLOCK]
+        inputs = {**_fp8_args("group"), "group_size": BLOCK, "dynamic": True, "observer": None}
     return {
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": _fp8_args(weights),
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weight_args,
                                       "input_activations": inputs, "output_activations": None}},
         "format": "float-quantized", "global_compression_ratio": None, "ignore": ["lm_head"],
         "kv_cache_scheme": None, "quant_method": "compressed-tensors", "quantization_status": "compressed",
@@ -123,7 +128,8 @@ def shared_scale(scales: dict[str, torch.Tensor], name: str) -> torch.Tensor:
 def write_fp8_checkpoint(source: Path, model: PreTrainedModel, out: Path, layout: str, weights: str = "channel",
                          activations: str = "dynamic", calibration: list[int] | None = None) -> PreTrainedModel:
     """Write `model` to `out` as a pre-quantized checkpoint beside the tokenizer-less files of `source`; return the
-    float32 model of the dequantized weights. Layouts: 'compressed-tensors', 'block', 'autofp8' (per-tensor weight
+    float32 model of the dequantized weights. Layouts: 'compressed-tensors' (`weights` 'block': its 128 x 128 blocks,
+    scales named `weight_scale`), 'block', 'autofp8' (per-tensor weight
     scales, 0-dimensional), 'modelopt' (`weights` 'tensor': 0-dimensional scales, static activations; 'channel':
     [N] scales, dynamic; KV cache scales beside) and 'modelopt-file' (the same config in hf_quant_config.json)."""
     modelopt = layout.startswith("modelopt")
@@ -147,9 +153,9 @@ def write_fp8_checkpoint(source: Path, model: PreTrainedModel, out: Path, layout
     with torch.no_grad():
         for name, module in projections(reference):
             w = module.weight.float()
-            if layout == "block":
+            if layout == "block" or weights == "block":
                 q, scale, dequantized = _blocks(w)
-                tensors[f"{name}.weight_scale_inv"] = scale.contiguous()
+                tensors[f"{name}.weight_scale{'_inv' * (layout == 'block')}"] = scale.contiguous()
             else:
                 q, scale, dequantized = _channel_or_tensor(w, weights)
                 shape = () if scalar else ((-1,) if modelopt else scale.shape)
@@ -160,7 +166,8 @@ def write_fp8_checkpoint(source: Path, model: PreTrainedModel, out: Path, layout
             if activations == "static":
                 tensors[f"{name}.input_scale"] = input_scales[name].reshape(()) if scalar else input_scales[name]
                 static = shared_scale(input_scales, name)
-            module.register_forward_pre_hook(lambda m, args, static=static: (fp8_inputs(args[0], layout, static),))
+            rounding = "block" if weights == "block" else layout
+            module.register_forward_pre_hook(lambda m, args, static=static: (fp8_inputs(args[0], rounding, static),))
             tensors[f"{name}.weight"] = q.contiguous()
             module.weight.copy_(dequantized)
     save_checkpoint(model, tensors, out)

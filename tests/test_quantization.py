@@ -230,16 +230,20 @@ def _unquantized_with_kv_scales(llama: Checkpoint, tmp_path: Path) -> Path:
     return dest
 
 
+@pytest.mark.parametrize("layout,scale", [("block", "weight_scale_inv"), ("compressed-tensors", "weight_scale")])
 def test_block_fp8_checkpoint_matches_its_dequantized_reference(
-    hf_checkpoint: CheckpointFactory, random_ids: Callable[..., list[int]], tmp_path: Path
+    hf_checkpoint: CheckpointFactory, random_ids: Callable[..., list[int]], tmp_path: Path, layout: str, scale: str
 ) -> None:
-    """Qwen3's layout: 128 x 128 blocks, partial ones at the edges (192 = 128 + 64), q/k/v and gate/up fused."""
+    """Qwen3's layout (`weight_scale_inv`) and llm-compressor's FP8_BLOCK (compressed-tensors, `weight_scale`):
+    128 x 128 blocks, partial ones at the edges (192 = 128 + 64), q/k/v and gate/up fused."""
     ckpt = hf_checkpoint("qwen3", **QWEN3_BLOCKS)
     ids = random_ids(48)
-    reference = write_fp8_checkpoint(ckpt.path, ckpt.model, tmp_path / "fp8", "block")
+    reference = write_fp8_checkpoint(ckpt.path, ckpt.model, tmp_path / "fp8", layout, weights="block")
     net = load_model(tmp_path / "fp8")
-    assert net.model.layers[0].self_attn.qkv_proj.weight_scale_inv.shape == (3, 2)
-    assert net.model.layers[0].self_attn.o_proj.weight_scale_inv.shape == (2, 1)
+    qkv = net.model.layers[0].self_attn.qkv_proj
+    assert qkv.describe() == "fp8 e4m3, 128x128 block weight scales, dynamic per-1x128-group activations"
+    assert getattr(qkv, scale).shape == (3, 2)
+    assert getattr(net.model.layers[0].self_attn.o_proj, scale).shape == (2, 1)
     ours = graphkiln.LLM.eager(tmp_path / "fp8", **ENGINE).score(ids)
     with torch.no_grad():
         ref = reference(torch.tensor([ids])).logits[0]

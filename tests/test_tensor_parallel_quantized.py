@@ -33,9 +33,10 @@ QWEN3_WHOLE_BLOCKS = dict(hidden_size=256, intermediate_size=512, num_attention_
                           head_dim=128)
 QWEN3_SPLIT_BLOCKS = dict(hidden_size=192, intermediate_size=384, num_attention_heads=2, num_key_value_heads=2,
                           head_dim=64)
-CASES = ["int4-compressed-tensors", "int4-gptq", "int4-awq", "fp8-autofp8-static", "fp8-block", "int8-static",
-         "int8-packed", "int8-gptq"]
-WHOLE_BLOCKS = ("fp8-block", "int8-gptq")  # on QWEN3_WHOLE_BLOCKS: each rank's share holds whole 128-wide tiles
+CASES = ["int4-compressed-tensors", "int4-gptq", "int4-awq", "fp8-autofp8-static", "fp8-block",
+         "fp8-compressed-tensors-block", "int8-static", "int8-packed", "int8-gptq"]
+BLOCK_FP8 = ("fp8-block", "fp8-compressed-tensors-block")
+WHOLE_BLOCKS = (*BLOCK_FP8, "int8-gptq")  # on QWEN3_WHOLE_BLOCKS: each rank's share holds whole 128-wide tiles
 # Block fp8 quantizes activations per 1 x 128 group as they come: the ranks' sum, in another order, moves the next
 # layer's input by an ulp of float32, which flips the fp8 rounding of the odd element near a boundary (one fp8
 # step is 1/16 of its value), so its logits agree to this share of their largest magnitude, not to float32's.
@@ -46,8 +47,9 @@ def _write(case: str, ckpt: Checkpoint, out: Path, ids: list[int]) -> None:
     if case.startswith("int4-"):
         fmt = case.removeprefix("int4-")
         write_int4_checkpoint(ckpt.path, ckpt.model, out, fmt, GROUP, symmetric=fmt == "gptq")
-    elif case == "fp8-block":
-        write_fp8_checkpoint(ckpt.path, ckpt.model, out, "block")
+    elif case in BLOCK_FP8:
+        layout = "block" if case == "fp8-block" else "compressed-tensors"
+        write_fp8_checkpoint(ckpt.path, ckpt.model, out, layout, weights="block")
     elif case == "int8-gptq":
         write_int8_checkpoint(ckpt.path, ckpt.model, out, "gptq", "group")
     elif case.startswith("int8-"):
@@ -78,7 +80,7 @@ def test_quantized_checkpoint_on_two_ranks_scores_as_one(
     with graphkiln.LLM.eager(tmp_path / case, **ENGINE) as llm:
         want = llm.score(ids), llm.generate([ids], graphkiln.SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
     logits, tokens = _two_ranks(tmp_path / case, ids)
-    if case == "fp8-block":
+    if case in BLOCK_FP8:
         assert relative_error(logits, want[0]) < FLIPPED_ROUNDINGS and top1_agreement(logits, want[0]) >= 0.95
     else:
         torch.testing.assert_close(logits, want[0], atol=1e-4, rtol=0)

@@ -26,7 +26,7 @@ from .quantized_linear import BLOCK
 COMPILE_SCHEMES = ("fp8", "int4")
 CHECKPOINT_FORMATS = (
     "compressed-tensors fp8 (float-quantized: per-tensor or per-channel weight scales, static per-tensor or "
-    "dynamic per-token activations)",
+    "dynamic per-token activations; 128 x 128 block weight scales with dynamic 1 x 128 group activations)",
     "compressed-tensors int4 (pack-quantized, weight-only, group scales, symmetric or asymmetric, any actorder)",
     "compressed-tensors int8 (int-quantized or pack-quantized, symmetric per-channel or per-tensor weight scales; "
     "symmetric int8 activations, dynamic per token or static per tensor (W8A8), or none (W8A16, which may also "
@@ -376,6 +376,8 @@ def _int8_args(group, path: Path, packed: bool) -> tuple:
 def _fp8_args(group, path: Path) -> tuple:
     """QuantScheme's fields for one fp8 config group."""
     w, a = group.weights, group.input_activations
+    if _fp8_blocks(w, a):  # llm-compressor's FP8_BLOCK
+        return "fp8", "block", "dynamic", "compressed-tensors"
     if w is None or w.num_bits != 8 or _value(w.type) != "float" or not w.symmetric or _value(w.strategy) not in ("tensor", "channel"):
         raise _unsupported(path, f"weights {w!r}")
     if a is None:
@@ -387,6 +389,16 @@ def _fp8_args(group, path: Path) -> tuple:
     if a.dynamic is False and _value(a.strategy) == "tensor":
         return "fp8", _value(w.strategy), "static", "compressed-tensors"
     raise _unsupported(path, f"input_activations strategy {_value(a.strategy)!r} with dynamic={a.dynamic!r}")
+
+
+def _fp8_blocks(w, a) -> bool:
+    """Whether fp8 weights and activations are in 128 x 128 blocks and dynamic 1 x 128 groups."""
+    if w is None or a is None or _value(w.strategy) != "block" or _value(a.strategy) != "group":
+        return False
+    weights = (w.num_bits == 8 and _value(w.type) == "float" and w.symmetric
+               and list(w.block_structure or []) == [BLOCK, BLOCK])
+    inputs = a.num_bits == 8 and _value(a.type) == "float" and a.symmetric and a.dynamic is True
+    return weights and inputs and a.group_size == BLOCK
 
 
 def model_scheme(model_dir: Path, quantization: str | QuantScheme | None) -> QuantScheme | None:

@@ -83,7 +83,8 @@ def _module(scheme: QuantScheme, in_features: int, parts: tuple[int, ...], bias:
             raise UnsupportedModelError(
                 f"block-wise fp8 with fused projections of sizes {parts}: each must be a multiple of {BLOCK}{share}"
             )
-        return BlockFp8Linear(in_features, parts, bias, dtype)
+        scale_name = "weight_scale" if scheme.source == "compressed-tensors" else "weight_scale_inv"
+        return BlockFp8Linear(in_features, parts, bias, dtype, scale_name)
     if scheme.method == "int8":
         return Int8Linear(in_features, parts, bias, dtype, static_input=scheme.activations == "static",
                           quantize_input=scheme.activations != "none", packed=scheme.packed, source=scheme.source,
@@ -160,8 +161,8 @@ def fill_quantized(module: QuantizedLinear, kind: str, index: int | None, tensor
             raise WeightMismatchError(f"{where}: dtype {tensor.dtype}, the checkpoint's quantization_config needs "
                                       f"{module.weight.dtype}")
         dest.copy_(tensor)
-    elif kind == "weight_scale_inv" and isinstance(module, BlockFp8Linear):
-        dest = module.weight_scale_inv.split([-(-p // BLOCK) for p in module.parts])[part]
+    elif isinstance(module, BlockFp8Linear) and kind == module.scale_name:
+        dest = getattr(module, kind).split([-(-p // BLOCK) for p in module.parts])[part]
         _check_shape(tensor, dest.shape, where)
         dest.copy_(tensor)
     elif kind == "weight_scale" and not isinstance(module, BlockFp8Linear):

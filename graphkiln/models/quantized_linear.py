@@ -263,10 +263,14 @@ class Fp8Linear(QuantizedLinear):
 
 
 class BlockFp8Linear(Fp8Linear):
-    """float8_e4m3fn weight with a float32 factor per 128 x 128 block, under the name the checkpoints give it
-    (`weight_scale_inv`); activations quantized per 1 x 128 group as they come."""
+    """float8_e4m3fn weight with a float32 factor per 128 x 128 block, under the name the checkpoint gives it
+    (`scale_name`: Qwen's and transformers' `weight_scale_inv`, compressed-tensors' `weight_scale`); activations
+    quantized per 1 x 128 group as they come."""
 
-    scale_name = "weight_scale_inv"
+    def __init__(self, in_features: int, parts: tuple[int, ...], bias: bool, dtype: torch.dtype,
+                 scale_name: str = "weight_scale_inv") -> None:
+        self.scale_name = scale_name
+        super().__init__(in_features, parts, bias, dtype)
 
     def scale_shape(self) -> tuple[int, ...]:
         return (-(-self.out_features // BLOCK), -(-self.in_features // BLOCK))

@@ -5,8 +5,8 @@ A rank holds some output rows of q/k/v and gate/up, and some input columns of o 
 lays a projection's tensors out its own way, so the same rows or columns are another slice of each:
 SLICES says, per format and tensor kind, along which dimension of the stored tensor a rank's output
 rows and input columns run, and how many outputs or inputs one index there stands for (a packed
-word's 8 int4 or 4 int8 values, a group's G, a block's 128). A rank reads only its slice of a tensor that is split, and the
-format's reader (quantized_layers.fill_quantized) then fills it into the rank's module as it would
+word's 8 int4 or 4 int8 values, a group's G, a block's 128). A rank reads only its slice of a tensor
+that is split, and the format's reader (quantized_layers.fill_quantized) then fills it into the rank's module as it would
 a whole one. A tensor without an entry for the rank's direction (a per-tensor scale, a channel scale
 of a row-parallel projection, group indices) is read whole by every rank.
 """
@@ -18,7 +18,7 @@ import math
 from graphkiln.errors import UnsupportedModelError
 
 from .int8_linear import Int8Linear
-from .quantized_linear import BLOCK, Int4Linear, QuantizedLinear
+from .quantized_linear import BLOCK, BlockFp8Linear, Int4Linear, QuantizedLinear
 from .sharding import Part
 
 GROUP = "group"  # the unit is the module's group size
@@ -31,6 +31,7 @@ FP8 = {
 }
 SLICES: dict[str, dict[str, tuple[Spec, Spec]]] = {  # format -> kind -> (output rows, input columns)
     "fp8": FP8,
+    "fp8-blocks": {**FP8, "weight_scale": ((0, BLOCK), (1, BLOCK))},  # compressed-tensors' block scales
     "int8": {**FP8, "weight_packed": ((0, 1), (1, 4)), "weight_shape": (None, None)},
     "int8-grouped": {**FP8, "weight_packed": ((0, 1), (1, 4)), "weight_shape": (None, None),
                      "weight_scale": ((0, 1), (1, GROUP))},
@@ -88,7 +89,7 @@ def _layout(module: QuantizedLinear) -> str:
     if isinstance(module, Int8Linear):
         gptq = "-gptq" if module.source.startswith("gptq") else ""
         return f"int8{gptq}{'-grouped' if module.grouped else ''}"
-    return "fp8"
+    return "fp8-blocks" if isinstance(module, BlockFp8Linear) and module.scale_name == "weight_scale" else "fp8"
 
 
 def sliced_shape(shape: tuple[int, ...], part: Part | None) -> tuple[int, ...]:

@@ -176,23 +176,24 @@ def test_tiny_compiled_with_quantization_loads_fresh_with_zero_compiles(scheme, 
     assert result["tinygemm"] == ([True, True, True, False] * 4 if scheme == "int4" else [])
 
 
-PREQUANTIZED = ["compressed-tensors", "block", "autofp8", "int4-compressed-tensors", "int4-gptq", "int4-awq",
+PREQUANTIZED = ["compressed-tensors", "block", "compressed-tensors-block", "autofp8", "int4-compressed-tensors", "int4-gptq", "int4-awq",
                 "int4-gptq-act-order", "int8-dynamic", "int8-static", "int8-none", "int8-gptq"]
 
 
 @pytest.mark.parametrize("layout", PREQUANTIZED)
 def test_prequantized_checkpoint_compiles_and_loads_fresh_with_zero_compiles(layout, tmp_path):
-    """fp8 checkpoints (compressed-tensors, Qwen3's blocks, AutoFP8's per-tensor scales), int4 ones (llm-compressor's
-    symmetric W4A16, GPTQ, AWQ, act-order GPTQ, whose inputs the graphs gather; groups of 128, so tinygemm takes one
-    to four rows) and int8 ones (llm-compressor's W8A8 with dynamic or static activation scales, W8A16 packed;
+    """fp8 checkpoints (compressed-tensors with channel or block scales, Qwen3's blocks, AutoFP8's per-tensor
+    scales), int4 ones (llm-compressor's symmetric W4A16, GPTQ, AWQ, act-order GPTQ, whose inputs the graphs gather;
+    groups of 128, so tinygemm takes one to four rows) and int8 ones (llm-compressor's W8A8 with dynamic or static activation scales, W8A16 packed;
     8-bit GPTQ in groups of 128) against the CPU float32 engine of the same checkpoint."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    if layout.endswith("compressed-tensors") or layout in ("int8-dynamic", "int8-static", "int8-none"):
+    if "compressed-tensors" in layout or layout in ("int8-dynamic", "int8-static", "int8-none"):
         pytest.importorskip("compressed_tensors", reason="pip install 'graphkiln[quant]' (tests/gpu/carry_wheels.sh)")
     shape = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=128, vocab_size=1024, max_position_embeddings=1024)  # fmt: skip
-    config_cls, model_cls = (Qwen3Config, Qwen3ForCausalLM) if layout == "block" else (LlamaConfig, LlamaForCausalLM)
+    blocks = layout.endswith("block")
+    config_cls, model_cls = (Qwen3Config, Qwen3ForCausalLM) if blocks else (LlamaConfig, LlamaForCausalLM)
     torch.manual_seed(0)
     model = model_cls(config_cls(**shape)).eval()
     model.save_pretrained(tmp_path / "source")
@@ -206,7 +207,8 @@ def test_prequantized_checkpoint_compiles_and_loads_fresh_with_zero_compiles(lay
         write_int4_checkpoint(tmp_path / "source", model, checkpoint, fmt, 128, symmetric=fmt != "awq",
                               act_order=layout.endswith("act-order"))
     else:
-        write_fp8_checkpoint(tmp_path / "source", model, checkpoint, layout)
+        write_fp8_checkpoint(tmp_path / "source", model, checkpoint, layout.removesuffix("-block"),
+                             weights="block" if blocks else "channel")
     out = tmp_path / "art"
     graphkiln.compile_model(checkpoint, out, CompileConfig(device="cuda", dtype="bfloat16"))
     reference = LLM.eager(checkpoint, kv_cache_tokens=8192)  # CPU, float32: the ops' reference bodies
