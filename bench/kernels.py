@@ -24,7 +24,7 @@ from collections import defaultdict
 
 from .common import Study, add_study_arguments, inductor_option, log
 from .measure import now, time_ms
-from .models import compiled_llm, decode_graph, decoding, stop
+from .models import QUANTIZATIONS, compiled_llm, decode_graph, decoding, stop
 from .report import text_table
 
 GEMM = re.compile(r"gemm|gemv|cutlass|nvjet|splitK|sm90_xmma|cublas|addmm|aten::mm|graphkiln::.*linear", re.IGNORECASE)
@@ -159,7 +159,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", type=int, nargs="*", default=[128], help="prefill lengths profiled (smoke: 16)")
     p.add_argument("--disable-pass", action="append", default=[], help="a graph pass to switch off (repeatable)")
     p.add_argument("--enable-pass", action="append", default=[], help="an optional graph pass to switch on (repeatable)")
-    p.add_argument("--quantization", choices=("fp8", "int4"), default=None, help="compile with --quantization")
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default=None, help="compile with --quantization")
     p.add_argument("--inductor-option", action="append", default=[], type=inductor_option, metavar="KEY=VALUE",
                    help="an Inductor config entry for the compile (CompileConfig.inductor_options; VALUE as JSON, "
                         "else a string; repeatable), e.g. triton.enable_pdl=false")

@@ -52,7 +52,8 @@ def projections(name: str) -> dict[str, tuple[int, int]]:
 
 # Bytes per decoder projection weight: fp8 (plus a float32 scale per row, negligible), int4 plus a 16-bit scale and
 # zero point per group of 128.
-QUANTIZED_BYTES = {"fp8": 1.0, "int4": 0.5 + 4 / 128}
+QUANTIZED_BYTES = {"fp8": 1.0, "int8": 1.0, "int4": 0.5 + 4 / 128}  # a weight's bytes, with its scales
+QUANTIZATIONS = tuple(QUANTIZED_BYTES)  # compile-model's --quantization
 
 
 def model_bytes(shape: dict, dtype_bytes: int, quantization: str | None = None) -> dict:

@@ -4,7 +4,7 @@ model's, and the trained `tiny` model's held-out perplexity per format (`python 
     python -m bench quantized --quality --model 1b|8b --out $OUT [--layers N]
 
 The bench's random-weight model (bench/models.py) is compiled in this process once unquantized and
-once per format (fp8, int4), all three loaded at once. Each of PROMPTS random prompts of
+once per format (fp8, int8, int4), all four loaded at once. Each of PROMPTS random prompts of
 PROMPT_TOKENS tokens is scored (`LLM.score`) by every engine; per format: the relative L2 error
 of its logits against the unquantized ones (median and worst prompt) and top-1 agreement (the
 fraction of positions whose argmax matches). Then the `tiny` model, compiled the same way, gives
@@ -33,7 +33,7 @@ from .common import REPO, Study, log, random_prompts
 from .models import save_model
 from .report import markdown_table, text_table
 
-FORMATS = ("fp8", "int4")
+FORMATS = ("fp8", "int8", "int4")
 VARIANTS = (*FORMATS, "fp8-rounded", "fp8-kv-cache")  # compared with the unquantized engine
 PROJECTIONS = tuple(f"{p}_proj.weight" for p in ("q", "k", "v", "o", "gate", "up", "down"))
 PROMPTS, PROMPT_TOKENS = 64, 256

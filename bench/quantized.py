@@ -12,8 +12,9 @@ counts, with sweeps of the few-row kernels' tiles. A few minutes on the 8b shape
   fp8-block   the same with 128 x 128 block scales; candidates: the GEMV, the mma kernel, 1 x 128
               quantization + block-scaled _scaled_mm (where this torch has it), dequantize + torch.mm
   int8        int8_linear W8A8 (per-channel scales, x quantized per token; what it picks), and each candidate:
-              the one-row GEMV, the int8 tensor-core kernel quantizing x in registers (mma), per-token quantization
-              + torch._int_mm and the scaling kernel (int_mm), above 64 rows that product alone on x quantized
+              the one-row GEMV, the int8 tensor-core kernel quantizing x in registers (mma) or, above FEW_ROWS rows,
+              multiplying x quantized per token by a kernel before it (mma_quantized), per-token quantization +
+              torch._int_mm and the scaling kernel (int_mm), above 64 rows that product alone on x quantized
               before (int_mm_only)
   int8-w8a16  int8_linear W8A16 (x as it is); candidates: the GEMV, the mma kernel on the weight converted to x's
               dtype, dequantize + torch.mm
@@ -27,7 +28,7 @@ counts, with sweeps of the few-row kernels' tiles. A few minutes on the 8b shape
               perplexity per format (bench/quality.py)
   --sweep     fp8, fp8-block: at 1 row every GEMV tiling of SWEEP_GEMV, at 2 to 64 rows every tiling of SWEEP_MMA
               (above FEW_ROWS rows on x quantized first, as mma_quantized); int8, int8-w8a16: the same tilings,
-              x quantized in registers (or the weight converted) up to 64 rows, as int8_linear runs them;
+              as int8_linear runs them (W8A16 converting the weight at every row count);
               int4: every tiling of SWEEP_DP4A (the dp4a GEMV) at 1 row, of SWEEP_WORD_DOT at 2 to 64 rows, of
               SWEEP_MM (the byte kernel, which int4_linear leaves to dequantize + mm there) at 65 to 256; each
               with every split of K in SPLITS. The five fastest, the rule's own tiles (`*_tiling`) and its time are kept per shape and row count
@@ -192,12 +193,27 @@ def int8_candidates(fmt: str, x, rows: int) -> dict:
         out["mma"] = lambda w, s: fp8_mma(x, w, s, weight_to_x=not w8a8)
     if not w8a8:
         out["dequant_mm"] = lambda w, s: torch.mm(x, f.dequantize(w, s, x.dtype).t())
-    elif rows > 16:  # what torch._int_mm takes (the projections' N and K are multiples of 8)
+        return out
+    if f.FEW_ROWS < rows <= 256:
+        out["mma_quantized"] = lambda w, s: int8_quantized_mma(x, w, s)
+    if rows > 16:  # what torch._int_mm takes (the projections' N and K are multiples of 8)
         out["int_mm"] = lambda w, s: i8.scaled_int_mm(*f.quantize_rows(x, dtype=torch.int8), w, s, x.dtype)
         if rows > f.MMA_ROWS:  # the product alone, on x quantized before the timing
             q, scale_a = f.quantize_rows(x, dtype=torch.int8)
             out["int_mm_only"] = lambda w, s: torch._int_mm(q, w.t())
     return out
+
+
+def int8_quantized_mma(x, weight, scale, tiles=None):
+    """x quantized to int8 per token, then fp8_mma on the int8 rows: what int8_linear runs (W8A8) from FEW_ROWS + 1
+    to MMA_ROWS rows."""
+    import torch
+
+    from graphkiln.kernels.fp8_linear import quantize_rows
+    from graphkiln.kernels.fp8_mma import fp8_mma
+
+    q, scale_a = quantize_rows(x, dtype=torch.int8)
+    return fp8_mma(q, weight, scale, tiles, x_scale=scale_a, out_dtype=x.dtype)
 
 
 def quantized_mma(x, weight, scale, tiles=None):
@@ -263,9 +279,11 @@ def tiled(fmt: str, x, rows: int, tiles: tuple | None):
     from graphkiln.kernels.fp8_linear import FEW_ROWS, fp8_gemv
     from graphkiln.kernels.fp8_mma import fp8_mma
 
+    if fmt == "int8" and rows > FEW_ROWS:
+        return lambda w, s: int8_quantized_mma(x, w, s, tiles)
     if fmt.startswith("int8") and rows > 1:
         return lambda w, s: fp8_mma(x, w, s, tiles=tiles, weight_to_x=fmt == "int8-w8a16")
-    if rows > FEW_ROWS and not fmt.startswith("int8"):
+    if rows > FEW_ROWS:
         return lambda w, s: quantized_mma(x, w, s, tiles)
     kernel = fp8_gemv if rows == 1 else fp8_mma
     return lambda w, s: kernel(x, w, s, tiles=tiles)
@@ -289,7 +307,7 @@ def rule_tiles(fmt: str, rows: int, n: int, k: int, device) -> tuple:
         return w4.dot_tiling(rows, n, k, sms)
     if rows == 1:
         return f.gemv_tiling(n, k, sms)
-    quantized_first = rows > f.FEW_ROWS and fmt.startswith("fp8")
+    quantized_first = rows > f.FEW_ROWS and fmt != "int8-w8a16"
     return mma_tiling(rows, n, k, sms, x_quantized=quantized_first, block_scales=fmt == "fp8-block")
 
 

@@ -10,7 +10,8 @@ Per model: the row decode kernel at each batch, planned as the engine plans it f
 `--max-context` tokens (its grid is that plan's, whatever the context), at the last batch also on an fp8 cache
 and the block kernel on both caches, the prefill kernel for one prompt of `--prefill-tokens`, and each
 projection's products: the bf16 one-row GEMV, the int4 one-row byte and dp4a GEMVs, and fp8 (per-channel and
-128 x 128 block scales) at each of `--rows` as fp8_linear dispatches it, with the kernels around it (x's
+128 x 128 block scales) and int8 (W8A8, W8A16 per channel and per group) at each of `--rows` as fp8_linear and
+int8_linear dispatch them, with the kernels around it (x's
 quantization or words, a split-K sum). `loop`: the instructions of a kernel's longest loop (`nvdisasm`);
 `per_weight`: for the one-row GEMVs, those a thread issues per weight it takes (the loop over the weights a
 thread takes a step), the work that bounds a one-row product where the bytes do not. Each
@@ -234,6 +235,29 @@ def product_launches(name: str, n: int, k: int, rows: int, block_scales: bool) -
     return label, f"block_m={block_m} block_n={block_n} block_k={block_k} splits={splits} stages={stages}"
 
 
+def int8_launches(name: str, n: int, k: int, rows: int, scheme: str) -> tuple[str, str]:
+    """int8_linear's launches for `rows` rows of x and an N x K int8 weight: `scheme` "w8a8" (per-channel scales, x
+    quantized), "w8a16" or "w8a16-groups" (scales per 128 inputs); its (label, tiles of the product kernel).
+    Above MMA_ROWS W8A8's product is torch._int_mm (cuBLAS): only the kernels around it are Triton's."""
+    import torch
+
+    from graphkiln.kernels.fp8_linear import FEW_ROWS, gemv_tiling
+    from graphkiln.kernels.fp8_mma import mma_tiling
+    from graphkiln.kernels.int8_linear import int8_linear
+
+    scale = torch.ones(n, -(-k // 128)) if scheme.endswith("groups") else torch.ones(n)
+    int8_linear(torch.zeros(rows, k, dtype=torch.bfloat16), torch.zeros(n, k, dtype=torch.int8), scale,
+                quantize_input=scheme == "w8a8")
+    label = f"{name} int8 {scheme} m={rows}"
+    if rows == 1:
+        block_n, block_k, splits, warps, stages = gemv_tiling(n, k)
+        return (label, f"block_n={block_n} block_k={block_k} splits={splits} stages={stages}",
+                block_n * block_k / (32 * warps))
+    block_m, block_n, block_k, splits, _, stages = mma_tiling(rows, n, k, 132,
+                                                              x_quantized=scheme == "w8a8" and rows > FEW_ROWS)
+    return label, f"block_m={block_m} block_n={block_n} block_k={block_k} splits={splits} stages={stages}"
+
+
 def bf16_gemv_launch(name: str, n: int, k: int) -> tuple[str, str]:
     """The bf16 one-row GEMV of an N x K weight (more rows go to cuBLAS); its (label, tiles)."""
     import torch
@@ -309,7 +333,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-tokens", type=int, default=2048,
                    help="the prompt the prefill kernel's row is planned for (default 2048: a chunk's budget)")
     p.add_argument("--rows", type=int, nargs="+", default=[1],
-                   help="rows of x for the fp8 products of each projection (default 1: decode at batch 1)")
+                   help="rows of x for the fp8 and int8 products of each projection (default 1: decode at batch 1)")
     p.add_argument("--arch", type=int, default=90, help="compute capability to compile for (default 90: H100/H200)")
     p.add_argument("--sms", type=int, default=132, help="multiprocessors of the device (default 132)")
     p.add_argument("--commit", help="git commit to record where the tree has no .git")
@@ -340,6 +364,8 @@ def main(a: argparse.Namespace) -> int:
                 for m in a.rows:
                     for block_scales in (False, True):
                         rows += rows_of(model, built, product_launches(name, n, k, m, block_scales), a.arch, a.sms)
+                    for scheme in ("w8a8", "w8a16", "w8a16-groups"):
+                        rows += rows_of(model, built, int8_launches(name, n, k, m, scheme), a.arch, a.sms)
             log(f"{model}: {len(rows)} kernels compiled")
     print(text_table(rows, COLUMNS))
     out = Path(a.out or os.environ.get("OUT") or ".") / "resources.json"

@@ -35,7 +35,7 @@ from pathlib import Path
 from . import report
 from .common import T0, device_slug, environment, error_text, log, random_prompts, write_json
 from .measure import copy_rate, matmul_rate
-from .models import MODELS, build_hf_model, model_bytes, scratch_dir, shape_of
+from .models import MODELS, QUANTIZATIONS, build_hf_model, model_bytes, scratch_dir, shape_of
 from .rows import ROW_FUNCTIONS, floor_row, free_memory
 from .startup import ensure_bytecode
 
@@ -305,7 +305,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-start", action="store_true", help="no start-up children: compile in this process (quick runs, "
                    "the CPU test)")
     p.add_argument("--keep", action="store_true", help="keep the scratch model and artifact folders")
-    p.add_argument("--quantization", choices=("fp8", "int4"), help="compile the graphkiln compiled row with "
+    p.add_argument("--quantization", choices=QUANTIZATIONS, help="compile the graphkiln compiled row with "
                    "--quantization (its floor counts the quantized bytes; the other rows stay unquantized)")
     p.add_argument("--smoke", action="store_true", help="CPU, float32, tiny shapes: every code path, a minute or two")
 

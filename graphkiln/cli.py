@@ -20,6 +20,8 @@ from graphkiln.version import __version__
 
 from . import report
 
+QUANTIZATIONS = ("fp8", "int8", "int4")  # compiler.config's, which imports torch: the CLI's help must not
+
 SERVE_EXTRA = ("fastapi", "uvicorn", "prometheus_client")  # pip install 'graphkiln[serve]'
 API_KEY_ENV = "GRAPHKILN_API_KEY"  # serve's --api-key when not given
 
@@ -62,9 +64,10 @@ def _compile_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--disable-pass", action="append", default=[], metavar="NAME")
     parser.add_argument("--enable-pass", action="append", default=[], metavar="NAME",
                         help="turn on a pass that is off by default (symm_mem_all_reduce; add_rms_norm on the CPU)")
-    parser.add_argument("--quantization", choices=("fp8", "int4"), default=None,
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                         help="quantize the decoder's linear layers at compile time (fp8: per-channel weights, "
-                             "per-token activations; int4: weight-only, groups of 128)")
+                             "per-token activations; int8: weight-only, per-channel; int4: weight-only, groups "
+                             "of 128)")
     parser.add_argument("--tensor-parallel-size", type=_count(1), default=1, metavar="N",
                         help="split the model over N ranks (GPUs, or CPU processes); `load` starts them")
     parser.add_argument("--dump-dir", type=Path, default=None, help="write pass-debugging dumps here")
@@ -305,7 +308,7 @@ def _serve_parser(parser: argparse.ArgumentParser) -> None:
                         help="with --compile; default: cuda if available")
     parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
                         help="with --compile; default: bfloat16 on cuda, float32 on cpu")
-    parser.add_argument("--quantization", choices=("fp8", "int4"), default=None,
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                         help="with --compile: quantize the decoder's linear layers (see compile-model --help)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default 127.0.0.1: this machine only)")

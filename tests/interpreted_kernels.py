@@ -20,7 +20,7 @@ import triton.runtime.interpreter as interpreter
 
 from graphkiln.kernels.block_decode_attention import block_paged_decode
 from graphkiln.kernels.decode_attention import paged_decode
-from graphkiln.kernels.fp8_linear import MMA_ROWS, fp8_linear
+from graphkiln.kernels.fp8_linear import FEW_ROWS, fp8_linear
 from graphkiln.kernels.gemv import gemv
 from graphkiln.kernels.int4_dp4a import int4_dp4a_gemv
 from graphkiln.kernels.int4_linear import int4_linear
@@ -168,8 +168,8 @@ def run_product(kind: str, rows: int, n: int, k: int, seed: int = 0) -> dict:
     dequantized weight and of x as the kernels round it (models/quantized_linear.py): unquantized at one row, per
     1 x 128 group in registers up to FEW_ROWS, per token (channel scales) or group (block scales) by a kernel of
     its own up to MMA_ROWS; int8's W8A8 rounds x to int8 likewise, per 1 x 128 group in registers from 2 to
-    MMA_ROWS rows and per token (or by the static scale) past them; W8A16 and int4 keep x (the dp4a GEMV's 16-bit fixed point per group is finer than
-    float16 for all but a group's smallest inputs). "-activated" kinds (fp8, and "half" for the float16 GEMV of one row) are
+    FEW_ROWS rows and per token (or by the static scale) past them; W8A16 and int4 keep x (the dp4a GEMV's
+    16-bit fixed point per group is finer than float16 for all but a group's smallest inputs). "-activated" kinds (fp8, and "half" for the float16 GEMV of one row) are
     silu(gate) * up of the product's halves, against that of the float16 product."""
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed)).to(torch.float16)
     activated = kind.endswith("-activated")
@@ -203,11 +203,11 @@ def run_product(kind: str, rows: int, n: int, k: int, seed: int = 0) -> dict:
 
 
 def _int8_rounded(x: torch.Tensor, rows: int, static: torch.Tensor | None) -> torch.Tensor:
-    """x as int8_linear rounds it for W8A8 at `rows` rows: not at one, per 1 x 128 group up to MMA_ROWS, else
+    """x as int8_linear rounds it for W8A8 at `rows` rows: not at one, per 1 x 128 group up to FEW_ROWS, else
     per token or by the static scale."""
     if rows == 1:
         return x.float()
-    if rows <= MMA_ROWS:
+    if rows <= FEW_ROWS:
         return quantize_activations_int8(x.unflatten(-1, (-1, 128)), None).flatten(-2)
     return quantize_activations_int8(x, static)
 
@@ -258,6 +258,7 @@ PRODUCT_CASES = {  # name: (kind, rows, N, K); the rows pick each path fp8_linea
     **{f"{kind}-{rows}-rows": (kind, rows, 200, 384) for kind in ("w8a8", "w8a16") for rows in (1, 8, 24, 80)},
     **{f"w8a16-groups-{rows}-rows": ("w8a16-groups", rows, 200, 320) for rows in (1, 8, 80)},  # a partial group
     "w8a8-static-80-rows": ("w8a8-static", 80, 200, 384),
+    "w8a8-static-24-rows": ("w8a8-static", 24, 200, 384),
     "w8a8-activated-8-rows": ("w8a8-activated", 8, 200, 384),
     "w8a8-80-rows-k-not-8": ("w8a8", 80, 200, 388),  # no torch._int_mm: fp8_mma on the int8 rows
 }

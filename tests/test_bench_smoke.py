@@ -96,9 +96,9 @@ def test_quantized_study_smoke(bench: Bench, tmp_path: Path) -> None:
 
 def test_quantized_quality_smoke(bench: Bench, tmp_path: Path, held_out_windows: list[list[int]],
                                  monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    """`bench quantized --quality --smoke`: the tiny model's fp8 and int4 logits (and those of its fp8 KV cache)
-    against the unquantized ones and its held-out perplexity per format, compiled on the CPU; fp8 stays closer to
-    the unquantized model than int4."""
+    """`bench quantized --quality --smoke`: the tiny model's fp8, int8 and int4 logits (and those of its fp8 KV
+    cache) against the unquantized ones and its held-out perplexity per format, compiled on the CPU; int8 (weight
+    rounding alone, to 255 levels) stays closer to the unquantized model than fp8, and fp8 than int4."""
     from bench import quality
 
     monkeypatch.setattr(quality, "held_out_windows", lambda: held_out_windows)  # built by the same function, once
@@ -108,7 +108,8 @@ def test_quantized_quality_smoke(bench: Bench, tmp_path: Path, held_out_windows:
     for fmt, worst in (("fp8", 0.1), ("int4", 0.2)):
         assert 0 < logits[fmt]["median_relative_l2"] <= logits[fmt]["worst_relative_l2"] < worst, logits
         assert 0.8 < logits[fmt]["top1_agreement"] < 1, logits
-    assert logits["fp8"]["median_relative_l2"] < logits["int4"]["median_relative_l2"]
+    assert logits["int8"]["median_relative_l2"] < logits["fp8"]["median_relative_l2"] < logits["int4"]["median_relative_l2"]
+    assert abs(ppl["int8"] / ppl["unquantized"] - 1) < 0.01
     # the weights rounded through fp8 and nothing else: a part of what fp8 moves
     assert 0 < logits["fp8-rounded"]["median_relative_l2"] < logits["fp8"]["worst_relative_l2"], logits
     # a few windows only: the formats land on either side of the unquantized model (the full set is in

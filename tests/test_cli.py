@@ -78,6 +78,13 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     assert capsys.readouterr().out == f"graphkiln {graphkiln.__version__}\n"
 
 
+def test_cli_offers_the_quantizations_compile_config_takes() -> None:
+    """The CLI keeps its own copy (compiler.config imports torch, which its help must not)."""
+    from graphkiln.compiler.config import QUANTIZATIONS
+
+    assert cli.QUANTIZATIONS == QUANTIZATIONS
+
+
 def test_inspect_version_and_help_import_neither_torch_nor_transformers(compiled: tuple[Path, dict, str]) -> None:
     """Reading JSON needs neither (nor the server's packages): a fresh interpreter runs each command and
     reports what it imported."""

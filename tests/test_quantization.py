@@ -279,8 +279,8 @@ def test_unsupported_schemes_are_named_with_what_is_supported(llama: Checkpoint,
     with pytest.raises(ConfigError, match="quantization='fp8', but .* is already quantized"):
         load_model(with_quantization_config(llama.path, tmp_path / "fp8", compressed_tensors_config("channel", "dynamic")),
                    quantization="fp8")
-    with pytest.raises(ConfigError, match=r"CompileConfig.quantization='int8'; use one of \('fp8', 'int4'\)"):
-        CompileConfig(quantization="int8")
+    with pytest.raises(ConfigError, match=r"CompileConfig.quantization='nf4'; use one of \('fp8', 'int8', 'int4'\)"):
+        CompileConfig(quantization="nf4")
 
 
 def test_block_fp8_refuses_fused_projections_that_split_a_block(

@@ -1,4 +1,4 @@
-"""Compile-time fp8/int4 artifacts of the trained tiny model, and a pre-quantized checkpoint compiled: the ops in
+"""Compile-time fp8/int8/int4 artifacts of the trained tiny model, and a pre-quantized checkpoint compiled: the ops in
 the compiled graph, logits and perplexity against bf16, the quantized weights stored once and checked, inspect."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def compiled_quantized(tiny_copy: Path, tmp_path_factory: pytest.TempPathFactory
     """The tiny model compiled with each scheme: (artifact, compile report), its dumps in <artifact>-dumps."""
     root = tmp_path_factory.mktemp("quantized")
     outs = {}
-    for scheme in ("fp8", "int4"):
+    for scheme in ("fp8", "int8", "int4"):
         config = CompileConfig(quantization=scheme, dump_dir=root / f"{scheme}-dumps")
         _, report = graphkiln.compile_model(tiny_copy, root / scheme, config, engine=SMALL_ENGINE)
         report.counters.expect(graphs_traced=1, inductor_compiles=3)
@@ -55,7 +55,7 @@ def quantized(compiled_quantized: dict[str, tuple[Path, CompileReport]]) -> dict
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scheme", ["fp8", "int4"])
+@pytest.mark.parametrize("scheme", ["fp8", "int8", "int4"])
 def test_quantized_graph_calls_the_quantized_ops_and_the_linear_passes_leave_them(
     compiled_quantized: dict[str, tuple[Path, CompileReport]], scheme: str
 ) -> None:
@@ -66,9 +66,9 @@ def test_quantized_graph_calls_the_quantized_ops_and_the_linear_passes_leave_the
     records = {r.name: r for r in report.passes}
     assert records["linear_op"].runs > 0 and records["linear_op"].matches == 0
     assert records["silu_mul_linear"].runs == 1 and records["silu_mul_linear"].matches == 0
-    # fp8's gate/up products take their activation (4 layers); int4's are left as they are
-    assert records["silu_mul_epilogue"].matches == (4 if scheme == "fp8" else 0)
-    assert ("graphkiln.fp8_linear_silu_mul" in pieces) == (scheme == "fp8")
+    # fp8's and int8's gate/up products take their activation (4 layers); int4's are left as they are
+    assert records["silu_mul_epilogue"].matches == (0 if scheme == "int4" else 4)
+    assert (f"graphkiln.{scheme}_linear_silu_mul" in pieces) == (scheme != "int4")
 
 
 @pytest.mark.slow
@@ -90,7 +90,7 @@ def test_fp8_mlp_activation_in_its_product_scores_as_without_silu_mul_epilogue(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scheme,max_error,min_top1", [("fp8", 0.1, 0.9), ("int4", 0.2, 0.8)])
+@pytest.mark.parametrize("scheme,max_error,min_top1", [("fp8", 0.1, 0.9), ("int8", 0.05, 0.95), ("int4", 0.2, 0.8)])
 def test_quantized_tiny_logits_stay_close_to_bf16(
     quantized: dict[str, Path], scheme: str, max_error: float, min_top1: float
 ) -> None:
@@ -111,12 +111,12 @@ def test_quantized_tiny_logits_stay_close_to_bf16(
 def test_quantized_tiny_held_out_perplexity_within_target(
     quantized: dict[str, Path], held_out_windows: list[list[int]]
 ) -> None:
-    """fp8 within 1% of bf16, int4 within 5% (the quality goals of quantized weights)."""
+    """fp8 and int8 within 1% of bf16, int4 within 5% (the quality goals of quantized weights)."""
     base = quality.perplexity(graphkiln.LLM.eager("tiny", **ENGINE), held_out_windows)
-    fp8 = quality.perplexity(graphkiln.load(quantized["fp8"], **ENGINE), held_out_windows)
-    int4 = quality.perplexity(graphkiln.load(quantized["int4"], **ENGINE), held_out_windows)
-    print(f"held-out perplexity: bf16 {base:.3f}, fp8 {fp8:.3f} ({fp8 / base - 1:+.2%}), int4 {int4:.3f} ({int4 / base - 1:+.2%})")
-    assert base < fp8 < base * 1.01 and base < int4 < base * 1.05
+    ppl = {s: quality.perplexity(graphkiln.load(quantized[s], **ENGINE), held_out_windows) for s in ("fp8", "int8", "int4")}
+    print(f"held-out perplexity: bf16 {base:.3f}, " + ", ".join(f"{s} {p:.3f} ({p / base - 1:+.2%})" for s, p in ppl.items()))
+    assert base < ppl["fp8"] < base * 1.01 and base < ppl["int4"] < base * 1.05
+    assert abs(ppl["int8"] / base - 1) < 0.01  # +0.01% measured: it may land on either side
 
 
 @pytest.mark.slow

@@ -15,13 +15,13 @@ from graphkiln.passes import symm_mem_all_reduce
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "float16", "bfloat16")
-QUANTIZATIONS = ("fp8", "int4")
+QUANTIZATIONS = ("fp8", "int8", "int4")
 
 
 @dataclass(frozen=True)
 class CompileConfig:
     """Device and dtype of the artifact, token counts compiled specialized, passes, Inductor options, dumps,
-    `quantization` ("fp8", "int4"): the decoder's projections quantized at compile time, and the number of
+    `quantization` ("fp8", "int8", "int4"): the decoder's projections quantized at compile time, and the number of
     tensor-parallel ranks the model is split over (each rank runs the same compiled code).
 
     Every piece is compiled once with a dynamic token dim; each size in `specialize_sizes` adds one

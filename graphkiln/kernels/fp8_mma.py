@@ -41,8 +41,10 @@ from .split_k import RESIDENT, finish, k_steps, multiprocessors, output, split_c
 def _dot(w, xq, INT8: tl.constexpr):
     """w [BLOCK_N, BLOCK_K] @ xq [BLOCK_M, BLOCK_K]^T in float32: int8 ones summed in int32 (exact) first."""
     if INT8:
-        return tl.dot(w, tl.trans(xq), out_dtype=tl.int32).to(tl.float32)
-    return tl.dot(w, tl.trans(xq))
+        part = tl.dot(w, tl.trans(xq), out_dtype=tl.int32).to(tl.float32)
+    else:
+        part = tl.dot(w, tl.trans(xq))
+    return part
 
 
 @triton.jit(do_not_specialize=["M", "STEPS", "stride_os"])  # one build for every row count and split

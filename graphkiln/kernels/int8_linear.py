@@ -5,12 +5,13 @@ and compressed-tensors' 8-bit groups). Two schemes share the weight: W8A8, whose
 (or one static scale), and W8A16, whose activations stay as they are. The bytes a decode step reads
 are those of fp8, so the few-row paths are fp8's kernels, which take an int8 weight as well:
 One row: the GEMV of fp8_linear.py (each weight converted to float32 in registers; x as it is, which
-is finer than any quantization of it). 2 to MMA_ROWS rows: fp8_mma.py, W8A8 with x rounded to int8 per
-1 x 128 group in registers into int8 tensor cores, W8A16 with the weight converted to x's dtype.
-More rows (prefill): W8A8 quantizes x per token (or by its static scale) and multiplies on int8 tensor
-cores in torch._int_mm (cuBLAS), a small kernel scaling the int32 product by both scales into x's
-dtype; W8A16 dequantizes the weight to x's dtype and multiplies in torch.mm. Kernels only, no host
-sync: capturable in a CUDA graph.
+is finer than any quantization of it). W8A8 from 2 to FEW_ROWS rows: fp8_mma.py with x rounded to int8
+per 1 x 128 group in registers into int8 tensor cores; past FEW_ROWS x is quantized first, per token
+(or by its static scale) by a kernel of its own, as for fp8 (rounding x in every program costs more
+instructions than the loads it overlaps there), then fp8_mma on the int8 rows up to MMA_ROWS and
+torch._int_mm (cuBLAS) above, a small kernel scaling the int32 product by both scales into x's dtype.
+W8A16: fp8_mma with the weight converted to x's dtype up to MMA_ROWS, the weight dequantized to x's
+dtype for torch.mm above. Kernels only, no host sync: capturable in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import triton.language as tl
 
 from graphkiln.errors import ConfigError
 
-from .fp8_linear import MMA_ROWS, dequantize, fp8_gemv, quantize_rows
+from .fp8_linear import FEW_ROWS, MMA_ROWS, dequantize, fp8_gemv, quantize_rows
 from .fp8_mma import fp8_mma
 from .gemv import silu_mul
 from .launch import launch
@@ -69,13 +70,19 @@ def int_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.shape[0] > 16 and x.shape[1] % 8 == 0 and weight.shape[0] % 8 == 0
 
 
+def quantized_product(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """int8 rows xq [M, K] with float32 scales [M, 1] @ the int8 weight [N, K]^T with its [N] scales, in `dtype`:
+    fp8_mma up to MMA_ROWS rows and where cuBLAS's int8 product does not fit (int_mm_fits), that product above."""
+    if xq.shape[0] <= MMA_ROWS or not int_mm_fits(xq, weight):
+        return fp8_mma(xq, weight, weight_scale, x_scale=x_scale, out_dtype=dtype)
+    return scaled_int_mm(xq, x_scale, weight, weight_scale, dtype)
+
+
 def scaled_int_mm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                   dtype: torch.dtype) -> torch.Tensor:
-    """int8 rows xq [M, K] with float32 scales [M, 1] @ the int8 weight [N, K]^T with its [N] scales, in `dtype`:
-    cuBLAS's int8 product where it fits (int_mm_fits), fp8_mma on the quantized rows otherwise."""
+    """quantized_product in torch._int_mm (where int_mm_fits), its int32 result scaled by both scales in a kernel."""
     m, n = xq.shape[0], weight.shape[0]
-    if not int_mm_fits(xq, weight):
-        return fp8_mma(xq, weight, weight_scale, x_scale=x_scale, out_dtype=dtype)
     y = torch._int_mm(xq, weight.t())
     out = torch.empty(m, n, dtype=dtype, device=xq.device)
     launch(_scale_product_kernel, (triton.cdiv(m, 32), triton.cdiv(n, 128)), y, x_scale, weight_scale, out, m, n,
@@ -91,7 +98,7 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     SiLU-and-mul kernel at other row counts.
 
     weight_scale: float32 [N], or [N, ceil(K/GROUP)] without `quantize_input`. `quantize_input` (W8A8): past
-    MMA_ROWS x is quantized per token, or by `input_scale` (float32, one element) where given; up to MMA_ROWS
+    FEW_ROWS x is quantized per token, or by `input_scale` (float32, one element) where given; up to FEW_ROWS
     per 1 x 128 group in registers, and one row not at all. Without it (W8A16) x is never quantized."""
     _check(x, weight, weight_scale)
     if quantize_input and weight_scale.dim() == 2:
@@ -102,13 +109,13 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
         return x.new_empty(0, n // 2 if activated else n)
     if m == 1:
         return fp8_gemv(x, weight, weight_scale, activated=activated, scale_rows=1)
-    if m <= MMA_ROWS:
+    if m <= (FEW_ROWS if quantize_input else MMA_ROWS):
         y = fp8_mma(x, weight, weight_scale, weight_to_x=not quantize_input, scale_rows=1)
     elif not quantize_input:
         y = torch.mm(x, dequantize(weight, weight_scale, x.dtype, scale_rows=1).t())
     elif input_scale is None:
-        y = scaled_int_mm(*quantize_rows(x, dtype=torch.int8), weight, weight_scale, x.dtype)
+        y = quantized_product(*quantize_rows(x, dtype=torch.int8), weight, weight_scale, x.dtype)
     else:
         x_scale = input_scale.float().reshape(1, 1).expand(m, 1)
-        y = scaled_int_mm(quantize_static(x, input_scale), x_scale, weight, weight_scale, x.dtype)
+        y = quantized_product(quantize_static(x, input_scale), x_scale, weight, weight_scale, x.dtype)
     return silu_mul(y) if activated else y

@@ -8,7 +8,7 @@ and rounded to the nearest integer; without it (W8A16) they stay as they are.
 (passes/silu_mul_epilogue.py).
 
 On CUDA the ops call kernels/int8_linear.py, which quantizes W8A8 activations that way past
-MMA_ROWS rows, per 1 x 128 group up to it, and not at one row; elsewhere the weight is dequantized
+FEW_ROWS rows, per 1 x 128 group up to it, and not at one row; elsewhere the weight is dequantized
 to float32 and the activations quantized per token at every row count.
 """
 
@@ -30,6 +30,13 @@ def dequantize_int8(weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.T
     if scale.dim() == 1:
         return weight.float() * scale[:, None]
     return weight.float() * scale.repeat_interleave(GROUP, 1)[:, :weight.shape[1]]
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (int8 [N, K], float32 scales [N]): symmetric, each row's largest magnitude maps to 127."""
+    w = weight.float()
+    scale = w.abs().amax(-1).clamp(min=MIN_SCALE) / INT8_MAX
+    return torch.round(w / scale[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
 
 
 def quantize_activations_int8(x: torch.Tensor, input_scale: torch.Tensor | None) -> torch.Tensor:

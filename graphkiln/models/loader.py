@@ -139,7 +139,7 @@ def load_model(
 
     `cfg` is the ModelConfig already read from this directory's config.json (an artifact's manifest
     records it, so a warm load never imports transformers); without it config.json is read here.
-    A checkpoint quantized by its publisher loads as it is. `quantization` ("fp8", "int4") quantizes
+    A checkpoint quantized by its publisher loads as it is. `quantization` ("fp8", "int8", "int4") quantizes
     the decoder's projections after loading, or, with `quantized_weights` (the file an artifact holds),
     takes them from that file instead of the checkpoint; a QuantScheme (an artifact's record) is used
     as it is. `clock` gets the stage "weights" and the count "weight_bytes". `shard`: one tensor-parallel

@@ -23,7 +23,7 @@ from graphkiln.errors import ConfigError, ModelFileError, UnsupportedModelError
 from .int8_linear import GROUP as INT8_GROUP
 from .quantized_linear import BLOCK
 
-COMPILE_SCHEMES = ("fp8", "int4")
+COMPILE_SCHEMES = ("fp8", "int8", "int4")
 CHECKPOINT_FORMATS = (
     "compressed-tensors fp8 (float-quantized: per-tensor or per-channel weight scales, static per-tensor or "
     "dynamic per-token activations; 128 x 128 block weight scales with dynamic 1 x 128 group activations)",
@@ -85,6 +85,8 @@ class QuantScheme:
 def compile_scheme(name: str) -> QuantScheme:
     if name == "fp8":
         return QuantScheme("fp8", "channel", "dynamic", "compile")
+    if name == "int8":
+        return QuantScheme("int8", "channel", "none", "compile", symmetric=True)
     if name == "int4":
         return QuantScheme("int4", "group", "none", "compile")
     raise ConfigError(f"quantization {name!r} is not supported; use one of {COMPILE_SCHEMES}")

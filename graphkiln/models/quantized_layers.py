@@ -20,7 +20,7 @@ from graphkiln.errors import ArtifactError, UnsupportedModelError, WeightMismatc
 from . import int4_checkpoints, int8_checkpoints
 from .config import ModelConfig
 from .int4_checkpoints import SYMMETRIC_ZERO
-from .int8_linear import Int8Linear
+from .int8_linear import Int8Linear, quantize_int8
 from .quant_scheme import PROJECTIONS, QuantScheme
 from .quantized_linear import (
     BLOCK,
@@ -207,7 +207,7 @@ def quantize_model(model: CausalLM, cfg: ModelConfig, scheme: QuantScheme) -> No
                 dest.copy_(value)
             module.allocate_tinygemm()
         else:
-            q, scale = quantize_fp8(weight)
+            q, scale = (quantize_int8 if isinstance(module, Int8Linear) else quantize_fp8)(weight)
             module.weight.copy_(q)
             module.weight_scale.copy_(scale)
         if ours.bias:

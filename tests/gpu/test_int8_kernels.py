@@ -1,6 +1,7 @@
 """The int8 weight products (int8_linear: the one-row GEMV, fp8_mma on int8 tensor cores with x rounded per 1 x 128
-group in registers or, for W8A16, the weight converted to x's dtype, and past MMA_ROWS torch._int_mm on x quantized
-per token or the dequantized weight in torch.mm) against float32 products of the dequantized weight and of x rounded
+group in registers up to FEW_ROWS, then on x quantized per token by a kernel before it, and past MMA_ROWS
+torch._int_mm on those rows; for W8A16 fp8_mma on the weight converted to x's dtype, then the dequantized weight in
+torch.mm) against float32 products of the dequantized weight and of x rounded
 as each path rounds it, at decode and prefill row counts, with scales per channel or (W8A16) per 128 inputs, with
 every split of K, and replayed in a CUDA graph."""
 
@@ -10,7 +11,7 @@ import torch
 pytest.importorskip("triton")
 
 from graphkiln.kernels import fp8_mma as mma_kernels  # noqa: E402
-from graphkiln.kernels.fp8_linear import MMA_ROWS, quantize_rows  # noqa: E402
+from graphkiln.kernels.fp8_linear import FEW_ROWS, quantize_rows  # noqa: E402
 from graphkiln.kernels.int8_linear import int8_linear, int_mm_fits  # noqa: E402
 from graphkiln.kernels.split_k import multiprocessors  # noqa: E402
 from graphkiln.models.int8_linear import quantize_activations_int8  # noqa: E402
@@ -28,7 +29,7 @@ def _rounded(x: torch.Tensor, static: torch.Tensor | None) -> torch.Tensor:
     rows, k = x.shape
     if rows == 1:
         return x.float()
-    if rows <= MMA_ROWS:
+    if rows <= FEW_ROWS:
         width = -(-k // 128) * 128
         padded = torch.nn.functional.pad(x.float(), (0, width - k))
         return quantize_activations_int8(padded.unflatten(-1, (-1, 128)), None).flatten(-2)[:, :k]

@@ -164,7 +164,7 @@ def _check_engine(out, reference: LLM, name: str, max_error: float) -> dict:
     return result
 
 
-@pytest.mark.parametrize("scheme,max_error", [("fp8", 0.1), ("int4", 0.2)])
+@pytest.mark.parametrize("scheme,max_error", [("fp8", 0.1), ("int8", 0.1), ("int4", 0.2)])
 def test_tiny_compiled_with_quantization_loads_fresh_with_zero_compiles(scheme, max_error, tmp_path):
     """int4 decode at up to TINYGEMM_ROWS rows goes through tinygemm: the fresh load's int4 layers have its layout
     but the down projections, whose groups of 16 (K = 688) tinygemm does not take; the prompts finish at
@@ -218,7 +218,7 @@ def test_prequantized_checkpoint_compiles_and_loads_fresh_with_zero_compiles(lay
         assert result["tinygemm"] == [True] * 8
 
 
-@pytest.mark.parametrize("scheme", ["fp8", "int4"])
+@pytest.mark.parametrize("scheme", ["fp8", "int8", "int4"])
 def test_llama_1b_shaped_quality_against_bf16_over_64_prompts(scheme, tmp_path):
     """Issue 23's quality measure on a 2-layer Llama-3.2-1B-shaped model with random weights: logits of the
     quantized artifact against the bf16 one, relative error and top-1 agreement over 64 prompts (recorded)."""
