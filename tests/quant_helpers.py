@@ -13,9 +13,11 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import PreTrainedModel
 
@@ -196,6 +198,17 @@ def save_checkpoint(model: PreTrainedModel, tensors: dict[str, torch.Tensor], ou
     if model.config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def rewrite_checkpoint(source: Path, dest: Path, change: Callable[[dict[str, torch.Tensor]], None]) -> Path:
+    """A copy of the checkpoint `source` (config.json, model.safetensors) whose tensors `change` edited in place."""
+    dest.mkdir()
+    (dest / "config.json").write_text((source / "config.json").read_text())
+    with safe_open(str(source / "model.safetensors"), "pt") as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    change(tensors)
+    save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    return dest
 
 
 def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:

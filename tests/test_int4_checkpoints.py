@@ -13,8 +13,6 @@ from typing import TYPE_CHECKING
 
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 from transformers import LlamaForCausalLM
 
 import graphkiln
@@ -25,7 +23,7 @@ from graphkiln.errors import UnsupportedModelError, WeightMismatchError
 from graphkiln.models.loader import load_model
 from graphkiln.models.quantized_linear import Int4Linear
 from int4_checkpoint_helpers import awq_words, int4_config, write_int4_checkpoint
-from quant_helpers import relative_error, top1_agreement, with_quantization_config
+from quant_helpers import relative_error, rewrite_checkpoint, top1_agreement, with_quantization_config
 
 if TYPE_CHECKING:
     from conftest import Checkpoint, CheckpointFactory
@@ -155,7 +153,8 @@ def test_unsupported_int4_schemes_are_named(llama: Checkpoint, tmp_path: Path) -
     channel = {**ct, "config_groups": {"g": {**ct["config_groups"]["group_0"], "weights": {
         **ct["config_groups"]["group_0"]["weights"], "strategy": "channel", "group_size": None}}}}
     cases = {
-        "gptq-8bit": ({**int4_config("gptq", 128, True), "bits": 8}, r"GPTQ with bits 8 "),
+        "gptq-3bit": ({**int4_config("gptq", 128, True), "bits": 3}, r"GPTQ with bits 3 \(graphkiln reads 4-bit and "
+                                                                     "8-bit GPTQ\)"),
         "marlin": ({**int4_config("gptq", 128, True), "checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
         "is-marlin": ({**int4_config("gptq", 128, True), "is_marlin_format": True}, "checkpoint_format 'marlin'"),
         "int16-words": ({**int4_config("gptq", 128, True), "pack_dtype": "int16"}, "GPTQ pack_dtype 'int16'"),
@@ -179,17 +178,6 @@ def test_unsupported_int4_schemes_are_named(llama: Checkpoint, tmp_path: Path) -
         load_model(_with_config(llama, tmp_path, "bnb", {"quant_method": "bitsandbytes", "load_in_4bit": True}))
 
 
-def _rewrite(source: Path, dest: Path, change: Callable[[dict[str, torch.Tensor]], None]) -> Path:
-    """A copy of the int4 checkpoint `source` whose tensors `change` edited in place."""
-    dest.mkdir()
-    (dest / "config.json").write_text((source / "config.json").read_text())
-    with safe_open(str(source / "model.safetensors"), "pt") as f:
-        tensors = {name: f.get_tensor(name) for name in f.keys()}
-    change(tensors)
-    save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
-    return dest
-
-
 def test_damaged_int4_tensors_are_named(int4_checkpoints: dict, tmp_path: Path) -> None:
     gptq, _ = int4_checkpoints[("gptq", True, False)]
     ct, _ = int4_checkpoints[("compressed-tensors", False, False)]
@@ -202,18 +190,18 @@ def test_damaged_int4_tensors_are_named(int4_checkpoints: dict, tmp_path: Path) 
     with pytest.raises(WeightMismatchError, match=rf"model.safetensors: tensor '{prefix}.g_idx': group indices that are "
                                                   r"not runs of 32 inputs \(act-order\), but quantization_config "
                                                   "declares none"):
-        load_model(_rewrite(gptq, tmp_path / "g_idx", permute_groups))
+        load_model(rewrite_checkpoint(gptq, tmp_path / "g_idx", permute_groups))
     with pytest.raises(WeightMismatchError, match=r"weight_shape \[64, 100\] but config.json implies \[64, 128\]"):
-        load_model(_rewrite(ct, tmp_path / "shape", lambda t: t.update({f"{prefix}.weight_shape": torch.tensor([64, 100])})))
+        load_model(rewrite_checkpoint(ct, tmp_path / "shape", lambda t: t.update({f"{prefix}.weight_shape": torch.tensor([64, 100])})))
     with pytest.raises(WeightMismatchError, match=rf"checkpoint lacks tensors for \['{prefix}.qzeros'\]"):
-        load_model(_rewrite(gptq, tmp_path / "no-zeros", lambda t: t.pop(f"{prefix}.qzeros")))
+        load_model(rewrite_checkpoint(gptq, tmp_path / "no-zeros", lambda t: t.pop(f"{prefix}.qzeros")))
     with pytest.raises(WeightMismatchError, match=r"'model.layers.0.self_attn.k_proj.qweight': dtype torch.float32, "
                                                   r"the format stores torch.int32"):
-        load_model(_rewrite(awq, tmp_path / "float", lambda t: t.update({
+        load_model(rewrite_checkpoint(awq, tmp_path / "float", lambda t: t.update({
             "model.layers.0.self_attn.k_proj.qweight": t["model.layers.0.self_attn.k_proj.qweight"].float()})))
     with pytest.raises(WeightMismatchError, match=r"weight_zero_point': shape \(2, 4\) but config.json and "
                                                   r"quantization_config imply \(8, 4\)"):
-        load_model(_rewrite(ct, tmp_path / "zeros", lambda t: t.update({
+        load_model(rewrite_checkpoint(ct, tmp_path / "zeros", lambda t: t.update({
             f"{prefix}.weight_zero_point": t[f"{prefix}.weight_zero_point"][:2]})))
 
 
@@ -226,13 +214,13 @@ def test_damaged_act_order_indices_are_named(int4_checkpoints: dict, tmp_path: P
 
     with pytest.raises(WeightMismatchError, match=r"down_proj.g_idx': group indices that do not give each of the 4 "
                                                   "groups 32 inputs"):
-        load_model(_rewrite(gptq, tmp_path / "uneven", uneven))
+        load_model(rewrite_checkpoint(gptq, tmp_path / "uneven", uneven))
     with pytest.raises(UnsupportedModelError, match=rf"'{attention}.(k|q)_proj.g_idx': an input order \(act-order\) "
                                                     "that differs from that of the projection fused with it"):
-        load_model(_rewrite(gptq, tmp_path / "apart", lambda t: t.update({
+        load_model(rewrite_checkpoint(gptq, tmp_path / "apart", lambda t: t.update({
             f"{attention}.k_proj.g_idx": t[f"{attention}.k_proj.g_idx"].roll(1)})))
     with pytest.raises(WeightMismatchError, match=rf"checkpoint lacks tensors for \['{attention}.v_proj.g_idx'\]"):
-        load_model(_rewrite(gptq, tmp_path / "missing", lambda t: t.pop(f"{attention}.v_proj.g_idx")))
+        load_model(rewrite_checkpoint(gptq, tmp_path / "missing", lambda t: t.pop(f"{attention}.v_proj.g_idx")))
 
 
 @pytest.mark.slow

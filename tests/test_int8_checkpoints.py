@@ -12,8 +12,6 @@ from typing import TYPE_CHECKING
 
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 from transformers import LlamaForCausalLM
 
 import graphkiln
@@ -24,7 +22,7 @@ from graphkiln.errors import UnsupportedModelError, WeightMismatchError
 from graphkiln.models.int8_linear import Int8Linear
 from graphkiln.models.loader import load_model
 from int8_checkpoint_helpers import int8_config, write_int8_checkpoint
-from quant_helpers import relative_error, top1_agreement, with_quantization_config
+from quant_helpers import relative_error, rewrite_checkpoint, top1_agreement, with_quantization_config
 
 if TYPE_CHECKING:
     from conftest import Checkpoint, CheckpointFactory
@@ -96,17 +94,6 @@ def test_w8a16_checkpoint_matches_transformers_reading_it(
     assert relative_error(graphkiln.LLM.eager(path, **ENGINE).score(ids), theirs) < 1e-4
 
 
-def _rewrite(source: Path, dest: Path, change: Callable[[dict[str, torch.Tensor]], None]) -> Path:
-    """A copy of the checkpoint `source` whose tensors `change` edited in place."""
-    dest.mkdir()
-    (dest / "config.json").write_text((source / "config.json").read_text())
-    with safe_open(str(source / "model.safetensors"), "pt") as f:
-        tensors = {name: f.get_tensor(name) for name in f.keys()}
-    change(tensors)
-    save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
-    return dest
-
-
 def test_symmetric_zero_points_are_read_past_and_others_refused(
     int8_checkpoints: dict, random_ids: Callable[..., list[int]], tmp_path: Path
 ) -> None:
@@ -119,11 +106,11 @@ def test_symmetric_zero_points_are_read_past_and_others_refused(
         t[f"{prefix}.input_zero_point"] = torch.zeros(1, dtype=torch.int8)
 
     ids = random_ids(48)
-    with_zeros = graphkiln.LLM.eager(_rewrite(path, tmp_path / "zeros", zeros), **ENGINE).score(ids)
+    with_zeros = graphkiln.LLM.eager(rewrite_checkpoint(path, tmp_path / "zeros", zeros), **ENGINE).score(ids)
     assert torch.equal(with_zeros, graphkiln.LLM.eager(path, **ENGINE).score(ids))
     with pytest.raises(UnsupportedModelError, match=rf"tensor '{prefix}.weight_zero_point': non-zero weight_zero_point "
                                                     r"\(asymmetric int8\)"):
-        load_model(_rewrite(path, tmp_path / "ones", lambda t: zeros(t, 1)))
+        load_model(rewrite_checkpoint(path, tmp_path / "ones", lambda t: zeros(t, 1)))
 
 
 def test_damaged_int8_tensors_are_named(int8_checkpoints: dict, tmp_path: Path) -> None:
@@ -132,15 +119,15 @@ def test_damaged_int8_tensors_are_named(int8_checkpoints: dict, tmp_path: Path) 
     prefix = "model.layers.0.mlp.up_proj"
     with pytest.raises(WeightMismatchError, match=rf"'{prefix}.weight': dtype torch.float32, the checkpoint's "
                                                   r"quantization_config needs torch.int8"):
-        load_model(_rewrite(dynamic, tmp_path / "float", lambda t: t.update({f"{prefix}.weight": t[f"{prefix}.weight"].float()})))
+        load_model(rewrite_checkpoint(dynamic, tmp_path / "float", lambda t: t.update({f"{prefix}.weight": t[f"{prefix}.weight"].float()})))
     with pytest.raises(WeightMismatchError, match=rf"'{prefix}.weight_packed': shape \(128, 8\) but config.json and "
                                                   r"quantization_config imply \(128, 16\)"):
-        load_model(_rewrite(packed, tmp_path / "short", lambda t: t.update({
+        load_model(rewrite_checkpoint(packed, tmp_path / "short", lambda t: t.update({
             f"{prefix}.weight_packed": t[f"{prefix}.weight_packed"][:, :8].contiguous()})))
     with pytest.raises(WeightMismatchError, match=r"weight_shape \[128, 60\] but config.json implies \[128, 64\]"):
-        load_model(_rewrite(packed, tmp_path / "shape", lambda t: t.update({f"{prefix}.weight_shape": torch.tensor([128, 60])})))
+        load_model(rewrite_checkpoint(packed, tmp_path / "shape", lambda t: t.update({f"{prefix}.weight_shape": torch.tensor([128, 60])})))
     with pytest.raises(WeightMismatchError, match=rf"checkpoint lacks tensors for \['{prefix}.weight_shape'\]"):
-        load_model(_rewrite(packed, tmp_path / "no-shape", lambda t: t.pop(f"{prefix}.weight_shape")))
+        load_model(rewrite_checkpoint(packed, tmp_path / "no-shape", lambda t: t.pop(f"{prefix}.weight_shape")))
 
 
 def test_gptq_int8_zero_points_and_group_indices_are_checked(
@@ -151,10 +138,10 @@ def test_gptq_int8_zero_points_and_group_indices_are_checked(
     write_int8_checkpoint(ckpt.path, ckpt.model, tmp_path / "gptq", "gptq", "group")
     prefix = "model.layers.0.self_attn.o_proj"
     with pytest.raises(UnsupportedModelError, match=rf"'{prefix}.qzeros': zero points other than 128 \(asymmetric"):
-        load_model(_rewrite(tmp_path / "gptq", tmp_path / "zeros", lambda t: t[f"{prefix}.qzeros"].add_(1)))
+        load_model(rewrite_checkpoint(tmp_path / "gptq", tmp_path / "zeros", lambda t: t[f"{prefix}.qzeros"].add_(1)))
     with pytest.raises(UnsupportedModelError, match=rf"'{prefix}.g_idx': group indices that are not runs of 128 "
                                                     r"inputs \(act-order int8\)"):
-        load_model(_rewrite(tmp_path / "gptq", tmp_path / "g_idx", lambda t: t.update({
+        load_model(rewrite_checkpoint(tmp_path / "gptq", tmp_path / "g_idx", lambda t: t.update({
             f"{prefix}.g_idx": t[f"{prefix}.g_idx"].flip(0)})))
 
 
@@ -190,8 +177,8 @@ def test_unsupported_int8_schemes_are_named(llama: Checkpoint, tmp_path: Path) -
 def test_int8_checkpoint_compiles_into_an_artifact_that_reads_it_as_it_is(
     int8_checkpoints: dict, random_ids: Callable[..., list[int]], tmp_path: Path
 ) -> None:
-    """The compiled graphs call the int8 products (the gate and up one with its activation); no copy of the weights
-    in the artifact."""
+    """W8A16: no copy of the weights in the artifact, which scores as the eager engine (the compiled graphs' int8 ops:
+    tests/test_quantized_artifacts.py)."""
     path, _ = int8_checkpoints[("none", "channel")]
     ids = random_ids(48)
     manifest, _ = graphkiln.compile_model(path, tmp_path / "art", engine=SMALL_ENGINE)

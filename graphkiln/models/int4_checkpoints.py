@@ -39,6 +39,19 @@ def checkpoint_kinds(source: str, symmetric: bool, act_order: bool) -> tuple[str
     return ("qweight", "qzeros", "scales") + ("g_idx",) * act_order
 
 
+def checked(tensor: torch.Tensor, shape: tuple[int, ...], where: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`tensor`, once its shape is `shape` and its dtype `dtype` (None: any floating-point dtype, as scales are
+    stored); a named WeightMismatchError otherwise."""
+    if tuple(tensor.shape) != shape:
+        raise WeightMismatchError(f"{where}: shape {tuple(tensor.shape)} but config.json and quantization_config "
+                                  f"imply {shape}")
+    if dtype is not None and tensor.dtype != dtype:
+        raise WeightMismatchError(f"{where}: dtype {tensor.dtype}, the format stores {dtype}")
+    if dtype is None and not tensor.is_floating_point():
+        raise WeightMismatchError(f"{where}: dtype {tensor.dtype}, the format stores floating-point scales")
+    return tensor
+
+
 def nibbles(words: torch.Tensor) -> torch.Tensor:
     """int32 [..., W] -> uint8 [..., 8W]: the 4-bit values of each word, lowest bits first."""
     return unpack_int4(words.contiguous().view(torch.uint8))
@@ -66,14 +79,7 @@ class Int4Part:
         self.where = where
 
     def check(self, tensor: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
-        if tuple(tensor.shape) != shape:
-            raise WeightMismatchError(f"{self.where}: shape {tuple(tensor.shape)} but config.json and "
-                                      f"quantization_config imply {shape}")
-        if dtype is not None and tensor.dtype != dtype:
-            raise WeightMismatchError(f"{self.where}: dtype {tensor.dtype}, the format stores {dtype}")
-        if dtype is None and not tensor.is_floating_point():
-            raise WeightMismatchError(f"{self.where}: dtype {tensor.dtype}, the format stores floating-point scales")
-        return tensor
+        return checked(tensor, shape, self.where, dtype)
 
     def set_group_index(self, g_idx: torch.Tensor) -> None:
         """Without act-order the group indices must be runs of `group` inputs (the checkpoint's, read whole by

@@ -20,6 +20,7 @@ import torch
 
 from graphkiln.errors import UnsupportedModelError, WeightMismatchError
 
+from .int4_checkpoints import checked
 from .int8_linear import Int8Linear
 
 SYMMETRIC_ZERO = 128
@@ -47,29 +48,18 @@ def _signed(unsigned_bytes: torch.Tensor) -> torch.Tensor:
     return (unsigned_bytes ^ 0x80).view(torch.int8)
 
 
-def _check(tensor: torch.Tensor, shape: tuple[int, ...], where: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-    if tuple(tensor.shape) != shape:
-        raise WeightMismatchError(f"{where}: shape {tuple(tensor.shape)} but config.json and quantization_config "
-                                  f"imply {shape}")
-    if dtype is not None and tensor.dtype != dtype:
-        raise WeightMismatchError(f"{where}: dtype {tensor.dtype}, the format stores {dtype}")
-    if dtype is None and not tensor.is_floating_point():
-        raise WeightMismatchError(f"{where}: dtype {tensor.dtype}, the format stores floating-point scales")
-    return tensor
-
-
 def fill_int8(module: Int8Linear, kind: str, part: int, tensor: torch.Tensor, where: str) -> None:
     """Copy one checkpoint tensor of fused part `part` of an int8 projection (a kind `reads` takes) into `module`."""
     weight, scale = module.weight.split(module.parts)[part], module.weight_scale.split(module.parts)[part]
     n, k = weight.shape
     if kind == "weight_packed":
-        weight.copy_(_signed(_check(tensor, (n, k // 4), where, torch.int32).contiguous().view(torch.uint8)))
+        weight.copy_(_signed(checked(tensor, (n, k // 4), where, torch.int32).contiguous().view(torch.uint8)))
     elif kind == "qweight":  # words along K: transposed, their bytes are the values
-        weight.copy_(_signed(_check(tensor, (k // 4, n), where, torch.int32).t().contiguous().view(torch.uint8)))
+        weight.copy_(_signed(checked(tensor, (k // 4, n), where, torch.int32).t().contiguous().view(torch.uint8)))
     elif kind == "weight_scale":
-        scale.copy_(_check(tensor, tuple(scale.shape), where))
+        scale.copy_(checked(tensor, tuple(scale.shape), where))
     elif kind == "scales":
-        scale.copy_(_check(tensor, (scale.shape[-1] if module.grouped else 1, n), where).t().reshape(scale.shape))
+        scale.copy_(checked(tensor, (scale.shape[-1] if module.grouped else 1, n), where).t().reshape(scale.shape))
     elif kind == "weight_shape":
         full = [module.checkpoint_parts[part], module.checkpoint_in_features]
         if tensor.numel() != 2 or tensor.tolist() != full:
