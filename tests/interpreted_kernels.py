@@ -169,7 +169,8 @@ def run_product(kind: str, rows: int, n: int, k: int, seed: int = 0) -> dict:
     1 x 128 group in registers up to FEW_ROWS, per token (channel scales) or group (block scales) by a kernel of
     its own up to MMA_ROWS; int8's W8A8 rounds x to int8 likewise, per 1 x 128 group in registers from 2 to
     FEW_ROWS rows and per token (or by the static scale) past them; W8A16 and int4 keep x (the dp4a GEMV's
-    16-bit fixed point per group is finer than float16 for all but a group's smallest inputs). "-activated" kinds (fp8, and "half" for the float16 GEMV of one row) are
+    16-bit fixed point per group is finer than float16 for all but a group's smallest inputs). "-activated" kinds
+    (fp8, int8, and "half" for the float16 GEMV of one row) are
     silu(gate) * up of the product's halves, against that of the float16 product."""
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed)).to(torch.float16)
     activated = kind.endswith("-activated")

@@ -207,7 +207,8 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     return silu_mul(y) if activated and not in_epilogue else y
 
 
-def quantize_rows(x: torch.Tensor, group: int | None = None, dtype: torch.dtype = FP8) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, group: int | None = None,
+                  dtype: torch.dtype = FP8) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] to `dtype` (fp8, or int8 rounded to the nearest integer) with a float32 scale per row (`group`
     None: [M, 1]) or per `group`-wide slice of a row ([M, ceil(K/group)], column-major as torch._scaled_mm's
     block scaling wants it)."""

@@ -54,9 +54,9 @@ def _mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, M, N, K, STEPS, stride_xm,
                 X_QUANTIZED: tl.constexpr, X_GROUPS: tl.constexpr, WEIGHT_TO_X: tl.constexpr, PDL: tl.constexpr):
     """out[split, M, N] for one BLOCK_N slab of weight rows and one BLOCK_M tile of x rows over a split of K
     (STEPS steps of BLOCK_K). BLOCK_SCALES: 2-D weight scales, one per SCALE_ROWS x 128 tile (128 x 128 blocks,
-    or int8's groups of 128 inputs with SCALE_ROWS 1). INT8: the weight is int8, else fp8. X_QUANTIZED: x is in the weight's type already,
-    scaled by xs per row or (X_GROUPS) per 128-wide group. WEIGHT_TO_X: x is multiplied as it is, by the weight
-    converted to x's dtype."""
+    or int8's groups of 128 inputs with SCALE_ROWS 1). INT8: the weight is int8, else fp8. X_QUANTIZED: x is in
+    the weight's type already, scaled by xs per row or (X_GROUPS) per 128-wide group. WEIGHT_TO_X: x is
+    multiplied as it is, by the weight converted to x's dtype."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     split = tl.program_id(2)
@@ -134,9 +134,10 @@ def fp8_mma(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
             out_dtype: torch.dtype | None = None, weight_to_x: bool = False, scale_rows: int = 128) -> torch.Tensor:
     """x [M, K] (unit stride along K) @ dequantized 8-bit weight [N, K]^T in `out_dtype` (default x's dtype).
     weight: float8_e4m3fn with weight_scale float32 [N] or [ceil(N/128), ceil(K/128)], or int8 with [N] or, per
-    group of 128 inputs (`scale_rows` 1), [N, ceil(K/128)] (contiguous); `tiles` defaults to `mma_tiling`. x is bfloat16/float16 (quantized per 1 x BLOCK_K group in
-    registers, or with `weight_to_x` multiplied as it is by the int8 weight converted to its dtype), or in the
-    weight's type with `x_scale` float32 [M, 1] (per row) or [M, ceil(K/128)] (per group)."""
+    group of 128 inputs (`scale_rows` 1), [N, ceil(K/128)] (contiguous); `tiles` defaults to `mma_tiling`. x is
+    bfloat16/float16 (quantized per 1 x BLOCK_K group in registers, or with `weight_to_x` multiplied as it is by
+    the int8 weight converted to its dtype), or in the weight's type with `x_scale` float32 [M, 1] (per row) or
+    [M, ceil(K/128)] (per group)."""
     m, k = x.shape
     n = weight.shape[0]
     block_scales = weight_scale.dim() == 2
@@ -152,8 +153,8 @@ def fp8_mma(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
         _mma_kernel, (triton.cdiv(n, block_n), triton.cdiv(m, block_m), splits),
         x, xs, weight, weight_scale, out, m, n, k, steps, x.stride(0), xs.stride(0), xs.stride(-1),
         weight.stride(0), weight_scale.stride(0), m * n, n, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        BLOCK_SCALES=block_scales, SCALE_ROWS=scale_rows, INT8=weight.dtype == torch.int8, X_QUANTIZED=x_scale is not None,
-        X_GROUPS=x_groups, WEIGHT_TO_X=weight_to_x, PDL=launch_pdl, num_warps=warps, num_stages=stages,
-        launch_pdl=launch_pdl,
+        BLOCK_SCALES=block_scales, SCALE_ROWS=scale_rows, INT8=weight.dtype == torch.int8,
+        X_QUANTIZED=x_scale is not None, X_GROUPS=x_groups, WEIGHT_TO_X=weight_to_x, PDL=launch_pdl, num_warps=warps,
+        num_stages=stages, launch_pdl=launch_pdl,
     )
     return finish(out, out_dtype)

@@ -1,8 +1,9 @@
 """int8 weight products: y [M, N] = x [M, K] @ (weight [N, K] int8 times its scales)^T.
 
-Scales are per output channel ([N]) or, weight-only, per group of GROUP inputs ([N, ceil(K/GROUP)]: GPTQ's
-and compressed-tensors' 8-bit groups). Two schemes share the weight: W8A8, whose activations are quantized to int8 with a scale per token
-(or one static scale), and W8A16, whose activations stay as they are. The bytes a decode step reads
+Scales are per output channel ([N]) or, weight-only, per group of GROUP inputs ([N, ceil(K/GROUP)]:
+GPTQ's and compressed-tensors' 8-bit groups). Two schemes share the weight: W8A8, whose activations
+are quantized to int8 with a scale per token (or one static scale), and W8A16, whose activations
+stay as they are. The bytes a decode step reads
 are those of fp8, so the few-row paths are fp8's kernels, which take an int8 weight as well:
 One row: the GEMV of fp8_linear.py (each weight converted to float32 in registers; x as it is, which
 is finer than any quantization of it). W8A8 from 2 to FEW_ROWS rows: fp8_mma.py with x rounded to int8

@@ -72,7 +72,8 @@ def fill_int8(module: Int8Linear, kind: str, part: int, tensor: torch.Tensor, wh
     elif kind == "g_idx":
         full_k = module.checkpoint_in_features
         group = module.group_size or full_k
-        if tensor.numel() != full_k or not torch.equal(tensor.long().reshape(-1), torch.arange(full_k, device=tensor.device) // group):
+        runs = torch.arange(full_k, device=tensor.device) // group
+        if tensor.numel() != full_k or not torch.equal(tensor.long().reshape(-1), runs):
             raise UnsupportedModelError(f"{where}: group indices that are not runs of {group} inputs (act-order int8); "
                                         "graphkiln reads int8 without act-order")
     elif tensor.count_nonzero():  # ZERO_POINTS

@@ -1,9 +1,10 @@
 """int8 weight products: the custom ops, their reference bodies and the layer.
 
 `graphkiln::int8_linear(x, weight, weight_scale, input_scale, quantize_input)`: weight [N, K] int8 with
-a float32 scale per output channel ([N]) or, weight-only, per group of 128 inputs ([N, ceil(K/128)]). With `quantize_input` (W8A8) the activations are quantized
-to int8, symmetric, with a scale per token (amax / 127) or the one static scale `input_scale` [1],
-and rounded to the nearest integer; without it (W8A16) they stay as they are.
+a float32 scale per output channel ([N]) or, weight-only, per group of 128 inputs ([N, ceil(K/128)]).
+With `quantize_input` (W8A8) the activations are quantized to int8, symmetric, with a scale per token
+(amax / 127) or the one static scale `input_scale` [1], and rounded to the nearest integer; without
+it (W8A16) they stay as they are.
 `graphkiln::int8_linear_silu_mul(...)`: silu(gate) * up of int8_linear's [gate | up]
 (passes/silu_mul_epilogue.py).
 
@@ -82,8 +83,9 @@ class Int8Linear(Fp8Linear):
     """int8 weight with a float32 scale per output channel (`weight_scale` [N]) or, with `group_size` (GROUP, weight-
     only), per group of inputs ([N, ceil(K/GROUP)]). `quantize_input` (W8A8): the activations are quantized to int8
     per token as they come, or by a static scale (`static_input`, `input_scale` [1]); otherwise (W8A16) they are
-    not. `source`: the checkpoint format (int8_checkpoints.py), "compressed-tensors" or GPTQ's; `packed`: its
-    compressed-tensors weights are pack-quantized int32 words."""
+    not. `source`: "compile" (quantized by compile-model, quantize_int8) or the checkpoint format
+    (int8_checkpoints.py), "compressed-tensors" or GPTQ's; `packed`: its compressed-tensors weights are
+    pack-quantized int32 words."""
 
     weight_dtype = torch.int8
 
@@ -107,7 +109,8 @@ class Int8Linear(Fp8Linear):
         if not self.quantize_input:
             activations = "weight-only"
         else:
-            activations = f"{'static per-tensor' if self.input_scale is not None else 'dynamic per-token'} int8 activations"
+            scales = "static per-tensor" if self.input_scale is not None else "dynamic per-token"
+            activations = f"{scales} int8 activations"
         scales = f"groups of {self.group_size}" if self.grouped else "per-channel weight scales"
         return f"int8, symmetric, {scales}, {activations}"
 

@@ -1,10 +1,11 @@
 """Which quantization a model uses: the scheme compile-model asks for, or the one a checkpoint declares.
 
-A scheme comes either from compile-model (`CompileConfig.quantization`: "fp8" or "int4", the
-checkpoint's bf16/fp16 weights quantized at compile time) or from the checkpoint itself
-(`quantization_config` in config.json): compressed-tensors fp8, int8 (W8A8, or W8A16 pack-quantized) or
-int4 (pack-quantized), read with the compressed-tensors library; block-wise fp8 as published for Qwen3; AutoFP8's and NVIDIA
-ModelOpt's fp8; GPTQ and AWQ int4 (int4_checkpoints.py reads their tensors). Anything else is
+A scheme comes either from compile-model (`CompileConfig.quantization`: "fp8", "int8" or "int4",
+the checkpoint's bf16/fp16 weights quantized at compile time) or from the checkpoint itself
+(`quantization_config` in config.json): compressed-tensors fp8 (per channel, tensor or 128 x 128
+block), int8 (W8A8, W8A16) or int4 (pack-quantized), read with the compressed-tensors library;
+block-wise fp8 as published for Qwen3; AutoFP8's and NVIDIA ModelOpt's fp8; GPTQ int4 and int8 and
+AWQ int4 (int4_checkpoints.py and int8_checkpoints.py read their tensors). Anything else is
 refused by name. A checkpoint's KV cache scales (its kv_cache_scheme) are read past: the loader
 skips them, since the cache is the model dtype or fp8 with scales of its own.
 """

@@ -6,8 +6,8 @@ lays a projection's tensors out its own way, so the same rows or columns are ano
 SLICES says, per format and tensor kind, along which dimension of the stored tensor a rank's output
 rows and input columns run, and how many outputs or inputs one index there stands for (a packed
 word's 8 int4 or 4 int8 values, a group's G, a block's 128). A rank reads only its slice of a tensor
-that is split, and the format's reader (quantized_layers.fill_quantized) then fills it into the rank's module as it would
-a whole one. A tensor without an entry for the rank's direction (a per-tensor scale, a channel scale
+that is split, and the format's reader (quantized_layers.fill_quantized) then fills it into the rank's
+module as it would a whole one. A tensor without an entry for the rank's direction (a per-tensor scale, a channel scale
 of a row-parallel projection, group indices) is read whole by every rank.
 """
 

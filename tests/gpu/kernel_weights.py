@@ -1,6 +1,7 @@
 """Weights and activations for the GPU tests of the quantized kernels (test_fp8_kernels.py, test_int4_kernels.py,
-test_int8_kernels.py, test_quantized_kernels.py; the weights also for tests/interpreted_kernels.py, on the CPU): random weights quantized the way the kernels read them, with their dequantized float32
-reference, the shapes and splits the tests share, and a CUDA-graph capture of a product."""
+test_int8_kernels.py, test_quantized_kernels.py; the weights also for tests/interpreted_kernels.py, on the CPU):
+random weights quantized the way the kernels read them, with their dequantized float32 reference, the shapes and
+splits the tests share, and a CUDA-graph capture of a product."""
 
 import functools
 
