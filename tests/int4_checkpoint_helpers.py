@@ -22,11 +22,13 @@ INPUTS = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "o_proj": 1, "gate_proj": 2, "u
 
 
 def int4_config(fmt: str, group: int, symmetric: bool, act_order: bool = False) -> dict:
-    """quantization_config as llm-compressor (compressed-tensors), AutoGPTQ / GPTQModel or AutoAWQ writes it."""
+    """quantization_config as llm-compressor (compressed-tensors), AutoGPTQ / GPTQModel or AutoAWQ writes it; `group`
+    -1: a scale per channel (GPTQ's group_size -1, compressed-tensors' channel strategy)."""
     if fmt == "compressed-tensors":
-        weights = {"num_bits": 4, "type": "int", "symmetric": symmetric, "group_size": group, "strategy": "group",
-                   "block_structure": None, "dynamic": False, "actorder": "group" if act_order else None,
-                   "observer": "minmax", "observer_kwargs": {}}
+        strategy = "channel" if group == -1 else "group"
+        weights = {"num_bits": 4, "type": "int", "symmetric": symmetric, "group_size": None if group == -1 else group,
+                   "strategy": strategy, "block_structure": None, "dynamic": False,
+                   "actorder": "group" if act_order else None, "observer": "minmax", "observer_kwargs": {}}
         return {"config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
                                               "output_activations": None, "format": "pack-quantized"}},
                 "format": "pack-quantized", "ignore": ["lm_head"], "kv_cache_scheme": None,
@@ -120,7 +122,8 @@ def write_int4_checkpoint(source: Path, model: PreTrainedModel, out: Path, fmt: 
                           symmetric: bool, act_order: bool = False) -> PreTrainedModel:
     """Write `model` to `out` as an int4 checkpoint in format `fmt` (FORMATS) beside the tokenizer-less files of
     `source`; return the float32 model of the dequantized weights (scales as stored). `act_order`: each input of a
-    layer's projections that read one input (q, k, v; gate, up) gets a shuffled group, as GPTQ's desc_act gives."""
+    layer's projections that read one input (q, k, v; gate, up) gets a shuffled group, as GPTQ's desc_act gives.
+    `group` -1: one group a row (a scale per channel)."""
     start_checkpoint(source, out, int4_config(fmt, group, symmetric, act_order))
     reference, tensors = copy.deepcopy(model), model_tensors(model)
     with torch.no_grad():
@@ -128,8 +131,9 @@ def write_int4_checkpoint(source: Path, model: PreTrainedModel, out: Path, fmt: 
             k = module.weight.shape[1]
             layer, projection = int(name.split(".")[2]), name.rsplit(".", 1)[-1]
             seed = 10 * layer + INPUTS[projection]
-            g_idx = act_order_groups(k, group, seed) if act_order else torch.arange(k) // group
-            q, scale, zero = _quantized(module.weight.float(), group, symmetric, g_idx)
+            size = k if group == -1 else group
+            g_idx = act_order_groups(k, size, seed) if act_order else torch.arange(k) // size
+            q, scale, zero = _quantized(module.weight.float(), size, symmetric, g_idx)
             del tensors[f"{name}.weight"]
             tensors.update({f"{name}.{kind}": t.contiguous() for kind, t in _tensors(fmt, q, scale, zero, g_idx,
                                                                                        symmetric, act_order).items()})

@@ -72,6 +72,22 @@ def test_int4_checkpoint_matches_its_dequantized_reference(
     assert relative_error(llama.reference_logits(ids), ref) > 0.05  # the bound above tells int4 from the original
 
 
+@pytest.mark.parametrize("fmt,symmetric", [("gptq", True), ("gptq_v2", False), ("compressed-tensors", False)])
+def test_int4_checkpoint_with_a_scale_per_channel_matches_its_dequantized_reference(
+    llama: Checkpoint, random_ids: Callable[..., list[int]], tmp_path: Path, fmt: str, symmetric: bool
+) -> None:
+    """GPTQ's group_size -1 and compressed-tensors' channel strategy: each row's one scale and zero point repeated
+    over groups the kernels take (the largest power of two up to 128 dividing the input size)."""
+    reference = write_int4_checkpoint(llama.path, llama.model, tmp_path / fmt, fmt, -1, symmetric)
+    down = load_model(tmp_path / fmt).model.layers[0].mlp.down_proj
+    kind = "symmetric" if symmetric else "asymmetric"
+    assert down.describe() == f"int4, {kind}, per-channel scales (as groups of 128), weight-only"
+    ids = random_ids(48)
+    ours = graphkiln.LLM.eager(tmp_path / fmt, **ENGINE).score(ids)
+    ref = _reference_logits(reference, ids)
+    assert relative_error(ours, ref) < 1e-4 and top1_agreement(ours, ref) == 1.0
+
+
 def test_awq_checkpoint_with_biases_matches_its_dequantized_reference(
     hf_checkpoint: CheckpointFactory, random_ids: Callable[..., list[int]], tmp_path: Path
 ) -> None:
@@ -150,19 +166,20 @@ def _with_config(llama: Checkpoint, tmp_path: Path, name: str, qc: dict) -> Path
 
 def test_unsupported_int4_schemes_are_named(llama: Checkpoint, tmp_path: Path) -> None:
     ct = int4_config("compressed-tensors", 128, True)
-    channel = {**ct, "config_groups": {"g": {**ct["config_groups"]["group_0"], "weights": {
-        **ct["config_groups"]["group_0"]["weights"], "strategy": "channel", "group_size": None}}}}
+    per_tensor = {**ct, "config_groups": {"g": {**ct["config_groups"]["group_0"], "weights": {
+        **ct["config_groups"]["group_0"]["weights"], "strategy": "tensor", "group_size": None}}}}
     cases = {
         "gptq-3bit": ({**int4_config("gptq", 128, True), "bits": 3}, r"GPTQ with bits 3 \(graphkiln reads 4-bit and "
                                                                      "8-bit GPTQ\)"),
         "marlin": ({**int4_config("gptq", 128, True), "checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
         "is-marlin": ({**int4_config("gptq", 128, True), "is_marlin_format": True}, "checkpoint_format 'marlin'"),
         "int16-words": ({**int4_config("gptq", 128, True), "pack_dtype": "int16"}, "GPTQ pack_dtype 'int16'"),
-        "channel": ({**int4_config("gptq", -1, True)}, r"GPTQ group_size -1 \(int4 groups must be a power of two"),
+        "group-24": ({**int4_config("gptq", 24, True)}, r"GPTQ group_size 24 \(int4 groups must be a power of two"),
+        "awq-channel": ({**int4_config("awq", -1, False)}, r"AWQ group_size -1 "),
         "group-48": ({**int4_config("awq", 48, False)}, r"AWQ group_size 48 "),
         "gemv": ({**int4_config("awq", 128, False), "version": "gemv"}, "AWQ version 'gemv'"),
         "no-zeros": ({**int4_config("awq", 128, False), "zero_point": False}, "AWQ without zero points"),
-        "ct-channel": (channel, "int4 weights with strategy 'channel'"),
+        "ct-tensor": (per_tensor, "int4 weights with strategy 'tensor'"),
         "ct-float-format": ({**ct, "format": "float-quantized"},
                             r"int4, symmetric groups of 128, weight-only \(compressed-tensors checkpoint\) in "
                             "compressed-tensors format 'float-quantized'"),

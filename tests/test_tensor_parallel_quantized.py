@@ -33,7 +33,7 @@ QWEN3_WHOLE_BLOCKS = dict(hidden_size=256, intermediate_size=512, num_attention_
                           head_dim=128)
 QWEN3_SPLIT_BLOCKS = dict(hidden_size=192, intermediate_size=384, num_attention_heads=2, num_key_value_heads=2,
                           head_dim=64)
-CASES = ["int4-compressed-tensors", "int4-gptq", "int4-awq", "fp8-autofp8-static", "fp8-block",
+CASES = ["int4-compressed-tensors", "int4-gptq", "int4-awq", "int4-gptq-channel", "fp8-autofp8-static", "fp8-block",
          "fp8-compressed-tensors-block", "int8-static", "int8-packed", "int8-gptq"]
 BLOCK_FP8 = ("fp8-block", "fp8-compressed-tensors-block")
 WHOLE_BLOCKS = (*BLOCK_FP8, "int8-gptq")  # on QWEN3_WHOLE_BLOCKS: each rank's share holds whole 128-wide tiles
@@ -45,8 +45,9 @@ FLIPPED_ROUNDINGS = 1e-2
 
 def _write(case: str, ckpt: Checkpoint, out: Path, ids: list[int]) -> None:
     if case.startswith("int4-"):
-        fmt = case.removeprefix("int4-")
-        write_int4_checkpoint(ckpt.path, ckpt.model, out, fmt, GROUP, symmetric=fmt == "gptq")
+        fmt = case.removeprefix("int4-").removesuffix("-channel")
+        group = -1 if case.endswith("-channel") else GROUP
+        write_int4_checkpoint(ckpt.path, ckpt.model, out, fmt, group, symmetric=fmt == "gptq")
     elif case in BLOCK_FP8:
         layout = "block" if case == "fp8-block" else "compressed-tensors"
         write_fp8_checkpoint(ckpt.path, ckpt.model, out, layout, weights="block")

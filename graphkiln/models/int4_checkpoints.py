@@ -13,6 +13,8 @@ values into an int32 its own way (N outputs, K inputs, little-endian words):
 Each input's group is its index // G, except in act-order checkpoints (GPTQ's desc_act, compressed-tensors'
 actorder "group"), where `g_idx` / `weight_g_idx` numbers it: each group still has G inputs, and
 Int4Linear stores the columns sorted by group (sort_columns) and gathers its input in that order.
+A checkpoint with a scale and zero point per channel (GPTQ's group_size -1, compressed-tensors' channel
+strategy) stores one group a row, which every group of the layer repeats (`channel_scales`).
 The conversion runs on the device the tensors were read to, at every load (no copy is stored), with
 plain tensor ops: a warm load imports neither compressed-tensors nor transformers. A tensor-parallel
 rank reads its slice of each tensor (quantized_shards.py) and fills it the same way.
@@ -71,6 +73,7 @@ class Int4Part:
         self.module, self.index = module, index
         self.n, self.k, self.group = module.parts[part], module.in_features, module.group_size
         self.groups = self.k // self.group
+        self.stored_groups = 1 if module.channel_scales else self.groups  # copies repeat one over the groups
         # the projection's part in the checkpoint, of which a tensor-parallel rank reads a slice
         self.full_n, self.full_k = module.checkpoint_parts[part], module.checkpoint_in_features
         self.qweight = module.qweight.split(module.parts)[part]
@@ -89,9 +92,10 @@ class Int4Part:
             raise WeightMismatchError(f"{self.where}: dtype {g_idx.dtype}, group indices are integers")
         g_idx, module = g_idx.long(), self.module
         if module.input_order is None:
-            if not torch.equal(g_idx, torch.arange(self.full_k, device=g_idx.device) // self.group):
+            run = self.full_k if module.channel_scales else self.group
+            if not torch.equal(g_idx, torch.arange(self.full_k, device=g_idx.device) // run):
                 raise WeightMismatchError(
-                    f"{self.where}: group indices that are not runs of {self.group} inputs (act-order), but "
+                    f"{self.where}: group indices that are not runs of {run} inputs (act-order), but "
                     "quantization_config declares none (GPTQ desc_act, compressed-tensors actorder 'group')"
                 )
             return
@@ -114,7 +118,7 @@ def fill_int4(module, kind: str, index: int | None, tensor: torch.Tensor, where:
     Int4Linear read from a checkpoint in format `module.source`, in its layout."""
     source = module.source
     part = Int4Part(module, index, where)
-    n, k, groups = part.n, part.k, part.groups
+    n, k, groups = part.n, part.k, part.stored_groups
     if source == "compressed-tensors":
         _fill_compressed_tensors(part, kind, tensor)
     elif kind == "qweight" and source == "awq":
@@ -142,7 +146,7 @@ def sort_columns(module) -> None:
 
 
 def _fill_compressed_tensors(part: Int4Part, kind: str, tensor: torch.Tensor) -> None:
-    n, k, groups = part.n, part.k, part.groups
+    n, k, groups = part.n, part.k, part.stored_groups
     if kind == "weight_packed":
         part.qweight.copy_(part.check(tensor, (n, k // 8), torch.int32).view(torch.uint8))
     elif kind == "weight_scale":

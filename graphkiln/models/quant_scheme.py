@@ -28,14 +28,15 @@ COMPILE_SCHEMES = ("fp8", "int8", "int4")
 CHECKPOINT_FORMATS = (
     "compressed-tensors fp8 (float-quantized: per-tensor or per-channel weight scales, static per-tensor or "
     "dynamic per-token activations; 128 x 128 block weight scales with dynamic 1 x 128 group activations)",
-    "compressed-tensors int4 (pack-quantized, weight-only, group scales, symmetric or asymmetric, any actorder)",
+    "compressed-tensors int4 (pack-quantized, weight-only, group or channel scales, symmetric or asymmetric, any "
+    "actorder)",
     "compressed-tensors int8 (int-quantized or pack-quantized, symmetric per-channel or per-tensor weight scales; "
     "symmetric int8 activations, dynamic per token or static per tensor (W8A8), or none (W8A16, which may also "
     "have groups of 128))",
     "fp8 with weight_block_size [128, 128] and dynamic activations",
     "AutoFP8's fp8 (per-tensor weight scales, static or dynamic activations)",
     "ModelOpt fp8 (quant_algo FP8 or FP8_PER_CHANNEL_PER_TOKEN)",
-    "GPTQ int4 (checkpoint_format gptq or gptq_v2, desc_act true or false)",
+    "GPTQ int4 (checkpoint_format gptq or gptq_v2, groups or group_size -1, desc_act true or false)",
     "GPTQ int8 (symmetric, groups of 128 or per channel, desc_act false)",
     "AWQ int4 (version gemm, with zero points)",
 )
@@ -240,6 +241,8 @@ def _gptq_scheme(qc: dict, path: Path) -> QuantScheme:
             raise _unsupported(path, f"GPTQ leaving {sorted(set(PROJECTIONS) - named)} unquantized")
     if bits == 8:
         return _gptq_int8_scheme(qc, path, fmt)
+    if qc.get("group_size") == -1:  # one group a row: its order (desc_act) changed only the calibration
+        return QuantScheme("int4", "channel", "none", fmt, None, bool(qc.get("sym", True)))
     group = _check_int4_group(qc.get("group_size"), path, "GPTQ")
     return QuantScheme("int4", "group", "none", fmt, group, bool(qc.get("sym", True)), bool(qc.get("desc_act")))
 
@@ -350,8 +353,11 @@ def _int4_args(group, path: Path, numbered: bool) -> tuple:
     w, a = group.weights, group.input_activations
     if a is not None:
         raise _unsupported(path, f"int4 weights with quantized activations {a!r}")
+    if _value(w.strategy) == "channel":
+        return "int4", "channel", "none", "compressed-tensors", None, bool(w.symmetric), False
     if _value(w.strategy) != "group":
-        raise _unsupported(path, f"int4 weights with strategy {_value(w.strategy)!r} (graphkiln takes groups)")
+        raise _unsupported(path, f"int4 weights with strategy {_value(w.strategy)!r} (graphkiln takes groups or "
+                                 "channels)")
     group = _check_int4_group(w.group_size, path, "compressed-tensors")
     return "int4", "group", "none", "compressed-tensors", group, bool(w.symmetric), numbered
 

@@ -64,20 +64,24 @@ def _rank_projections(model: CausalLM, cfg: ModelConfig, ranks: int) -> Iterator
 def _module(scheme: QuantScheme, in_features: int, parts: tuple[int, ...], bias: bool, dtype,
             checkpoint_in_features: int, ranks: int = 1) -> QuantizedLinear:
     """An empty quantized projection, one share of `ranks` tensor-parallel ranks of the checkpoint's projection of
-    `checkpoint_in_features` inputs (int4 groups are chosen from it, so that every rank count quantizes alike)."""
+    `checkpoint_in_features` inputs (compile-model's int4 groups are chosen from it, so that every rank count
+    quantizes alike; those a per-channel int4 checkpoint's one scale a row is repeated over, from the share)."""
     share = f" (a share of {ranks} tensor-parallel ranks; use fewer ranks)" if ranks > 1 else ""
     if scheme.method == "int4":
-        group = scheme.group_size if scheme.from_checkpoint else int4_group_size(checkpoint_in_features)
+        channel = scheme.from_checkpoint and scheme.weights == "channel"
+        sized_by = in_features if channel else checkpoint_in_features
+        group = scheme.group_size if scheme.from_checkpoint and not channel else int4_group_size(sized_by)
         if group is None:
-            raise UnsupportedModelError(f"int4 needs a layer's input size divisible by 16; a layer has "
-                                        f"{checkpoint_in_features}")
+            raise UnsupportedModelError(f"int4 needs a layer's input size divisible by 16; a layer has {sized_by}"
+                                        f"{share if channel else ''}")
         if in_features % group:
             what = f"{scheme.source} int4" if scheme.from_checkpoint else "int4"
             raise UnsupportedModelError(f"{what} groups of {group} inputs do not divide a projection's input size "
                                         f"{in_features}{share}")
         if not scheme.from_checkpoint:
             return Int4Linear(in_features, parts, bias, dtype, group)
-        return Int4Linear(in_features, parts, bias, dtype, group, scheme.source, scheme.symmetric, scheme.act_order)
+        return Int4Linear(in_features, parts, bias, dtype, group, scheme.source, scheme.symmetric, scheme.act_order,
+                          channel)
     if scheme.weights == "block":
         if len(parts) > 1 and any(p % BLOCK for p in parts):
             raise UnsupportedModelError(

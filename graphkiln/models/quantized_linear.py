@@ -284,16 +284,18 @@ class Int4Linear(QuantizedLinear):
     names the checkpoint format it is read from (int4_checkpoints.py), None when compile-model quantized it;
     `symmetric`: zero points of 8 throughout. `act_order`: the checkpoint numbers each input's group; the
     weight's columns are then stored sorted by group, and `input_order` (a buffer, made at load from the
-    checkpoint's group indices) gathers the input's in the same order before the product."""
+    checkpoint's group indices) gathers the input's in the same order before the product. `channel_scales`: the
+    checkpoint has one scale and zero point per output channel, which every group of the row repeats."""
 
     def __init__(
         self, in_features: int, parts: tuple[int, ...], bias: bool, dtype: torch.dtype, group_size: int = INT4_GROUP,
-        source: str | None = None, symmetric: bool = False, act_order: bool = False,
+        source: str | None = None, symmetric: bool = False, act_order: bool = False, channel_scales: bool = False,
     ) -> None:
         super().__init__(in_features, parts, bias, dtype)
         self.group_size = group_size
         self.source = source
         self.symmetric = symmetric
+        self.channel_scales = channel_scales
         order = torch.empty(in_features, dtype=torch.int64) if act_order else None
         self.register_buffer("input_order", order, persistent=False)
         self.order_parts: list[int] = []  # the fused parts whose group indices have set input_order
@@ -326,7 +328,9 @@ class Int4Linear(QuantizedLinear):
 
     def describe(self) -> str:
         order = " in act-order" if self.input_order is not None else ""
-        return f"int4, {'symmetric' if self.symmetric else 'asymmetric'}, groups of {self.group_size}{order}, weight-only"
+        scales = f"per-channel scales (as groups of {self.group_size})" if self.channel_scales else (
+            f"groups of {self.group_size}")
+        return f"int4, {'symmetric' if self.symmetric else 'asymmetric'}, {scales}{order}, weight-only"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_order is not None:

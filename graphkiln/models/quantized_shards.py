@@ -49,6 +49,10 @@ SLICES: dict[str, dict[str, tuple[Spec, Spec]]] = {  # format -> kind -> (output
     "awq": {"qweight": ((1, 8), (0, 1)), "qzeros": ((1, 8), (0, GROUP)), "scales": ((1, 1), (0, GROUP))},
 }
 SLICES["gptq_v2"] = SLICES["gptq"]
+# int4 with a scale and zero point per channel: the whole (one-group) column of them serves every rank's inputs
+SLICES |= {f"{fmt}-channel": {kind: (rows, None if cols and cols[1] == GROUP else cols)
+                              for kind, (rows, cols) in SLICES[fmt].items()}
+           for fmt in ("compressed-tensors", "gptq", "gptq_v2")}
 BIAS = ((0, 1), None)
 
 
@@ -85,7 +89,7 @@ def quantized_slice(module: QuantizedLinear, kind: str, shape: tuple[int, ...], 
 def _layout(module: QuantizedLinear) -> str:
     """The SLICES entry of a module's checkpoint format."""
     if isinstance(module, Int4Linear):
-        return module.source
+        return f"{module.source}{'-channel' if module.channel_scales else ''}"
     if isinstance(module, Int8Linear):
         gptq = "-gptq" if module.source.startswith("gptq") else ""
         return f"int8{gptq}{'-grouped' if module.grouped else ''}"
