@@ -176,16 +176,18 @@ def test_tiny_compiled_with_quantization_loads_fresh_with_zero_compiles(scheme, 
     assert result["tinygemm"] == ([True, True, True, False] * 4 if scheme == "int4" else [])
 
 
-PREQUANTIZED = ["compressed-tensors", "block", "compressed-tensors-block", "autofp8", "int4-compressed-tensors", "int4-gptq", "int4-awq",
-                "int4-gptq-act-order", "int8-dynamic", "int8-static", "int8-none", "int8-gptq"]
+PREQUANTIZED = ["compressed-tensors", "block", "compressed-tensors-block", "autofp8", "int4-compressed-tensors",
+                "int4-gptq", "int4-awq", "int4-gptq-act-order", "int4-gptq-channel", "int8-dynamic", "int8-static",
+                "int8-none", "int8-gptq"]
 
 
 @pytest.mark.parametrize("layout", PREQUANTIZED)
 def test_prequantized_checkpoint_compiles_and_loads_fresh_with_zero_compiles(layout, tmp_path):
     """fp8 checkpoints (compressed-tensors with channel or block scales, Qwen3's blocks, AutoFP8's per-tensor
-    scales), int4 ones (llm-compressor's symmetric W4A16, GPTQ, AWQ, act-order GPTQ, whose inputs the graphs gather;
-    groups of 128, so tinygemm takes one to four rows) and int8 ones (llm-compressor's W8A8 with dynamic or static activation scales, W8A16 packed;
-    8-bit GPTQ in groups of 128) against the CPU float32 engine of the same checkpoint."""
+    scales), int4 ones (llm-compressor's symmetric W4A16, GPTQ, AWQ, act-order GPTQ, whose inputs the graphs gather,
+    per-channel GPTQ; groups of 128, so tinygemm takes one to four rows) and int8 ones (llm-compressor's W8A8 with
+    dynamic or static activation scales, W8A16 packed; 8-bit GPTQ in groups of 128) against the CPU float32 engine
+    of the same checkpoint."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     if "compressed-tensors" in layout or layout in ("int8-dynamic", "int8-static", "int8-none"):
@@ -203,9 +205,9 @@ def test_prequantized_checkpoint_compiles_and_loads_fresh_with_zero_compiles(lay
         write_int8_checkpoint(tmp_path / "source", model, checkpoint, layout.removeprefix("int8-"),
                               "group" if layout == "int8-gptq" else "channel", calibration)
     elif layout.startswith("int4-"):
-        fmt = layout.removeprefix("int4-").removesuffix("-act-order")
-        write_int4_checkpoint(tmp_path / "source", model, checkpoint, fmt, 128, symmetric=fmt != "awq",
-                              act_order=layout.endswith("act-order"))
+        fmt = layout.removeprefix("int4-").removesuffix("-act-order").removesuffix("-channel")
+        write_int4_checkpoint(tmp_path / "source", model, checkpoint, fmt, -1 if layout.endswith("channel") else 128,
+                              symmetric=fmt != "awq", act_order=layout.endswith("act-order"))
     else:
         write_fp8_checkpoint(tmp_path / "source", model, checkpoint, layout.removesuffix("-block"),
                              weights="block" if blocks else "channel")
