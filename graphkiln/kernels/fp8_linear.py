@@ -186,9 +186,9 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
              scale_rows: int = BLOCK) -> torch.Tensor:
     """x [1, K] @ dequantized weight^T with the one-row kernel, for an fp8 or an int8 weight (each weight is
     converted to float32 in registers, whichever it is) with [N] scales or 2-D ones per `scale_rows` x 128
-    tile; `tiles` defaults to `gemv_tiling`. `activated`
-    (N even): silu(y[:, :N/2]) * y[:, N/2:] of that product y, [1, N/2], in the kernel's epilogue where K is not
-    split, by the SiLU-and-mul kernel after the split's sum otherwise."""
+    tile; `tiles` defaults to `gemv_tiling`. `activated` (N even): silu(y[:, :N/2]) * y[:, N/2:] of that product
+    y, [1, N/2], in the kernel's epilogue where K is not split, by the SiLU-and-mul kernel after the split's sum
+    otherwise."""
     n, k = weight.shape
     block_n, block_k, splits, warps, stages = tiles or gemv_tiling(n, k, multiprocessors(x.device))
     splits, steps = k_steps(k, splits, block_k)

@@ -3,14 +3,14 @@
 Scales are per output channel ([N]) or, weight-only, per group of GROUP inputs ([N, ceil(K/GROUP)]:
 GPTQ's and compressed-tensors' 8-bit groups). Two schemes share the weight: W8A8, whose activations
 are quantized to int8 with a scale per token (or one static scale), and W8A16, whose activations
-stay as they are. The bytes a decode step reads
-are those of fp8, so the few-row paths are fp8's kernels, which take an int8 weight as well:
+stay as they are. The bytes a decode step reads are those of fp8, so the few-row paths are fp8's
+kernels, which take an int8 weight as well.
 One row: the GEMV of fp8_linear.py (each weight converted to float32 in registers; x as it is, which
 is finer than any quantization of it). W8A8 from 2 to FEW_ROWS rows: fp8_mma.py with x rounded to int8
 per 1 x 128 group in registers into int8 tensor cores; past FEW_ROWS x is quantized first, per token
-(or by its static scale) by a kernel of its own, as for fp8 (rounding x in every program costs more
-instructions than the loads it overlaps there), then fp8_mma on the int8 rows up to MMA_ROWS and
-torch._int_mm (cuBLAS) above, a small kernel scaling the int32 product by both scales into x's dtype.
+(or by its static scale) by a kernel of its own, as for fp8 (every program rounding the same rows
+costs more than that launch), then fp8_mma on the int8 rows up to MMA_ROWS and torch._int_mm
+(cuBLAS) above, a small kernel scaling the int32 product by both scales into x's dtype.
 W8A16: fp8_mma with the weight converted to x's dtype up to MMA_ROWS, the weight dequantized to x's
 dtype for torch.mm above. Kernels only, no host sync: capturable in a CUDA graph.
 """
