@@ -5,7 +5,8 @@ the checkpoint's bf16/fp16 weights quantized at compile time) or from the checkp
 (`quantization_config` in config.json): compressed-tensors fp8 (per channel, tensor or 128 x 128
 block), int8 (W8A8, W8A16) or int4 (pack-quantized), read with the compressed-tensors library;
 block-wise fp8 as published for Qwen3; AutoFP8's and NVIDIA ModelOpt's fp8; GPTQ int4 and int8 and
-AWQ int4 (int4_checkpoints.py and int8_checkpoints.py read their tensors). Anything else is
+AWQ int4 (int4_checkpoints.py and int8_checkpoints.py read their tensors). compressed-tensors configs are
+parsed in compressed_tensors_scheme.py. Anything else is
 refused by name. A checkpoint's KV cache scales (its kv_cache_scheme) are read past: the loader
 skips them, since the cache is the model dtype or fp8 with scales of its own.
 """
@@ -16,8 +17,6 @@ import json
 from dataclasses import dataclass
 from fnmatch import fnmatch
 from pathlib import Path
-
-import torch
 
 from graphkiln.errors import ConfigError, ModelFileError, UnsupportedModelError
 
@@ -46,9 +45,6 @@ SIDE_FILES = {"hf_quant_config.json": ("modelopt", "quantization", "weight_scale
               "quantize_config.json": ("gptq", None, "qweight"), "quant_config.json": ("awq", None, "qweight")}
 INT4_GROUPS = "a power of two from 16 that divides every projection's input size"
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-FP8_CT_FORMATS = ("float-quantized", "naive-quantized")
-INT8_CT_FORMATS = ("int-quantized", "naive-quantized")
-PACKED_CT_FORMAT = "pack-quantized"
 
 
 @dataclass(frozen=True)
@@ -107,8 +103,10 @@ def checkpoint_scheme(model_dir: Path) -> QuantScheme | None:
     if qc is None:
         return _side_file_scheme(model_dir, layers)
     method = qc.get("quant_method") if isinstance(qc, dict) else None
-    if method == "compressed-tensors":
-        return _compressed_tensors_scheme(qc, path, layers)
+    if method == "compressed-tensors":  # its reader imports this module's helpers: imported where needed
+        from .compressed_tensors_scheme import compressed_tensors_scheme
+
+        return compressed_tensors_scheme(qc, path, layers)
     if method == "modelopt":
         return _modelopt_scheme(qc, path, layers)
     if method == "fp8":
@@ -117,7 +115,7 @@ def checkpoint_scheme(model_dir: Path) -> QuantScheme | None:
         return _gptq_scheme(qc, path)
     if method == "awq":
         return _awq_scheme(qc, path)
-    raise _unsupported(path, f"quant_method {method!r}")
+    raise unsupported(path, f"quant_method {method!r}")
 
 
 def check_tensor_parallel(scheme: QuantScheme | None, tensor_parallel_size: int) -> None:
@@ -131,7 +129,7 @@ def check_tensor_parallel(scheme: QuantScheme | None, tensor_parallel_size: int)
         )
 
 
-def _unsupported(path: Path, what: str) -> UnsupportedModelError:
+def unsupported(path: Path, what: str) -> UnsupportedModelError:
     return UnsupportedModelError(
         f"{path}: quantization_config: {what} is not supported; graphkiln loads {'; '.join(CHECKPOINT_FORMATS)}"
     )
@@ -143,22 +141,22 @@ def _fp8_scheme(qc: dict, path: Path) -> QuantScheme:
     here (finer than AutoFP8's one scale a tensor)."""
     block, activations = qc.get("weight_block_size"), qc.get("activation_scheme", "dynamic")
     if qc.get("fmt", "e4m3") != "e4m3":
-        raise _unsupported(path, f"fp8 with fmt {qc.get('fmt')!r}")
+        raise unsupported(path, f"fp8 with fmt {qc.get('fmt')!r}")
     if block is None:
         if activations not in ("static", "dynamic"):
-            raise _unsupported(path, f"fp8 with activation_scheme {activations!r}")
+            raise unsupported(path, f"fp8 with activation_scheme {activations!r}")
         skipped = [m for m in qc.get("ignored_layers") or [] if m.rsplit(".", 1)[-1] in PROJECTIONS]
         if skipped:
-            raise _unsupported(path, f"fp8 leaving projections unquantized (ignored_layers {skipped[:3]!r})")
+            raise unsupported(path, f"fp8 leaving projections unquantized (ignored_layers {skipped[:3]!r})")
         return QuantScheme("fp8", "tensor", activations, "fp8")
     if block != [BLOCK, BLOCK]:
-        raise _unsupported(path, f"fp8 with weight_block_size {block!r}")
+        raise unsupported(path, f"fp8 with weight_block_size {block!r}")
     if activations != "dynamic":
-        raise _unsupported(path, f"block-wise fp8 with activation_scheme {activations!r}")
+        raise unsupported(path, f"block-wise fp8 with activation_scheme {activations!r}")
     return QuantScheme("fp8", "block", "dynamic", "fp8")
 
 
-def _projection_modules(num_layers: int) -> list[str]:
+def projection_modules(num_layers: int) -> list[str]:
     """Every decoder projection's module name, as checkpoints of the supported families spell them."""
     return [f"model.layers.{i}.{'mlp' if p.endswith(('gate_proj', 'up_proj', 'down_proj')) else 'self_attn'}.{p}"
             for i in range(num_layers) for p in PROJECTIONS]
@@ -205,17 +203,17 @@ def _modelopt_scheme(qc: dict, path: Path, num_layers: int) -> QuantScheme:
     algo = str(qc.get("quant_algo")).upper()
     schemes = {"FP8": ("tensor", "static"), "FP8_PER_CHANNEL_PER_TOKEN": ("channel", "dynamic")}
     if algo not in schemes:
-        raise _unsupported(path, f"ModelOpt quant_algo {qc.get('quant_algo')!r}")
+        raise unsupported(path, f"ModelOpt quant_algo {qc.get('quant_algo')!r}")
     excluded = qc.get("ignore", qc.get("exclude_modules")) or []
-    kept = [p for p in excluded if any(fnmatch(m, p) or p in m for m in _projection_modules(num_layers))]
+    kept = [p for p in excluded if any(fnmatch(m, p) or p in m for m in projection_modules(num_layers))]
     if kept:
-        raise _unsupported(path, f"ModelOpt leaving projections unquantized (excluded {kept[:3]!r})")
+        raise unsupported(path, f"ModelOpt leaving projections unquantized (excluded {kept[:3]!r})")
     return QuantScheme("fp8", *schemes[algo], "modelopt")
 
 
-def _check_int4_group(group, path: Path, what: str) -> int:
+def check_int4_group(group, path: Path, what: str) -> int:
     if not isinstance(group, int) or isinstance(group, bool) or group < 16 or group & (group - 1):
-        raise _unsupported(path, f"{what} group_size {group!r} (int4 groups must be {INT4_GROUPS})")
+        raise unsupported(path, f"{what} group_size {group!r} (int4 groups must be {INT4_GROUPS})")
     return group
 
 
@@ -226,24 +224,24 @@ def _gptq_scheme(qc: dict, path: Path) -> QuantScheme:
     bits = qc.get("bits")
     fmt = "marlin" if qc.get("is_marlin_format") else qc.get("checkpoint_format", qc.get("format", "gptq"))
     if bits not in (4, 8):
-        raise _unsupported(path, f"GPTQ with bits {bits!r} (graphkiln reads 4-bit and 8-bit GPTQ)")
+        raise unsupported(path, f"GPTQ with bits {bits!r} (graphkiln reads 4-bit and 8-bit GPTQ)")
     if fmt not in ("gptq", "gptq_v2"):
-        raise _unsupported(path, f"GPTQ checkpoint_format {fmt!r}")
+        raise unsupported(path, f"GPTQ checkpoint_format {fmt!r}")
     if str(qc.get("pack_dtype", "int32")).removeprefix("torch.") != "int32":
-        raise _unsupported(path, f"GPTQ pack_dtype {qc['pack_dtype']!r} (graphkiln reads int32 words)")
+        raise unsupported(path, f"GPTQ pack_dtype {qc['pack_dtype']!r} (graphkiln reads int32 words)")
     if qc.get("lm_head"):
-        raise _unsupported(path, "a quantized lm_head")
+        raise unsupported(path, "a quantized lm_head")
     if qc.get("dynamic"):
-        raise _unsupported(path, f"GPTQ per-module overrides (dynamic: {qc['dynamic']!r})")
+        raise unsupported(path, f"GPTQ per-module overrides (dynamic: {qc['dynamic']!r})")
     if qc.get("modules_in_block_to_quantize"):
         named = {m.rsplit(".", 1)[-1] for ms in qc["modules_in_block_to_quantize"] for m in ms}
         if not set(PROJECTIONS) <= named:
-            raise _unsupported(path, f"GPTQ leaving {sorted(set(PROJECTIONS) - named)} unquantized")
+            raise unsupported(path, f"GPTQ leaving {sorted(set(PROJECTIONS) - named)} unquantized")
     if bits == 8:
         return _gptq_int8_scheme(qc, path, fmt)
     if qc.get("group_size") == -1:  # one group a row: its order (desc_act) changed only the calibration
         return QuantScheme("int4", "channel", "none", fmt, None, bool(qc.get("sym", True)))
-    group = _check_int4_group(qc.get("group_size"), path, "GPTQ")
+    group = check_int4_group(qc.get("group_size"), path, "GPTQ")
     return QuantScheme("int4", "group", "none", fmt, group, bool(qc.get("sym", True)), bool(qc.get("desc_act")))
 
 
@@ -252,11 +250,11 @@ def _gptq_int8_scheme(qc: dict, path: Path, fmt: str) -> QuantScheme:
     act-order."""
     group = qc.get("group_size")
     if not qc.get("sym", True):
-        raise _unsupported(path, "asymmetric 8-bit GPTQ (graphkiln reads symmetric int8)")
+        raise unsupported(path, "asymmetric 8-bit GPTQ (graphkiln reads symmetric int8)")
     if qc.get("desc_act"):
-        raise _unsupported(path, "8-bit GPTQ with desc_act (act-order int8)")
+        raise unsupported(path, "8-bit GPTQ with desc_act (act-order int8)")
     if group not in (INT8_GROUP, -1):
-        raise _unsupported(path, f"8-bit GPTQ group_size {group!r} (graphkiln reads {INT8_GROUP}, or -1: per channel)")
+        raise unsupported(path, f"8-bit GPTQ group_size {group!r} (graphkiln reads {INT8_GROUP}, or -1: per channel)")
     if group == -1:
         return QuantScheme("int8", "channel", "none", fmt, None, True)
     return QuantScheme("int8", "group", "none", fmt, group, True)
@@ -266,148 +264,16 @@ def _awq_scheme(qc: dict, path: Path) -> QuantScheme:
     """AWQ (AutoAWQ) in its gemm layout, with zero points, every projection."""
     version, bits = str(qc.get("version", "gemm")).lower(), qc.get("bits", qc.get("w_bit"))
     if bits != 4:
-        raise _unsupported(path, f"AWQ with bits {bits!r}")
+        raise unsupported(path, f"AWQ with bits {bits!r}")
     if version != "gemm":
-        raise _unsupported(path, f"AWQ version {version!r} (graphkiln reads the gemm layout)")
+        raise unsupported(path, f"AWQ version {version!r} (graphkiln reads the gemm layout)")
     if not qc.get("zero_point", True):
-        raise _unsupported(path, "AWQ without zero points")
+        raise unsupported(path, "AWQ without zero points")
     kept = [m for m in qc.get("modules_to_not_convert") or [] if any(m in p or p in m for p in PROJECTIONS)]
     if kept:
-        raise _unsupported(path, f"AWQ leaving projections unquantized (modules_to_not_convert {kept!r})")
-    group = _check_int4_group(qc.get("group_size", qc.get("q_group_size")), path, "AWQ")
+        raise unsupported(path, f"AWQ leaving projections unquantized (modules_to_not_convert {kept!r})")
+    group = check_int4_group(qc.get("group_size", qc.get("q_group_size")), path, "AWQ")
     return QuantScheme("int4", "group", "none", "awq", group, False)
-
-
-def _compressed_tensors_scheme(qc: dict, path: Path, num_layers: int) -> QuantScheme:
-    """Parsed and validated by the compressed-tensors library; every decoder projection must fall under one
-    fp8 or int4 scheme, and the LM head under none."""
-    try:
-        from compressed_tensors.quantization import QuantizationConfig
-        from compressed_tensors.utils.match import is_match
-    except ImportError:
-        raise ConfigError(
-            f"{path}: a compressed-tensors checkpoint; reading it needs the compressed-tensors package: "
-            "pip install 'graphkiln[quant]'"
-        ) from None
-    qc, numbered = _without_numbered_groups(qc)
-    try:
-        config = QuantizationConfig.model_validate(qc)
-    except ValueError as e:
-        raise UnsupportedModelError(f"{path}: quantization_config is not a valid compressed-tensors config: {e}") from e
-    if config.format not in {*FP8_CT_FORMATS, *INT8_CT_FORMATS, PACKED_CT_FORMAT}:
-        raise _unsupported(path, f"compressed-tensors format {config.format!r}")
-    linear = torch.nn.Linear(1, 1, device="meta")
-    schemes = set()
-    for module in [*_projection_modules(num_layers), "lm_head"]:
-        groups = [(name, g) for name, g in config.config_groups.items()
-                  if is_match(module, linear, g.targets, config.ignore)]
-        if module == "lm_head":
-            if groups:
-                raise _unsupported(path, "a quantized lm_head")
-            continue
-        if len(groups) != 1:
-            raise _unsupported(path, f"{len(groups)} config_groups for {module} (graphkiln needs exactly one)")
-        name, group = groups[0]
-        schemes.add(_group_args(group, path, name in numbered, config.format == PACKED_CT_FORMAT))
-    if len(schemes) != 1:
-        raise _unsupported(path, f"different schemes per projection {sorted(schemes)}")
-    scheme = QuantScheme(*schemes.pop())
-    formats = {"fp8": FP8_CT_FORMATS, "int8": (*INT8_CT_FORMATS, PACKED_CT_FORMAT), "int4": (PACKED_CT_FORMAT,)}
-    if config.format not in formats[scheme.method]:
-        raise _unsupported(path, f"{scheme.describe()} in compressed-tensors format {config.format!r}")
-    return scheme
-
-
-def _group_args(group, path: Path, numbered: bool, packed: bool) -> tuple:
-    """QuantScheme's fields for one config group, by its weights' type and bits."""
-    w = group.weights
-    kind = (_value(w.type), w.num_bits) if w is not None else None
-    if kind == ("int", 4):
-        return _int4_args(group, path, numbered)
-    if kind == ("int", 8):
-        return _int8_args(group, path, packed)
-    return _fp8_args(group, path)
-
-
-def _value(field) -> str | None:
-    """An enum field of compressed-tensors' config as its string (the library returns either)."""
-    return getattr(field, "value", field)
-
-
-def _without_numbered_groups(qc: dict) -> tuple[dict, set[str]]:
-    """`qc` with actorder "group" (alias "dynamic", or True) taken out, and the config groups that had it: it
-    numbers each input's group (a `weight_g_idx` per projection), as older llm-compressor checkpoints do, and
-    compressed-tensors 0.20 no longer parses it. actorder "weight" changes only the calibration."""
-    numbered = {name for name, group in (qc.get("config_groups") or {}).items()
-                if isinstance(group, dict) and isinstance(group.get("weights"), dict)
-                and group["weights"].get("actorder") in ("group", "dynamic", True)}
-    if not numbered:
-        return qc, numbered
-    groups = {name: {**g, "weights": {**g["weights"], "actorder": None}} if name in numbered else g
-              for name, g in qc["config_groups"].items()}
-    return {**qc, "config_groups": groups}, numbered
-
-
-def _int4_args(group, path: Path, numbered: bool) -> tuple:
-    """QuantScheme's fields for one int4 config group: weight-only, group scales, `numbered` groups (act-order)."""
-    w, a = group.weights, group.input_activations
-    if a is not None:
-        raise _unsupported(path, f"int4 weights with quantized activations {a!r}")
-    if _value(w.strategy) == "channel":
-        return "int4", "channel", "none", "compressed-tensors", None, bool(w.symmetric), False
-    if _value(w.strategy) != "group":
-        raise _unsupported(path, f"int4 weights with strategy {_value(w.strategy)!r} (graphkiln takes groups or "
-                                 "channels)")
-    group = _check_int4_group(w.group_size, path, "compressed-tensors")
-    return "int4", "group", "none", "compressed-tensors", group, bool(w.symmetric), numbered
-
-
-def _int8_args(group, path: Path, packed: bool) -> tuple:
-    """QuantScheme's fields for one int8 config group: symmetric weights with channel (or tensor) scales, and
-    symmetric int8 activations per token (dynamic) or per tensor (static), or none (W8A16)."""
-    w, a = group.weights, group.input_activations
-    strategy = _value(w.strategy)
-    grouped = strategy == "group" and w.group_size == INT8_GROUP and a is None
-    if not w.symmetric or (strategy not in ("channel", "tensor") and not grouped):
-        raise _unsupported(path, f"int8 weights {w!r} (graphkiln takes symmetric ones with per-channel or "
-                                 f"per-tensor scales, or weight-only with groups of {INT8_GROUP})")
-    if a is None:
-        return "int8", strategy, "none", "compressed-tensors", w.group_size if grouped else None, True, False, packed
-    if a.num_bits != 8 or _value(a.type) != "int" or not a.symmetric:
-        raise _unsupported(path, f"int8 weights with input_activations {a!r} (graphkiln takes symmetric int8 ones)")
-    if a.dynamic is True and _value(a.strategy) == "token":
-        return "int8", strategy, "dynamic", "compressed-tensors", None, True, False, packed
-    if a.dynamic is False and _value(a.strategy) == "tensor":
-        return "int8", strategy, "static", "compressed-tensors", None, True, False, packed
-    raise _unsupported(path, f"int8 input_activations strategy {_value(a.strategy)!r} with dynamic={a.dynamic!r}")
-
-
-def _fp8_args(group, path: Path) -> tuple:
-    """QuantScheme's fields for one fp8 config group."""
-    w, a = group.weights, group.input_activations
-    if _fp8_blocks(w, a):  # llm-compressor's FP8_BLOCK
-        return "fp8", "block", "dynamic", "compressed-tensors"
-    if w is None or w.num_bits != 8 or _value(w.type) != "float" or not w.symmetric or _value(w.strategy) not in ("tensor", "channel"):
-        raise _unsupported(path, f"weights {w!r}")
-    if a is None:
-        raise _unsupported(path, "fp8 weights with unquantized activations")
-    if a.num_bits != 8 or _value(a.type) != "float" or not a.symmetric:
-        raise _unsupported(path, f"input_activations {a!r}")
-    if a.dynamic is True and _value(a.strategy) == "token":
-        return "fp8", _value(w.strategy), "dynamic", "compressed-tensors"
-    if a.dynamic is False and _value(a.strategy) == "tensor":
-        return "fp8", _value(w.strategy), "static", "compressed-tensors"
-    raise _unsupported(path, f"input_activations strategy {_value(a.strategy)!r} with dynamic={a.dynamic!r}")
-
-
-def _fp8_blocks(w, a) -> bool:
-    """Whether fp8 weights and activations are in 128 x 128 blocks and dynamic 1 x 128 groups."""
-    if w is None or a is None or _value(w.strategy) != "block" or _value(a.strategy) != "group":
-        return False
-    weights = (w.num_bits == 8 and _value(w.type) == "float" and w.symmetric
-               and list(w.block_structure or []) == [BLOCK, BLOCK])
-    inputs = a.num_bits == 8 and _value(a.type) == "float" and a.symmetric and a.dynamic is True
-    return weights and inputs and a.group_size == BLOCK
 
 
 def model_scheme(model_dir: Path, quantization: str | QuantScheme | None) -> QuantScheme | None:
