@@ -15,9 +15,8 @@ import torch
 from transformers import LlamaForCausalLM
 
 import graphkiln
-from artifact_helpers import ENGINE, SMALL_ENGINE
+from artifact_helpers import ENGINE
 from graphkiln import cli
-from graphkiln.compiler.artifacts import QUANTIZED_FILE
 from graphkiln.errors import UnsupportedModelError, WeightMismatchError
 from graphkiln.models.int8_linear import Int8Linear
 from graphkiln.models.loader import load_model
@@ -171,23 +170,6 @@ def test_unsupported_int8_schemes_are_named(llama: Checkpoint, tmp_path: Path) -
     for name, (qc, message) in cases.items():
         with pytest.raises(UnsupportedModelError, match=message):
             load_model(with_quantization_config(llama.path, tmp_path / name, qc))
-
-
-@pytest.mark.slow
-def test_int8_checkpoint_compiles_into_an_artifact_that_reads_it_as_it_is(
-    int8_checkpoints: dict, random_ids: Callable[..., list[int]], tmp_path: Path
-) -> None:
-    """W8A16: no copy of the weights in the artifact, which scores as the eager engine (the compiled graphs' int8 ops:
-    tests/test_quantized_artifacts.py)."""
-    path, _ = int8_checkpoints[("none", "channel")]
-    ids = random_ids(48)
-    manifest, _ = graphkiln.compile_model(path, tmp_path / "art", engine=SMALL_ENGINE)
-    quant = manifest["model"]["quantization"]
-    assert quant["description"] == "int8, channel weight scales, weight-only (compressed-tensors checkpoint)"
-    assert quant["file"] is None and QUANTIZED_FILE not in manifest["files"]
-    assert quant["layers"]["model.layers.1.mlp.gate_up_proj"] == "int8, symmetric, per-channel weight scales, weight-only"
-    compiled = graphkiln.load(tmp_path / "art", **ENGINE).score(ids)
-    assert relative_error(compiled, graphkiln.LLM.eager(path, **ENGINE).score(ids)) < 1e-4
 
 
 def test_inspect_shows_int8_layers(int8_checkpoints: dict, capsys: pytest.CaptureFixture[str]) -> None:
