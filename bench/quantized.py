@@ -17,7 +17,7 @@ counts, with sweeps of the few-row kernels' tiles. A few minutes on the 8b shape
               torch._int_mm and the scaling kernel (int_mm), above 64 rows that product alone on x quantized
               before (int_mm_only)
   int8-w8a16  int8_linear W8A16 (x as it is); candidates: the GEMV, the mma kernel on the weight converted to x's
-              dtype, dequantize + torch.mm
+              dtype, dequantize + torch.mm; int8-w8a16-groups the same with a scale per 128 inputs (8-bit GPTQ)
   int4        int4_linear (groups of 128, what it picks with the layers' tinygemm layout), the same after
               gathering x in a shuffled order as an act-order checkpoint's layers do (act_order), and each
               candidate: torch's tinygemm (aten._weight_int4pack_mm, torchao's int4 layout on CUDA), the word
@@ -27,7 +27,7 @@ counts, with sweeps of the few-row kernels' tiles. A few minutes on the 8b shape
   --quality   instead: each format's logits against the unquantized model's and the tiny model's held-out
               perplexity per format (bench/quality.py)
   --sweep     fp8, fp8-block: at 1 row every GEMV tiling of SWEEP_GEMV, at 2 to 64 rows every tiling of SWEEP_MMA
-              (above FEW_ROWS rows on x quantized first, as mma_quantized); int8, int8-w8a16: the same tilings,
+              (above FEW_ROWS rows on x quantized first, as mma_quantized); the int8 formats: the same tilings,
               as int8_linear runs them (W8A16 converting the weight at every row count);
               int4: every tiling of SWEEP_DP4A (the dp4a GEMV) at 1 row, of SWEEP_WORD_DOT at 2 to 64 rows, of
               SWEEP_MM (the byte kernel, which int4_linear leaves to dequantize + mm there) at 65 to 256; each
@@ -60,12 +60,14 @@ from .quantized_sweep import (
 )
 from .report import text_table
 
-FORMATS = ("fp8", "fp8-block", "int8", "int8-w8a16", "int4")
+FORMATS = ("fp8", "fp8-block", "int8", "int8-w8a16", "int8-w8a16-groups", "int4")
 def weight_bytes(fmt: str, n: int, k: int) -> int:
     if fmt == "bf16":
         return 2 * n * k
     if fmt in ("fp8", "int8", "int8-w8a16"):
         return n * k + 4 * n
+    if fmt == "int8-w8a16-groups":
+        return n * k + 4 * n * -(-k // GROUP)
     if fmt == "fp8-block":
         return n * k + 4 * -(-n // 128) * -(-k // 128)
     return n * k // 2 + 2 * 2 * n * (k // GROUP)  # int4: bf16 scales and zero points
@@ -79,7 +81,9 @@ def make_weights(fmt: str, n: int, k: int, copies: int, device: str) -> list:
         if fmt == "bf16":
             return (torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02,)
         if fmt.startswith("int8"):
-            return torch.randint(-127, 128, (n, k), device=device, dtype=torch.int8), torch.rand(n, device=device) * 1e-3
+            shape = (n, -(-k // GROUP)) if fmt.endswith("groups") else (n,)
+            weight = torch.randint(-127, 128, (n, k), device=device, dtype=torch.int8)
+            return weight, torch.rand(shape, device=device) * 1e-3
         if fmt.startswith("fp8"):
             w = (torch.randn(n, k, device=device) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
             shape = (-(-n // 128), -(-k // 128)) if fmt == "fp8-block" else (n,)
@@ -168,7 +172,8 @@ def candidates(fmt: str, x, rows: int, tinygemm: dict | None = None) -> dict:
 
 
 def int8_candidates(fmt: str, x, rows: int) -> dict:
-    """name -> fn(weight, scale) of every int8 product timed at this row count (W8A8, or W8A16 for int8-w8a16)."""
+    """name -> fn(weight, scale) of every int8 product timed at this row count (W8A8, or W8A16 for int8-w8a16 and
+    int8-w8a16-groups; `scale_rows` 1 reads group scales, and is ignored by per-channel ones)."""
     import torch
 
     from graphkiln.kernels import fp8_linear as f
@@ -178,11 +183,11 @@ def int8_candidates(fmt: str, x, rows: int) -> dict:
     w8a8 = fmt == "int8"
     out = {"picked": lambda w, s: i8.int8_linear(x, w, s, quantize_input=w8a8)}
     if rows == 1:
-        out["gemv"] = lambda w, s: f.fp8_gemv(x, w, s)
+        out["gemv"] = lambda w, s: f.fp8_gemv(x, w, s, scale_rows=1)
     if rows <= 256:
-        out["mma"] = lambda w, s: fp8_mma(x, w, s, weight_to_x=not w8a8)
+        out["mma"] = lambda w, s: fp8_mma(x, w, s, weight_to_x=not w8a8, scale_rows=1)
     if not w8a8:
-        out["dequant_mm"] = lambda w, s: torch.mm(x, f.dequantize(w, s, x.dtype).t())
+        out["dequant_mm"] = lambda w, s: torch.mm(x, f.dequantize(w, s, x.dtype, scale_rows=1).t())
         return out
     if f.FEW_ROWS < rows <= 256:
         out["mma_quantized"] = lambda w, s: int8_quantized_mma(x, w, s)

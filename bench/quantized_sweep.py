@@ -105,8 +105,10 @@ def tiled(fmt: str, x, rows: int, tiles: tuple | None):
 
     if fmt == "int8" and rows > FEW_ROWS:
         return lambda w, s: int8_quantized_mma(x, w, s, tiles)
-    if fmt.startswith("int8") and rows > 1:
-        return lambda w, s: fp8_mma(x, w, s, tiles=tiles, weight_to_x=fmt == "int8-w8a16")
+    if fmt.startswith("int8"):  # scale_rows 1: int8's group scales (per-channel ones ignore it)
+        if rows == 1:
+            return lambda w, s: fp8_gemv(x, w, s, tiles=tiles, scale_rows=1)
+        return lambda w, s: fp8_mma(x, w, s, tiles=tiles, weight_to_x=fmt != "int8", scale_rows=1)
     if rows > FEW_ROWS:
         return lambda w, s: quantized_mma(x, w, s, tiles)
     kernel = fp8_gemv if rows == 1 else fp8_mma
@@ -131,7 +133,7 @@ def rule_tiles(fmt: str, rows: int, n: int, k: int, device) -> tuple:
         return w4.dot_tiling(rows, n, k, sms)
     if rows == 1:
         return f.gemv_tiling(n, k, sms)
-    quantized_first = rows > f.FEW_ROWS and fmt != "int8-w8a16"
+    quantized_first = rows > f.FEW_ROWS and not fmt.startswith("int8-w8a16")
     return mma_tiling(rows, n, k, sms, x_quantized=quantized_first, block_scales=fmt == "fp8-block")
 
 
