@@ -41,7 +41,8 @@ def checkpoint_kinds(source: str, symmetric: bool, act_order: bool) -> tuple[str
     return ("qweight", "qzeros", "scales") + ("g_idx",) * act_order
 
 
-def checked(tensor: torch.Tensor, shape: tuple[int, ...], where: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+def checked(tensor: torch.Tensor, shape: tuple[int, ...], where: str,
+            dtype: torch.dtype | None = None) -> torch.Tensor:
     """`tensor`, once its shape is `shape` and its dtype `dtype` (None: any floating-point dtype, as scales are
     stored); a named WeightMismatchError otherwise."""
     if tuple(tensor.shape) != shape:
@@ -52,6 +53,12 @@ def checked(tensor: torch.Tensor, shape: tuple[int, ...], where: str, dtype: tor
     if dtype is None and not tensor.is_floating_point():
         raise WeightMismatchError(f"{where}: dtype {tensor.dtype}, the format stores floating-point scales")
     return tensor
+
+
+def check_weight_shape(tensor: torch.Tensor, full: list[int], where: str) -> None:
+    """compressed-tensors' `weight_shape` of a packed projection, against the checkpoint's [N, K] of it."""
+    if tensor.numel() != 2 or tensor.tolist() != full:
+        raise WeightMismatchError(f"{where}: weight_shape {tensor.tolist()} but config.json implies {full}")
 
 
 def nibbles(words: torch.Tensor) -> torch.Tensor:
@@ -154,9 +161,7 @@ def _fill_compressed_tensors(part: Int4Part, kind: str, tensor: torch.Tensor) ->
     elif kind == "weight_zero_point":  # packed along N, each stored as z + 8 for a signed z: our zero point
         part.zeros.copy_(nibbles(part.check(tensor, (-(-n // 8), groups), torch.int32).t())[:, :n].t())
     elif kind == "weight_shape":
-        full = [part.full_n, part.full_k]
-        if tensor.numel() != 2 or tensor.tolist() != full:
-            raise WeightMismatchError(f"{part.where}: weight_shape {tensor.tolist()} but config.json implies {full}")
+        check_weight_shape(tensor, [part.full_n, part.full_k], part.where)
     elif kind == "weight_g_idx":
         part.set_group_index(tensor)
     else:

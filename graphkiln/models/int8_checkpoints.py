@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from graphkiln.errors import UnsupportedModelError, WeightMismatchError
+from graphkiln.errors import UnsupportedModelError
 
-from .int4_checkpoints import checked
+from .int4_checkpoints import check_weight_shape, checked
 from .int8_linear import Int8Linear
 
 SYMMETRIC_ZERO = 128
@@ -61,9 +61,7 @@ def fill_int8(module: Int8Linear, kind: str, part: int, tensor: torch.Tensor, wh
     elif kind == "scales":
         scale.copy_(checked(tensor, (scale.shape[-1] if module.grouped else 1, n), where).t().reshape(scale.shape))
     elif kind == "weight_shape":
-        full = [module.checkpoint_parts[part], module.checkpoint_in_features]
-        if tensor.numel() != 2 or tensor.tolist() != full:
-            raise WeightMismatchError(f"{where}: weight_shape {tensor.tolist()} but config.json implies {full}")
+        check_weight_shape(tensor, [module.checkpoint_parts[part], module.checkpoint_in_features], where)
     elif kind == "qzeros":
         zeros = tensor.contiguous().view(torch.uint8).int() + (module.source == "gptq")  # v1 stores z - 1
         if not torch.all(zeros == SYMMETRIC_ZERO):
@@ -74,7 +72,7 @@ def fill_int8(module: Int8Linear, kind: str, part: int, tensor: torch.Tensor, wh
         group = module.group_size or full_k
         runs = torch.arange(full_k, device=tensor.device) // group
         if tensor.numel() != full_k or not torch.equal(tensor.long().reshape(-1), runs):
-            raise UnsupportedModelError(f"{where}: group indices that are not runs of {group} inputs (act-order int8); "
-                                        "graphkiln reads int8 without act-order")
+            raise UnsupportedModelError(f"{where}: group indices that are not runs of {group} inputs (act-order "
+                                        "int8); graphkiln reads int8 without act-order")
     elif tensor.count_nonzero():  # ZERO_POINTS
         raise UnsupportedModelError(f"{where}: non-zero {kind} (asymmetric int8); graphkiln reads symmetric int8")

@@ -7,8 +7,8 @@ SLICES says, per format and tensor kind, along which dimension of the stored ten
 rows and input columns run, and how many outputs or inputs one index there stands for (a packed
 word's 8 int4 or 4 int8 values, a group's G, a block's 128). A rank reads only its slice of a tensor
 that is split, and the format's reader (quantized_layers.fill_quantized) then fills it into the rank's
-module as it would a whole one. A tensor without an entry for the rank's direction (a per-tensor scale, a channel scale
-of a row-parallel projection, group indices) is read whole by every rank.
+module as it would a whole one. A tensor without an entry for the rank's direction (a per-tensor scale,
+a channel scale of a row-parallel projection, group indices) is read whole by every rank.
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ FP8 = {
     "weight_scale_inv": ((0, BLOCK), (1, BLOCK)),
     "input_scale": (None, None),
 }
+INT8 = {**FP8, "weight_packed": ((0, 1), (1, 4)), "weight_shape": (None, None)}  # compressed-tensors' words
 SLICES: dict[str, dict[str, tuple[Spec, Spec]]] = {  # format -> kind -> (output rows, input columns)
     "fp8": FP8,
     "fp8-blocks": {**FP8, "weight_scale": ((0, BLOCK), (1, BLOCK))},  # compressed-tensors' block scales
-    "int8": {**FP8, "weight_packed": ((0, 1), (1, 4)), "weight_shape": (None, None)},
-    "int8-grouped": {**FP8, "weight_packed": ((0, 1), (1, 4)), "weight_shape": (None, None),
-                     "weight_scale": ((0, 1), (1, GROUP))},
+    "int8": INT8,
+    "int8-grouped": {**INT8, "weight_scale": ((0, 1), (1, GROUP))},
     "int8-gptq": {"qweight": ((1, 1), (0, 4)), "scales": ((1, 1), None)},  # qzeros and g_idx read whole
     "int8-gptq-grouped": {"qweight": ((1, 1), (0, 4)), "scales": ((1, 1), (0, GROUP))},
     "compressed-tensors": {

@@ -3,11 +3,11 @@
 A Dynamo-graph pass, on by default. It matches `silu(a) * b` where a and b are the two halves of one
 `chunk(2, dim=-1)` of `linear(x, w)` (no bias), `graphkiln::fp8_linear` or `graphkiln::int8_linear`, the chunk
 the product's only user, and calls graphkiln::linear_silu_mul, fp8_linear_silu_mul or int8_linear_silu_mul
-on the product's arguments instead. At one row on CUDA their GEMV takes a gate row and its up row in each program and
-applies the activation to its own outputs, so the step loses the SiLU-and-mul launch of every layer without
-computing a sigmoid more than once per output (computing it in the down projection's GEMV, as silu_mul_linear
-does, makes every program compute it over all of K, which the fp8 GEMV measured slower for); at more rows the
-ops are the product and one SiLU-and-mul launch, as before. It runs before silu_mul_linear, which takes what
+on the product's arguments instead. At one row on CUDA their GEMV takes a gate row and its up row in each
+program and applies the activation to its own outputs, so the step loses the SiLU-and-mul launch of every
+layer without computing a sigmoid more than once per output (computing it in the down projection's GEMV,
+as silu_mul_linear does, makes every program compute it over all of K, which the fp8 GEMV measured slower
+for); at more rows the ops are the product and one SiLU-and-mul launch, as before. It runs before silu_mul_linear, which takes what
 it leaves (a gate/up product with a bias) and, with this pass disabled, every layer's activation.
 """
 
