@@ -20,7 +20,8 @@ from graphkiln import cli
 from artifact_helpers import ENGINE, RESULT_PREFIX, SMALL_ENGINE, run_python_json
 from graphkiln.compiler.artifacts import QUANTIZED_FILE
 from graphkiln.errors import UnsupportedModelError, WeightMismatchError
-from graphkiln.models.loader import load_model
+from graphkiln.models import kernel_loads
+from graphkiln.models.loader import empty_model, fill_model, load_model
 from graphkiln.models.quantized_linear import Int4Linear
 from int4_checkpoint_helpers import awq_words, int4_config, write_int4_checkpoint
 from quant_helpers import relative_error, rewrite_checkpoint, top1_agreement, with_quantization_config
@@ -70,6 +71,25 @@ def test_int4_checkpoint_matches_its_dequantized_reference(
     ref = _reference_logits(reference, ids)
     assert relative_error(ours, ref) < 1e-4 and top1_agreement(ours, ref) == 1.0
     assert relative_error(llama.reference_logits(ids), ref) > 0.05  # the bound above tells int4 from the original
+
+
+def test_act_order_kernels_launch_beside_the_weights_with_an_input_order_in_range(
+    int4_checkpoints: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The eager forwards a load launches before the weights are read (CUDA only; turned on for the CPU here)
+    gather an act-order projection's input with its order as it stands then: the identity, not uninitialised
+    memory, whose indices out of range were a device-side assert on the GPU. The checkpoint's order replaces it."""
+    monkeypatch.setattr(kernel_loads, "LAUNCH_ON", ("cuda", "cpu"))
+    path, _ = int4_checkpoints[("gptq", True, True)]
+    model = empty_model(path)
+    orders = [m.input_order for m in model.modules() if isinstance(m, Int4Linear)]
+    assert orders and all(torch.equal(order, torch.arange(order.numel())) for order in orders)
+    before = kernel_loads.forwards_launched()
+    kernel_loads.launch_eager_kernels(model, (1, 3))
+    assert kernel_loads.forwards_launched() == before + 2
+    fill_model(model, path)
+    assert all(torch.equal(order.sort().values, torch.arange(order.numel())) for order in orders)
+    assert not any(torch.equal(order, torch.arange(order.numel())) for order in orders)
 
 
 @pytest.mark.parametrize("fmt,symmetric", [("gptq", True), ("gptq_v2", False), ("compressed-tensors", False)])
@@ -170,7 +190,7 @@ def test_unsupported_int4_schemes_are_named(llama: Checkpoint, tmp_path: Path) -
         **ct["config_groups"]["group_0"]["weights"], "strategy": "tensor", "group_size": None}}}}
     cases = {
         "gptq-3bit": ({**int4_config("gptq", 128, True), "bits": 3}, r"GPTQ with bits 3 \(graphkiln reads 4-bit and "
-                                                                     "8-bit GPTQ\)"),
+                                                                     r"8-bit GPTQ\)"),
         "marlin": ({**int4_config("gptq", 128, True), "checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
         "is-marlin": ({**int4_config("gptq", 128, True), "is_marlin_format": True}, "checkpoint_format 'marlin'"),
         "int16-words": ({**int4_config("gptq", 128, True), "pack_dtype": "int16"}, "GPTQ pack_dtype 'int16'"),

@@ -115,12 +115,17 @@ def install_quantized(model: CausalLM, cfg: ModelConfig, scheme: QuantScheme, dt
 
 def reset_before_fill(model: CausalLM) -> None:
     """Static activation scales start at zero: the fused parts' scales are combined by their maximum. A symmetric
-    int4 checkpoint that stores no zero points has them all at 8."""
+    int4 checkpoint that stores no zero points has them all at 8. An act-order input order starts as the identity:
+    the kernels launched beside the weights (kernel_loads.py) gather the input with it before the checkpoint's
+    group indices are read, and an index out of range there is a device-side assert that ends the process's
+    CUDA context."""
     for module in model.modules():
         if isinstance(module, Fp8Linear) and module.input_scale is not None:
             module.input_scale.zero_()
         if isinstance(module, Int4Linear) and module.symmetric:
             module.zeros.fill_(SYMMETRIC_ZERO)
+        if isinstance(module, Int4Linear) and module.input_order is not None:
+            torch.arange(module.in_features, out=module.input_order)
 
 
 def checkpoint_kinds(module: QuantizedLinear) -> list[str]:
