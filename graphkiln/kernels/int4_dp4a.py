@@ -174,20 +174,17 @@ def x_words(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def dp4a_tiling(n: int, k: int, group_size: int, sms: int = 132) -> tuple[int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, splits, warps, stages): slabs of 8 or 16 weight rows over 1024- or 2048-wide steps,
-    halved until they divide K (a whole number of groups), K split where the slabs alone leave multiprocessors
-    idle."""
-    if n > 8192:
-        block_n, block_k, warps, stages = 16, 1024, 4, 3
-    elif k < 8192:
-        block_n, block_k, warps, stages = 8, 1024, 4, 4
-    else:
-        block_n, block_k, warps, stages = 16, 2048, 8, 2
+    """(BLOCK_N, BLOCK_K, splits, warps, stages): slabs of 8 weight rows up to N = 4096, 16 above, over
+    2048-wide steps, 512-wide past N = 8192 (the fastest of `bench quantized --sweep` on the 8B-like
+    projections), halved until they divide K (a whole number of groups); K split only where the slabs are
+    fewer than the multiprocessors: the partials' extra kernel cost more than idle slots did."""
+    block_n = 8 if n <= 4096 else 16
+    block_k = 512 if n > 8192 else 2048
     block_k = max(block_k, group_size)
     while block_k > group_size and k % block_k:
         block_k //= 2
-    splits = split_count(triton.cdiv(n, block_n), k, block_k, 4 * n, n * k // 2, sms)
-    return block_n, block_k, splits, warps, stages
+    splits = split_count(triton.cdiv(n, block_n), k, block_k, 4 * n, n * k // 2, sms, resident=1)
+    return block_n, block_k, splits, 4, 3
 
 
 def int4_dp4a_gemv(x: torch.Tensor, qwords: torch.Tensor | None, scales: torch.Tensor, zeros: torch.Tensor,

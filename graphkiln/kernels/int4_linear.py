@@ -3,10 +3,12 @@
 qweight [N, K/2] uint8 packs two 4-bit values per byte, the low nibble the even k; scales and zeros
 are [N, K/G] (any float dtype, or integer zeros).
 
-Up to TINYGEMM_ROWS rows, where the layer keeps its weight also in the layout of torch's own int4 kernel
-(tinygemm, `aten._weight_int4pack_mm`; quantized_linear.tinygemm_layout), that kernel takes them: it
-measured faster than ours there (`python -m bench quantized`). Otherwise one row (decode at batch 1)
-goes to a GEMV in gemv.py's layout that sums q * x and x per group. From 2 to DOT_ROWS rows a
+One row (decode at batch 1) goes to the GEMV on integer dot products (int4_dp4a.py), where the weight has
+words and groups of MIN_GROUP or more. Otherwise, up to TINYGEMM_ROWS rows, where the layer keeps its weight
+also in the layout of torch's own int4 kernel (tinygemm, `aten._weight_int4pack_mm`;
+quantized_linear.tinygemm_layout), that kernel takes them: it measured faster than ours at 2 to 4 rows
+(`python -m bench quantized`); one row it does not take goes to a GEMV in gemv.py's layout that sums
+q * x and x per group. From 2 to DOT_ROWS rows a
 tensor-core kernel reads the weight as 32-bit words and turns nibbles into floats without
 int-to-float conversions (int4_words.py), where the groups hold a dot's 16 words. Both apply a scale
 and zero point per group, not per weight, and split K so that every multiprocessor has loads in
@@ -31,6 +33,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from graphkiln.errors import ConfigError
 
 from .gemv import _k_mask
+from .int4_dp4a import MIN_GROUP, int4_dp4a_gemv
 from .int4_words import MIN_DOT_GROUP, group_params, int4_dot, words
 from .launch import launch
 from .pdl import pdl_on
@@ -297,13 +300,15 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     m = x.shape[0]
     if m == 0:
         return x.new_empty(0, qweight.shape[0])
-    if tinygemm_weight is not None and m <= TINYGEMM_ROWS and x.dtype == torch.bfloat16:
-        return torch.ops.aten._weight_int4pack_mm(x.contiguous(), tinygemm_weight, group_size, tinygemm_params)
     x = x if x.stride(1) == 1 else x.contiguous()
     scales, zeros = scales.contiguous(), zeros.contiguous()
+    qwords = words(qweight)
+    if m == 1 and qwords is not None and group_size >= MIN_GROUP:
+        return int4_dp4a_gemv(x, qwords, scales, zeros, group_size)
+    if tinygemm_weight is not None and m <= TINYGEMM_ROWS and x.dtype == torch.bfloat16:
+        return torch.ops.aten._weight_int4pack_mm(x, tinygemm_weight, group_size, tinygemm_params)
     if m == 1:
         return int4_gemv(x, qweight, scales, zeros, group_size)
-    qwords = words(qweight)
     if qwords is not None and m <= DOT_ROWS and group_size >= MIN_DOT_GROUP:
         return int4_dot(x, qwords, scales, zeros, group_size)
     if m <= MM_ROWS and group_size >= MIN_MM_GROUP:

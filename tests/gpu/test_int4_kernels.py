@@ -51,8 +51,9 @@ def test_int4_linear_other_group_sizes(group, rows):
 @pytest.mark.parametrize("shape", [*MODEL_SHAPES.values(), (1000, 2944), (200, 1152), (64, 192), (64, 160)],
                          ids=[*MODEL_SHAPES, "ragged", "odd-tiles", "four-k-tiles", "two-k-tiles"])
 def test_int4_linear_through_tinygemm_matches_float32(shape, rows):
-    """With the layer's tinygemm layout (K a multiple of 128, 64 or 32: 8, 4 or 2 k-tiles a word), up to
-    TINYGEMM_ROWS rows take torch's kernel, beyond them ours: both within the bf16 weight's rounding of float32."""
+    """With the layer's tinygemm layout (K a multiple of 128, 64 or 32: 8, 4 or 2 k-tiles a word), one row takes
+    the dp4a GEMV, 2 to TINYGEMM_ROWS rows torch's kernel, beyond them ours: all within the bf16 weight's rounding
+    of float32."""
     n, k = shape
     group = 32 if k % 128 else 128
     qweight, scales, zeros, reference_weight = int4_weight(n, k, group)
