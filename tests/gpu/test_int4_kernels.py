@@ -52,8 +52,8 @@ def test_int4_linear_other_group_sizes(group, rows):
                          ids=[*MODEL_SHAPES, "ragged", "odd-tiles", "four-k-tiles", "two-k-tiles"])
 def test_int4_linear_through_tinygemm_matches_float32(shape, rows):
     """With the layer's tinygemm layout (K a multiple of 128, 64 or 32: 8, 4 or 2 k-tiles a word), one row takes
-    the dp4a GEMV, 2 to TINYGEMM_ROWS rows torch's kernel, beyond them ours: all within the bf16 weight's rounding
-    of float32."""
+    the dp4a GEMV where N and K reach DP4A_SIDE (the 8B-like shapes), torch's kernel elsewhere and up to
+    TINYGEMM_ROWS rows, ours beyond them: all within the bf16 weight's rounding of float32."""
     n, k = shape
     group = 32 if k % 128 else 128
     qweight, scales, zeros, reference_weight = int4_weight(n, k, group)
