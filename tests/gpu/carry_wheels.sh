@@ -7,6 +7,8 @@
 #   apache_tvm_ffi-0.1.15.post2-cp312-...manylinux_2_28.whl  ~3.3 MB
 #   nvidia_cudnn_frontend-1.32.0-cp312-...manylinux_2_28.whl ~11.6 MB   (about 21 MiB in all)
 #   compressed_tensors, loguru, psutil (graphkiln[quant]: compressed-tensors checkpoints)  ~0.5 MB
+#   pydantic, pydantic_core, annotated_types, typing_inspection (compressed-tensors requires pydantic, which a
+#   CUDA image with torch and transformers need not have)  ~2.5 MB
 #
 # A CUDA image with torch usually has flashinfer's other requirements (click, einops, ninja, numpy, nvidia-ml-py,
 # packaging, requests, tabulate, torch, tqdm; typing-extensions for tvm-ffi) except
@@ -23,6 +25,7 @@ python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --im
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d "$dest" \
   flashinfer-python==0.5.3 apache-tvm-ffi==0.1.15.post2 nvidia-cudnn-frontend==1.32.0 \
-  compressed-tensors==0.20.0 loguru==0.7.3 psutil==7.2.2
+  compressed-tensors==0.20.0 loguru==0.7.3 psutil==7.2.2 \
+  pydantic==2.12.5 pydantic-core==2.41.5 annotated-types==0.7.0 typing-inspection==0.4.2
 ls -l "$dest"/flashinfer_python-0.5.3-*.whl "$dest"/apache_tvm_ffi-0.1.15.post2-*.whl \
   "$dest"/nvidia_cudnn_frontend-1.32.0-*.whl
