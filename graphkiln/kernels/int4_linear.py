@@ -308,7 +308,7 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     if m == 1 and qwords is not None and group_size >= MIN_GROUP and min(qwords.shape[0], x.shape[1]) >= DP4A_SIDE:
         return int4_dp4a_gemv(x, qwords, scales, zeros, group_size)
     if tinygemm_weight is not None and m <= TINYGEMM_ROWS and x.dtype == torch.bfloat16:
-        return torch.ops.aten._weight_int4pack_mm(x, tinygemm_weight, group_size, tinygemm_params)
+        return torch.ops.aten._weight_int4pack_mm(x.contiguous(), tinygemm_weight, group_size, tinygemm_params)
     if m == 1:
         return int4_gemv(x, qweight, scales, zeros, group_size)
     if qwords is not None and m <= DOT_ROWS and group_size >= MIN_DOT_GROUP:
