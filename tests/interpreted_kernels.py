@@ -20,7 +20,7 @@ import triton.runtime.interpreter as interpreter
 
 from graphkiln.kernels.block_decode_attention import block_paged_decode
 from graphkiln.kernels.decode_attention import paged_decode
-from graphkiln.kernels.fp8_linear import FEW_ROWS, fp8_linear
+from graphkiln.kernels.fp8_linear import FEW_ROWS, fp8_linear, fp8_mlp
 from graphkiln.kernels.gemv import gemv
 from graphkiln.kernels.int4_dp4a import int4_dp4a_gemv
 from graphkiln.kernels.int4_linear import int4_linear
@@ -171,7 +171,8 @@ def run_product(kind: str, rows: int, n: int, k: int, seed: int = 0) -> dict:
     FEW_ROWS rows and per token (or by the static scale) past them; W8A16 and int4 keep x (the dp4a GEMV's
     16-bit fixed point per group is finer than float16 for all but a group's smallest inputs). "-activated" kinds
     (fp8, int8, and "half" for the float16 GEMV of one row) are
-    silu(gate) * up of the product's halves, against that of the float16 product."""
+    silu(gate) * up of the product's halves, against that of the float16 product; "-mlp" kinds (fp8) are
+    fp8_mlp, the down product of that activation rounded as its row count rounds x."""
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed)).to(torch.float16)
     activated = kind.endswith("-activated")
     if kind.startswith("int4"):
@@ -192,6 +193,14 @@ def run_product(kind: str, rows: int, n: int, k: int, seed: int = 0) -> dict:
         weight = torch.randn(n, k, generator=torch.Generator().manual_seed(seed + 1)).to(torch.float16) / k**0.5
         got = gemv(x, weight, activated=True)
         want = x.float() @ weight.float().t()
+    elif kind.endswith("-mlp"):  # N: the MLP's inner width; K: its input's and output's
+        block = kind.startswith("fp8-block")
+        (gate_up, gate_up_scale, gate_up_ref), (down, down_scale, down_ref) = (
+            fp8_weight(2 * n, k, block, "cpu"), fp8_weight(k, n, block, "cpu"))
+        got = fp8_mlp(x, gate_up, gate_up_scale, None, down, down_scale)
+        rounded = quantize_activations_fp8(x, rows <= FEW_ROWS or block, None)
+        h = silu_mul_reference((rounded @ gate_up_ref.t()).to(torch.float16))
+        want = quantize_activations_fp8(h, rows <= FEW_ROWS or block, None) @ down_ref.t()
     else:
         block = kind.startswith("fp8-block")
         weight, scale, reference = fp8_weight(n, k, block, "cpu")
@@ -257,6 +266,8 @@ PRODUCT_CASES = {  # name: (kind, rows, N, K); the rows pick each path fp8_linea
     **{f"{kind}-activated-{rows}-rows": (f"{kind}-activated", rows, 200, 384) for kind in ("fp8-channel", "fp8-block")
        for rows in (1, 8)},
     "half-activated-1-row": ("half-activated", 1, 200, 384),
+    **{f"{kind}-mlp-{rows}-rows": (f"{kind}-mlp", rows, 200, 384) for kind in ("fp8-channel", "fp8-block")
+       for rows in (8, 24)},  # 24: the activation applied in the down product's quantization
     **{f"{kind}-{rows}-rows": (kind, rows, 200, 384) for kind in ("w8a8", "w8a16") for rows in (1, 8, 24, 80)},
     **{f"w8a16-groups-{rows}-rows": ("w8a16-groups", rows, 200, 320) for rows in (1, 8, 80)},  # a partial group
     "w8a8-static-80-rows": ("w8a8-static", 80, 200, 384),

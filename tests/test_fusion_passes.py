@@ -1,4 +1,4 @@
-"""The fusion passes on Dynamo graphs: silu_mul_linear, silu_mul_epilogue and add_rms_norm take the patterns they
+"""The fusion passes on Dynamo graphs: silu_mul_linear, silu_mul_epilogue, fp8_mlp and add_rms_norm take the patterns they
 are for and leave the ones they are not, compute on the CPU what the graph did, and hand each other what they leave."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from test_passes import dynamo_graph, eager_and_compiled_agree, run_manager
 from graphkiln import CompileConfig
 from graphkiln.compiler.compile import compile_module
 from graphkiln.passes.add_rms_norm import AddRmsNorm
+from graphkiln.passes.fp8_mlp import Fp8Mlp
 from graphkiln.passes.silu_mul_epilogue import SiluMulEpilogue
 from graphkiln.passes.silu_mul_linear import SiluMulLinear
 
@@ -132,6 +133,43 @@ def test_silu_mul_epilogue_leaves_silu_mul_linear_nothing_and_disabled_leaves_it
     assert code[0].count("graphkiln.linear_silu_mul") == TOY.num_layers and "graphkiln.silu_mul_linear" not in code[0]
     assert code[1].count("graphkiln.silu_mul_linear") == TOY.num_layers and "graphkiln.linear_silu_mul" not in code[1]
 
+
+
+def _fp8_mlp_variants():
+    """(name, fn(x, q1, s1, q2, s2, t), matches): fp8 MLP tails fp8_mlp must take or leave."""
+    fp8_linear, activated = torch.ops.graphkiln.fp8_linear, torch.ops.graphkiln.fp8_linear_silu_mul
+
+    def mlp(x, q1, s1, q2, s2, t):
+        return fp8_linear(activated(x, q1, s1, None), q2, s2, None)
+
+    def static_down_scale(x, q1, s1, q2, s2, t):
+        return fp8_linear(activated(x, q1, s1, None), q2, s2, t)
+
+    def activation_used_twice(x, q1, s1, q2, s2, t):
+        h = activated(x, q1, s1, None)
+        return fp8_linear(h, q2, s2, None) + h[:, :4]
+
+    def plain_product_before(x, q1, s1, q2, s2, t):
+        return fp8_linear(fp8_linear(x, q1, s1, None)[:, :6], q2, s2, None)
+
+    return [("activated, then down", mlp, 1), ("static down scale", static_down_scale, 0),
+            ("activation used twice", activation_used_twice, 0), ("no activation", plain_product_before, 0)]
+
+
+@pytest.mark.parametrize("name,fn,matches", _fp8_mlp_variants(), ids=[v[0] for v in _fp8_mlp_variants()])
+def test_fp8_mlp_takes_the_down_projection_of_an_activated_product_only(name, fn, matches):
+    """One graphkiln::fp8_mlp call on both products' arguments, which on the CPU computes what the graph did."""
+    from graphkiln.models.quantized_linear import quantize_fp8
+
+    x, t = torch.randn(5, 8), torch.tensor([0.01])
+    (q1, s1), (q2, s2) = quantize_fp8(torch.randn(12, 8)), quantize_fp8(torch.randn(4, 6))
+    gm = dynamo_graph(fn, x, q1, s1, q2, s2, t)
+    assert Fp8Mlp()(gm) == matches
+    gm.graph.lint()
+    assert ("fp8_mlp.default" in gm.code) == bool(matches)
+    feeds = {"L_x_": x, "L_q1_": q1, "L_s1_": s1, "L_q2_": q2, "L_s2_": s2, "L_t_": t}
+    args = [feeds.get(n.target, 5) for n in gm.graph.nodes if n.op == "placeholder"]
+    assert torch.equal(gm(*args)[0], fn(x, q1, s1, q2, s2, t))
 
 def _norm_variants():
     """(name, fn(x, r, w), matches): residual adds and RMSNorms, as transformer.RMSNorm writes them, that

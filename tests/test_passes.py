@@ -34,7 +34,7 @@ from graphkiln.passes.pipeline import default_passes, passes_off
 
 DYNAMO_NAMES = ["boundary_recompute", "silu_mul_epilogue", "attention_split"]
 OFF_BY_DEFAULT = ["add_rms_norm", "symm_mem_all_reduce"]
-NAMES = ["boundary_recompute", "silu_mul_epilogue", "silu_mul_linear", "add_rms_norm", "attention_split",
+NAMES = ["boundary_recompute", "silu_mul_epilogue", "fp8_mlp", "silu_mul_linear", "add_rms_norm", "attention_split",
          "linear_op", "symm_mem_all_reduce"]
 
 
@@ -152,8 +152,9 @@ def test_default_pipeline_matches_eager_and_reports_every_pass(toy):
     compiled, report = compile_module(toy, CompileConfig())
     eager_and_compiled_agree(toy, compiled)
     assert [(r.name, r.enabled) for r in report.passes] == [(n, n not in OFF_BY_DEFAULT) for n in NAMES]
-    recompute, epilogue, silu_mul, norm, split, *_ = report.passes  # linear_op runs in Inductor, on cache misses only
+    recompute, epilogue, mlp, silu_mul, norm, split, *_ = report.passes  # linear_op runs in Inductor, on cache misses
     assert norm.runs == 0
+    assert (mlp.runs, mlp.matches) == (1, 0)  # a bf16 model
     assert (recompute.runs, recompute.matches, recompute.nodes_added) == (1, 1, 1)
     # per layer: the gate/up linear, chunk, two getitems, silu and mul become one linear_silu_mul
     assert (epilogue.runs, epilogue.matches, epilogue.nodes_removed, epilogue.nodes_added) == (1, 2, 12, 2)

@@ -61,23 +61,26 @@ def test_quantized_graph_calls_the_quantized_ops_and_the_linear_passes_leave_the
 ) -> None:
     out, report = compiled_quantized[scheme]
     pieces = "".join(p.read_text() for p in out.parent.joinpath(f"{scheme}-dumps").glob("*-split.submod_*.py"))
-    assert pieces.count(f"graphkiln.{scheme}_linear") >= 16  # 4 projections x 4 layers
+    # 4 projections x 4 layers; fp8's gate/up and down projections are one graphkiln::fp8_mlp call a layer
+    assert pieces.count(f"graphkiln.{scheme}_linear") + 2 * pieces.count("graphkiln.fp8_mlp") >= 16
     assert "graphkiln.silu_mul_linear" not in pieces
     records = {r.name: r for r in report.passes}
     assert records["linear_op"].runs > 0 and records["linear_op"].matches == 0
     assert records["silu_mul_linear"].runs == 1 and records["silu_mul_linear"].matches == 0
     # fp8's and int8's gate/up products take their activation (4 layers); int4's are left as they are
     assert records["silu_mul_epilogue"].matches == (0 if scheme == "int4" else 4)
-    assert (f"graphkiln.{scheme}_linear_silu_mul" in pieces) == (scheme != "int4")
+    assert records["fp8_mlp"].matches == (4 if scheme == "fp8" else 0)
+    assert ("graphkiln.int8_linear_silu_mul" in pieces) == (scheme == "int8")
 
 
 @pytest.mark.slow
 def test_fp8_mlp_activation_in_its_product_scores_as_without_silu_mul_epilogue(
     quantized: dict[str, Path], tmp_path: Path
 ) -> None:
-    """The default fp8 artifact, whose gate/up products apply their activation (graphkiln::fp8_linear_silu_mul),
-    scores a prompt as one compiled with silu_mul_epilogue disabled (the product, then Inductor's SiLU-and-mul;
-    on the CPU the op is the product, then the activation rounded once, as Inductor's fused kernel rounds it)."""
+    """The default fp8 artifact, whose gate/up products apply their activation (graphkiln::fp8_linear_silu_mul,
+    inside graphkiln::fp8_mlp with the down projection), scores a prompt as one compiled with silu_mul_epilogue
+    disabled (the product, then Inductor's SiLU-and-mul; on the CPU the op is the product, then the activation
+    rounded once, as Inductor's fused kernel rounds it)."""
     config = CompileConfig(quantization="fp8", disabled_passes=("silu_mul_epilogue",))
     _, report = graphkiln.compile_model(tiny_model_dir(), tmp_path / "fp8", config, engine=SMALL_ENGINE)
     records = {r.name: r for r in report.passes}

@@ -104,15 +104,19 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, STEPS, stride_wn, strid
 
 @triton.jit
 def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm, stride_sg,
-                            GROUP: tl.constexpr, BLOCK: tl.constexpr, INT8: tl.constexpr):
+                            GROUP: tl.constexpr, BLOCK: tl.constexpr, INT8: tl.constexpr, ACTIVATED: tl.constexpr):
     """One group of one row of x to fp8 (int8) by its absolute maximum: q = x / s, s = amax / 448 (s = amax / 127,
-    q rounded to the nearest integer)."""
+    q rounded to the nearest integer). ACTIVATED: the row is [gate | up] of width 2K and what is quantized is
+    silu(gate) * up rounded to x's dtype, the SiLU-and-mul kernel's output, never stored."""
     row = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
     ks = group * GROUP + offs
     mask = (offs < GROUP) & (ks < K)
     x = tl.load(x_ptr + row * stride_xm + ks, mask=mask, other=0.0).to(tl.float32)
+    if ACTIVATED:
+        up = tl.load(x_ptr + row * stride_xm + K + ks, mask=mask, other=0.0).to(tl.float32)
+        x = (x * tl.sigmoid(x) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
     q_max = 127.0 if INT8 else 448.0
     scale = tl.maximum(tl.max(tl.abs(x), axis=0) / q_max, 1e-12)
     q = x / scale
@@ -207,12 +211,13 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     return silu_mul(y) if activated and not in_epilogue else y
 
 
-def quantize_rows(x: torch.Tensor, group: int | None = None,
-                  dtype: torch.dtype = FP8) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, group: int | None = None, dtype: torch.dtype = FP8,
+                  activated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] to `dtype` (fp8, or int8 rounded to the nearest integer) with a float32 scale per row (`group`
     None: [M, 1]) or per `group`-wide slice of a row ([M, ceil(K/group)], column-major as torch._scaled_mm's
-    block scaling wants it)."""
-    m, k = x.shape
+    block scaling wants it). `activated`: x is [M, 2K] = [gate | up], and what is quantized is silu_mul(x), equal
+    bit for bit, computed as it loads."""
+    m, k = x.shape[0], x.shape[1] // 2 if activated else x.shape[1]
     q = torch.empty(m, k, dtype=dtype, device=x.device)
     if group is None:
         scales = torch.empty(m, 1, dtype=torch.float32, device=x.device)
@@ -226,7 +231,7 @@ def quantize_rows(x: torch.Tensor, group: int | None = None,
         launch(
             _quantize_groups_kernel, (m, groups),
             x, q, scales, k, x.stride(0), q.stride(0), scales.stride(0), scales.stride(1), GROUP=width, BLOCK=block,
-            INT8=dtype == torch.int8, num_warps=max(1, min(16, block // 512)),
+            INT8=dtype == torch.int8, ACTIVATED=activated, num_warps=max(1, min(16, block // 512)),
         )
     return q, scales
 
@@ -337,3 +342,21 @@ def quantized_product(xq: torch.Tensor, scale_a: torch.Tensor, weight: torch.Ten
         return fp8_mma(xq, weight, weight_scale, x_scale=scale_a, out_dtype=dtype)
     scale_b = weight_scale.t() if weight_scale.dim() == 2 else weight_scale.view(1, -1)
     return scaled_mm(xq, weight.t(), scale_a, scale_b, dtype)
+
+
+def fp8_mlp(x: torch.Tensor, gate_up_weight: torch.Tensor, gate_up_scale: torch.Tensor,
+            gate_up_input_scale: torch.Tensor | None, down_weight: torch.Tensor, down_scale: torch.Tensor) -> torch.Tensor:
+    """fp8_linear(fp8_linear(x, gate_up_weight, ..., activated=True), down_weight, down_scale): the MLP's two
+    products with the activation between, equal to them bit for bit. Where the down product quantizes its input
+    in a kernel of its own (more than FEW_ROWS rows, a dynamic scale), that kernel computes the activation as it
+    loads [gate | up], so silu(gate) * up is never written out and read back."""
+    _check(x, gate_up_weight, gate_up_scale)
+    block_scales = _block_scales(down_weight, down_scale)
+    m = x.shape[0]
+    if m <= FEW_ROWS or (m > MMA_ROWS and not scaled_mm_fits(x, down_weight, block_scales)):
+        h = fp8_linear(x, gate_up_weight, gate_up_scale, gate_up_input_scale, activated=True)
+        return fp8_linear(h, down_weight, down_scale)
+    y = fp8_linear(x, gate_up_weight, gate_up_scale, gate_up_input_scale)
+    _check(y[:, : y.shape[1] // 2], down_weight, down_scale)
+    hq, scale_a = quantize_rows(y, BLOCK if block_scales else None, activated=True)
+    return quantized_product(hq, scale_a, down_weight, down_scale.contiguous(), x.dtype)

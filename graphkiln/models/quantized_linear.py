@@ -6,6 +6,8 @@ to multiply by); activations quantized per token (channel scales) or per 1 x 128
 scales) at run time, or with one static scale when `input_scale` [1] is given.
 `graphkiln::fp8_linear_silu_mul(x, weight, weight_scale, input_scale)`: silu(gate) * up of fp8_linear's
 [gate | up], the MLP's fused gate and up projections with their activation (passes/silu_mul_epilogue.py).
+`graphkiln::fp8_mlp(x, gate_up_weight, gate_up_scale, gate_up_input_scale, down_weight, down_scale)`: the down
+projection (dynamic activation scales) of fp8_linear_silu_mul's output, the MLP's two products (passes/fp8_mlp.py).
 `graphkiln::int4_linear(x, qweight, scales, zeros, group_size, tinygemm_weight, tinygemm_params)`: w[n, k] =
 (q[n, k] - zeros[n, g]) * scales[n, g] with g = k // group_size, q in 0..15 packed two to a byte, the low
 nibble first; the optional tinygemm tensors hold the same weight in the layout of torch's own int4 kernel
@@ -17,7 +19,8 @@ On CUDA the ops call the Triton kernels of `graphkiln.kernels`; elsewhere they d
 float32 and multiply, quantizing the activations as the CUDA path does above FEW_ROWS rows
 (kernels/fp8_linear.py) at every row count. Up to FEW_ROWS rows the CUDA kernel quantizes them per
 1 x 128 group instead, a finer grouping of the same one fp8 rounding. The ops are opaque to Inductor
-and to linear_op; silu_mul_epilogue turns an fp8_linear and its activation into fp8_linear_silu_mul.
+and to linear_op; silu_mul_epilogue turns an fp8_linear and its activation into fp8_linear_silu_mul, fp8_mlp
+that and the down projection after it into fp8_mlp.
 """
 
 from __future__ import annotations
@@ -111,6 +114,29 @@ def _fp8_activated_shape(x, weight, weight_scale, input_scale) -> torch.Tensor:
 fp8_linear_silu_mul = define(
     "fp8_linear_silu_mul(Tensor x, Tensor weight, Tensor weight_scale, Tensor? input_scale) -> Tensor",
     _fp8_linear_silu_mul, _fp8_activated_shape,
+)
+
+
+def _fp8_mlp(x: torch.Tensor, gate_up_weight: torch.Tensor, gate_up_scale: torch.Tensor,
+             gate_up_input_scale: torch.Tensor | None, down_weight: torch.Tensor, down_scale: torch.Tensor
+             ) -> torch.Tensor:
+    """fp8_linear(fp8_linear_silu_mul(x, gate_up...), down...) [M, K] -> [M, down rows] in x.dtype."""
+    if x.is_cuda:  # the down product's activation quantization applies the SiLU-and-mul as it loads
+        from graphkiln.kernels.fp8_linear import fp8_mlp as kernel
+
+        return kernel(x, gate_up_weight, gate_up_scale, gate_up_input_scale, down_weight, down_scale)
+    h = _fp8_linear_silu_mul(x, gate_up_weight, gate_up_scale, gate_up_input_scale)
+    return _fp8_linear(h, down_weight, down_scale, None)
+
+
+def _fp8_mlp_shape(x, gate_up_weight, gate_up_scale, gate_up_input_scale, down_weight, down_scale) -> torch.Tensor:
+    return x.new_empty(x.shape[0], down_weight.shape[0])
+
+
+fp8_mlp = define(
+    "fp8_mlp(Tensor x, Tensor gate_up_weight, Tensor gate_up_scale, Tensor? gate_up_input_scale, "
+    "Tensor down_weight, Tensor down_scale) -> Tensor",
+    _fp8_mlp, _fp8_mlp_shape,
 )
 
 

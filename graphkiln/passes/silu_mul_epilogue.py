@@ -27,7 +27,7 @@ ACTIVATED = {op: activated.default for product, activated in ((fp8_linear, fp8_l
              for op in (product, product.default)}  # a quantized product -> the same with its activation
 
 
-def _arguments(node: torch.fx.Node) -> tuple:
+def call_arguments(node: torch.fx.Node) -> tuple:
     """A custom op call's arguments in schema order, however they were passed."""
     op = node.target.default if isinstance(node.target, torch._ops.OpOverloadPacket) else node.target
     given = node.args
@@ -39,7 +39,7 @@ def _activated_call(product: torch.fx.Node) -> tuple | None:
     if product.op != "call_function" or len(product.users) != 1:
         return None
     if product.target in ACTIVATED:
-        return ACTIVATED[product.target], _arguments(product)
+        return ACTIVATED[product.target], call_arguments(product)
     if product.target in LINEARS:
         x, weight, *rest = product.args
         if (rest[0] if rest else product.kwargs.get("bias")) is None:

@@ -160,3 +160,29 @@ def test_activated_fp8_linear_is_the_silu_mul_kernel_on_its_product(shape, rows,
     assert torch.equal(y, silu_mul(product))
     gate, up = (x.float() @ reference_weight.t()).chunk(2, dim=-1)
     assert relative_error(y, torch.nn.functional.silu(gate) * up) < (0.005 if rows == 1 else 0.05)
+
+
+@pytest.mark.parametrize("blocks", [False, True], ids=["per-channel", "block"])
+@pytest.mark.parametrize("rows", [1, 16, 17, 33, 64, 65, 300])
+@pytest.mark.parametrize("shape", {"8b": (4096, 14336), "1b": (2048, 8192), "tiny": (200, 1160)}.values(),
+                         ids=["8b", "1b", "tiny"])
+def test_fp8_mlp_is_its_two_products_bit_for_bit(shape, rows, blocks):
+    """The MLP op (its down product's quantization applying the SiLU-and-mul as it loads, past FEW_ROWS rows)
+    equals the activated gate/up product and the down product launched apart, at every row count's path, and the
+    float32 MLP within fp8's steps."""
+    hidden, inner = shape
+    gate_up, gate_up_scale, gate_up_reference = fp8_weight(2 * inner, hidden, blocks)
+    down, down_scale, down_reference = fp8_weight(hidden, inner, blocks)
+    x = activation(rows, hidden)
+    y = fp8_kernels.fp8_mlp(x, gate_up, gate_up_scale, None, down, down_scale)
+    apart = fp8_linear(fp8_linear(x, gate_up, gate_up_scale, activated=True), down, down_scale)
+    assert y.shape == (rows, hidden) and torch.equal(y, apart)
+    gate, up = (x.float() @ gate_up_reference.t()).chunk(2, dim=-1)
+    assert relative_error(y, (torch.nn.functional.silu(gate) * up) @ down_reference.t()) < 0.08
+
+
+@pytest.mark.parametrize("group", [None, 128])
+def test_activated_quantize_rows_is_silu_mul_then_quantize_rows(group):
+    y = activation(70, 2 * 14336)
+    assert all(torch.equal(a, b) for a, b in zip(quantize_rows(y, group, activated=True),
+                                                    quantize_rows(silu_mul(y), group)))
