@@ -345,7 +345,8 @@ def quantized_product(xq: torch.Tensor, scale_a: torch.Tensor, weight: torch.Ten
 
 
 def fp8_mlp(x: torch.Tensor, gate_up_weight: torch.Tensor, gate_up_scale: torch.Tensor,
-            gate_up_input_scale: torch.Tensor | None, down_weight: torch.Tensor, down_scale: torch.Tensor) -> torch.Tensor:
+            gate_up_input_scale: torch.Tensor | None, down_weight: torch.Tensor,
+            down_scale: torch.Tensor) -> torch.Tensor:
     """fp8_linear(fp8_linear(x, gate_up_weight, ..., activated=True), down_weight, down_scale): the MLP's two
     products with the activation between, equal to them bit for bit. Where the down product quantizes its input
     in a kernel of its own (more than FEW_ROWS rows, a dynamic scale), that kernel computes the activation as it
