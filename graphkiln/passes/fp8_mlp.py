@@ -16,25 +16,26 @@ from graphkiln.models.quantized_linear import fp8_linear, fp8_linear_silu_mul, f
 
 from .base import GraphPass
 from .silu_mul_epilogue import call_arguments
-from .silu_mul_linear import replace
+from .silu_mul_linear import rewrite
 
 PRODUCTS = (fp8_linear, fp8_linear.default)
 ACTIVATED = (fp8_linear_silu_mul, fp8_linear_silu_mul.default)
+
+
+def _mlp_call(node: torch.fx.Node) -> tuple | None:
+    """(fp8_mlp, args) taking `node`, when it is a dynamically scaled fp8_linear of an activated product used by
+    nothing else."""
+    if node.op != "call_function" or node.target not in PRODUCTS:
+        return None
+    h, weight, weight_scale, input_scale = call_arguments(node)
+    if (input_scale is not None or not isinstance(h, torch.fx.Node) or h.op != "call_function"
+            or h.target not in ACTIVATED or len(h.users) != 1):
+        return None
+    return fp8_mlp.default, (*call_arguments(h), weight, weight_scale)
 
 
 class Fp8Mlp(GraphPass):
     name = "fp8_mlp"
 
     def __call__(self, gm: torch.fx.GraphModule) -> int:
-        graph, matches = gm.graph, 0
-        for node in list(graph.nodes):
-            if node.op != "call_function" or node.target not in PRODUCTS:
-                continue
-            h, weight, weight_scale, input_scale = call_arguments(node)
-            if (input_scale is not None or not isinstance(h, torch.fx.Node) or h.op != "call_function"
-                    or h.target not in ACTIVATED or len(h.users) != 1):
-                continue
-            replace(graph, node, fp8_mlp.default, (*call_arguments(h), weight, weight_scale))
-            matches += 1
-        gm.recompile()
-        return matches
+        return rewrite(gm, _mlp_call)

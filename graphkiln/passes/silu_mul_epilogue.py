@@ -20,7 +20,7 @@ from graphkiln.models.linear import linear_silu_mul
 from graphkiln.models.quantized_linear import fp8_linear, fp8_linear_silu_mul
 
 from .base import GraphPass
-from .silu_mul_linear import LINEARS, gated_input, replace
+from .silu_mul_linear import LINEARS, gated_input, rewrite
 
 ACTIVATED = {op: activated.default for product, activated in ((fp8_linear, fp8_linear_silu_mul),
                                                                 (int8_linear, int8_linear_silu_mul))
@@ -47,17 +47,14 @@ def _activated_call(product: torch.fx.Node) -> tuple | None:
     return None
 
 
+def _epilogue_call(node: torch.fx.Node) -> tuple | None:
+    """(op, args) taking `node`, when it is silu(gate) * up of a product this pass takes."""
+    product = gated_input(node)
+    return product and _activated_call(product)
+
+
 class SiluMulEpilogue(GraphPass):
     name = "silu_mul_epilogue"
 
     def __call__(self, gm: torch.fx.GraphModule) -> int:
-        graph, matches = gm.graph, 0
-        for node in list(graph.nodes):
-            product = gated_input(node)
-            call = product and _activated_call(product)
-            if not call:
-                continue
-            replace(graph, node, *call)
-            matches += 1
-        gm.recompile()
-        return matches
+        return rewrite(gm, _epilogue_call)

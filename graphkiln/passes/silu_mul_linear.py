@@ -10,6 +10,7 @@ is one Triton SiLU-and-mul launch and cuBLAS, as Inductor's fused kernel and mm 
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +65,19 @@ def replace(graph: torch.fx.Graph, node: torch.fx.Node, target, args: tuple, bia
     erase_unused(graph, node)
 
 
+def rewrite(gm: torch.fx.GraphModule, call_for: Callable[[torch.fx.Node], tuple | None]) -> int:
+    """Replace (`replace`) every node for which `call_for` gives (target, args[, bias]) by that call; recompile
+    `gm` and return how many were replaced."""
+    matches = 0
+    for node in list(gm.graph.nodes):
+        call = call_for(node)
+        if call:
+            replace(gm.graph, node, *call)
+            matches += 1
+    gm.recompile()
+    return matches
+
+
 def erase_unused(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
     """Erase `node` and, transitively, the pure ops that fed only it (the old chunk, silu, mul)."""
     work, erased = [node], set()
@@ -76,20 +90,19 @@ def erase_unused(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
         erased.add(n)
 
 
+def _gated_down_call(node: torch.fx.Node) -> tuple | None:
+    """(op, args, bias) of silu_mul_linear for `node`, when it is a linear of a gated input."""
+    if node.op != "call_function" or node.target not in LINEARS:
+        return None
+    x, weight, *rest = node.args
+    gate_up = gated_input(x)
+    if gate_up is None:
+        return None
+    return SILU_MUL_LINEAR, (gate_up, weight), rest[0] if rest else node.kwargs.get("bias")
+
+
 class SiluMulLinear(GraphPass):
     name = "silu_mul_linear"
 
     def __call__(self, gm: torch.fx.GraphModule) -> int:
-        graph, matches = gm.graph, 0
-        for node in list(graph.nodes):
-            if node.op != "call_function" or node.target not in LINEARS:
-                continue
-            x, weight, *rest = node.args
-            bias = rest[0] if rest else node.kwargs.get("bias")
-            gate_up = gated_input(x)
-            if gate_up is None:
-                continue
-            replace(graph, node, SILU_MUL_LINEAR, (gate_up, weight), bias)
-            matches += 1
-        gm.recompile()
-        return matches
+        return rewrite(gm, _gated_down_call)
