@@ -262,7 +262,7 @@ PRODUCT_CASES = {  # name: (kind, rows, N, K); the rows pick each path fp8_linea
     "int4-dp4a-1-row": ("int4-dp4a", 1, 160, 512),
     "int4-dp4a-1-row-11-groups": ("int4-dp4a", 1, 100, 1408),  # K steps halved to one group, a partial slab
     "int4-dp4a-1-row-g32": ("int4-dp4a-g32", 1, 72, 8192),  # K split in four, groups of 32
-    "int4-dp4a-1-row-wide": ("int4-dp4a", 1, 8200, 512),  # past N = 8192: 16-row slabs over 512-wide steps
+    "int4-dp4a-1-row-wide": ("int4-dp4a", 1, 8200, 512),  # past N = 8192 at a short K: 32-row slabs
     **{f"{kind}-activated-{rows}-rows": (f"{kind}-activated", rows, 200, 384) for kind in ("fp8-channel", "fp8-block")
        for rows in (1, 8)},
     "half-activated-1-row": ("half-activated", 1, 200, 384),

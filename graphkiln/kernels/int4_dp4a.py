@@ -174,17 +174,22 @@ def x_words(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def dp4a_tiling(n: int, k: int, group_size: int, sms: int = 132) -> tuple[int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, splits, warps, stages): slabs of 8 weight rows up to N = 4096, 16 above, over
-    2048-wide steps, 512-wide past N = 8192 (the fastest of `bench quantized --sweep` on the 8B-like
-    projections), halved until they divide K (a whole number of groups); K split only where the slabs are
-    fewer than the multiprocessors: the partials' extra kernel cost more than idle slots did."""
-    block_n = 8 if n <= 4096 else 16
-    block_k = 512 if n > 8192 else 2048
+    """(BLOCK_N, BLOCK_K, splits, warps, stages), the fastest of `bench quantized --sweep` on the 8B- and 1B-like
+    projections: where K reaches 4096, slabs of 8 weight rows up to N = 4096, 16 above, over 2048-wide steps
+    (512-wide past N = 8192) on 4 warps; where K is 2048 or less, a slab makes one or two steps, so it takes more
+    rows: 16 on 8 warps up to N = 8192, 32 over 1024-wide steps above. Steps are halved until they divide K (a
+    whole number of groups); K splits until two programs a multiprocessor, where the K steps allow."""
+    if k > 2048:
+        block_n, block_k, warps, stages = (8 if n <= 4096 else 16), (512 if n > 8192 else 2048), 4, 3
+    elif n <= 8192:
+        block_n, block_k, warps, stages = 16, 2048, 8, 2
+    else:
+        block_n, block_k, warps, stages = 32, 1024, 4, 3
     block_k = max(block_k, group_size)
     while block_k > group_size and k % block_k:
         block_k //= 2
-    splits = split_count(triton.cdiv(n, block_n), k, block_k, 4 * n, n * k // 2, sms, resident=1)
-    return block_n, block_k, splits, 4, 3
+    splits = split_count(triton.cdiv(n, block_n), k, block_k, 4 * n, n * k // 2, sms, resident=2)
+    return block_n, block_k, splits, warps, stages
 
 
 def int4_dp4a_gemv(x: torch.Tensor, qwords: torch.Tensor | None, scales: torch.Tensor, zeros: torch.Tensor,

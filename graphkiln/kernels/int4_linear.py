@@ -3,17 +3,16 @@
 qweight [N, K/2] uint8 packs two 4-bit values per byte, the low nibble the even k; scales and zeros
 are [N, K/G] (any float dtype, or integer zeros).
 
-One row (decode at batch 1) goes to the GEMV on integer dot products (int4_dp4a.py) where the weight has
-words, groups of MIN_GROUP or more and N and K of at least DP4A_SIDE: it measured faster than tinygemm on
-every 8B-like projection, slower on three of the four smaller 1B-like ones. Otherwise, up to TINYGEMM_ROWS
-rows, where the layer keeps its weight also in the layout of torch's own int4 kernel (tinygemm,
-`aten._weight_int4pack_mm`; quantized_linear.tinygemm_layout), that kernel takes them: it measured faster
-than ours there (`python -m bench quantized`); one row it does not take goes to a GEMV in gemv.py's layout
-that sums q * x and x per group. From 2 to DOT_ROWS rows a
-tensor-core kernel reads the weight as 32-bit words and turns nibbles into floats without
-int-to-float conversions (int4_words.py), where the groups hold a dot's 16 words. Both apply a scale
-and zero point per group, not per weight, and split K so that every multiprocessor has loads in
-flight (split_k.py: partials summed in a second kernel, the same result on every call).
+One row (decode at batch 1) goes to the GEMV on integer dot products (int4_dp4a.py) where the weight has words,
+groups of MIN_GROUP or more and N and K of at least DP4A_SIDE: at its tiling rule it measured faster than tinygemm
+on every 8B- and 1B-like projection (`python -m bench quantized --formats int4 --rows 1 --sweep`). Otherwise, up to
+TINYGEMM_ROWS rows, where the layer keeps its weight also in the layout of torch's own int4 kernel (tinygemm,
+`aten._weight_int4pack_mm`; quantized_linear.tinygemm_layout), that kernel takes them: it measured faster than ours
+there (`python -m bench quantized`); one row it does not take goes to a GEMV in gemv.py's layout that sums q * x and
+x per group. From 2 to DOT_ROWS rows a tensor-core kernel reads the weight as 32-bit words and turns nibbles into
+floats without int-to-float conversions (int4_words.py), where the groups hold a dot's 16 words. Both apply a scale
+and zero point per group, not per weight, and split K so that every multiprocessor has loads in flight (split_k.py:
+partials summed in a second kernel, the same result on every call).
 
 A tiled byte kernel, which dequantizes each weight tile in registers for tensor-core dots, takes
 DOT_ROWS to MM_ROWS rows, where it measured faster than the word kernel over a layer's products, and
@@ -40,7 +39,7 @@ from .launch import launch
 from .pdl import pdl_on
 from .split_k import finish, k_steps, multiprocessors, output, split_count
 
-DP4A_SIDE = 4096  # the smallest N and K the dp4a GEMV takes at one row
+DP4A_SIDE = 2048  # the smallest N and K the dp4a GEMV takes at one row (the smallest measured)
 TINYGEMM_ROWS = 4  # up to this many rows: tinygemm, where the layer carries its layout
 DOT_ROWS = 32  # up to this many rows: int4_dot, where the groups allow it
 MM_ROWS = 64  # up to this many rows: int4_mm; above: dequantize the weight, then torch.mm
