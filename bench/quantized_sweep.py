@@ -19,10 +19,14 @@ SWEEP_DP4A += [(n, k, 8, 2) for n in (16, 32) for k in (1024, 2048)]
 # (BLOCK_N, warps, stages) of int4_dot tried at 2 to 64 rows; BLOCK_M: the rows up to a power of two (16 to 64),
 # BLOCK_K: 128 (a dot's 16 words)
 SWEEP_WORD_DOT = [(n, warps, 4) for n in (32, 64, 128) for warps in (4, 8)]
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the int4 byte kernel (int4_mm) tried above 64 rows; BLOCK_K
-# divides the group
-SWEEP_MM = [(m, n, k, warps, stages) for m in (64, 128) for n, k, warps, stages in
+# (BLOCK_M, BLOCK_N, BLOCK_K, swap_ab, warps, stages) of the int4 byte kernel (int4_mm) tried above 64 rows;
+# BLOCK_K divides the group; swapped, the dequantized weight tile is the dot's left operand, kept in registers
+SWEEP_MM = [(m, n, k, False, warps, stages) for m in (64, 128) for n, k, warps, stages in
             ((64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 8, 4), (128, 64, 4, 4))]
+SWEEP_MM += [(m, n, k, True, warps, stages) for m, n, k, warps, stages in
+             ((64, 64, 128, 4, 4), (64, 128, 128, 4, 3), (128, 128, 128, 8, 3), (128, 128, 64, 8, 4),
+              (128, 128, 128, 4, 3), (64, 128, 64, 4, 4), (128, 64, 128, 4, 3), (64, 256, 64, 8, 3),
+              (128, 256, 64, 8, 3), (256, 128, 64, 8, 3))]
 # (BLOCK_N, BLOCK_K, warps, stages) of the fp8 tensor-core kernel (fp8_mma.py) tried at 2 to 64 rows
 SWEEP_MMA = [(n, k, warps, stages) for n in (64, 128) for k in (64, 128) for warps, stages in ((4, 3), (4, 5), (8, 4))]
 SWEEP_MMA += [(256, 128, 8, stages) for stages in (3, 4)]
@@ -70,7 +74,7 @@ def sweep_tilings(fmt: str, rows: int) -> list[tuple]:
     """Every tiling the sweep tries for this format at this row count, in the form its kernel's `tiles` takes."""
     block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
     if fmt == "int4" and rows > 64:
-        return [(m, n, k, False, split, warps, stages) for m, n, k, warps, stages in SWEEP_MM for split in SPLITS]
+        return [(m, n, k, swap, split, warps, stages) for m, n, k, swap, warps, stages in SWEEP_MM for split in SPLITS]
     if fmt == "int4" and rows == 1:
         return [(n, k, split, warps, stages) for n, k, warps, stages in SWEEP_DP4A for split in SPLITS]
     if fmt == "int4":
