@@ -39,25 +39,19 @@ from .pdl import pdl_on
 
 
 @triton.jit
-def load_paged_tile(cache, table_row, pos, valid, kv_head, stride_cb, stride_ct, stride_ch,
-                    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
-    """Rows `pos` [N] of one KV head from a paged cache [num_blocks, BLOCK_SIZE, Hkv, HEAD_DIM], as a
-    [N, HEAD_PAD] tile whose padded lanes are zeros."""
+def paged_rows(table_row, pos, valid, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE: tl.constexpr):
+    """The element offsets [N] of rows `pos` of one KV head in a paged cache [num_blocks, BLOCK_SIZE, Hkv, D]
+    (0 where not `valid`): a tile's keys and values share them."""
     block = tl.load(table_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-    rows = block * stride_cb + (pos % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
-    dims = tl.arange(0, HEAD_PAD)
-    mask = valid[:, None] & lanes(dims, HEAD_DIM, HEAD_PAD)[None, :]
-    return tl.load(cache + rows[:, None] + dims[None, :], mask=mask, other=0.0)
+    return block * stride_cb + (pos % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
 
 
 @triton.jit
-def load_paged_scales(scales, table_row, pos, valid, kv_head, stride_cb, stride_ct, stride_ch,
-                      BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """The fp8 scales [N] of rows `pos` of one KV head: a contiguous cache's row offset / HEAD_DIM in
-    scales [num_blocks, BLOCK_SIZE, Hkv]; 0 where not `valid`."""
-    block = tl.load(table_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-    rows = block * stride_cb + (pos % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
-    return tl.load(scales + rows // HEAD_DIM, mask=valid, other=0.0)
+def load_rows(cache, rows, valid, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
+    """The [N, HEAD_PAD] tile at row offsets `rows` (paged_rows), zeros in padded lanes and invalid rows."""
+    dims = tl.arange(0, HEAD_PAD)
+    mask = valid[:, None] & lanes(dims, HEAD_DIM, HEAD_PAD)[None, :]
+    return tl.load(cache + rows[:, None] + dims[None, :], mask=mask, other=0.0)
 
 
 @triton.jit
@@ -69,17 +63,14 @@ def load_kv_tile(k_cache, v_cache, k_scales, v_scales, table_row, tile, end, las
     (unused placeholders without FP8)."""
     pos = tile + tl.arange(0, BLOCK_N)
     cached = (pos < end) & (pos != last)
-    k = load_paged_tile(k_cache, table_row, pos, cached, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE,
-                        HEAD_DIM, HEAD_PAD)
-    v = load_paged_tile(v_cache, table_row, pos, cached, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE,
-                        HEAD_DIM, HEAD_PAD)
+    rows = paged_rows(table_row, pos, cached, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
+    k = load_rows(k_cache, rows, cached, HEAD_DIM, HEAD_PAD)
+    v = load_rows(v_cache, rows, cached, HEAD_DIM, HEAD_PAD)
     k_scale = pos
     v_scale = pos
-    if FP8:
-        k_scale = load_paged_scales(k_scales, table_row, pos, cached, kv_head, stride_cb, stride_ct, stride_ch,
-                                    BLOCK_SIZE, HEAD_DIM)
-        v_scale = load_paged_scales(v_scales, table_row, pos, cached, kv_head, stride_cb, stride_ct, stride_ch,
-                                    BLOCK_SIZE, HEAD_DIM)
+    if FP8:  # a contiguous cache's scales [num_blocks, BLOCK_SIZE, Hkv]: at the row offset / HEAD_DIM
+        k_scale = tl.load(k_scales + rows // HEAD_DIM, mask=cached, other=0.0)
+        v_scale = tl.load(v_scales + rows // HEAD_DIM, mask=cached, other=0.0)
     return cached, k, v, k_scale, v_scale
 
 

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_attention import load_paged_scales, load_paged_tile
+from .decode_attention import load_rows, paged_rows
 from .kv_format import head_pad, lanes
 from .launch import launch
 
@@ -35,24 +35,21 @@ def _attend_tile(
 ):
     pos = tile + tl.arange(0, BLOCK_N)
     valid = pos < kv_end
-    k = load_paged_tile(k_cache, table_row, pos, valid, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE, HEAD_DIM,
-                        HEAD_PAD)
-    qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale_log2
+    rows = paged_rows(table_row, pos, valid, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
+    k = load_rows(k_cache, rows, valid, HEAD_DIM, HEAD_PAD)
+    qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
     if FP8:
-        qk = qk * load_paged_scales(k_scales, table_row, pos, valid, kv_head, stride_cb, stride_ct, stride_ch,
-                                    BLOCK_SIZE, HEAD_DIM)[None, :]
+        qk = qk * tl.load(k_scales + rows // HEAD_DIM, mask=valid, other=0.0)[None, :]
     if CAUSAL:
         qk = tl.where(pos[None, :] <= q_pos[:, None], qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)  # the scale is positive: max(qk) * scale is max(qk * scale)
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
+    p = tl.exp2(qk * scale_log2 - m_new[:, None])  # one fused multiply-add an element
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = load_paged_tile(v_cache, table_row, pos, valid, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE, HEAD_DIM,
-                        HEAD_PAD)
+    v = load_rows(v_cache, rows, valid, HEAD_DIM, HEAD_PAD)
     if FP8:
-        p = p * load_paged_scales(v_scales, table_row, pos, valid, kv_head, stride_cb, stride_ct, stride_ch,
-                                  BLOCK_SIZE, HEAD_DIM)[None, :]
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+        p = p * tl.load(v_scales + rows // HEAD_DIM, mask=valid, other=0.0)[None, :]
+    acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None], input_precision=PRECISION)
     return acc, m_new, l_i
 
 
