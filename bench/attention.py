@@ -58,8 +58,8 @@ DECODE_COLUMNS = ["batch", "context", "num_splits", "block_n", "num_warps", "num
 AB_COLUMNS = ["kernel", "batch", "context", "num_splits", "block_n", "heads", "num_warps", "num_stages",
               "unsplit_tiles", "us", "pct_copy", "rel_err"]
 BLOCK_TILES = [(2, 4, 5), (2, 8, 5), (4, 4, 7), (8, 4, 5), (8, 8, 5)]  # block kernel: heads, warps, stages
-PREFILL_COLUMNS = ["tokens", "block_m", "block_n", "num_warps", "num_stages", "heads", "us", "tflops", "sdpa_us",
-                   "sdpa_tflops", "rel_err_vs_sdpa"]
+PREFILL_COLUMNS = ["tokens", "block_m", "block_n", "num_warps", "num_stages", "heads", "max_registers", "us", "tflops",
+                   "sdpa_us", "sdpa_tflops", "rel_err_vs_sdpa"]
 
 
 class Heads:
@@ -286,9 +286,11 @@ def serving_sweep(h: Heads, shapes: str, copy_bw: float, num_sms: int, splits: t
     return rows
 
 
-PREFILL_TILES = [(32, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2),
-                 (16, 64, 4, 2, 4), (16, 64, 4, 3, 4), (32, 64, 8, 2, 4), (64, 64, 8, 2, 2), (16, 128, 4, 2, 4)]
-# (block_m, block_n, num_warps, num_stages[, query heads a program]); the heads divide the models' groups of 4
+PREFILL_TILES = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2),
+                 (16, 64, 4, 2, 4), (16, 128, 4, 2, 4), (64, 64, 4, 2, 1, 128), (128, 64, 8, 2, 1, 128),
+                 (128, 64, 8, 3, 1, 128)]
+# (block_m, block_n, num_warps, num_stages[, query heads a program[, registers a thread]]); the heads divide the
+# models' groups of 4; a register cap lets a multiprocessor hold one program more
 
 
 def prefill_sweep(h: Heads, lengths: list[int]) -> list[dict]:

@@ -315,8 +315,8 @@ def rows_of(model: str, built: list, launch: tuple, arch: int, sms: int) -> list
 
 
 def parse_variants(text: str) -> list[tuple[int, ...]]:
-    """'AxBxCxD,...' (decode: splits, block_n, warps, stages; prefill: block_m, block_n, warps, stages[, heads])
-    as tuples."""
+    """'AxBxCxD,...' (decode: splits, block_n, warps, stages; prefill: block_m, block_n, warps, stages[, heads[,
+    registers a thread]]) as tuples."""
     return [tuple(int(v) for v in item.lower().split("x")) for item in filter(None, text.split(","))]
 
 
@@ -329,7 +329,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-variants", default="",
                    help="SPLITSxBLOCK_NxWARPSxSTAGES,...: the decode kernel at the first batch with these tiles too")
     p.add_argument("--prefill-variants", default="",
-                   help="BLOCK_MxBLOCK_NxWARPSxSTAGES[xHEADS],...: the prefill kernel with these tiles too")
+                   help="BLOCK_MxBLOCK_NxWARPSxSTAGES[xHEADS[xREGISTERS]],...: the prefill kernel with these tiles too")
     p.add_argument("--prefill-tokens", type=int, default=2048,
                    help="the prompt the prefill kernel's row is planned for (default 2048: a chunk's budget)")
     p.add_argument("--rows", type=int, nargs="+", default=[1],

@@ -120,10 +120,11 @@ def paged_prefill(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start: torch.Tensor,
     seq_lens: torch.Tensor, block_tables: torch.Tensor, work: torch.Tensor, out: torch.Tensor, scale: float,
     programs: int, *, block_m: int, block_n: int, num_warps: int, num_stages: int, heads: int = 1,
-    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    max_registers: int = 0, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Causal attention for every (sequence, query tile of `block_m` tokens) of the work table, all query heads,
-    `heads` of a KV head's group a program (a power of two that divides the group).
+    `heads` of a KV head's group a program (a power of two that divides the group), at most `max_registers` a
+    thread where given.
 
     work: int32 [1 + capacity, 2], row 0 (number of items, 0), then the items; `programs` per head
     group share them. An fp8 cache (contiguous) comes with `scales` as in paged_decode.
@@ -141,5 +142,5 @@ def paged_prefill(
         GROUP=group, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
         HEAD_PAD=head_pad(head_dim), BLOCK_M=block_m, BLOCK_N=block_n, HEADS=heads,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=scales is not None,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, maxnreg=max_registers or None,
     )

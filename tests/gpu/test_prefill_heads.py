@@ -1,5 +1,6 @@
-"""The prefill kernel taking several query heads of a KV head's group a program (`PrefillTiles.heads`) on the GPU,
-against the float32 reference of test_attention_backends.py read from the same paged cache."""
+"""The prefill kernel taking several query heads of a KV head's group a program (`PrefillTiles.heads`), and at a
+register cap (`PrefillTiles.max_registers`), on the GPU, against the float32 reference of test_attention_backends.py
+read from the same paged cache."""
 
 from __future__ import annotations
 
@@ -17,14 +18,31 @@ from graphkiln.runtime.attention.triton_backend import PrefillTiles, prefill_wor
 from test_attention_backends import CUDA, LAYER, PREFILL, TOLERANCE, _id, make_batch, reference  # noqa: E402
 
 
-@pytest.mark.parametrize("fp8", [False, True], ids=["model-dtype-cache", "fp8-cache"])
+HEADS = [(torch.bfloat16, 32, 8, 64), (torch.bfloat16, 32, 8, 128), (torch.float16, 16, 4, 96)]
+FP8 = pytest.mark.parametrize("fp8", [False, True], ids=["model-dtype-cache", "fp8-cache"])
+
+
+@FP8
 @pytest.mark.parametrize("per_program", [2, 4])
-@pytest.mark.parametrize("heads", [(torch.bfloat16, 32, 8, 64), (torch.bfloat16, 32, 8, 128), (torch.float16, 16, 4, 96)],
-                         ids=_id)  # fmt: skip
+@pytest.mark.parametrize("heads", HEADS, ids=_id)
 def test_prefill_kernel_with_several_query_heads_a_program(heads: tuple, per_program: int, fp8: bool,
                                                            record_property) -> None:  # fmt: skip
     """The prefill kernel taking `per_program` query heads of a KV head's group a program, each key and value tile
     loaded once for all of them, against float32 attention: chunks over cached prefixes beside fresh prompts."""
+    check_tiles(heads, PrefillTiles(16, 64, 4, 2, per_program), fp8, record_property)
+
+
+@FP8
+@pytest.mark.parametrize("tiles", [PrefillTiles(128, 64, 8, 2, 1, 128), PrefillTiles(128, 64, 8, 3, 1, 128)],
+                         ids=["2-stages", "3-stages"])
+@pytest.mark.parametrize("heads", HEADS, ids=_id)
+def test_prefill_kernel_at_a_register_cap(heads: tuple, tiles: PrefillTiles, fp8: bool, record_property) -> None:
+    """The prefill kernel at prefill_tiles' 128-row tiles held to 128 registers a thread (where the 128-dim heads
+    spill) against float32 attention."""
+    check_tiles(heads, tiles, fp8, record_property)
+
+
+def check_tiles(heads: tuple, tiles: PrefillTiles, fp8: bool, record_property) -> None:
     lens, pad = PREFILL["chunked"]
     batch = make_batch(heads, lens, pad, decode=False, fp8=fp8)
     meta = batch.meta
@@ -32,7 +50,6 @@ def test_prefill_kernel_with_several_query_heads_a_program(heads: tuple, per_pro
     k_cache, v_cache = batch.cache.layer(LAYER)
     scales = batch.cache.layer_scales(LAYER)
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping, scales)
-    tiles = PrefillTiles(16, 64, 4, 2, per_program)
     items = prefill_work(meta.query_lens, meta.seq_lens, tiles.block_m)
     work = torch.tensor(work_table(items), dtype=torch.int32, device=CUDA)
     out = torch.full_like(q, float("nan"))

@@ -64,6 +64,7 @@ class PrefillTiles:
     num_warps: int
     num_stages: int
     heads: int = 1  # query heads of a KV head's group a program (its tile: block_m x heads rows)
+    max_registers: int = 0  # a thread's register cap (more programs a multiprocessor), 0: the compiler's choice
 
 
 def _cdiv(a: int, b: int) -> int:
