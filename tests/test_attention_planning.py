@@ -21,6 +21,7 @@ from graphkiln.runtime.attention.triton_backend import (
     MIN_SPLIT_TOKENS,
     DECODE_PROGRAMS_PER_SM,
     DecodeTiles,
+    PrefillTiles,
     decode_tiles,
     graph_prefill_work,
     graph_programs,
@@ -73,7 +74,11 @@ def test_prefill_tiles_follow_the_longest_query() -> None:
     assert prefill_tiles(1, 128, 2).block_m == 16
     assert prefill_tiles(20, 128, 2).block_m == 32
     assert prefill_tiles(40, 128, 2).block_m == 64
-    assert prefill_tiles(4096, 128, 2).block_m == 64
+    assert prefill_tiles(127, 128, 2) == PrefillTiles(64, 64, 4, 2)
+    assert prefill_tiles(128, 128, 2) == PrefillTiles(128, 64, 8, 2, max_registers=128)  # two programs an SM
+    assert prefill_tiles(63, 64, 2) == PrefillTiles(64, 64, 4, 2)
+    assert prefill_tiles(64, 64, 2) == PrefillTiles(64, 64, 4, 2, max_registers=128)  # four programs an SM
+    assert prefill_tiles(4096, 128, 1).block_m == 64  # an fp8 cache keeps the tiles it was measured with
     assert prefill_tiles(4096, 256, 2).block_n == 32  # 512-byte rows: shorter key tiles
     assert prefill_tiles(4096, 256, 4).num_stages == 1
 

@@ -33,12 +33,12 @@ def test_prefill_kernel_with_several_query_heads_a_program(heads: tuple, per_pro
 
 
 @FP8
-@pytest.mark.parametrize("tiles", [PrefillTiles(128, 64, 8, 2, 1, 128), PrefillTiles(128, 64, 8, 3, 1, 128)],
-                         ids=["2-stages", "3-stages"])
+@pytest.mark.parametrize("tiles", [PrefillTiles(128, 64, 8, 2, 1, 128), PrefillTiles(64, 64, 4, 2, 1, 128)],
+                         ids=["128-rows", "64-rows"])
 @pytest.mark.parametrize("heads", HEADS, ids=_id)
 def test_prefill_kernel_at_a_register_cap(heads: tuple, tiles: PrefillTiles, fp8: bool, record_property) -> None:
-    """The prefill kernel at prefill_tiles' 128-row tiles held to 128 registers a thread (where the 128-dim heads
-    spill) against float32 attention."""
+    """The prefill kernel at prefill_tiles' tiles held to 128 registers a thread (where they spill a little)
+    against float32 attention."""
     check_tiles(heads, tiles, fp8, record_property)
 
 

@@ -119,9 +119,15 @@ def decode_tiles(
 
 
 def prefill_tiles(max_query_len: int, head_dim: int, itemsize: int) -> PrefillTiles:
-    """Query tiles of up to 64 rows, no taller than the longest query, 4 warps, 2 stages: the fastest
-    of the tilings the attention benchmark sweeps (README, Performance)."""
+    """The fastest of the tilings the attention benchmark sweeps (README, "Attention at serving shapes"). In a 16-bit
+    cache, held to 128 registers a thread so a multiprocessor holds one program more: 128-byte rows from 64 query
+    tokens take 64-row tiles on 4 warps (four programs, not three), 256-byte rows from 128 tokens 128-row tiles on
+    8 warps (two, not one). Otherwise query tiles of up to 64 rows, no taller than the longest query, on 4 warps."""
     row_bytes = head_dim * itemsize
+    if itemsize == 2 and row_bytes <= 128 and max_query_len >= 64:
+        return PrefillTiles(64, 64, 4, 2, max_registers=128)
+    if itemsize == 2 and row_bytes <= 256 and max_query_len >= 128:
+        return PrefillTiles(128, 64, 8, 2, max_registers=128)
     block_m = min(64, max(16, _next_pow2(max_query_len)))
     return PrefillTiles(block_m, 64 if row_bytes <= 256 else 32, 4, 2 if row_bytes <= 512 else 1)
 
@@ -170,7 +176,7 @@ class TritonBackend:
     capturable_decode = True
     capturable_prefill = True
     concurrent_plans = True
-    prompt_lengths = (16, 32, 64)  # one of each query tile height (`prefill_tiles`)
+    prompt_lengths = (16, 32, 64)  # each query tile height (`prefill_tiles`) but 128: the warm-up's largest prefill
 
     def __init__(self, kv_cache: KVCache, decode_kernel: str = "auto") -> None:
         # triton is optional: import the kernels only when this backend is chosen.
