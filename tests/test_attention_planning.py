@@ -76,8 +76,8 @@ def test_prefill_tiles_follow_the_longest_query() -> None:
     assert prefill_tiles(40, 128, 2).block_m == 64
     assert prefill_tiles(127, 128, 2) == PrefillTiles(64, 64, 4, 2)
     assert prefill_tiles(128, 128, 2) == PrefillTiles(128, 64, 8, 2, max_registers=128)  # two programs an SM
-    assert prefill_tiles(63, 64, 2) == PrefillTiles(64, 64, 4, 2)
-    assert prefill_tiles(64, 64, 2) == PrefillTiles(64, 64, 4, 2, max_registers=128)  # four programs an SM
+    assert prefill_tiles(32, 64, 2) == PrefillTiles(32, 64, 4, 2)
+    assert prefill_tiles(33, 64, 2) == PrefillTiles(64, 64, 4, 2, max_registers=128)  # four programs an SM
     assert prefill_tiles(4096, 128, 1).block_m == 64  # an fp8 cache keeps the tiles it was measured with
     assert prefill_tiles(4096, 256, 2).block_n == 32  # 512-byte rows: shorter key tiles
     assert prefill_tiles(4096, 256, 4).num_stages == 1

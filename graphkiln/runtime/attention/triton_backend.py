@@ -120,11 +120,12 @@ def decode_tiles(
 
 def prefill_tiles(max_query_len: int, head_dim: int, itemsize: int) -> PrefillTiles:
     """The fastest of the tilings the attention benchmark sweeps (README, "Attention at serving shapes"). In a 16-bit
-    cache, held to 128 registers a thread so a multiprocessor holds one program more: 128-byte rows from 64 query
-    tokens take 64-row tiles on 4 warps (four programs, not three), 256-byte rows from 128 tokens 128-row tiles on
-    8 warps (two, not one). Otherwise query tiles of up to 64 rows, no taller than the longest query, on 4 warps."""
+    cache, held to 128 registers a thread so a multiprocessor holds one program more: 128-byte rows take 64-row
+    tiles on 4 warps (four programs, not three) wherever the query tiles are 64 rows, 256-byte rows from 128 tokens
+    128-row tiles on 8 warps (two, not one). Otherwise query tiles of up to 64 rows, no taller than the longest
+    query, on 4 warps."""
     row_bytes = head_dim * itemsize
-    if itemsize == 2 and row_bytes <= 128 and max_query_len >= 64:
+    if itemsize == 2 and row_bytes <= 128 and max_query_len > 32:
         return PrefillTiles(64, 64, 4, 2, max_registers=128)
     if itemsize == 2 and row_bytes <= 256 and max_query_len >= 128:
         return PrefillTiles(128, 64, 8, 2, max_registers=128)
