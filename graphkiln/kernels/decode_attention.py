@@ -55,6 +55,13 @@ def load_rows(cache, rows, valid, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr
 
 
 @triton.jit
+def load_row_scales(scales, rows, valid, HEAD_DIM: tl.constexpr):
+    """The fp8 scales [N] at row offsets `rows` (paged_rows) of a contiguous cache: scales [num_blocks,
+    BLOCK_SIZE, Hkv] at the row offset / HEAD_DIM; 0 where not `valid`."""
+    return tl.load(scales + rows // HEAD_DIM, mask=valid, other=0.0)
+
+
+@triton.jit
 def load_kv_tile(k_cache, v_cache, k_scales, v_scales, table_row, tile, end, last, kv_head, stride_cb, stride_ct,
                  stride_ch, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                  HEAD_PAD: tl.constexpr, FP8: tl.constexpr):
@@ -68,9 +75,9 @@ def load_kv_tile(k_cache, v_cache, k_scales, v_scales, table_row, tile, end, las
     v = load_rows(v_cache, rows, cached, HEAD_DIM, HEAD_PAD)
     k_scale = pos
     v_scale = pos
-    if FP8:  # a contiguous cache's scales [num_blocks, BLOCK_SIZE, Hkv]: at the row offset / HEAD_DIM
-        k_scale = tl.load(k_scales + rows // HEAD_DIM, mask=cached, other=0.0)
-        v_scale = tl.load(v_scales + rows // HEAD_DIM, mask=cached, other=0.0)
+    if FP8:
+        k_scale = load_row_scales(k_scales, rows, cached, HEAD_DIM)
+        v_scale = load_row_scales(v_scales, rows, cached, HEAD_DIM)
     return cached, k, v, k_scale, v_scale
 
 

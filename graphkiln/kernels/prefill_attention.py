@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_attention import load_rows, paged_rows
+from .decode_attention import load_row_scales, load_rows, paged_rows
 from .kv_format import head_pad, lanes
 from .launch import launch
 
@@ -39,7 +39,7 @@ def _attend_tile(
     k = load_rows(k_cache, rows, valid, HEAD_DIM, HEAD_PAD)
     qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
     if FP8:
-        qk = qk * tl.load(k_scales + rows // HEAD_DIM, mask=valid, other=0.0)[None, :]
+        qk = qk * load_row_scales(k_scales, rows, valid, HEAD_DIM)[None, :]
     if CAUSAL:
         qk = tl.where(pos[None, :] <= q_pos[:, None], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)  # the scale is positive: max(qk) * scale is max(qk * scale)
@@ -48,7 +48,7 @@ def _attend_tile(
     l_i = l_i * alpha + tl.sum(p, 1)
     v = load_rows(v_cache, rows, valid, HEAD_DIM, HEAD_PAD)
     if FP8:
-        p = p * tl.load(v_scales + rows // HEAD_DIM, mask=valid, other=0.0)[None, :]
+        p = p * load_row_scales(v_scales, rows, valid, HEAD_DIM)[None, :]
     acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None], input_precision=PRECISION)
     return acc, m_new, l_i
 
