@@ -22,7 +22,7 @@ from .measure import time_ms
 from .models import decode_timer, decoding, save_model, stop
 from .report import text_table
 
-OPTIONAL = ("boundary_recompute", "silu_mul_epilogue", "linear_op")
+OPTIONAL = ("silu_mul_epilogue", "linear_op")
 COLUMNS = ["config", "inductor_compiles", "boundary_tensors", "decode_kernels_b1", "decode_ms_b1", "decode_ms_b64",
            "prefill_ms"]
 

@@ -28,9 +28,11 @@ from graphkiln.kernels.int4_words import words
 from graphkiln.kernels.int8_linear import int8_linear
 from graphkiln.kernels.prefill_attention import paged_prefill
 from graphkiln.kernels.rms_norm import add_rms_norm
+from graphkiln.kernels.rope import rope
 from graphkiln.models.int8_linear import quantize_activations_int8
 from graphkiln.models.linear import silu_mul_reference
 from graphkiln.models.norm import add_rms_norm_reference
+from graphkiln.models.rope import rope_reference
 from graphkiln.models.quantized_linear import quantize_activations_fp8
 from graphkiln.runtime.attention.triton_backend import prefill_work, work_table
 from graphkiln.runtime.kv_dtype import dequantize, quantize
@@ -235,6 +237,19 @@ def run_norm(dtype: torch.dtype, rows: int, width: int, seed: int = 0) -> dict:
             "equal": (out == want).float().mean().item()}
 
 
+def run_rope(dtype: torch.dtype, tokens: int, heads: int, head_dim: int, seed: int = 0) -> dict:
+    """The rope kernel on the query and key heads of a qkv product's output (a strided view, as the model passes
+    them) at shuffled positions, against rope_reference: relative error and the fraction of outputs equal."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(tokens, (heads + 2) * head_dim, generator=gen).to(dtype)
+    x = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    table = torch.randn(64, 2 * head_dim, generator=gen)  # any table: the kernel reads both halves of each row
+    positions = torch.randperm(64, generator=gen)[:tokens]
+    got, want = rope(x, table, positions), rope_reference(x, table, positions)
+    return {"error": ((got.double() - want.double()).norm() / want.double().norm()).item(),
+            "equal": (got == want).float().mean().item(), "contiguous": got.is_contiguous()}
+
+
 CASES = {  # name: (kernel, query dtype, q heads, kv heads, head_dim, lengths, splits, fp8 cache[, unsplit tiles])
     "rows-gqa4-splits": ("rows", torch.float16, 8, 2, 64, [1, 17, 100, 33], 4, False),
     "rows-one-split": ("rows", torch.float16, 4, 4, 32, [40, 1], 1, False),
@@ -280,6 +295,12 @@ NORM_CASES = {  # name: (dtype, rows, width); float16: the interpreter does not 
     "norm-fp16-2x1000": (torch.float16, 2, 1000),  # a width short of its power of two: masked lanes
 }
 
+ROPE_CASES = {  # name: (dtype, tokens, heads, head_dim)
+    "rope-fp16-40-heads-of-64": (torch.float16, 5, 40, 64),  # heads past one loop step of 16
+    "rope-fp32-6-heads-of-80": (torch.float32, 3, 6, 80),  # a half of 40 lanes: masked to 64
+    "rope-fp16-3-heads-of-12": (torch.float16, 2, 3, 12),
+}
+
 if __name__ == "__main__":
     _index_any_scalar()
     _round_to_fp8_as_the_gpu_does()
@@ -287,4 +308,5 @@ if __name__ == "__main__":
     results |= {name: run_prefill(*case) for name, case in PREFILL_CASES.items()}
     results |= {name: run_product(*case) for name, case in PRODUCT_CASES.items()}
     results |= {name: run_norm(*case) for name, case in NORM_CASES.items()}
+    results |= {name: run_rope(*case) for name, case in ROPE_CASES.items()}
     print(json.dumps(results))

@@ -74,7 +74,7 @@ def test_decompiled_bytecode_and_every_pass_before_and_after(dumped):
     summary = (dump / f"{number['attention_split']:02d}-split.summary.md").read_text()
     assert "5 pieces, 4 attention submodules; 28 tensors cross 8 cuts" in summary
     assert "`x: float32[s" in summary
-    assert "boundary_recompute" in (dump / "passes.md").read_text()
+    assert "silu_mul_epilogue" in (dump / "passes.md").read_text()
 
 
 def test_post_grad_graphs_are_named_by_piece_and_size(dumped):

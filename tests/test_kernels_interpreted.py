@@ -4,7 +4,8 @@ by Triton's interpreter in a fresh process (tests/interpreted_kernels.py) agains
 Speed, concurrency and the compiled code are the GPU tests' (tests/gpu/); this checks a kernel change before a
 GPU sees it: masks, the step's new row, the split merge and the cache write in decode; causal masks over cached
 prefixes and a work table shared by fewer programs in prefill; the fp8 and int4 weight products on every
-path their row count picks, x rounded as the kernels round it; and the residual add and RMSNorm kernel.
+path their row count picks, x rounded as the kernels round it; the residual add and RMSNorm kernel; and the
+rope kernel.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from interpreted_kernels import CASES, NORM_CASES, PREFILL_CASES, PRODUCT_CASES  # noqa: E402
+from interpreted_kernels import CASES, NORM_CASES, PREFILL_CASES, PRODUCT_CASES, ROPE_CASES  # noqa: E402
 
 HERE = Path(__file__).parent
 ERROR = 1e-3
@@ -63,4 +64,13 @@ def test_interpreted_add_rms_norm_matches_the_models_ops(results: dict, name: st
     case = results[name]
     assert case["sum_equal"]
     assert case["error"] < 2e-3  # under one rounding of the half-precision output
+    assert case["equal"] > 0.95
+
+
+@pytest.mark.parametrize("name", ROPE_CASES)
+def test_interpreted_rope_matches_the_reference(results: dict, name: str) -> None:
+    """Both compute in float32 and round once: nearly every output the same number, the rest one rounding off."""
+    case = results[name]
+    assert case["contiguous"]
+    assert case["error"] < 1e-3
     assert case["equal"] > 0.95

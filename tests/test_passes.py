@@ -4,7 +4,6 @@ off by name, the pass manager's uuid and its refusal of cache-bypassing passes."
 from __future__ import annotations
 
 import copy
-import operator
 import os
 import shutil
 import subprocess
@@ -27,15 +26,15 @@ from graphkiln.errors import ConfigError
 from graphkiln.models.attention import ForwardContext, forward_context
 from graphkiln.passes.attention_split import AttentionSplit, boundaries
 from graphkiln.passes.base import GraphPass, PostGradPass, content_hash
-from graphkiln.passes.boundary_recompute import BoundaryRecompute, BoundaryRecomputeConfig
 from graphkiln.passes.linear_op import LinearOp
 from graphkiln.passes.manager import PassManager
 from graphkiln.passes.pipeline import default_passes, passes_off
+from graphkiln.passes.symm_mem_all_reduce import SymmMemAllReduce, SymmMemAllReduceConfig
 
-DYNAMO_NAMES = ["boundary_recompute", "silu_mul_epilogue", "attention_split"]
+DYNAMO_NAMES = ["silu_mul_epilogue", "attention_split"]
 OFF_BY_DEFAULT = ["add_rms_norm", "symm_mem_all_reduce"]
-NAMES = ["boundary_recompute", "silu_mul_epilogue", "fp8_mlp", "silu_mul_linear", "add_rms_norm", "attention_split",
-         "linear_op", "symm_mem_all_reduce"]
+NAMES = ["silu_mul_epilogue", "fp8_mlp", "silu_mul_linear", "add_rms_norm", "attention_split", "linear_op",
+         "symm_mem_all_reduce"]
 
 
 def dynamo_graph(fn, *args) -> torch.fx.GraphModule:
@@ -79,13 +78,6 @@ def boundary_counts(gm: torch.fx.GraphModule) -> list[int]:
     return [len(cut) for cut in boundaries(split_pieces(gm).gm)]
 
 
-def rope_gathers(gm: torch.fx.GraphModule) -> list[int]:
-    """Per piece, how many `buffer[input]` gathers straight from graph inputs it holds."""
-    split = split_pieces(gm)
-    return [sum(n.target is operator.getitem and all(a.op == "placeholder" for a in n.all_input_nodes)
-                for n in split.gm.get_submodule(name).graph.nodes) for name in split.pieces]
-
-
 def eager_and_compiled_agree(model, compiled, token_counts=(1, 7, 33)) -> None:
     with forward_context(ForwardContext(CountingAttention())), torch.no_grad():
         for n in token_counts:
@@ -115,24 +107,20 @@ def test_a_pass_switched_off_by_name_does_nothing(toy_graph, name):
     assert code[1] == code[2] != code[0]
 
 
-def test_boundary_recompute_gathers_rope_in_each_piece(toy, toy_graph):
-    carried, recomputed = toy_graph(), toy_graph()
-    run_manager(carried, disabled=("boundary_recompute",))
-    run_manager(recomputed)
-    # cuts carried q, k, v, out, the residual and cos_sin (until the last layer's piece read it);
-    # now every piece that applies rope gathers cos_sin itself
-    assert boundary_counts(carried) == [6, 3, 5, 2]
-    assert boundary_counts(recomputed) == [5, 2, 5, 2]
-    assert rope_gathers(carried) == [1, 0, 0] and rope_gathers(recomputed) == [1, 1, 0]
+def test_rope_reads_the_table_and_positions_in_each_piece(toy, toy_graph):
+    """Each layer's rope takes the cos/sin table and the positions, graph inputs both: no cut carries gathered
+    rows, and the pieces before an attention call rotate their own layer's heads."""
+    gm = toy_graph()
+    run_manager(gm)
+    # cuts carry q, k, v, out and the residual, fewer past the last attention
+    assert boundary_counts(gm) == [5, 2, 5, 2]
+    split = split_pieces(gm)
+    ropes = [sum(n.target is torch.ops.graphkiln.rope for n in split.gm.get_submodule(name).graph.nodes)
+             for name in split.pieces]
+    assert ropes == [1, 1, 0]
     compiled, report = compile_module(toy, CompileConfig())
     assert report.counters.unique_pieces == 3
     eager_and_compiled_agree(toy, compiled)
-
-
-def test_boundary_recompute_config_bounds_the_chain(toy_graph):
-    gm = toy_graph()
-    assert BoundaryRecompute(BoundaryRecomputeConfig(max_nodes=0))(gm) == 0
-    assert BoundaryRecompute(BoundaryRecomputeConfig(max_nodes=1))(gm) == 1
 
 
 def test_attention_split_isolates_each_attention_call_and_off_compiles_one_piece(toy, toy_graph):
@@ -152,10 +140,9 @@ def test_default_pipeline_matches_eager_and_reports_every_pass(toy):
     compiled, report = compile_module(toy, CompileConfig())
     eager_and_compiled_agree(toy, compiled)
     assert [(r.name, r.enabled) for r in report.passes] == [(n, n not in OFF_BY_DEFAULT) for n in NAMES]
-    recompute, epilogue, mlp, silu_mul, norm, split, *_ = report.passes  # linear_op runs in Inductor, on cache misses
+    epilogue, mlp, silu_mul, norm, split, *_ = report.passes  # linear_op runs in Inductor, on cache misses
     assert norm.runs == 0
     assert (mlp.runs, mlp.matches) == (1, 0)  # a bf16 model
-    assert (recompute.runs, recompute.matches, recompute.nodes_added) == (1, 1, 1)
     # per layer: the gate/up linear, chunk, two getitems, silu and mul become one linear_silu_mul
     assert (epilogue.runs, epilogue.matches, epilogue.nodes_removed, epilogue.nodes_added) == (1, 2, 12, 2)
     assert (silu_mul.runs, silu_mul.matches) == (1, 0)
@@ -201,9 +188,11 @@ def test_passes_without_uuid_are_refused():
 def test_uuid_changes_with_enabled_passes_and_pass_config():
     base = PassManager(default_passes()).uuid()
     assert PassManager(default_passes()).uuid() == base
-    assert PassManager(default_passes(), ["boundary_recompute"]).uuid() != base
-    other = [BoundaryRecompute(BoundaryRecomputeConfig(max_nodes=3)), AttentionSplit()]
-    assert PassManager(other).uuid() != base
+    assert PassManager(default_passes(), ["silu_mul_epilogue"]).uuid() != base
+    named = PassManager(default_passes(), enabled=("symm_mem_all_reduce",)).uuid()
+    configured = [p if p.name != "symm_mem_all_reduce" else SymmMemAllReduce(SymmMemAllReduceConfig(max_bytes=1 << 10))
+                  for p in default_passes()]
+    assert PassManager(configured, enabled=("symm_mem_all_reduce",)).uuid() not in (named, base)
 
 
 def test_uuid_is_stable_across_processes_and_folder_moves(tmp_path):
@@ -212,7 +201,7 @@ def test_uuid_is_stable_across_processes_and_folder_moves(tmp_path):
     other = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True,
                            env={**os.environ, "PYTHONHASHSEED": "1"})
     assert other.stdout.strip() == PassManager(default_passes()).uuid()
-    source = sys.modules[BoundaryRecompute.__module__].__file__
+    source = sys.modules[AttentionSplit.__module__].__file__
     moved = [shutil.copy(source, tmp_path / name) for name in ("a.py", "b.py")]
     assert content_hash(moved[:1]) == content_hash(moved[1:]) == content_hash([source])
     (tmp_path / "b.py").write_text(open(source).read() + "\n")

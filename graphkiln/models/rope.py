@@ -1,10 +1,18 @@
-"""Rotary position embeddings: a cos/sin table computed once, gathered by position at run time."""
+"""Rotary position embeddings: a cos/sin table computed once, and `graphkiln::rope(x, table, positions)`,
+which gathers each token's row by its position and rotates its heads.
+
+The op is one Triton launch on CUDA (kernels/rope.py) and these torch ops elsewhere; either computes in
+float32 and rounds once to x's dtype, as Inductor's fused kernel for the same ops does. It takes the table
+and the positions, graph inputs both, so no piece of the split graph carries gathered rows across a cut.
+"""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 import torch
+
+from .ops import define
 
 if TYPE_CHECKING:
     from .config import ModelConfig
@@ -41,8 +49,30 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, H, D] (the query and key heads side by side: one kernel for both) by the rows of
-    cos_sin [T, 2D] gathered for their positions."""
-    cos, sin = cos_sin.to(x.dtype).unsqueeze(1).chunk(2, dim=-1)
-    return x * cos + rotate_half(x) * sin
+def rope_reference(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] rotated by the rows of table [P, 2D] (cos then sin) at positions [T], in float32."""
+    cos, sin = table[positions].float().unsqueeze(1).chunk(2, dim=-1)
+    x32 = x.float()
+    return (x32 * cos + rotate_half(x32) * sin).to(x.dtype)
+
+
+def _takes_kernel(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor) -> bool:
+    return (x.is_cuda and x.dim() == 3 and x.stride(-1) == 1 and x.shape[-1] % 2 == 0 and table.dim() == 2
+            and table.shape[-1] == 2 * x.shape[-1] and table.stride(-1) == 1 and positions.dim() == 1)
+
+
+def _rope(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    if _takes_kernel(x, table, positions):  # triton is optional: the kernel is imported only where it runs
+        from graphkiln.kernels.rope import rope as rope_kernel
+
+        return rope_kernel(x, table, positions)
+    return rope_reference(x, table, positions).contiguous()
+
+
+def _rope_shape(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape)
+
+
+# x [T, H, D] (the query and key heads side by side: one launch for both) rotated by the rows of the cos/sin
+# table [P, 2D] at their positions [T]
+rope = define("rope(Tensor x, Tensor table, Tensor positions) -> Tensor", _rope, _rope_shape)

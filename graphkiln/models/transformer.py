@@ -17,7 +17,7 @@ from torch import nn
 from .attention import attention
 from .config import ModelConfig
 from .linear import linear
-from .rope import apply_rope
+from .rope import rope
 from .sharding import Shard, VocabParallelEmbedding, gather_vocab, local_config, reduce_across
 
 
@@ -49,7 +49,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope_table: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         tokens = x.shape[0]
         heads = cfg.num_heads + cfg.num_kv_heads
@@ -59,7 +59,7 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
-        q, k = apply_rope(qk, cos_sin).split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+        q, k = rope(qk, rope_table, positions).split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         out = q.new_empty(tokens, cfg.num_heads, cfg.head_dim)
         attention(q, k, v, out, self.layer_index, self.scale)
         return reduce_across(self.o_proj(out.view(tokens, cfg.q_size)), self.shard)
@@ -85,8 +85,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, shard)
 
-    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope_table: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope_table)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -113,9 +113,8 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        cos_sin = self.rope_cache[positions]
         for layer in self.layers:
-            x = layer(x, cos_sin)
+            x = layer(x, positions, self.rope_cache)
         return self.norm(x)
 
 

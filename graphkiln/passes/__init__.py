@@ -2,22 +2,21 @@
 
 Pipeline (`pipeline.default_passes`), each switchable with `CompileConfig.disabled_passes`:
 
-1. `boundary_recompute`: recomputes the rope gather in every piece instead of carrying it across cuts.
-2. `silu_mul_epilogue`: `silu(gate) * up` of an unbiased gate/up product (bf16 or fp8) becomes one
+1. `silu_mul_epilogue`: `silu(gate) * up` of an unbiased gate/up product (bf16 or fp8) becomes one
    graphkiln::linear_silu_mul or fp8_linear_silu_mul call, whose one-row GEMV applies the activation
    to its own outputs.
-3. `fp8_mlp`: an fp8 down projection of that activated product becomes one graphkiln::fp8_mlp call, whose
+2. `fp8_mlp`: an fp8 down projection of that activated product becomes one graphkiln::fp8_mlp call, whose
    activation quantization (past 16 rows) computes the SiLU-and-mul as it loads the gate/up product.
-4. `silu_mul_linear`: `down_proj(silu(gate) * up)` that the pass before left (a biased gate/up product)
+3. `silu_mul_linear`: `down_proj(silu(gate) * up)` that the pass before left (a biased gate/up product)
    becomes one graphkiln::silu_mul_linear call, whose one-row GEMV computes the activation as it
    streams the weight.
-5. `add_rms_norm` (CUDA compiles; on the CPU only when named): a residual add and the RMSNorm of its sum become one
+4. `add_rms_norm` (CUDA compiles; on the CPU only when named): a residual add and the RMSNorm of its sum become one
    graphkiln::add_rms_norm call, a Triton kernel holding each row in registers (Inductor's loops over
    a row twice above 1024 inputs) and launched with programmatic dependent launch.
-6. `attention_split`: cuts the graph at every graphkiln::attention call into pieces.
-7. `linear_op` (post-grad): routes weight products through graphkiln::linear, whose one-row
+5. `attention_split`: cuts the graph at every graphkiln::attention call into pieces.
+6. `linear_op` (post-grad): routes weight products through graphkiln::linear, whose one-row
    Triton GEMV reads the narrow projections faster than cuBLAS (see models/linear.py).
-8. `symm_mem_all_reduce` (post-grad, off unless named; CUDA, 2+ ranks): in compiles specialized to a
+7. `symm_mem_all_reduce` (post-grad, off unless named; CUDA, 2+ ranks): in compiles specialized to a
    token count, an all-reduce of at most 128 KiB becomes PyTorch's symmetric-memory one-shot kernel
    instead of NCCL's; the residual add + RMSNorm after it stay one Inductor kernel.
 

@@ -14,7 +14,6 @@ from graphkiln.errors import ConfigError
 from .add_rms_norm import AddRmsNorm
 from .attention_split import AttentionSplit
 from .base import Pass
-from .boundary_recompute import BoundaryRecompute
 from .fp8_mlp import Fp8Mlp
 from .linear_op import LinearOp
 from .silu_mul_epilogue import SiluMulEpilogue
@@ -24,7 +23,7 @@ from .symm_mem_all_reduce import SymmMemAllReduce
 
 def default_passes(extra: Sequence[Pass] = ()) -> list[Pass]:
     """Built-in passes in pipeline order; `extra` Dynamo-graph passes run just before the split."""
-    return [BoundaryRecompute(), SiluMulEpilogue(), Fp8Mlp(), SiluMulLinear(), AddRmsNorm(), *extra, AttentionSplit(),
+    return [SiluMulEpilogue(), Fp8Mlp(), SiluMulLinear(), AddRmsNorm(), *extra, AttentionSplit(),
             LinearOp(), SymmMemAllReduce()]
 
 
