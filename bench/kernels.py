@@ -4,6 +4,7 @@ step adds to its replay; and where a short prefill's time to first token goes (a
     python -m bench kernels --out $OUT [--batches 1 8] [--prefill 128] [--model 8b --layers 4]
                             [--disable-pass NAME] [--max-seq-len 512] [--prompt 4000]
                             [--inductor-option triton.enable_pdl=false]
+    python -m bench kernels --model 1b --batches 1 --prefill 16384 --prefill-chunk-tokens 2048 --out $OUT
 
 Compiles the bench's random model for the decode batches asked for, decodes 128-token prompts (`--prompt`),
 then per batch: the engine step's host time against its graph's replay (CUDA events); the
@@ -11,7 +12,8 @@ replay's kernels by name (torch.profiler; count and microseconds per replay, lar
 the first ones in launch order; steps back to back as `generate` runs them, with what the device
 runs outside the graph and how long it idles inside it and at its edges. Per `--prefill` length:
 `generate(max_tokens=1)` profiled (wall time, first kernel start, last kernel end, busy time, its
-kernels by name) and timed unprofiled. On the CPU (--smoke) the profiled events are the top-level
+kernels by name) and timed unprofiled; with `--prefill-chunk-tokens` a longer prompt runs in chunks over steps, as
+an engine serves it. On the CPU (--smoke) the profiled events are the top-level
 operators of an engine step and of the prefill's call, and replay-only figures are left out.
 """
 
@@ -166,6 +168,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seq-len", type=int, default=None,
                    help="EngineConfig.max_seq_len (default: the model's 8192); it sizes the decode graphs' block tables, "
                         "and with them the decode attention's planned splits")
+    p.add_argument("--prefill-chunk-tokens", type=int, default=None,
+                   help="EngineConfig.max_num_batched_tokens: prefills longer than this run in chunks over steps "
+                        "(default: the longest --prefill, unchunked); a prefill past 8192 tokens widens the model")
     p.add_argument("--prompt", type=int, default=128,
                    help="prompt tokens of each decoding sequence (the decode attention's context; smoke: 16)")
     p.add_argument("--specialize-sizes", type=int, nargs="*", default=[],
@@ -179,16 +184,22 @@ def main(a: argparse.Namespace) -> int:
     prompt, steps = (16, 8) if study.smoke else (a.prompt, 30)
     if not cuda:
         log("CPU smoke: no CUDA graphs on the CPU; profiling engine steps' operators instead of graph replays")
+    longest = max(lengths, default=0)
+    chunk = a.prefill_chunk_tokens or max([2048, *lengths])
+    max_seq_len = a.max_seq_len or (longest + 16 if longest + 16 > 8192 else None)
     with study.scratch() as work:
         options = {"enabled_passes": tuple(a.enable_pass), "quantization": a.quantization,
                    "specialize_sizes": tuple(a.specialize_sizes), "inductor_options": dict(a.inductor_option)}
         llm = compiled_llm(study, work, disabled_passes=tuple(a.disable_pass), compile_options=options,
+                           max_position=max(8192, 1 << (longest + 15).bit_length()),
                            decode_batch_sizes=tuple(batches),
-                           prefill_token_buckets=tuple(sorted({16, 128, *lengths})),
-                           max_num_batched_tokens=max([2048, *lengths]),
-                           kv_cache_tokens=4096 if study.smoke else max(65536, max(batches) * (prompt + 128)),
-                           max_seq_len=a.max_seq_len)
-        results: dict = {"batches": {}, "prefill": {}, "disabled_passes": a.disable_pass, "max_seq_len": a.max_seq_len,
+                           prefill_token_buckets=tuple(sorted({16, 128, *(min(n, chunk) for n in lengths)})),
+                           max_num_batched_tokens=chunk,
+                           kv_cache_tokens=4096 if study.smoke else max(65536, max(batches) * (prompt + 128),
+                                                                         longest + 16),
+                           max_seq_len=max_seq_len)
+        results: dict = {"batches": {}, "prefill": {}, "disabled_passes": a.disable_pass, "max_seq_len": max_seq_len,
+                         "prefill_chunk_tokens": chunk,
                          "prompt": prompt, **options}
         for batch in batches:
             r = {**step_and_replay(llm, batch, steps, cuda, prompt), **pipelined(llm, batch, steps, cuda, prompt),

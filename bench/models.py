@@ -197,14 +197,14 @@ def save_by_layer(shape: dict, folder: Path, device: str, dtype, seed: int = 0) 
 
 
 def compiled_llm(study, work: Path, tag: str = "art", disabled_passes: tuple[str, ...] = (),
-                 compile_options: dict | None = None, **engine):
-    """The study's model, saved once under `work`, compiled into work/<tag> (CompileConfig fields beyond device,
-    dtype and disabled passes in `compile_options`) and loaded with `engine`."""
+                 compile_options: dict | None = None, max_position: int = 8192, **engine):
+    """The study's model (of `max_position` positions), saved once under `work`, compiled into work/<tag>
+    (CompileConfig fields beyond device, dtype and disabled passes in `compile_options`) and loaded with `engine`."""
     import graphkiln
 
     model = work / "model"
     if not (model / "config.json").is_file():
-        save_model(study.model, model, study.device, study.dtype, study.layers)
+        save_model(study.model, model, study.device, study.dtype, study.layers, max_position=max_position)
     config = graphkiln.CompileConfig(device=study.device, dtype=study.dtype_name, disabled_passes=disabled_passes,
                                      **(compile_options or {}))
     graphkiln.compile_model(model, work / tag, config, force=True)
