@@ -8,7 +8,7 @@ machine: no GPU needed (a minute or so).
 
 Per model: the row decode kernel at each batch, planned as the engine plans it for a block table of
 `--max-context` tokens (its grid is that plan's, whatever the context), at the last batch also on an fp8 cache
-and the block kernel on both caches, the prefill kernel for one prompt of `--prefill-tokens`, and each
+and the block kernel on both caches, the prefill and rope kernels for one prompt of `--prefill-tokens`, and each
 projection's products: the bf16 one-row GEMV, the int4 one-row byte and dp4a GEMVs, and fp8 (per-channel and
 128 x 128 block scales) and int8 (W8A8, W8A16 per channel and per group) at each of `--rows` as fp8_linear and
 int8_linear dispatch them, with the kernels around it (x's
@@ -213,6 +213,19 @@ def prefill_launches(model: str, tokens: int, variant: tuple[int, ...] | None = 
             f"block_m={tiles.block_m} block_n={tiles.block_n} stages={tiles.num_stages} heads={tiles.heads}")
 
 
+def rope_launch(model: str, tokens: int) -> tuple[str, str]:
+    """The rope kernel's launch on a qkv product's query and key heads for `tokens` tokens; its (label, tiles)."""
+    import torch
+
+    from graphkiln.kernels.rope import rope
+
+    s = shape_of(model)
+    heads, d = s["num_attention_heads"] + s["num_key_value_heads"], s["head_dim"]
+    qkv = torch.zeros(tokens, (heads + s["num_key_value_heads"]) * d, dtype=torch.bfloat16)
+    rope(qkv[:, : heads * d].view(tokens, heads, d), torch.zeros(tokens, 2 * d), torch.arange(tokens))
+    return f"rope {tokens}", f"heads={heads} head_dim={d}"
+
+
 def product_launches(name: str, n: int, k: int, rows: int, block_scales: bool) -> tuple[str, str]:
     """fp8_linear's launches for `rows` rows of x and an N x K weight with per-channel or 128 x 128 block scales,
     as it dispatches them (the GEMV, fp8_mma on x quantized in registers or by a kernel before it, split-K
@@ -355,6 +368,7 @@ def main(a: argparse.Namespace) -> int:
                 rows += rows_of(model, built, decode_launches(model, a.batches[0], a.max_context, variant), a.arch,
                                 a.sms)
             rows += rows_of(model, built, prefill_launches(model, a.prefill_tokens), a.arch, a.sms)
+            rows += rows_of(model, built, rope_launch(model, a.prefill_tokens), a.arch, a.sms)
             for variant in parse_variants(a.prefill_variants):
                 rows += rows_of(model, built, prefill_launches(model, a.prefill_tokens, variant), a.arch, a.sms)
             for name, (n, k) in projections(model).items():
