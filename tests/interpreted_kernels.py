@@ -32,8 +32,8 @@ from graphkiln.kernels.rope import rope
 from graphkiln.models.int8_linear import quantize_activations_int8
 from graphkiln.models.linear import silu_mul_reference
 from graphkiln.models.norm import add_rms_norm_reference
-from graphkiln.models.rope import rope_reference
 from graphkiln.models.quantized_linear import quantize_activations_fp8
+from graphkiln.models.rope import rope_reference
 from graphkiln.runtime.attention.triton_backend import prefill_work, work_table
 from graphkiln.runtime.kv_dtype import dequantize, quantize
 from gpu.kernel_weights import fp8_weight, int4_weight, int8_weight
