@@ -16,6 +16,7 @@ from graphkiln.runtime.attention.flashinfer_backend import (
     fill_page_indices,
     import_flashinfer,
     page_layout,
+    prefill_kernels,
     qo_indptr,
     unsupported,
 )
@@ -103,6 +104,11 @@ def test_select_backend_on_the_cpu() -> None:
         select_backend("flash", cache)
 
 
+def test_flashinfer_prefill_runs_its_hopper_kernels_on_hopper_only() -> None:
+    assert prefill_kernels((9, 0)) == "fa3"
+    assert [prefill_kernels(c) for c in [(8, 0), (8, 9), (10, 0), (12, 0), None]] == ["fa2"] * 5
+
+
 def test_missing_flashinfer_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "flashinfer", None)  # makes `import flashinfer` raise ImportError
     with pytest.raises(ConfigError, match=r"pip install graphkiln\[flashinfer\]"):
@@ -167,7 +173,7 @@ class _StandInPrefillWrapper:
                  paged_kv_indptr_buf=None, paged_kv_indices_buf=None, paged_kv_last_page_len_buf=None,
                  custom_mask_buf=None, mask_indptr_buf=None, backend="auto", jit_args=None, jit_kwargs=None) -> None:
         assert kv_layout == "NHD" and not use_cuda_graph
-        self.plans = 0
+        self.plans, self.backend = 0, backend
 
     def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
              num_kv_heads, head_dim_qk, page_size, head_dim_vo=None, custom_mask=None, packed_custom_mask=None,
@@ -276,7 +282,8 @@ def test_flashinfer_backend_plans_once_per_step_and_matches_float64() -> None:
     q = torch.randn(meta.num_tokens + 3, num_heads, head_dim, generator=gen).to(torch.bfloat16)
     out = torch.full_like(q, float("nan"))
     fn = backend.plan(meta)
-    assert backend._prefill_wrapper.plans == 1
+    assert list(backend._prefill_wrappers) == ["fa2"]  # not a CUDA device
+    assert backend._prefill_wrappers["fa2"].plans == 1 and backend._prefill_wrappers["fa2"].backend == "fa2"
     fn(1, q, k, v, out, scale)
     _check_rows(out, q, prefill_lens, full_k, full_v, scale)
     assert out[meta.num_tokens :].eq(0).all()
@@ -284,7 +291,7 @@ def test_flashinfer_backend_plans_once_per_step_and_matches_float64() -> None:
     out.fill_(float("nan"))
     fn(1, q, k, v, out, 0.5 * scale)  # a layer with another scale than the planned one
     _check_rows(out, q, prefill_lens, full_k, full_v, 0.5 * scale)
-    assert backend._prefill_wrapper.plans == 1
+    assert backend._prefill_wrappers["fa2"].plans == 1
 
 
 @pytest.mark.usefixtures("stand_in_flashinfer")
@@ -301,3 +308,18 @@ def test_flashinfer_decode_buffers_grow_until_captured() -> None:
     wider = build_metadata([SequenceSlice(1, 100, tuple(range(8, 15))), SequenceSlice(1, 5, (4,))], 16, 2, CPU)
     with pytest.raises(CapacityError, match="captured graph holds 6"):
         backend.plan(wider)
+
+
+@pytest.mark.usefixtures("stand_in_flashinfer")
+def test_flashinfer_prefill_past_the_fa3_buffer_plans_on_fa2(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step whose whole context overflows fa3's buffer of KV offsets runs on an "fa2" wrapper."""
+    from graphkiln.runtime.attention import flashinfer_backend
+
+    cache = KVCache(model_config(4, 2, 64), 64, 16, torch.bfloat16, CPU)
+    backend = FlashInferBackend(cache, workspace_bytes=16)
+    backend._prefill_kernels = "fa3"  # as on a Hopper GPU
+    meta = build_metadata([SequenceSlice(20, 40, (3, 4, 5)), SequenceSlice(7, 7, (6,))], 16, 27, CPU)
+    backend.plan(meta)
+    monkeypatch.setattr(flashinfer_backend, "FA3_CONTEXT_TOKENS", 46)
+    backend.plan(meta)
+    assert [(w.backend, w.plans) for w in backend._prefill_wrappers.values()] == [("fa3", 0), ("fa2", 0)]

@@ -13,7 +13,8 @@ layer's (keys, values) pair of [num_blocks, block_size, num_kv_heads, head_dim].
   the wrapper keeps the plan of the warm-up step that preceded the capture.
 - Prefill and mixed batches: one BatchPrefillWithPagedKVCacheWrapper, causal, planned per step.
   It reads the whole context from the cache after the write, so a cached prefix is seen; rows
-  past `meta.num_tokens` (padding) get zeros.
+  past `meta.num_tokens` (padding) get zeros. On Hopper (compute capability 9.x) it runs
+  FlashInfer's "fa3" kernels (warp-specialized, fed by TMA), elsewhere "fa2" (`prefill_kernels`).
 
 FlashInfer's scheduler needs the page layout on the host. The lengths come from the metadata's
 host lists (no device read, so no sync); the page ids are gathered on the device from the block
@@ -44,6 +45,7 @@ from .metadata import BatchMetadata
 # head_dim x 4 bytes, q_tile 128 (64 at head_dim 256): 138 MB for 64 heads of 128 dims over 8 KV
 # heads on 132 SMs, or 16 heads of 256 dims over 2. vLLM uses 256 MiB too.
 WORKSPACE_BYTES = 256 << 20
+FA3_CONTEXT_TOKENS = 16 << 20  # the "fa3" prefill wrapper's buffer of per-token KV offsets: a step's whole context
 HEAD_DIMS = (64, 128, 256)
 DTYPES = (torch.float16, torch.bfloat16)
 INSTALL_HINT = "pip install graphkiln[flashinfer]"
@@ -83,6 +85,13 @@ def unsupported(dtype: torch.dtype, head_dim: int) -> str | None:
     if head_dim not in HEAD_DIMS:
         return f"head_dim {head_dim}: the flashinfer backend supports {HEAD_DIMS}"
     return None
+
+
+def prefill_kernels(capability: tuple[int, int] | None) -> str:
+    """FlashInfer's prefill implementation for a CUDA device of this compute capability (None: not CUDA):
+    "fa3", built for sm90a only, where it runs (faster than "fa2" and the Triton kernel at long prompts:
+    README, "Attention at serving shapes"), "fa2" elsewhere."""
+    return "fa3" if capability is not None and capability[0] == 9 else "fa2"
 
 
 # --- page layout: plain torch, checked on the CPU -------------------------------------------
@@ -181,7 +190,9 @@ class FlashInferBackend:
         with torch.inference_mode(False):  # buffers stay writable in and out of inference mode
             self._workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self._device)
         self._decode: dict[int, _DecodeSlot] = {}
-        self._prefill_wrapper = None
+        capability = torch.cuda.get_device_capability(self._device) if self._device.type == "cuda" else None
+        self._prefill_kernels = prefill_kernels(capability)
+        self._prefill_wrappers: dict[str, Any] = {}  # by implementation: "fa2" also where a step overflows "fa3"
         self._planned: torch.cuda.Event | None = None  # the last plan's copies from the pinned workspace
         self._heads_and_scale: tuple[int, float] | None = None  # learned from the first layer call
 
@@ -246,12 +257,14 @@ class FlashInferBackend:
         indices = torch.empty(total + 1, dtype=torch.int32, device=self._device)
         fill_page_indices(meta.block_tables, indptr.to(self._device, non_blocking=True), indices)
         arrays = (qo_indptr(meta.query_lens), indptr, indices[:total], last_page_len)
-        if self._prefill_wrapper is None:
+        kernels = self._prefill_kernels if sum(meta.seq_lens) <= FA3_CONTEXT_TOKENS else "fa2"
+        wrapper = self._prefill_wrappers.get(kernels)
+        if wrapper is None:
             with torch.inference_mode(False):
-                self._prefill_wrapper = self._fi.BatchPrefillWithPagedKVCacheWrapper(
-                    self._workspace, "NHD", backend="fa2"
+                wrapper = self._prefill_wrappers[kernels] = self._fi.BatchPrefillWithPagedKVCacheWrapper(
+                    self._workspace, "NHD", backend=kernels
                 )
-        return self._attention(meta, self._plan_now(_Step(self._prefill_wrapper, arrays, {"causal": True})))
+        return self._attention(meta, self._plan_now(_Step(wrapper, arrays, {"causal": True})))
 
     # shared
 
