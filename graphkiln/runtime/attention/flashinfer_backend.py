@@ -45,7 +45,8 @@ from .metadata import BatchMetadata
 # head_dim x 4 bytes, q_tile 128 (64 at head_dim 256): 138 MB for 64 heads of 128 dims over 8 KV
 # heads on 132 SMs, or 16 heads of 256 dims over 2. vLLM uses 256 MiB too.
 WORKSPACE_BYTES = 256 << 20
-FA3_CONTEXT_TOKENS = 16 << 20  # the "fa3" prefill wrapper's buffer of per-token KV offsets: a step's whole context
+# The "fa3" prefill wrapper's own buffer (64 MB of int32) of per-token KV offsets: a step's whole context.
+FA3_CONTEXT_TOKENS = 16 << 20
 HEAD_DIMS = (64, 128, 256)
 DTYPES = (torch.float16, torch.bfloat16)
 INSTALL_HINT = "pip install graphkiln[flashinfer]"
