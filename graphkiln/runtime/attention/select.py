@@ -5,8 +5,9 @@ triton imports (any head_dim up to 256, the fp8 cache included), then FlashInfer
 imports (float16/bfloat16 caches, head_dim 64, 128 or 256), then the SDPA reference, which serves
 everything; on the CPU, SDPA. So `auto` never refuses a model the engine can load. Triton comes
 first by measurement (`python -m bench serving`, README "Attention at serving shapes"): it is faster
-at batch 1 and at short and medium contexts, where most decode steps fall, and it loads faster;
-FlashInfer is faster at long contexts of mid-size batches, and is there to be chosen by name.
+at decode, at batch 1 and at the serving shapes measured, and it loads faster. FlashInfer prefills
+long prompts faster on Hopper (its fa3 kernels), and is there to be chosen by name: one engine
+serves with one backend.
 """
 
 from __future__ import annotations
