@@ -26,7 +26,7 @@ from collections import defaultdict
 
 from .common import Study, add_study_arguments, inductor_option, log
 from .measure import now, time_ms
-from .models import QUANTIZATIONS, compiled_llm, decode_graph, decoding, stop
+from .models import QUANTIZATIONS, compiled_llm, decode_graph, decoding, positions_for, stop
 from .report import text_table
 
 GEMM = re.compile(r"gemm|gemv|cutlass|nvjet|splitK|sm90_xmma|cublas|addmm|aten::mm|graphkiln::.*linear", re.IGNORECASE)
@@ -191,7 +191,7 @@ def main(a: argparse.Namespace) -> int:
         options = {"enabled_passes": tuple(a.enable_pass), "quantization": a.quantization,
                    "specialize_sizes": tuple(a.specialize_sizes), "inductor_options": dict(a.inductor_option)}
         llm = compiled_llm(study, work, disabled_passes=tuple(a.disable_pass), compile_options=options,
-                           max_position=max(8192, 1 << (longest + 15).bit_length()),
+                           max_position=max(8192, positions_for(longest + 16)),
                            decode_batch_sizes=tuple(batches),
                            prefill_token_buckets=tuple(sorted({16, 128, *(min(n, chunk) for n in lengths)})),
                            max_num_batched_tokens=chunk,

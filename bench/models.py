@@ -31,6 +31,11 @@ DESCRIPTIONS = {"1b": "Llama-3.2-1B-like", "8b": "Llama-3.1-8B-like", "70b": "Ll
 WHOLE_BUILD_BYTES = 32 << 30  # above this a model is written a layer at a time instead of built whole
 
 
+def positions_for(tokens: int) -> int:
+    """The positions a bench model gets to hold sequences of `tokens` tokens: the next power of two."""
+    return 1 << (tokens - 1).bit_length()
+
+
 def shape_of(name: str, max_position: int = 8192, layers: int | None = None) -> dict:
     if name not in MODELS:
         raise SystemExit(f"unknown model {name!r}; use one of {sorted(MODELS)}")

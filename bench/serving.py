@@ -30,7 +30,7 @@ from pathlib import Path
 
 from .common import Study, add_study_arguments, log, random_prompts
 from .measure import copy_rate, matmul_rate, sync
-from .models import model_bytes, save_model, shape_of, tokens_to_outlive
+from .models import model_bytes, positions_for, save_model, shape_of, tokens_to_outlive
 from .report import text_table
 
 DECODE_COLUMNS = ["backend", "batch", "prompt", "ms_per_step", "floor_ms", "x_floor", "kv_gb", "weights_gb"]
@@ -134,7 +134,7 @@ def main(a: argparse.Namespace) -> int:
     chunks = [int(x) for x in a.prefill_chunk_tokens.split(",") if x.strip()] or [None]
     chunk = graphkiln.EngineConfig().max_num_batched_tokens
     max_seq_len = max([p + decode_tokens(b, p, steps, chunk) + 16 for b, p in shapes] + [n + 16 for n in longs])
-    max_position = 1 << (max_seq_len - 1).bit_length()
+    max_position = positions_for(max_seq_len)
     shape = shape_of(study.model, max_position=max_position, layers=study.layers)
     mb = model_bytes(shape, 4 if study.smoke else 2)
     copy_bytes = (64 << 20) if study.smoke else (1 << 30)
