@@ -296,7 +296,7 @@ NORM_CASES = {  # name: (dtype, rows, width); float16: the interpreter does not 
 }
 
 ROPE_CASES = {  # name: (dtype, tokens, heads, head_dim)
-    "rope-fp16-40-heads-of-64": (torch.float16, 5, 40, 64),  # heads past one loop step of 16
+    "rope-fp16-40-heads-of-64": (torch.float16, 5, 40, 64),  # heads past one loop step of 32
     "rope-fp32-6-heads-of-80": (torch.float32, 3, 6, 80),  # a half of 40 lanes: masked to 64
     "rope-fp16-3-heads-of-12": (torch.float16, 2, 3, 12),
 }
