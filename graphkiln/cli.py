@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from graphkiln.errors import GraphkilnError
+from graphkiln.runtime.config import ATTENTION_BACKENDS, CAPTURE_MODES, DECODE_KERNELS, KV_CACHE_DTYPES
 from graphkiln.version import __version__
 
 from . import report
@@ -97,13 +98,13 @@ def _engine_parser(group) -> None:
     group.add_argument("--block-size", type=int, default=None, help="tokens per KV cache block")
     group.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step")
     group.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step")
-    group.add_argument("--attention-backend", choices=("auto", "sdpa", "triton", "flashinfer"), default=None)
+    group.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None)
     group.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None)
-    group.add_argument("--kv-cache-dtype", choices=("auto", "fp8_e4m3"), default=None,
+    group.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
                        help="KV cache elements: the model's dtype (auto) or fp8 with a scale per token and head")
-    group.add_argument("--capture", choices=("background", "blocking"), default=None,
+    group.add_argument("--capture", choices=CAPTURE_MODES, default=None,
                        help="capture CUDA graphs while serving (default) or before the first request")
-    group.add_argument("--decode-kernel", choices=("auto", "rows", "blocks"), default=None,
+    group.add_argument("--decode-kernel", choices=DECODE_KERNELS, default=None,
                        help="Triton decode kernel: by batch size (auto), row gathers (rows) or block copies (blocks)")
 
 

@@ -3,13 +3,12 @@ driven through a torch stand-in for FlashInfer's wrappers (the real ones need a 
 
 from __future__ import annotations
 
-import random
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
-from attention_helpers import CPU, model_config, naive_attention
+from attention_helpers import CPU, model_config
+from flashinfer_stand_in import check_rows, install, paged_batch
 from graphkiln.runtime.attention.flashinfer_backend import (
     INSTALL_HINT,
     FlashInferBackend,
@@ -116,139 +115,9 @@ def test_missing_flashinfer_says_how_to_install_it(monkeypatch: pytest.MonkeyPat
     assert INSTALL_HINT == "pip install graphkiln[flashinfer]"
 
 
-def _stand_in_attention(wrapper, q, paged_kv_cache, q_scale, out) -> None:
-    """What FlashInfer computes from a plan: causal attention (aligned to the end) over the listed pages."""
-    k_cache, v_cache = paged_kv_cache
-    qo, indptr, indices, last = (t.tolist() for t in wrapper.layout())
-    page_size, num_kv_heads, head_dim = k_cache.shape[1:]
-    scale = (wrapper.sm_scale or head_dim**-0.5) * (q_scale or 1.0)
-    for i in range(len(indptr) - 1):
-        pages = torch.tensor(indices[indptr[i] : indptr[i + 1]])
-        length = (len(pages) - 1) * page_size + last[i]
-        keys = k_cache[pages].reshape(-1, num_kv_heads, head_dim)[:length]
-        values = v_cache[pages].reshape(-1, num_kv_heads, head_dim)[:length]
-        out[qo[i] : qo[i + 1]] = naive_attention(q[qo[i] : qo[i + 1]], keys, values, scale).to(out.dtype)
-
-
-class _StandInDecodeWrapper:
-    """FlashInfer 0.5.3's BatchDecodeWithPagedKVCacheWrapper signatures (decode.py), computed with torch."""
-
-    def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, use_tensor_cores=False,
-                 paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None, paged_kv_last_page_len_buffer=None,
-                 backend="auto", jit_args=None) -> None:
-        assert kv_layout == "NHD" and use_cuda_graph and use_tensor_cores
-        assert len(paged_kv_indptr_buffer) == len(paged_kv_last_page_len_buffer) + 1
-        self.buffers = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
-        self.plans = 0
-
-    def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
-             pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None, q_data_type="float16",
-             kv_data_type=None, data_type=None, sm_scale=None, rope_scale=None, rope_theta=None,
-             non_blocking=True, block_tables=None, seq_lens=None, fixed_split_size=None,
-             disable_split_kv=False) -> None:
-        assert indptr.device.type == last_page_len.device.type == "cpu"  # host arrays: no device read
-        assert indptr.dtype == indices.dtype == last_page_len.dtype == torch.int32
-        assert len(indptr) == len(self.buffers[0]) and len(indices) < len(self.buffers[1])
-        self.buffers[0].copy_(indptr)
-        self.buffers[1][: len(indices)].copy_(indices)
-        self.buffers[2].copy_(last_page_len)
-        self.sm_scale, self.q_dtype = sm_scale, q_data_type
-        self.plans += 1
-
-    def layout(self):  # run reads the persistent buffers, as a captured graph would
-        indptr, indices, last = self.buffers
-        return torch.arange(len(indptr), dtype=torch.int32), indptr, indices, last
-
-    def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
-            return_lse=False, enable_pdl=None, window_left=None, sinks=None, q_len_per_req=1):
-        assert out is not None and out.shape == q.shape and out.is_contiguous() and q.dtype == self.q_dtype
-        _stand_in_attention(self, q, paged_kv_cache, q_scale, out)
-        return out
-
-
-class _StandInPrefillWrapper:
-    """FlashInfer 0.5.3's BatchPrefillWithPagedKVCacheWrapper signatures (prefill.py), computed with torch."""
-
-    def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, qo_indptr_buf=None,
-                 paged_kv_indptr_buf=None, paged_kv_indices_buf=None, paged_kv_last_page_len_buf=None,
-                 custom_mask_buf=None, mask_indptr_buf=None, backend="auto", jit_args=None, jit_kwargs=None) -> None:
-        assert kv_layout == "NHD" and not use_cuda_graph
-        self.plans, self.backend = 0, backend
-
-    def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
-             num_kv_heads, head_dim_qk, page_size, head_dim_vo=None, custom_mask=None, packed_custom_mask=None,
-             causal=False, pos_encoding_mode="NONE", use_fp16_qk_reduction=False, sm_scale=None, window_left=-1,
-             logits_soft_cap=None, rope_scale=None, rope_theta=None, q_data_type="float16", kv_data_type=None,
-             non_blocking=True, prefix_len_ptr=None, token_pos_in_items_ptr=None, token_pos_in_items_len=0,
-             max_item_len_ptr=None, seq_lens=None, seq_lens_q=None, block_tables=None,
-             max_token_per_sequence=None, max_sequence_kv=None, fixed_split_size=None,
-             disable_split_kv=False) -> None:
-        assert causal and qo_indptr.device.type == paged_kv_indptr.device.type == "cpu"
-        assert paged_kv_last_page_len.device.type == "cpu"
-        self.arrays = (qo_indptr.clone(), paged_kv_indptr.clone(), paged_kv_indices, paged_kv_last_page_len.clone())
-        self.sm_scale, self.q_dtype = sm_scale, q_data_type
-        self.plans += 1
-
-    def layout(self):
-        return self.arrays
-
-    def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
-            return_lse=False, enable_pdl=None, window_left=None, sinks=None):
-        assert out is not None and out.shape == q.shape and out.is_contiguous() and q.dtype == self.q_dtype
-        assert q.shape[0] == self.arrays[0][-1]
-        _stand_in_attention(self, q, paged_kv_cache, q_scale, out)
-        return out
-
-
-def _cpu_write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
-    heads, dim = k.shape[1:]
-    slots = slot_mapping[: k.shape[0]]
-    k_cache.view(-1, heads, dim).index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.view(-1, heads, dim).index_copy_(0, slots, v.to(v_cache.dtype))
-
-
 @pytest.fixture
 def stand_in_flashinfer(monkeypatch: pytest.MonkeyPatch) -> None:
-    fake = SimpleNamespace(
-        BatchDecodeWithPagedKVCacheWrapper=_StandInDecodeWrapper,
-        BatchPrefillWithPagedKVCacheWrapper=_StandInPrefillWrapper,
-    )
-    monkeypatch.setitem(sys.modules, "flashinfer", fake)
-    monkeypatch.setitem(sys.modules, "graphkiln.kernels.kv_write", SimpleNamespace(write_kv=_cpu_write_kv))
-
-
-def _paged_batch(cache: KVCache, lens, decode: bool, pad: int, seed: int):
-    """Slices over shuffled blocks with their cached prefixes written; the new rows' q, k, v; full k/v."""
-    gen = torch.Generator().manual_seed(seed)
-    num_kv_heads, head_dim = cache.keys.shape[-2:]
-    free = list(range(1, cache.num_blocks))
-    random.Random(seed).shuffle(free)
-    slices, full_k, full_v = [], [], []
-    for q_len, seq_len in lens:
-        blocks = tuple(free.pop() for _ in range(-(-seq_len // 16)))
-        slices.append(SequenceSlice(q_len, seq_len, blocks))
-        full_k.append(torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(cache.keys.dtype))
-        full_v.append(torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(cache.keys.dtype))
-        for pos in range(seq_len - q_len):
-            slot = blocks[pos // 16] * 16 + pos % 16
-            cache.keys[1].view(-1, num_kv_heads, head_dim)[slot] = full_k[-1][pos]
-            cache.values[1].view(-1, num_kv_heads, head_dim)[slot] = full_v[-1][pos]
-    slices = pad_decode(slices, len(slices) + pad) if decode else slices
-    rows = sum(s.query_len for s in slices) + (0 if decode else pad)
-    meta = build_metadata(slices, 16, rows, CPU)
-    new = [(k[s - q :], v[s - q :]) for k, v, (q, s) in zip(full_k, full_v, lens)]
-    extra = rows - sum(q for q, _ in lens)
-    k = torch.cat([n[0] for n in new] + [torch.zeros(extra, num_kv_heads, head_dim, dtype=cache.keys.dtype)])
-    v = torch.cat([n[1] for n in new] + [torch.zeros(extra, num_kv_heads, head_dim, dtype=cache.keys.dtype)])
-    return meta, k, v, full_k, full_v
-
-
-def _check_rows(out, q, lens, full_k, full_v, scale) -> None:
-    start = 0
-    for (q_len, _), keys, values in zip(lens, full_k, full_v):
-        expected = naive_attention(q[start : start + q_len].double(), keys.double(), values.double(), scale)
-        torch.testing.assert_close(out[start : start + q_len].double(), expected, rtol=2e-2, atol=2e-2)
-        start += q_len
+    install(monkeypatch)
 
 
 @pytest.mark.usefixtures("stand_in_flashinfer")
@@ -261,7 +130,7 @@ def test_flashinfer_backend_plans_once_per_step_and_matches_float64() -> None:
     gen = torch.Generator().manual_seed(1)
 
     decode_lens = [(1, 15), (1, 16), (1, 17), (1, 1), (1, 40)]
-    meta, k, v, full_k, full_v = _paged_batch(cache, decode_lens, decode=True, pad=3, seed=0)
+    meta, k, v, full_k, full_v = paged_batch(cache, decode_lens, decode=True, pad=3, seed=0)
     q = torch.randn(meta.num_tokens, num_heads, head_dim, generator=gen).to(torch.bfloat16)
     out = torch.full_like(q, float("nan"))
     fn = backend.plan(meta)
@@ -270,7 +139,7 @@ def test_flashinfer_backend_plans_once_per_step_and_matches_float64() -> None:
     fn(1, q, k, v, out, scale)
     fn(1, q, k, v, out, scale)  # a second layer plans nothing
     assert wrapper.plans == 1
-    _check_rows(out, q, decode_lens, full_k, full_v, scale)
+    check_rows(out, q, decode_lens, full_k, full_v, scale)
     assert not out.isnan().any()
     backend.plan(meta)
     assert wrapper.plans == 2  # later steps plan in `plan`, before any layer runs (as a graph replay needs)
@@ -278,19 +147,19 @@ def test_flashinfer_backend_plans_once_per_step_and_matches_float64() -> None:
     prefill_lens = [(5, 21), (1, 17), (16, 48), (3, 3)]
     cache.keys.zero_()
     cache.values.zero_()
-    meta, k, v, full_k, full_v = _paged_batch(cache, prefill_lens, decode=False, pad=3, seed=1)
+    meta, k, v, full_k, full_v = paged_batch(cache, prefill_lens, decode=False, pad=3, seed=1)
     q = torch.randn(meta.num_tokens + 3, num_heads, head_dim, generator=gen).to(torch.bfloat16)
     out = torch.full_like(q, float("nan"))
     fn = backend.plan(meta)
     assert list(backend._prefill_wrappers) == ["fa2"]  # not a CUDA device
     assert backend._prefill_wrappers["fa2"].plans == 1 and backend._prefill_wrappers["fa2"].backend == "fa2"
     fn(1, q, k, v, out, scale)
-    _check_rows(out, q, prefill_lens, full_k, full_v, scale)
+    check_rows(out, q, prefill_lens, full_k, full_v, scale)
     assert out[meta.num_tokens :].eq(0).all()
 
     out.fill_(float("nan"))
     fn(1, q, k, v, out, 0.5 * scale)  # a layer with another scale than the planned one
-    _check_rows(out, q, prefill_lens, full_k, full_v, 0.5 * scale)
+    check_rows(out, q, prefill_lens, full_k, full_v, 0.5 * scale)
     assert backend._prefill_wrappers["fa2"].plans == 1
 
 

@@ -15,7 +15,7 @@ from graphkiln.errors import ConfigError
 
 DEFAULT_DECODE_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 DEFAULT_PREFILL_TOKEN_BUCKETS = tuple(2**i for i in range(4, 13))  # 16 ... 4096
-ATTENTION_BACKENDS = ("auto", "sdpa", "triton", "flashinfer")
+ATTENTION_BACKENDS = ("auto", "sdpa", "triton", "flashinfer", "triton+flashinfer")
 DECODE_KERNELS = ("auto", "rows", "blocks")  # the Triton backend's decode kernels (attention/block_decode.py)
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # the model's dtype, or float8_e4m3fn with row scales (kv_dtype.py)
 CAPTURE_MODES = ("background", "blocking")
@@ -43,6 +43,8 @@ class EngineConfig:
     `capture`: "background" (the engine serves while its graphs are captured, a step whose graph is
     not captured yet running without it; `LLM.wait_ready()` waits for them) or "blocking" (every
     graph captured before `load` returns). Without graphs the same happens to one warm-up run per size.
+    `attention_backend`: "auto" (runtime/attention/select.py), "sdpa", "triton", "flashinfer", or
+    "triton+flashinfer" (Triton's kernels, FlashInfer's for long prefill steps: attention/long_prefill.py).
     `decode_kernel` picks the Triton backend's decode kernel: "rows" (each head's cache rows gathered
     one by one), "blocks" (whole cache blocks of several heads by bulk copies) or "auto" (the one that
     measured faster in whole decode steps: rows, today; runtime/attention/block_decode.py).

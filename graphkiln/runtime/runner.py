@@ -4,7 +4,8 @@ The same runner serves the eager reference (forward = the model itself, no paddi
 compiled model (forward = the CompiledModel, padded to the engine's capture sizes even without
 graphs, so the CPU runs the same padded batches a GPU replays). With decode graphs, a decode step
 that fits a bucket is one replay from input ids to sampled ids; with prefill graphs (whole or
-piecewise), a prefill or mixed step that fits a token bucket is replayed up to its hidden states.
+piecewise), a prefill or mixed step that fits a token bucket is replayed up to its hidden states,
+unless the backend runs steps of its attention work outside graphs (`eager_prefill_work`).
 On rank 0 of a tensor-parallel group (`peers`), every forward's batch goes to the other ranks
 first (runtime/tensor_parallel.py), with the bucket of the graph it replays, if any, and the input
 ids once they are in place; the other ranks' runners `follow` it: the same graph, or the same
@@ -26,7 +27,7 @@ from graphkiln.models.attention import ForwardContext, forward_context
 from graphkiln.models.transformer import CausalLM
 
 from .attention.base import AttentionBackend
-from .attention.metadata import build_metadata
+from .attention.metadata import attention_work, build_metadata
 from .batch import Batch, InputIds, PendingIds, pack
 from .decode_graphs import DecodeGraphs
 from .graphs import capture_all, smallest_bucket
@@ -80,7 +81,7 @@ class ModelRunner:
         self.prefill_graphs = prefill_graphs
         self.peers = peers
         self.device = kv_cache.keys.device
-        self.steps_without_graph: Counter[str] = Counter()  # "decode" / "prefill"
+        self.steps_without_graph: Counter[str] = Counter()  # "decode" / "prefill" / "long_prefill" (_long_prefill)
 
     def graph_sets(self) -> list:
         """The captured graph strategies (prefill first, decode last; the eager model's graphs of a kind until
@@ -149,17 +150,26 @@ class ModelRunner:
 
     def _logits(self, batch: Batch, rows: list[int] | None, pending: PendingIds | None = None) -> torch.Tensor:
         graphs = self.prefill_graphs
+        kind = "decode" if batch.decode else "long_prefill" if self._long_prefill(batch) else "prefill"
         with self.peers.watch() if self.peers is not None else contextlib.nullcontext():
-            size = graphs.bucket(batch.num_tokens) if not batch.decode and graphs is not None else None
-            if size is None and not batch.decode and self.eager_prefill_graphs is not None:  # (one rank only)
+            size = graphs.bucket(batch.num_tokens) if kind == "prefill" and graphs is not None else None
+            if size is None and kind == "prefill" and self.eager_prefill_graphs is not None:  # (one rank only)
                 graphs = self.eager_prefill_graphs
                 size = graphs.bucket(batch.num_tokens)
             if size is not None:
                 step = None if self.peers is None else Step(batch, batch.num_tokens, rows, size)
                 hidden = graphs.run(batch, self._published(step, pending), size)
             else:
+                self.steps_without_graph[kind] += 1
                 hidden = self._forward(batch, rows, pending)
             return self._rows_logits(hidden, rows)
+
+    def _long_prefill(self, batch: Batch) -> bool:
+        """A prefill step the backend runs outside the graphs (`eager_prefill_work`, attention/base.py)."""
+        limit = self.backend.eager_prefill_work
+        if limit is None or batch.decode:
+            return False
+        return attention_work((s.query_len for s in batch.slices), (s.seq_len for s in batch.slices)) >= limit
 
     def _published(self, step: Step | None, pending: PendingIds | None) -> InputIds | None:
         """The step's pending ids; on rank 0 of a group, also sent to the other ranks with `step` (None on one rank)."""
@@ -171,7 +181,6 @@ class ModelRunner:
         return self.model.compute_logits(hidden).float()
 
     def _forward(self, batch: Batch, rows: list[int] | None, pending: PendingIds | None = None) -> torch.Tensor:
-        self.steps_without_graph["decode" if batch.decode else "prefill"] += 1
         padded = batch.padded(self.padding.size(batch)) if self.padding else batch
         input_ids = upload(padded.ids, torch.int64, self.device)
         step = None if self.peers is None else Step(padded, batch.num_tokens, rows)

@@ -7,7 +7,9 @@ eager between graphed pieces) the runner allocates the metadata tensors once and
 of them with `meta.graph` set: the returned function must then launch shapes fixed by those
 views, so a captured replay sees whatever the runner (and a repeated `plan` on the same
 buffers) wrote there before it. Padded decode rows arrive as one-token sequences in the dummy
-block; padded prefill rows belong to no sequence and their outputs are ignored.
+block; padded prefill rows belong to no sequence and their outputs are ignored. A prefill step whose
+`attention_work` reaches `eager_prefill_work` (None: none does) runs outside the prefill graphs: the
+backend plans it with kernels of its own that a graph cannot hold (long_prefill.py).
 """
 
 from __future__ import annotations
@@ -25,5 +27,6 @@ class AttentionBackend(Protocol):
     capturable_prefill: bool
     concurrent_plans: bool  # two threads may plan and run forwards at once (the plan keeps no state of its own)
     prompt_lengths: tuple[int, ...]  # prefills of these token counts launch every kernel variant of its own
+    eager_prefill_work: int | None  # prefill steps of this much attention work or more run outside graphs
 
     def plan(self, meta: BatchMetadata) -> AttentionFn: ...

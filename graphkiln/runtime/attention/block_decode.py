@@ -34,6 +34,8 @@ import torch
 from graphkiln.errors import ConfigError
 from graphkiln.runtime.config import DECODE_KERNELS
 
+from .long_prefill import NAME as LONG_PREFILL
+
 log = logging.getLogger(__name__)
 
 BLOCK_PROGRAMS_PER_SM = 1  # one wave: more splits measured slower at the batched shapes it serves (README)
@@ -82,7 +84,7 @@ def check_decode_kernel(decode_kernel: str, backend: str) -> None:
     row kernel, or none, elsewhere)."""
     if decode_kernel not in DECODE_KERNELS:
         raise ConfigError(f"EngineConfig.decode_kernel={decode_kernel!r}; use one of {DECODE_KERNELS}")
-    if decode_kernel == "blocks" and backend != "triton":
+    if decode_kernel == "blocks" and backend not in ("triton", LONG_PREFILL):
         raise ConfigError(
             f"EngineConfig.decode_kernel={decode_kernel!r} is a Triton kernel, but the attention backend is "
             f"{backend!r}; use attention_backend='triton' (or 'auto' on CUDA), or decode_kernel='rows'"

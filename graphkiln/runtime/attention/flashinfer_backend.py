@@ -34,7 +34,7 @@ import torch
 
 from graphkiln.errors import CapacityError, ConfigError, UnsupportedModelError
 from graphkiln.models.attention import AttentionFn
-from graphkiln.runtime.kv_cache import KVCache
+from graphkiln.runtime.kv_cache import DUMMY_BLOCK, KVCache
 
 from .metadata import BatchMetadata
 
@@ -175,6 +175,7 @@ class FlashInferBackend:
     capturable_prefill = False  # its prefill plan is host work per batch: prefill runs piecewise
     concurrent_plans = False  # a wrapper holds the last plan
     prompt_lengths = ()  # FlashInfer's kernels, built when its wrappers are made
+    eager_prefill_work = None
 
     def __init__(self, kv_cache: KVCache, workspace_bytes: int = WORKSPACE_BYTES) -> None:
         if kv_cache.key_scales is not None:
@@ -259,13 +260,31 @@ class FlashInferBackend:
         fill_page_indices(meta.block_tables, indptr.to(self._device, non_blocking=True), indices)
         arrays = (qo_indptr(meta.query_lens), indptr, indices[:total], last_page_len)
         kernels = self._prefill_kernels if sum(meta.seq_lens) <= FA3_CONTEXT_TOKENS else "fa2"
+        return self._attention(meta, self._plan_now(_Step(self._prefill_wrapper(kernels), arrays, {"causal": True})))
+
+    def _prefill_wrapper(self, kernels: str) -> Any:
         wrapper = self._prefill_wrappers.get(kernels)
         if wrapper is None:
             with torch.inference_mode(False):
                 wrapper = self._prefill_wrappers[kernels] = self._fi.BatchPrefillWithPagedKVCacheWrapper(
                     self._workspace, "NHD", backend=kernels
                 )
-        return self._attention(meta, self._plan_now(_Step(wrapper, arrays, {"causal": True})))
+        return wrapper
+
+    def build_prefill_kernels(self) -> None:
+        """Plan and run the prefill wrapper once, on one query token over the dummy block, so that FlashInfer
+        builds its prefill kernels for this cache (or loads them from its cache of builds) now rather than in
+        the first prompt's step: fa3's first build per machine takes about a minute. The kernels depend on the
+        dtype and head_dim, not on the head count, so one query head per KV head will do; the next step's plan
+        replaces this one."""
+        _, _, block_size, num_kv_heads, head_dim = self.kv_cache.keys.shape
+        indptr, last_page_len = page_layout((1,), block_size)
+        indices = torch.tensor([DUMMY_BLOCK], dtype=torch.int32, device=self._device)
+        step = _Step(self._prefill_wrapper(self._prefill_kernels), (qo_indptr((1,)), indptr, indices, last_page_len),
+                     {"causal": True})  # fmt: skip
+        self._plan_wrapper(step, num_kv_heads, head_dim**-0.5)
+        query = torch.zeros(1, num_kv_heads, head_dim, dtype=self.kv_cache.keys.dtype, device=self._device)
+        step.wrapper.run(query, self.kv_cache.layer(0), out=torch.empty_like(query))
 
     # shared
 

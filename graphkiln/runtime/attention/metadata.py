@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,12 @@ class BatchMetadata:
         if self.graph is not None:
             return self.graph == "decode"
         return all(q == 1 for q in self.query_lens)
+
+
+def attention_work(query_lens: Iterable[int], seq_lens: Iterable[int]) -> int:
+    """The (query token, context token) pairs a step's attention scores, causal masking aside: its work grows
+    with this, whatever the split into sequences (runtime/attention/long_prefill.py)."""
+    return sum(q * s for q, s in zip(query_lens, seq_lens, strict=True))
 
 
 def pad_decode(slices: list[SequenceSlice], batch_size: int) -> list[SequenceSlice]:

@@ -25,6 +25,7 @@ class SdpaBackend:
     capturable_prefill = False
     concurrent_plans = True
     prompt_lengths = ()  # torch's kernels
+    eager_prefill_work = None
 
     def __init__(self, kv_cache: KVCache) -> None:
         self.kv_cache = kv_cache

@@ -6,8 +6,8 @@ imports (float16/bfloat16 caches, head_dim 64, 128 or 256), then the SDPA refere
 everything; on the CPU, SDPA. So `auto` never refuses a model the engine can load. Triton comes
 first by measurement (`python -m bench serving`, README "Attention at serving shapes"): it is faster
 at decode, at batch 1 and at the serving shapes measured, and it loads faster. FlashInfer prefills
-long prompts faster on Hopper (its fa3 kernels), and is there to be chosen by name: one engine
-serves with one backend.
+long prompts faster on Hopper (its fa3 kernels): "triton+flashinfer" (long_prefill.py) serves with
+Triton and hands FlashInfer the long prefill steps; it is chosen by name.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from __future__ import annotations
 import importlib.util
 
 from graphkiln.errors import ConfigError
+from graphkiln.runtime.config import ATTENTION_BACKENDS
 from graphkiln.runtime.kv_cache import KVCache
 
 from .base import AttentionBackend
 from .block_decode import check_decode_kernel
-
-BACKENDS = ("auto", "sdpa", "triton", "flashinfer")
+from .long_prefill import NAME as LONG_PREFILL
 
 
 def auto_backend(device_type: str, dtype, head_dim: int, flashinfer: bool, triton: bool) -> str:
@@ -53,13 +53,17 @@ def _auto(kv_cache: KVCache) -> str:
 
 def select_backend(name: str, kv_cache: KVCache, decode_kernel: str = "auto") -> AttentionBackend:
     """The backend `name` means for this cache; `decode_kernel` "blocks" needs Triton (block_decode.py)."""
-    if name not in BACKENDS:
-        raise ConfigError(f"attention backend {name!r} is unknown; use one of {BACKENDS}")
+    if name not in ATTENTION_BACKENDS:
+        raise ConfigError(f"attention backend {name!r} is unknown; use one of {ATTENTION_BACKENDS}")
     if name == "auto":
         name = _auto(kv_cache)
     check_decode_kernel(decode_kernel, name)
-    if name in ("triton", "flashinfer") and kv_cache.keys.device.type != "cuda":
+    if name != "sdpa" and kv_cache.keys.device.type != "cuda":
         raise ConfigError(f"attention backend {name!r} needs a CUDA device; use 'sdpa' on the CPU")
+    if name == LONG_PREFILL:
+        from .long_prefill import triton_with_flashinfer
+
+        return triton_with_flashinfer(kv_cache, decode_kernel)
     if name == "flashinfer":
         from .flashinfer_backend import FlashInferBackend
 

@@ -178,6 +178,7 @@ class TritonBackend:
     capturable_prefill = True
     concurrent_plans = True
     prompt_lengths = (16, 32, 64)  # each query tile height (`prefill_tiles`) but 128: the warm-up's largest prefill
+    eager_prefill_work = None
 
     def __init__(self, kv_cache: KVCache, decode_kernel: str = "auto") -> None:
         # triton is optional: import the kernels only when this backend is chosen.
