@@ -38,32 +38,31 @@ def test_attention_work_counts_query_by_context_tokens() -> None:
 
 
 @pytest.mark.usefixtures("stand_in_flashinfer")
-def test_steps_reaching_the_work_go_to_the_long_backend_and_match_float64() -> None:
+def test_steps_marked_long_prefill_go_to_the_long_backend_and_match_float64() -> None:
     num_heads, num_kv_heads, head_dim = 8, 2, 64
     cache = KVCache(model_config(num_heads, num_kv_heads, head_dim), 80, 16, torch.bfloat16, CPU)
     long = FlashInferBackend(cache, workspace_bytes=16)
-    prefill_lens = [(5, 21), (1, 17), (16, 48), (3, 3)]
-    backend = LongPrefillBackend(SdpaBackend(cache), long, min_work=attention_work(*zip(*prefill_lens)))
+    backend = LongPrefillBackend(SdpaBackend(cache), long, min_work=899)
     assert backend.name == "sdpa+flashinfer" and backend.eager_prefill_work == 899
     assert (backend.capturable_decode, backend.capturable_prefill, backend.concurrent_plans) == (False, False, True)
     scale = head_dim**-0.5
     gen = torch.Generator().manual_seed(0)
 
-    def run(lens, decode: bool, seed: int, graph: str | None = None) -> None:
+    def run(lens, decode: bool, seed: int, long_prefill: bool = False) -> None:
         cache.keys.zero_()
         cache.values.zero_()
         meta, k, v, full_k, full_v = paged_batch(cache, lens, decode=decode, pad=2, seed=seed)
-        meta = dataclasses.replace(meta, graph=graph)
+        meta = dataclasses.replace(meta, long_prefill=long_prefill)
         q = torch.randn(k.shape[0], num_heads, head_dim, generator=gen).to(torch.bfloat16)
         out = torch.full_like(q, float("nan"))
         backend.plan(meta)(1, q, k, v, out, scale)
         check_rows(out, q, lens, full_k, full_v, scale)
 
-    run(prefill_lens, decode=False, seed=1)  # the work reached: FlashInfer's wrapper planned it
+    prefill_lens = [(5, 21), (1, 17), (16, 48), (3, 3)]
+    run(prefill_lens, decode=False, seed=1, long_prefill=True)  # FlashInfer's wrapper plans it
     assert long._prefill_wrappers["fa2"].plans == 1
-    run(prefill_lens[:3], decode=False, seed=2)  # 890 pairs: SDPA's
-    run([(1, 40), (1, 900)], decode=True, seed=3)  # decode (940 pairs): SDPA's
-    run(prefill_lens, decode=False, seed=4, graph="prefill")  # a captured graph's batch: the short backend's
+    run(prefill_lens, decode=False, seed=2)  # unmarked (a warm-up's, say): SDPA's
+    run([(1, 40), (1, 900)], decode=True, seed=3)  # decode: SDPA's
     assert long._prefill_wrappers["fa2"].plans == 1 and not long._decode
 
 
@@ -87,18 +86,19 @@ def test_building_the_prefill_kernels_at_load_leaves_the_first_step_to_learn_the
 
 @pytest.mark.usefixtures("stand_in_flashinfer")
 def test_an_engine_runs_its_long_prefill_chunks_on_the_long_backend(hf_checkpoint) -> None:
-    """Chunks of 32 tokens of a 100-token prompt: the second and third reach 2048 pairs and run on FlashInfer's
-    (stand-in) wrappers outside the runner's graphs; logits and greedy tokens as transformers gives them."""
+    """Chunks of 32 tokens of a 100-token prompt: the second and third reach 2048 pairs, run outside the runner's
+    graphs, on FlashInfer's (stand-in) wrappers; logits and greedy tokens as transformers gives them."""
     ckpt = hf_checkpoint("llama", hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64)
     prompt = torch.randint(0, ckpt.vocab_size, (100,), generator=torch.Generator().manual_seed(7)).tolist()
     with graphkiln.LLM.eager(ckpt.path, "cpu", "bfloat16", max_num_batched_tokens=32, kv_cache_tokens=512) as llm:
         runner = llm.engine.runner
-        runner.backend = LongPrefillBackend(runner.backend, FlashInferBackend(runner.kv_cache, workspace_bytes=16),
-                                            min_work=2048)  # fmt: skip
+        long = FlashInferBackend(runner.kv_cache, workspace_bytes=16)
+        runner.backend = LongPrefillBackend(runner.backend, long, min_work=2048)
         logits = llm.score(prompt)
         assert llm.stats().steps_without_graph == {"prefill": 2, "long_prefill": 2}
         tokens = llm.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids
         assert llm.stats().steps_without_graph == {"prefill": 4, "long_prefill": 4, "decode": 3}
+        assert long._prefill_wrappers["fa2"].plans == 4 and not long._decode
     want = ckpt.reference_logits(prompt)
     assert ((logits - want).norm() / want.norm()).item() < 2e-2
     assert tokens == ckpt.reference_greedy(prompt, 4)

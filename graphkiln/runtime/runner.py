@@ -161,7 +161,7 @@ class ModelRunner:
                 hidden = graphs.run(batch, self._published(step, pending), size)
             else:
                 self.steps_without_graph[kind] += 1
-                hidden = self._forward(batch, rows, pending)
+                hidden = self._forward(batch, rows, pending, long_prefill=kind == "long_prefill")
             return self._rows_logits(hidden, rows)
 
     def _long_prefill(self, batch: Batch) -> bool:
@@ -180,17 +180,18 @@ class ModelRunner:
             hidden = hidden.index_select(0, upload(rows, torch.int64, hidden.device))
         return self.model.compute_logits(hidden).float()
 
-    def _forward(self, batch: Batch, rows: list[int] | None, pending: PendingIds | None = None) -> torch.Tensor:
+    def _forward(self, batch: Batch, rows: list[int] | None, pending: PendingIds | None, long_prefill: bool
+                 ) -> torch.Tensor:  # fmt: skip
         padded = batch.padded(self.padding.size(batch)) if self.padding else batch
         input_ids = upload(padded.ids, torch.int64, self.device)
         step = None if self.peers is None else Step(padded, batch.num_tokens, rows)
         ids = self._published(step, pending)
         if ids is not None:
             ids.fill(input_ids)
-        return self._run(padded, input_ids, batch.num_tokens)
+        return self._run(padded, input_ids, batch.num_tokens, long_prefill)
 
-    def _run(self, padded: Batch, input_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
-        meta = build_metadata(padded.slices, self.kv_cache.block_size, padded.num_tokens, self.device)
+    def _run(self, padded: Batch, input_ids: torch.Tensor, num_tokens: int, long_prefill: bool) -> torch.Tensor:
+        meta = build_metadata(padded.slices, self.kv_cache.block_size, padded.num_tokens, self.device, long_prefill)
         positions = upload(padded.positions, torch.int64, self.device)
         with forward_context(ForwardContext(self.backend.plan(meta))):
             return self.forward(input_ids, positions)[:num_tokens]
@@ -208,5 +209,5 @@ class ModelRunner:
             else:
                 input_ids = torch.empty(step.ids, dtype=torch.int64, device=self.device)
                 ids.fill(input_ids)
-                hidden = self._run(step.batch, input_ids, step.num_tokens)
+                hidden = self._run(step.batch, input_ids, step.num_tokens, self._long_prefill(step.batch))
             self._rows_logits(hidden, step.rows)

@@ -7,9 +7,10 @@ eager between graphed pieces) the runner allocates the metadata tensors once and
 of them with `meta.graph` set: the returned function must then launch shapes fixed by those
 views, so a captured replay sees whatever the runner (and a repeated `plan` on the same
 buffers) wrote there before it. Padded decode rows arrive as one-token sequences in the dummy
-block; padded prefill rows belong to no sequence and their outputs are ignored. A prefill step whose
-`attention_work` reaches `eager_prefill_work` (None: none does) runs outside the prefill graphs: the
-backend plans it with kernels of its own that a graph cannot hold (long_prefill.py).
+block; padded prefill rows belong to no sequence and their outputs are ignored. A prefill step of the
+runner's whose `attention_work` reaches `eager_prefill_work` (None: none does) runs outside the prefill
+graphs, its metadata marked `long_prefill`: the backend plans it with kernels a graph cannot hold
+(long_prefill.py). Warm-ups, dry steps and captures never mark theirs.
 """
 
 from __future__ import annotations

@@ -5,15 +5,16 @@ Triton kernel at every shape measured (a fresh 4096-token prompt; chunks of 2048
 and 32k tokens of context), while Triton's decode was the faster one and its prefill can be
 captured in CUDA graphs (README, "Attention at serving shapes"). The "triton+flashinfer" backend
 serves each step with the one that measured faster: a prefill or mixed step whose attention work
-(`attention_work`: query tokens x context tokens, summed over its sequences) reaches
+(metadata.attention_work: query tokens x context tokens, summed over its sequences) reaches
 LONG_PREFILL_WORK runs on FlashInfer, every other step on Triton.
 
 FlashInfer's prefill plans on the host each step and cannot be captured, so the runner runs such a
 step outside the prefill graphs (`eager_prefill_work`), as it runs a step larger than the largest
-bucket; a step of that much attention keeps the GPU busy for milliseconds, which hides its launches.
-The step lock serializes the steps, and graph captures, dry steps and warm-ups plan graph batches
-or dummy prompts far below the threshold, so FlashInfer's wrapper (which holds its last plan) is
-only ever planned by the thread that runs steps: the pair plans concurrently where Triton does.
+bucket, and marks its metadata `long_prefill`; a step of that much attention keeps the GPU busy for
+milliseconds, which hides its launches. Only the runner's own steps are marked, never a warm-up, a
+dry step or a capture, and the step lock runs those steps one at a time: FlashInfer's wrapper, which
+holds its last plan, is never planned by two threads at once, so the pair plans concurrently where
+Triton does.
 """
 
 from __future__ import annotations
@@ -25,30 +26,27 @@ from graphkiln.models.attention import AttentionFn
 from graphkiln.runtime.kv_cache import KVCache
 
 from .base import AttentionBackend
-from .metadata import BatchMetadata, attention_work
+from .metadata import BatchMetadata
 
 NAME = "triton+flashinfer"
 LONG_PREFILL_WORK = 4096 * 4096  # one fresh 4096-token prompt: the least work measured where fa3 led
 
 
 class LongPrefillBackend:
-    """`short`'s kernels for decode, graph-captured and small prefill steps; `long`'s for prefill steps of at
-    least `min_work` (`attention_work`), which the runner runs outside its graphs."""
+    """`short`'s kernels for every step but those the runner marks `long_prefill` (prefill steps of at least
+    `min_work`, `attention_work`, run outside its graphs): those are `long`'s."""
 
     def __init__(self, short: AttentionBackend, long: AttentionBackend, min_work: int) -> None:
         self.name = f"{short.name}+{long.name}"
         self.capturable_decode = short.capturable_decode
         self.capturable_prefill = short.capturable_prefill
-        self.concurrent_plans = short.concurrent_plans  # long plans on the step thread only (module docstring)
+        self.concurrent_plans = short.concurrent_plans  # long plans marked steps only (module docstring)
         self.prompt_lengths = short.prompt_lengths
         self.eager_prefill_work = min_work
         self.short, self.long = short, long
 
     def plan(self, meta: BatchMetadata) -> AttentionFn:
-        eager_prefill = not meta.decode and meta.graph is None
-        if eager_prefill and attention_work(meta.query_lens, meta.seq_lens) >= self.eager_prefill_work:
-            return self.long.plan(meta)
-        return self.short.plan(meta)
+        return self.long.plan(meta) if meta.long_prefill else self.short.plan(meta)
 
 
 def triton_with_flashinfer(kv_cache: KVCache, decode_kernel: str) -> LongPrefillBackend:

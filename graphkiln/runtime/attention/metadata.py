@@ -33,6 +33,7 @@ class BatchMetadata:
     block_tables: torch.Tensor  # int32 [num_seqs, max_blocks]
     slot_mapping: torch.Tensor  # int64 [num_padded_tokens]
     graph: str | None = None  # "decode" or "prefill": views of that captured graph's buffers (see base.py)
+    long_prefill: bool = False  # a step the runner runs outside graphs for its attention work (base.py)
 
     @property
     def num_seqs(self) -> int:
@@ -71,7 +72,8 @@ def padded_slots(slices: list[SequenceSlice], block_size: int, rows: int) -> lis
 
 
 def build_metadata(
-    slices: list[SequenceSlice], block_size: int, num_padded_tokens: int, device: torch.device
+    slices: list[SequenceSlice], block_size: int, num_padded_tokens: int, device: torch.device,
+    long_prefill: bool = False,
 ) -> BatchMetadata:
     """Pack sequences in order; token rows past the sequences (prefill padding) map to the dummy slot."""
     query_lens = tuple(s.query_len for s in slices)
@@ -92,4 +94,5 @@ def build_metadata(
         seq_lens_t=upload(list(seq_lens), torch.int32, device),
         block_tables=upload(tables, torch.int32, device),
         slot_mapping=upload(slots, torch.int64, device),
+        long_prefill=long_prefill,
     )
