@@ -91,11 +91,13 @@ def decode_row(llm, batch: int, prompt: int, steps: int, device: str, mb: dict, 
 
 
 def long_row(llm, tokens: int, device: str, mb: dict, matmul_bw: float, reps: int, vocab: int) -> dict:
-    """Time to the first token of one `tokens`-token prompt, and its FLOP rate."""
+    """Time to the first token of one `tokens`-token prompt, its FLOP rate, and the steps of one prompt that ran
+    without a graph, by kind (a backend's long prefill steps among them)."""
     import graphkiln
 
     prompt = random_prompts(1, tokens, vocab, seed=tokens)
     params = graphkiln.SamplingParams(max_tokens=1, ignore_eos=True)
+    before = llm.stats().steps_without_graph
     llm.generate(prompt, params)
     times = []
     for _ in range(reps):
@@ -107,7 +109,11 @@ def long_row(llm, tokens: int, device: str, mb: dict, matmul_bw: float, reps: in
     seconds = min(times)
     flops = 2 * mb["matmul_params_per_token"] * tokens + 2 * mb["lm_head_params"]
     flops += mb["attn_flops_per_token_per_ctx"] * tokens * (tokens + 1) / 2
-    return dict(tokens=tokens, ms=seconds * 1e3, tflops=flops / seconds / 1e12, pct_matmul=100 * flops / seconds / matmul_bw)
+    after = llm.stats().steps_without_graph
+    eager = {kind: (count - before.get(kind, 0)) // (reps + 1) for kind, count in after.items()
+             if count > before.get(kind, 0)}  # fmt: skip
+    return dict(tokens=tokens, ms=seconds * 1e3, tflops=flops / seconds / 1e12, pct_matmul=100 * flops / seconds / matmul_bw,
+                steps_without_graph=eager)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -169,7 +175,7 @@ def main(a: argparse.Namespace) -> int:
                                               shape["vocab_size"]))
                         result["long"].append(row)
                         log(f"{backend} prefill {tokens} in chunks of {row['chunk']}: {row['ms']:.1f} ms, "
-                            f"{row['pct_matmul']:.0f}% of matmul")
+                            f"{row['pct_matmul']:.0f}% of matmul, steps without a graph {row['steps_without_graph']}")
     floor_by_best_copy(result, copy_rate(study.device, copy_bytes))
     print(text_table(result["decode"], DECODE_COLUMNS))
     if result["long"]:

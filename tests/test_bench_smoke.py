@@ -154,6 +154,7 @@ def test_serving_study_smoke(bench: Bench, tmp_path: Path) -> None:
     assert [(r["batch"], r["prompt"]) for r in result["decode"]] == [(1, 16), (2, 64)]
     assert all(r["backend"] == "sdpa" and r["ms_per_step"] > 0 and r["floor_ms"] > 0 for r in result["decode"])
     assert [r["tokens"] for r in result["long"]] == [256] and result["long"][0]["tflops"] > 0
+    assert result["long"][0]["steps_without_graph"] == {"prefill": 1}  # one step a prompt, no graphs on the CPU
     assert result["errors"] == {} and set(result["load_s"]) == {"sdpa"}
     assert result["copy_gbs"] == max(result["copy_gbs_start"], result["copy_gbs_end"])
 
