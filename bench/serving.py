@@ -112,8 +112,8 @@ def long_row(llm, tokens: int, device: str, mb: dict, matmul_bw: float, reps: in
     after = llm.stats().steps_without_graph
     eager = {kind: (count - before.get(kind, 0)) // (reps + 1) for kind, count in after.items()
              if count > before.get(kind, 0)}  # fmt: skip
-    return dict(tokens=tokens, ms=seconds * 1e3, tflops=flops / seconds / 1e12, pct_matmul=100 * flops / seconds / matmul_bw,
-                steps_without_graph=eager)
+    return dict(tokens=tokens, ms=seconds * 1e3, tflops=flops / seconds / 1e12,
+                pct_matmul=100 * flops / seconds / matmul_bw, steps_without_graph=eager)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
