@@ -4,8 +4,8 @@ by Triton's interpreter in a fresh process (tests/interpreted_kernels.py) agains
 Speed, concurrency and the compiled code are the GPU tests' (tests/gpu/); this checks a kernel change before a
 GPU sees it: masks, the step's new row, the split merge and the cache write in decode; causal masks over cached
 prefixes and a work table shared by fewer programs in prefill; the fp8 and int4 weight products on every
-path their row count picks, x rounded as the kernels round it; the residual add and RMSNorm kernel; and the
-rope kernel.
+path their row count picks, x rounded as the kernels round it; the residual add and RMSNorm kernel; the
+rope kernel; and the Triton backend in a whole engine (tests/interpreted_engine.py).
 """
 
 from __future__ import annotations
@@ -74,3 +74,18 @@ def test_interpreted_rope_matches_the_reference(results: dict, name: str) -> Non
     assert case["contiguous"]
     assert case["error"] < 1e-3
     assert case["equal"] > 0.95
+
+
+def test_interpreted_triton_engine_alone_and_with_a_long_prefill_backend_matches_transformers() -> None:
+    """A CPU engine on the Triton backend, interpreted: a 100-token prompt in chunks of 32 scored and continued
+    greedily, against transformers on the float16 checkpoint; then with chunks 2 and 3 (2048 pairs or more) handed
+    to the FlashInfer stand-in (LongPrefillBackend), the other steps still Triton's."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, str(HERE / "interpreted_engine.py")], cwd=HERE, env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads(proc.stdout.splitlines()[-1])
+    for name in ("triton", "triton+stand-in"):
+        assert results[name]["error"] < 5e-3 and results[name]["greedy_equal"], results
+    assert results["triton"]["steps_without_graph"] == {"prefill": 8, "decode": 3}
+    assert results["triton+stand-in"]["steps_without_graph"] == {"prefill": 4, "long_prefill": 4, "decode": 3}
