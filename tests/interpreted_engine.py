@@ -56,7 +56,8 @@ def main() -> dict:
                 runner.backend = backend
                 logits = llm.score(prompt)
                 tokens = llm.generate([prompt], SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))[0].token_ids
-                results[name] = {"error": ((logits - want).norm() / want.norm()).item(), "greedy_equal": tokens == greedy,
+                error = ((logits - want).norm() / want.norm()).item()
+                results[name] = {"error": error, "greedy_equal": tokens == greedy,
                                  "steps_without_graph": llm.stats().steps_without_graph}  # fmt: skip
     return results
 
