@@ -1,8 +1,8 @@
 """Two backends in one engine: long prefill steps on one, every other step on the other.
 
 On Hopper, FlashInfer's "fa3" prefill kernels ran paged causal prefill faster than graphkiln's
-Triton kernel at every shape measured (a fresh 4096-token prompt; chunks of 2048 tokens over 16k
-and 32k tokens of context), while Triton's decode was the faster one and its prefill can be
+Triton kernel at every shape measured of 2048 query tokens or more (fresh prompts, chunks over up
+to 32k tokens of context), while Triton's decode was the faster one and its prefill can be
 captured in CUDA graphs (README, "Attention at serving shapes"). The "triton+flashinfer" backend
 serves each step with the one that measured faster: a prefill or mixed step whose attention work
 (metadata.attention_work: query tokens x context tokens, summed over its sequences) reaches
@@ -29,7 +29,7 @@ from .base import AttentionBackend
 from .metadata import BatchMetadata
 
 NAME = "triton+flashinfer"
-LONG_PREFILL_WORK = 4096 * 4096  # one fresh 4096-token prompt: the least work measured where fa3 led
+LONG_PREFILL_WORK = 4096 * 4096  # one fresh 4096-token prompt's work; less was no faster in whole prefills (README)
 
 
 class LongPrefillBackend:

@@ -7,7 +7,8 @@ everything; on the CPU, SDPA. So `auto` never refuses a model the engine can loa
 first by measurement (`python -m bench serving`, README "Attention at serving shapes"): it is faster
 at decode, at batch 1 and at the serving shapes measured, and it loads faster. FlashInfer prefills
 long prompts faster on Hopper (its fa3 kernels): "triton+flashinfer" (long_prefill.py) serves with
-Triton and hands FlashInfer the long prefill steps; it is chosen by name.
+Triton and hands FlashInfer the long prefill steps. It is chosen by name: `auto` would import
+FlashInfer on every Hopper load and build fa3 on a machine's first, for a gain only long prompts see.
 """
 
 from __future__ import annotations
