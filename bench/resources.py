@@ -47,7 +47,7 @@ REGISTERS_PER_SM = 65536
 WARPS_PER_SM = 64
 SHARED_PER_SM = 227 * 1024
 # launched around a product by its wrapper
-HELPERS = ("_quantize_groups_kernel", "_sum_splits_kernel", "_x_words_kernel")
+HELPERS = ("_quantize_groups_kernel", "_x_words_kernel")
 COLUMNS = ["model", "kernel", "what", "tiles", "grid", "warps", "shared", "registers", "spilled", "per_sm", "waves",
            "loop", "per_weight"]
 

@@ -29,6 +29,7 @@ from graphkiln.kernels.int8_linear import int8_linear
 from graphkiln.kernels.prefill_attention import paged_prefill
 from graphkiln.kernels.rms_norm import add_rms_norm
 from graphkiln.kernels.rope import rope
+from graphkiln.kernels.split_k import split_counters
 from graphkiln.models.int8_linear import quantize_activations_int8
 from graphkiln.models.linear import silu_mul_reference
 from graphkiln.models.norm import add_rms_norm_reference
@@ -211,7 +212,8 @@ def run_product(kind: str, rows: int, n: int, k: int, seed: int = 0) -> dict:
         want = rounded @ reference.t()
     if activated:
         want = silu_mul_reference(want.to(torch.float16)).float()
-    return {"error": ((got.float() - want).norm() / want.norm()).item()}
+    return {"error": ((got.float() - want).norm() / want.norm()).item(),
+            "counters_zero": bool((split_counters(torch.device("cpu"), 0) == 0).all())}
 
 
 def _int8_rounded(x: torch.Tensor, rows: int, static: torch.Tensor | None) -> torch.Tensor:
@@ -289,6 +291,11 @@ PRODUCT_CASES = {  # name: (kind, rows, N, K); the rows pick each path fp8_linea
     "w8a8-static-24-rows": ("w8a8-static", 24, 200, 384),
     "w8a8-activated-8-rows": ("w8a8-activated", 8, 200, 384),
     "w8a8-80-rows-k-not-8": ("w8a8", 80, 200, 388),  # no torch._int_mm: fp8_mma on the int8 rows
+    # K = 4096: every one-row and few-row kernel splits K in 2 to 8, the last split of a tile summing them
+    **{f"{kind}-{rows}-rows-k-split": (kind, rows, 200, 4096) for kind in ("fp8-channel", "fp8-block", "w8a8")
+       for rows in (1, 8, 24)},
+    **{f"int4-{rows}-rows-k-split": ("int4", rows, 160, 4096) for rows in (1, 8, 48)},
+    "int4-dp4a-1-row-k-split": ("int4-dp4a", 1, 160, 4096),
 }
 NORM_CASES = {  # name: (dtype, rows, width); float16: the interpreter does not round to bfloat16 as torch does
     "norm-fp16-3x4096": (torch.float16, 3, 4096),

@@ -9,7 +9,7 @@ One row: the GEMV layout of gemv.py (a slab of weight rows per program over a ra
 weight converted in registers and multiplied by the unquantized activation. 2 to FEW_ROWS rows:
 fp8_mma.py, the fp8 weight straight into fp8 tensor cores and the activation quantized in
 registers per 1 x 128 group. Both split K where their slabs alone leave multiprocessors without
-loads in flight (split_k.py: partials summed in a second kernel, the same result on every call).
+loads in flight (split_k.py: partials summed in order by a tile's last split, the same result on every call).
 FEW_ROWS + 1 to MMA_ROWS rows: the activation quantized first, as for torch._scaled_mm below, then
 fp8_mma on it.
 More rows (prefill): the activation is quantized to fp8 (per token for per-channel weights, per
@@ -34,7 +34,7 @@ from .fp8_mma import fp8_mma
 from .gemv import _k_mask, paired_rows, silu_mul, store_activated
 from .launch import launch
 from .pdl import pdl_on
-from .split_k import finish, k_steps, multiprocessors, output, split_count
+from .split_k import k_steps, multiprocessors, product_buffers, split_count, store_product
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -61,13 +61,13 @@ def _gemv_step(acc, w, k, ks, k_mask, cols, col_mask, x_ptr, s_ptr, K, stride_sn
 
 
 @triton.jit(do_not_specialize=["STEPS"])  # a loop bound: one build for every split
-def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, STEPS, stride_wn, stride_sn, stride_os,
+def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, partials, counters, N, K, STEPS, stride_wn, stride_sn,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr, EVEN_K: tl.constexpr,
                      BLOCK_SCALES: tl.constexpr, SCALE_ROWS: tl.constexpr, ACTIVATED: tl.constexpr,
-                     STAGES: tl.constexpr, PDL: tl.constexpr):
-    """out[split, 0, N] for one row x[0, K]: one program per slab of BLOCK_N weight rows and split of K (STEPS
-    steps of BLOCK_K); the accumulator has one column per SUB-wide chunk of a step. ACTIVATED (one split):
-    out[0, N / 2] = silu(gate) * up of the product's halves (gemv.paired_rows, gemv.store_activated)."""
+                     SPLIT: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+    """y[0, N] for one row x[0, K]: one program per slab of BLOCK_N weight rows and split of K (STEPS steps of
+    BLOCK_K, split_k.store_product); the accumulator has one column per SUB-wide chunk of a step. ACTIVATED (one
+    split): y[0, N / 2] = silu(gate) * up of the product's halves (gemv.paired_rows, gemv.store_activated)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     if PDL:  # the next kernel may start once every program has begun
@@ -97,9 +97,9 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, STEPS, stride_wn, strid
     if not BLOCK_SCALES:
         y = y * tl.load(s_ptr + cols, mask=col_mask, other=0.0)
     if ACTIVATED:
-        store_activated(y, out_ptr, pid, N, BLOCK_N)
+        store_activated(y, y_ptr, pid, N, BLOCK_N)
     else:
-        tl.store(out_ptr + split * stride_os + cols, y.to(out_ptr.dtype.element_ty), mask=col_mask)
+        store_product(y_ptr, partials, counters, y, cols, col_mask, split, tl.num_programs(1), pid, N, SPLIT)
 
 
 @triton.jit
@@ -147,8 +147,8 @@ def gemv_tiling(n: int, k: int, sms: int = 132) -> tuple[int, int, int, int, int
     """(BLOCK_N, BLOCK_K, splits, warps, stages) of the one-row kernel, from the benchmark's sweep of the
     1B- and 8B-like projections: 2048-wide K steps on 8 warps for the narrow projections, 1024-wide ones for
     gate_up (pipelined 4 deep where K has more than two), and K split only where the slabs leave fewer than
-    GEMV_RESIDENT programs a multiprocessor, as the split's second launch (the sum) costs more than the loads
-    it adds. `sms`: the device's multiprocessors."""
+    GEMV_RESIDENT programs a multiprocessor: the split's sum, a second launch when this was measured, cost more
+    than the loads it added. `sms`: the device's multiprocessors."""
     if n <= 8192:
         tiles = 16 if n > 4096 else 8, 2048, 8, 2
     elif n <= 32768:
@@ -198,16 +198,16 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     splits, steps = k_steps(k, splits, block_k)
     block_scales = weight_scale.dim() == 2
     in_epilogue = activated and splits == 1
-    out = output(1, n // 2 if in_epilogue else n, splits, x.dtype, x.device)
+    slabs = triton.cdiv(n // 2, block_n // 2) if in_epilogue else triton.cdiv(n, block_n)
+    y, partials, counters = product_buffers(1, n // 2 if in_epilogue else n, splits, slabs, x.dtype, x.device)
     launch_pdl = pdl_on(x.device)
     launch(
-        _fp8_gemv_kernel, (triton.cdiv(n // 2, block_n // 2) if in_epilogue else triton.cdiv(n, block_n), splits),
-        x, weight, weight_scale, out, n, k, steps, weight.stride(0), weight_scale.stride(0), n, BLOCK_N=block_n,
-        BLOCK_K=block_k, SUB=min(block_k, BLOCK), EVEN_K=k % block_k == 0,
-        BLOCK_SCALES=block_scales, SCALE_ROWS=scale_rows, ACTIVATED=in_epilogue, STAGES=stages, PDL=launch_pdl,
-        num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,
+        _fp8_gemv_kernel, (slabs, splits),
+        x, weight, weight_scale, y, partials, counters, n, k, steps, weight.stride(0), weight_scale.stride(0),
+        BLOCK_N=block_n, BLOCK_K=block_k, SUB=min(block_k, BLOCK), EVEN_K=k % block_k == 0,
+        BLOCK_SCALES=block_scales, SCALE_ROWS=scale_rows, ACTIVATED=in_epilogue, SPLIT=splits > 1, STAGES=stages,
+        PDL=launch_pdl, num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,
     )
-    y = finish(out, x.dtype)
     return silu_mul(y) if activated and not in_epilogue else y
 
 

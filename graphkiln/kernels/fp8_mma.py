@@ -34,7 +34,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .launch import launch
 from .pdl import pdl_on
-from .split_k import RESIDENT, finish, k_steps, multiprocessors, output, split_count
+from .split_k import RESIDENT, k_steps, multiprocessors, product_buffers, split_count, store_product
 
 
 @triton.jit
@@ -47,14 +47,15 @@ def _dot(w, xq, INT8: tl.constexpr):
     return part
 
 
-@triton.jit(do_not_specialize=["M", "STEPS", "stride_os"])  # one build for every row count and split
-def _mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, M, N, K, STEPS, stride_xm, stride_xsm, stride_xsg,
-                stride_wn, stride_sn, stride_os, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+@triton.jit(do_not_specialize=["M", "STEPS"])  # one build for every row count and split
+def _mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, partials, counters, M, N, K, STEPS, stride_xm, stride_xsm,
+                stride_xsg, stride_wn, stride_sn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, BLOCK_SCALES: tl.constexpr, SCALE_ROWS: tl.constexpr, INT8: tl.constexpr,
-                X_QUANTIZED: tl.constexpr, X_GROUPS: tl.constexpr, WEIGHT_TO_X: tl.constexpr, PDL: tl.constexpr):
-    """out[split, M, N] for one BLOCK_N slab of weight rows and one BLOCK_M tile of x rows over a split of K
-    (STEPS steps of BLOCK_K). BLOCK_SCALES: 2-D weight scales, one per SCALE_ROWS x 128 tile (128 x 128 blocks,
-    or int8's groups of 128 inputs with SCALE_ROWS 1). INT8: the weight is int8, else fp8. X_QUANTIZED: x is in
+                X_QUANTIZED: tl.constexpr, X_GROUPS: tl.constexpr, WEIGHT_TO_X: tl.constexpr, SPLIT: tl.constexpr,
+                PDL: tl.constexpr):
+    """y[M, N] (split_k.store_product) for one BLOCK_N slab of weight rows and one BLOCK_M tile of x rows over a
+    split of K (STEPS steps of BLOCK_K). BLOCK_SCALES: 2-D weight scales, one per SCALE_ROWS x 128 tile (128 x 128
+    blocks, or int8's groups of 128 inputs with SCALE_ROWS 1). INT8: the weight is int8, else fp8. X_QUANTIZED: x is in
     the weight's type already, scaled by xs per row or (X_GROUPS) per 128-wide group. WEIGHT_TO_X: x is
     multiplied as it is, by the weight converted to x's dtype."""
     pid_n = tl.program_id(0)
@@ -104,8 +105,9 @@ def _mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, M, N, K, STEPS, stride_xm,
         acc = acc * tl.load(s_ptr + cols, mask=col_mask, other=0.0)[:, None]
     if X_QUANTIZED and not X_GROUPS:
         acc = acc * tl.load(xs_ptr + rows * stride_xsm, mask=row_mask, other=0.0)[None, :]
-    out_ptrs = out_ptr + split * stride_os + rows[None, :].to(tl.int64) * stride_om + cols[:, None]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=col_mask[:, None] & row_mask[None, :])
+    store_product(y_ptr, partials, counters, acc, rows[None, :].to(tl.int64) * N + cols[:, None],
+                  col_mask[:, None] & row_mask[None, :], split, tl.num_programs(2), pid_n * tl.num_programs(1) + pid_m,
+                  M.to(tl.int64) * N, SPLIT)
 
 
 def mma_tiling(m: int, n: int, k: int, sms: int = 132, x_quantized: bool = False,
@@ -144,17 +146,17 @@ def fp8_mma(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     block_m, block_n, block_k, splits, warps, stages = tiles or mma_tiling(
         m, n, k, multiprocessors(x.device), x_quantized=x_scale is not None, block_scales=block_scales)
     splits, steps = k_steps(k, splits, block_k)
-    out_dtype = out_dtype or x.dtype
-    out = output(m, n, splits, out_dtype, x.device)
+    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), splits)
+    y, partials, counters = product_buffers(m, n, splits, grid[0] * grid[1], out_dtype or x.dtype, x.device)
     x_groups = x_scale is not None and x_scale.shape[1] > 1
     xs = x_scale if x_scale is not None else weight_scale  # not read unless x is quantized
     launch_pdl = pdl_on(x.device)
     launch(
-        _mma_kernel, (triton.cdiv(n, block_n), triton.cdiv(m, block_m), splits),
-        x, xs, weight, weight_scale, out, m, n, k, steps, x.stride(0), xs.stride(0), xs.stride(-1),
-        weight.stride(0), weight_scale.stride(0), m * n, n, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        _mma_kernel, grid,
+        x, xs, weight, weight_scale, y, partials, counters, m, n, k, steps, x.stride(0), xs.stride(0), xs.stride(-1),
+        weight.stride(0), weight_scale.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         BLOCK_SCALES=block_scales, SCALE_ROWS=scale_rows, INT8=weight.dtype == torch.int8,
-        X_QUANTIZED=x_scale is not None, X_GROUPS=x_groups, WEIGHT_TO_X=weight_to_x, PDL=launch_pdl, num_warps=warps,
-        num_stages=stages, launch_pdl=launch_pdl,
+        X_QUANTIZED=x_scale is not None, X_GROUPS=x_groups, WEIGHT_TO_X=weight_to_x, SPLIT=splits > 1, PDL=launch_pdl,
+        num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,
     )
-    return finish(out, out_dtype)
+    return y

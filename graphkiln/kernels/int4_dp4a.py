@@ -29,7 +29,7 @@ from graphkiln.errors import ConfigError
 from .int4_words import group_params
 from .launch import launch
 from .pdl import pdl_on
-from .split_k import finish, k_steps, multiprocessors, output, split_count
+from .split_k import k_steps, multiprocessors, product_buffers, split_count, store_product
 
 FIXED = tl.constexpr(32767.0)  # the largest |f| of a group
 LOW_NIBBLES = tl.constexpr(0x0F0F0F0F)
@@ -119,11 +119,12 @@ def _x_params(xs_ptr, xf_ptr, groups, NG):
 
 
 @triton.jit(do_not_specialize=["STEPS"])  # a loop bound: one build for every split
-def _int4_dp4a_gemv_kernel(q_ptr, xw_ptr, xs_ptr, xf_ptr, s_ptr, z_ptr, out_ptr, N, KW, STEPS, stride_qn, stride_sn,
-                           stride_zn, stride_os, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, G: tl.constexpr,
-                           STAGES: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
-    """out[split, 0, N]: BLOCK_N weight rows (int32 words [N, K/8]) over STEPS steps of BLOCK_K inputs, whole
-    groups, from the split's start: y += s * xs * (S - z * F) per group."""
+def _int4_dp4a_gemv_kernel(q_ptr, xw_ptr, xs_ptr, xf_ptr, s_ptr, z_ptr, y_ptr, partials, counters, N, KW, STEPS,
+                           stride_qn, stride_sn, stride_zn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           G: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr,
+                           PDL: tl.constexpr):
+    """y[0, N] (split_k.store_product): BLOCK_N weight rows (int32 words [N, K/8]) over STEPS steps of BLOCK_K
+    inputs, whole groups, from the split's start: y += s * xs * (S - z * F) per group."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     if PDL:  # the next kernel may start once every program has begun
@@ -157,7 +158,8 @@ def _int4_dp4a_gemv_kernel(q_ptr, xw_ptr, xs_ptr, xf_ptr, s_ptr, z_ptr, out_ptr,
         w = tl.load(q_ptrs + k // 8, mask=col_mask[:, None], other=0)
         sums = _group_sums(w, xw_ptr, k // 8, KW, WORDS, CHUNKS, ASM).to(tl.float32)
         acc += s * xs * (sums - z * xf)
-    tl.store(out_ptr + split * stride_os + cols, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=col_mask)
+    store_product(y_ptr, partials, counters, tl.sum(acc, axis=1), cols, col_mask, split, tl.num_programs(1), pid, N,
+                  SPLIT)
 
 
 def x_words(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -207,13 +209,14 @@ def int4_dp4a_gemv(x: torch.Tensor, qwords: torch.Tensor | None, scales: torch.T
                           f"of shape {tuple(x.shape)}, group_size {group_size}, BLOCK_K {block_k}")
     xw, xs, xf = x_words(x if x.stride(1) == 1 else x.contiguous(), group_size)
     splits, steps = k_steps(k, splits, block_k)
-    out = output(1, n, splits, x.dtype, x.device)
+    slabs = triton.cdiv(n, block_n)
+    y, partials, counters = product_buffers(1, n, splits, slabs, x.dtype, x.device)
     launch_pdl = pdl_on(x.device)
     runs_ptx = not isinstance(_int4_dp4a_gemv_kernel, InterpretedFunction)  # the interpreter runs no inline PTX
     launch(
-        _int4_dp4a_gemv_kernel, (triton.cdiv(n, block_n), splits),
-        qwords, xw, xs, xf, scales, zeros, out, n, k // 8, steps, qwords.stride(0), scales.stride(0),
-        zeros.stride(0), n, BLOCK_N=block_n, BLOCK_K=block_k, G=group_size, STAGES=stages, ASM=runs_ptx,
-        PDL=launch_pdl, num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,
+        _int4_dp4a_gemv_kernel, (slabs, splits),
+        qwords, xw, xs, xf, scales, zeros, y, partials, counters, n, k // 8, steps, qwords.stride(0),
+        scales.stride(0), zeros.stride(0), BLOCK_N=block_n, BLOCK_K=block_k, G=group_size, SPLIT=splits > 1,
+        STAGES=stages, ASM=runs_ptx, PDL=launch_pdl, num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,
     )
-    return finish(out, x.dtype)
+    return y

@@ -12,7 +12,7 @@ there (`python -m bench quantized`); one row it does not take goes to a GEMV in 
 x per group. From 2 to DOT_ROWS rows a tensor-core kernel reads the weight as 32-bit words and turns nibbles into
 floats without int-to-float conversions (int4_words.py), where the groups hold a dot's 16 words. Both apply a scale
 and zero point per group, not per weight, and split K so that every multiprocessor has loads in flight (split_k.py:
-partials summed in a second kernel, the same result on every call).
+partials summed in order by a tile's last split, the same result on every call).
 
 A tiled byte kernel, which dequantizes each weight tile in registers for tensor-core dots, takes
 DOT_ROWS to MM_ROWS rows, where it measured faster than the word kernel over a layer's products, and
@@ -37,7 +37,7 @@ from .int4_dp4a import MIN_GROUP, int4_dp4a_gemv
 from .int4_words import MIN_DOT_GROUP, group_params, int4_dot, words
 from .launch import launch
 from .pdl import pdl_on
-from .split_k import finish, k_steps, multiprocessors, output, split_count
+from .split_k import k_steps, multiprocessors, product_buffers, split_count, store_product
 
 DP4A_SIDE = 2048  # the smallest N and K the dp4a GEMV takes at one row (the smallest measured)
 TINYGEMM_ROWS = 4  # up to this many rows: tinygemm, where the layer carries its layout
@@ -60,11 +60,11 @@ def _int4_gemv_step(acc, b, s, z, k, ks, x_ptr, K, BLOCK_N: tl.constexpr, BLOCK_
 
 
 @triton.jit(do_not_specialize=["STEPS"])  # a loop bound: one build for every split
-def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, N, K, STEPS, G, stride_qn, stride_sn, stride_zn,
-                      stride_os, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
-                      EVEN_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
-    """out[split, 0, N] for one row x[0, K]: one program per slab of BLOCK_N weight rows and split of K (STEPS
-    steps of BLOCK_K inputs, BLOCK_K / 2 bytes a row), accumulated per SUB-wide chunk (SUB divides G)."""
+def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, partials, counters, N, K, STEPS, G, stride_qn, stride_sn,
+                      stride_zn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
+                      EVEN_K: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+    """y[0, N] (split_k.store_product) for one row x[0, K]: one program per slab of BLOCK_N weight rows and split
+    of K (STEPS steps of BLOCK_K inputs, BLOCK_K / 2 bytes a row), accumulated per SUB-wide chunk (SUB divides G)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     if PDL:  # the next kernel may start once every program has begun
@@ -92,7 +92,8 @@ def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, N, K, STEPS, G, strid
         k_mask = js < BLOCK_K // 2 if EVEN_K else k + 2 * js < K
         b = tl.load(q_ptrs + k // 2, mask=col_mask[:, None] & k_mask[None, :], other=0)
         acc = _int4_gemv_step(acc, b, s, z, k, ks, x_ptr, K, BLOCK_N, BLOCK_K, BLOCK_K // SUB, EVEN_K)
-    tl.store(out_ptr + split * stride_os + cols, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=col_mask)
+    store_product(y_ptr, partials, counters, tl.sum(acc, axis=1), cols, col_mask, split, tl.num_programs(1), pid, N,
+                  SPLIT)
 
 
 @triton.jit
@@ -140,11 +141,11 @@ def _output_tile(acc, SWAP_AB: tl.constexpr):
     return out
 
 
-@triton.jit(do_not_specialize=["M", "STEPS", "stride_os"])  # one build for every row count and split
-def _int4_mm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, M, N, K, STEPS, G, stride_xm, stride_qn, stride_sn,
-                    stride_zn, stride_os, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr, PDL: tl.constexpr):
-    """out[split, M, N] tile by tile over a split of K (STEPS steps of BLOCK_K), each int4 weight tile
+@triton.jit(do_not_specialize=["M", "STEPS"])  # one build for every row count and split
+def _int4_mm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, partials, counters, M, N, K, STEPS, G, stride_xm, stride_qn,
+                    stride_sn, stride_zn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    SWAP_AB: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
+    """y[M, N] (split_k.store_product) tile by tile over a split of K (STEPS steps of BLOCK_K), each int4 weight tile
     dequantized to x's dtype in registers for a dot."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -173,8 +174,9 @@ def _int4_mm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, M, N, K, STEPS, G, stri
         x = tl.load(x_ptrs + k, mask=row_mask[:, None] & ((k + ks) < K)[None, :], other=0.0)
         acc = _dot_tile(acc, x, w, SWAP_AB)
     acc = _output_tile(acc, SWAP_AB)
-    out_ptrs = out_ptr + split * stride_os + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+    store_product(y_ptr, partials, counters, acc, rows[:, None].to(tl.int64) * N + cols[None, :],
+                  row_mask[:, None] & col_mask[None, :], split, tl.num_programs(2), pid_n * tl.num_programs(1) + pid_m,
+                  M.to(tl.int64) * N, SPLIT)
 
 
 @triton.jit
@@ -248,15 +250,17 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     n, k = qweight.shape[0], x.shape[1]
     block_n, block_k, splits, warps, stages = tiles or gemv_tiling(n, k, multiprocessors(x.device))
     splits, steps = k_steps(k, splits, block_k)
-    out = output(1, n, splits, x.dtype, x.device)
+    slabs = triton.cdiv(n, block_n)
+    y, partials, counters = product_buffers(1, n, splits, slabs, x.dtype, x.device)
     launch_pdl = pdl_on(x.device)
     launch(
-        _int4_gemv_kernel, (triton.cdiv(n, block_n), splits),
-        x, qweight, scales, zeros, out, n, k, steps, group_size, qweight.stride(0), scales.stride(0),
-        zeros.stride(0), n, BLOCK_N=block_n, BLOCK_K=block_k, SUB=min(block_k, group_size), EVEN_K=k % block_k == 0,
-        STAGES=stages, PDL=launch_pdl, num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,
+        _int4_gemv_kernel, (slabs, splits),
+        x, qweight, scales, zeros, y, partials, counters, n, k, steps, group_size, qweight.stride(0),
+        scales.stride(0), zeros.stride(0), BLOCK_N=block_n, BLOCK_K=block_k, SUB=min(block_k, group_size),
+        EVEN_K=k % block_k == 0, SPLIT=splits > 1, STAGES=stages, PDL=launch_pdl, num_warps=warps,
+        num_stages=stages, launch_pdl=launch_pdl,
     )
-    return finish(out, x.dtype)
+    return y
 
 
 def int4_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
@@ -267,15 +271,16 @@ def int4_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     block_m, block_n, block_k, swap_ab, splits, warps, stages = tiles or mm_tiling(m, n, k, group_size,
                                                                                    multiprocessors(x.device))
     splits, steps = k_steps(k, splits, block_k)
-    out = output(m, n, splits, x.dtype, x.device)
+    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), splits)
+    y, partials, counters = product_buffers(m, n, splits, grid[0] * grid[1], x.dtype, x.device)
     launch_pdl = pdl_on(x.device)
     launch(
-        _int4_mm_kernel, (triton.cdiv(n, block_n), triton.cdiv(m, block_m), splits),
-        x, qweight, scales, zeros, out, m, n, k, steps, group_size, x.stride(0), qweight.stride(0),
-        scales.stride(0), zeros.stride(0), m * n, n, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        SWAP_AB=swap_ab, PDL=launch_pdl, num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,
+        _int4_mm_kernel, grid,
+        x, qweight, scales, zeros, y, partials, counters, m, n, k, steps, group_size, x.stride(0),
+        qweight.stride(0), scales.stride(0), zeros.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        SWAP_AB=swap_ab, SPLIT=splits > 1, PDL=launch_pdl, num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,
     )
-    return finish(out, x.dtype)
+    return y
 
 
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,

@@ -30,7 +30,7 @@ from graphkiln.errors import ConfigError
 
 from .launch import launch
 from .pdl import pdl_on
-from .split_k import finish, k_steps, multiprocessors, output, split_count
+from .split_k import k_steps, multiprocessors, product_buffers, split_count, store_product
 
 MIN_DOT_GROUP = 128  # a group holds at least 16 words: the shortest K of a dot
 MAGIC = tl.constexpr(0x4B000000)  # the bits of 2^23: a nibble OR-ed into its mantissa adds q * 16^p
@@ -69,12 +69,12 @@ def nibble(w, J: tl.constexpr):
     return f * scale - 8388608.0 * scale
 
 
-@triton.jit(do_not_specialize=["M", "STEPS", "stride_os", "stride_om"])  # one build for every row count and split
-def _int4_dot_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, M, N, K, STEPS, G, stride_xm, stride_qn, stride_sn,
-                     stride_zn, stride_os, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """out[split, M, N] tile by tile (BLOCK_N weight rows x BLOCK_M activation rows) over a split of K: STEPS
-    steps of BLOCK_K inputs, one group's part each (BLOCK_K divides G), eight tensor-core dots a step."""
+@triton.jit(do_not_specialize=["M", "STEPS"])  # one build for every row count and split
+def _int4_dot_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, partials, counters, M, N, K, STEPS, G, stride_xm, stride_qn,
+                     stride_sn, stride_zn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     SPLIT: tl.constexpr, PDL: tl.constexpr):
+    """y[M, N] (split_k.store_product) tile by tile (BLOCK_N weight rows x BLOCK_M activation rows) over a split of
+    K: STEPS steps of BLOCK_K inputs, one group's part each (BLOCK_K divides G), eight tensor-core dots a step."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     split = tl.program_id(2)
@@ -107,8 +107,9 @@ def _int4_dot_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, M, N, K, STEPS, G, str
             xs += x_j.to(tl.float32)
         acc += s * (qx - z * tl.sum(xs, axis=0)[None, :])
         s, z = s_next, z_next
-    out_ptrs = out_ptr + split * stride_os + rows[None, :].to(tl.int64) * stride_om + cols[:, None]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=col_mask[:, None] & row_mask[None, :])
+    store_product(y_ptr, partials, counters, acc, rows[None, :].to(tl.int64) * N + cols[:, None],
+                  col_mask[:, None] & row_mask[None, :], split, tl.num_programs(2), pid_n * tl.num_programs(1) + pid_m,
+                  M.to(tl.int64) * N, SPLIT)
 
 
 def dot_tiling(m: int, n: int, k: int, sms: int = 132) -> tuple[int, int, int, int, int, int]:
@@ -132,12 +133,13 @@ def int4_dot(x: torch.Tensor, qwords: torch.Tensor, scales: torch.Tensor, zeros:
         raise ConfigError(f"int4_dot takes K steps of at least {MIN_DOT_GROUP} inputs that divide the group size; "
                           f"got BLOCK_K {block_k} for group_size {group_size}: int4_linear takes smaller groups")
     splits, steps = k_steps(k, splits, block_k)
-    out = output(m, n, splits, x.dtype, x.device)
+    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), splits)
+    y, partials, counters = product_buffers(m, n, splits, grid[0] * grid[1], x.dtype, x.device)
     launch_pdl = pdl_on(x.device)
     launch(
-        _int4_dot_kernel, (triton.cdiv(n, block_n), triton.cdiv(m, block_m), splits),
-        x, qwords, scales, zeros, out, m, n, k, steps, group_size, x.stride(0), qwords.stride(0), scales.stride(0),
-        zeros.stride(0), m * n, n, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PDL=launch_pdl,
-        num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,
+        _int4_dot_kernel, grid,
+        x, qwords, scales, zeros, y, partials, counters, m, n, k, steps, group_size, x.stride(0), qwords.stride(0),
+        scales.stride(0), zeros.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=splits > 1,
+        PDL=launch_pdl, num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,
     )
-    return finish(out, x.dtype)
+    return y

@@ -1,47 +1,59 @@
-"""Split-K for the few-row weight kernels (fp8_linear.py, int4_linear.py).
+"""Split-K for the few-row weight kernels (fp8_linear.py, fp8_mma.py, int4_linear.py, int4_words.py, int4_dp4a.py).
 
 At decode sizes a product is one pass over the weight, and a slab of output columns per program
 gives too few programs to keep every multiprocessor's loads in flight (the 4096- and 6144-wide
 projections have a few hundred slabs at most). So the K dimension is split too: programs over
-N slabs x K splits, each split writing its float32 partial product to its own slice of a
-[splits, M, N] buffer, and a second small kernel summing the slices in split order and casting
-to the output dtype. That is chosen over float32 atomics into a zeroed buffer: the sum is the
-same on every call (a replayed CUDA graph is bit-identical to the eager call), there is no
-zeroing launch, and the cast the atomics would need afterwards is this kernel's store anyway.
-With one split the product kernel stores its output directly and no second kernel runs.
+N slabs x K splits, each split storing its float32 partial product in its own slice of a
+[splits, M, N] buffer and counting itself done on its output tile's counter (`store_product`);
+the last of a tile's splits to count sums the slices in split order, casts to the output dtype
+and sets the counter back to zero. That is chosen over float32 atomics into a zeroed buffer: the
+sum is the same on every call (a replayed CUDA graph is bit-identical to the eager call), and
+there is no zeroing launch. It is chosen over a second kernel summing the slices, as before: that
+launch waited for the whole product and made the next kernel wait for it.
+
+The counters are one zeroed int32 buffer a device (`split_counters`), shared by every product:
+each launch leaves it at zero, and the products on a device run one after another (kernels that
+launch early, kernels/pdl.py, count only after waiting for the kernel before them to finish).
+With one split the product kernel stores its output directly and counts nothing.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
-from .launch import launch
-from .pdl import pdl_on
 
 RESIDENT = 4  # programs per multiprocessor the split count aims for
 MIN_SPLIT_K = 512  # the fewest inputs a split covers, so that its loads still pipeline
 PARTIAL_SHARE = 4  # the float32 partials are at most 1/PARTIAL_SHARE of the weight bytes
-SUM_BLOCK = 1024
+COUNTERS = 1 << 16  # counters a device's buffer holds at least
+
+_counters: dict[torch.device, torch.Tensor] = {}
+_retired: list[torch.Tensor] = []  # buffers outgrown: captured graphs may still count on them
+_counters_lock = threading.Lock()
 
 
-@triton.jit(do_not_specialize=["total", "splits"])
-def _sum_splits_kernel(p_ptr, y_ptr, total, splits, PDL: tl.constexpr, BLOCK: tl.constexpr):
-    """y[i] = sum over s of p[s, i], s in order, in y's dtype."""
-    if PDL:
-        gdc_launch_dependents()
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < total
-    if PDL:  # the partials are the previous kernel's output
-        gdc_wait()
-    acc = tl.load(p_ptr + offs, mask=mask, other=0.0)
-    for s in range(1, splits):
-        acc += tl.load(p_ptr + s * total + offs, mask=mask, other=0.0)
-    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+@triton.jit
+def store_product(y_ptr, partials, counters, value, offsets, mask, split, splits, tile, total,
+                  SPLIT: tl.constexpr):
+    """Store a program's float32 `value` of y at `offsets` (of y [M, N], contiguous; `total` = M * N) under
+    `mask`: cast to y's dtype where K is not split (SPLIT false); else in slice `split` of the partials
+    [splits, M, N], and the last of output tile `tile`'s splits to count on `counters` sums the slices in
+    split order into y and sets its counter back to zero. Every program of a launch calls it once."""
+    if SPLIT:
+        tl.store(partials + split.to(tl.int64) * total + offsets, value, mask=mask)
+        tl.debug_barrier()  # every thread's slice is stored before the count (acq_rel, GPU scope) releases it
+        if tl.atomic_add(counters + tile, 1) == splits - 1:
+            tl.store(counters + tile, 0)
+            acc = tl.load(partials + offsets, mask=mask, other=0.0, cache_modifier=".cg")
+            for s in range(1, splits):  # past L1, which other programs' stores do not update
+                acc += tl.load(partials + s * total + offsets, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptr + offsets, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(y_ptr + offsets, value.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @functools.cache
@@ -78,22 +90,26 @@ def k_steps(k: int, splits: int, block_k: int) -> tuple[int, int]:
     return splits, steps // splits
 
 
-def output(m: int, n: int, splits: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Where the product kernel stores: y [M, N] itself for one split, else the [splits, M, N] float32 partials."""
+def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """The device's zeroed int32 counters, at least `tiles` of them (module docstring). A buffer is kept for the
+    process's life: a graph captured with it keeps its address."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    with _counters_lock:
+        buffer = _counters.get(device)
+        if buffer is None or buffer.numel() < tiles:
+            if buffer is not None:
+                _retired.append(buffer)
+            buffer = _counters[device] = torch.zeros(max(tiles, COUNTERS), dtype=torch.int32, device=device)
+        return buffer
+
+
+def product_buffers(m: int, n: int, splits: int, tiles: int, dtype: torch.dtype,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y [M, N], the [splits, M, N] float32 partials, the counters) for a product kernel's `store_product` over
+    `tiles` output tiles; with one split y stands in for the other two, which are not read."""
+    y = torch.empty(m, n, dtype=dtype, device=device)
     if splits == 1:
-        return torch.empty(m, n, dtype=dtype, device=device)
-    return torch.empty(splits, m, n, dtype=torch.float32, device=device)
-
-
-def finish(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """y [M, N] from what `output` gave: itself, or the partials summed in split order."""
-    if out.dim() == 2:
-        return out
-    splits, m, n = out.shape
-    y = torch.empty(m, n, dtype=dtype, device=out.device)
-    launch_pdl = pdl_on(out.device)
-    launch(
-        _sum_splits_kernel, (triton.cdiv(m * n, SUM_BLOCK),),
-        out, y, m * n, splits, PDL=launch_pdl, BLOCK=SUM_BLOCK, num_warps=4, launch_pdl=launch_pdl,
-    )
-    return y
+        return y, y, y
+    partials = torch.empty(splits, m, n, dtype=torch.float32, device=device)
+    return y, partials, split_counters(device, tiles)
