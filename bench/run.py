@@ -32,6 +32,8 @@ import time
 import traceback
 from pathlib import Path
 
+from graphkiln.runtime.config import ATTENTION_BACKENDS
+
 from . import report
 from .common import T0, device_slug, environment, error_text, log, random_prompts, write_json
 from .measure import copy_rate, matmul_rate
@@ -72,6 +74,7 @@ class Settings:
         self.dtype_name = "float32" if smoke else "bfloat16"
         self.dtype_bytes = 4 if smoke else 2
         self.quantization = a.quantization
+        self.attention_backend = a.attention_backend or ("sdpa" if smoke else "triton")
         self.models = csv(a.models or ("smoke" if smoke else "1b,8b"), str)
         self.rows = csv(a.rows or ",".join(ROWS), str)
         self.batches = csv(a.batches or ("1,2" if smoke else "1,8,32,64"))
@@ -92,7 +95,7 @@ class Settings:
         # One engine for every graphkiln row: room for the largest decode batch or prefill.
         longest = max(max(self.batches) * (self.prompt_len + self.new_tokens), max(self.prefill_lens) + 16)
         self.engine = dict(
-            attention_backend="sdpa" if smoke else "triton",
+            attention_backend=self.attention_backend,
             decode_batch_sizes=csv(a.decode_buckets) if a.decode_buckets else tuple(
                 sorted(set(powers_of_two(1, max(self.batches))) | set(self.batches))),
             prefill_token_buckets=csv(a.prefill_buckets) if a.prefill_buckets else (
@@ -307,6 +310,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep", action="store_true", help="keep the scratch model and artifact folders")
     p.add_argument("--quantization", choices=QUANTIZATIONS, help="compile the graphkiln compiled row with "
                    "--quantization (its floor counts the quantized bytes; the other rows stay unquantized)")
+    p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, help="the graphkiln rows' attention backend "
+                   "(default triton; smoke: sdpa)")
     p.add_argument("--smoke", action="store_true", help="CPU, float32, tiny shapes: every code path, a minute or two")
 
 
