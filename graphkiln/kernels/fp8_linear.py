@@ -69,7 +69,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, partials, counters, N, K, STEPS
     BLOCK_K, split_k.store_product); the accumulator has one column per SUB-wide chunk of a step. ACTIVATED (one
     split): y[0, N / 2] = silu(gate) * up of the product's halves (gemv.paired_rows, gemv.store_activated)."""
     pid = tl.program_id(0)
-    split = tl.program_id(1)
+    split = tl.program_id(2)
     if PDL:  # the next kernel may start once every program has begun
         gdc_launch_dependents()
     k_start = split * STEPS * BLOCK_K
@@ -99,7 +99,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, partials, counters, N, K, STEPS
     if ACTIVATED:
         store_activated(y, y_ptr, pid, N, BLOCK_N)
     else:
-        store_product(y_ptr, partials, counters, y, cols, col_mask, split, tl.num_programs(1), pid, N, SPLIT)
+        store_product(y_ptr, partials, counters, y, cols, col_mask, N, SPLIT)
 
 
 @triton.jit
@@ -198,11 +198,11 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     splits, steps = k_steps(k, splits, block_k)
     block_scales = weight_scale.dim() == 2
     in_epilogue = activated and splits == 1
-    slabs = triton.cdiv(n // 2, block_n // 2) if in_epilogue else triton.cdiv(n, block_n)
-    y, partials, counters = product_buffers(1, n // 2 if in_epilogue else n, splits, slabs, x.dtype, x.device)
+    grid = (triton.cdiv(n // 2, block_n // 2) if in_epilogue else triton.cdiv(n, block_n), 1, splits)
+    y, partials, counters = product_buffers(1, n // 2 if in_epilogue else n, grid, x.dtype, x.device)
     launch_pdl = pdl_on(x.device)
     launch(
-        _fp8_gemv_kernel, (slabs, splits),
+        _fp8_gemv_kernel, grid,
         x, weight, weight_scale, y, partials, counters, n, k, steps, weight.stride(0), weight_scale.stride(0),
         BLOCK_N=block_n, BLOCK_K=block_k, SUB=min(block_k, BLOCK), EVEN_K=k % block_k == 0,
         BLOCK_SCALES=block_scales, SCALE_ROWS=scale_rows, ACTIVATED=in_epilogue, SPLIT=splits > 1, STAGES=stages,

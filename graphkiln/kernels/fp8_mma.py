@@ -106,8 +106,7 @@ def _mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, partials, counters, M, N, K,
     if X_QUANTIZED and not X_GROUPS:
         acc = acc * tl.load(xs_ptr + rows * stride_xsm, mask=row_mask, other=0.0)[None, :]
     store_product(y_ptr, partials, counters, acc, rows[None, :].to(tl.int64) * N + cols[:, None],
-                  col_mask[:, None] & row_mask[None, :], split, tl.num_programs(2), pid_n * tl.num_programs(1) + pid_m,
-                  M.to(tl.int64) * N, SPLIT)
+                  col_mask[:, None] & row_mask[None, :], M.to(tl.int64) * N, SPLIT)
 
 
 def mma_tiling(m: int, n: int, k: int, sms: int = 132, x_quantized: bool = False,
@@ -147,7 +146,7 @@ def fp8_mma(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
         m, n, k, multiprocessors(x.device), x_quantized=x_scale is not None, block_scales=block_scales)
     splits, steps = k_steps(k, splits, block_k)
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), splits)
-    y, partials, counters = product_buffers(m, n, splits, grid[0] * grid[1], out_dtype or x.dtype, x.device)
+    y, partials, counters = product_buffers(m, n, grid, out_dtype or x.dtype, x.device)
     x_groups = x_scale is not None and x_scale.shape[1] > 1
     xs = x_scale if x_scale is not None else weight_scale  # not read unless x is quantized
     launch_pdl = pdl_on(x.device)

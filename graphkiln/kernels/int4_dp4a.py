@@ -126,7 +126,7 @@ def _int4_dp4a_gemv_kernel(q_ptr, xw_ptr, xs_ptr, xf_ptr, s_ptr, z_ptr, y_ptr, p
     """y[0, N] (split_k.store_product): BLOCK_N weight rows (int32 words [N, K/8]) over STEPS steps of BLOCK_K
     inputs, whole groups, from the split's start: y += s * xs * (S - z * F) per group."""
     pid = tl.program_id(0)
-    split = tl.program_id(1)
+    split = tl.program_id(2)
     if PDL:  # the next kernel may start once every program has begun
         gdc_launch_dependents()
     WORDS: tl.constexpr = BLOCK_K // 8
@@ -158,8 +158,7 @@ def _int4_dp4a_gemv_kernel(q_ptr, xw_ptr, xs_ptr, xf_ptr, s_ptr, z_ptr, y_ptr, p
         w = tl.load(q_ptrs + k // 8, mask=col_mask[:, None], other=0)
         sums = _group_sums(w, xw_ptr, k // 8, KW, WORDS, CHUNKS, ASM).to(tl.float32)
         acc += s * xs * (sums - z * xf)
-    store_product(y_ptr, partials, counters, tl.sum(acc, axis=1), cols, col_mask, split, tl.num_programs(1), pid, N,
-                  SPLIT)
+    store_product(y_ptr, partials, counters, tl.sum(acc, axis=1), cols, col_mask, N, SPLIT)
 
 
 def x_words(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -209,12 +208,12 @@ def int4_dp4a_gemv(x: torch.Tensor, qwords: torch.Tensor | None, scales: torch.T
                           f"of shape {tuple(x.shape)}, group_size {group_size}, BLOCK_K {block_k}")
     xw, xs, xf = x_words(x if x.stride(1) == 1 else x.contiguous(), group_size)
     splits, steps = k_steps(k, splits, block_k)
-    slabs = triton.cdiv(n, block_n)
-    y, partials, counters = product_buffers(1, n, splits, slabs, x.dtype, x.device)
+    grid = (triton.cdiv(n, block_n), 1, splits)
+    y, partials, counters = product_buffers(1, n, grid, x.dtype, x.device)
     launch_pdl = pdl_on(x.device)
     runs_ptx = not isinstance(_int4_dp4a_gemv_kernel, InterpretedFunction)  # the interpreter runs no inline PTX
     launch(
-        _int4_dp4a_gemv_kernel, (slabs, splits),
+        _int4_dp4a_gemv_kernel, grid,
         qwords, xw, xs, xf, scales, zeros, y, partials, counters, n, k // 8, steps, qwords.stride(0),
         scales.stride(0), zeros.stride(0), BLOCK_N=block_n, BLOCK_K=block_k, G=group_size, SPLIT=splits > 1,
         STAGES=stages, ASM=runs_ptx, PDL=launch_pdl, num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,

@@ -66,7 +66,7 @@ def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, partials, counters, N, 
     """y[0, N] (split_k.store_product) for one row x[0, K]: one program per slab of BLOCK_N weight rows and split
     of K (STEPS steps of BLOCK_K inputs, BLOCK_K / 2 bytes a row), accumulated per SUB-wide chunk (SUB divides G)."""
     pid = tl.program_id(0)
-    split = tl.program_id(1)
+    split = tl.program_id(2)
     if PDL:  # the next kernel may start once every program has begun
         gdc_launch_dependents()
     k_start = split * STEPS * BLOCK_K
@@ -92,8 +92,7 @@ def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, partials, counters, N, 
         k_mask = js < BLOCK_K // 2 if EVEN_K else k + 2 * js < K
         b = tl.load(q_ptrs + k // 2, mask=col_mask[:, None] & k_mask[None, :], other=0)
         acc = _int4_gemv_step(acc, b, s, z, k, ks, x_ptr, K, BLOCK_N, BLOCK_K, BLOCK_K // SUB, EVEN_K)
-    store_product(y_ptr, partials, counters, tl.sum(acc, axis=1), cols, col_mask, split, tl.num_programs(1), pid, N,
-                  SPLIT)
+    store_product(y_ptr, partials, counters, tl.sum(acc, axis=1), cols, col_mask, N, SPLIT)
 
 
 @triton.jit
@@ -175,8 +174,7 @@ def _int4_mm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, partials, counters, M, N,
         acc = _dot_tile(acc, x, w, SWAP_AB)
     acc = _output_tile(acc, SWAP_AB)
     store_product(y_ptr, partials, counters, acc, rows[:, None].to(tl.int64) * N + cols[None, :],
-                  row_mask[:, None] & col_mask[None, :], split, tl.num_programs(2), pid_n * tl.num_programs(1) + pid_m,
-                  M.to(tl.int64) * N, SPLIT)
+                  row_mask[:, None] & col_mask[None, :], M.to(tl.int64) * N, SPLIT)
 
 
 @triton.jit
@@ -250,11 +248,11 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     n, k = qweight.shape[0], x.shape[1]
     block_n, block_k, splits, warps, stages = tiles or gemv_tiling(n, k, multiprocessors(x.device))
     splits, steps = k_steps(k, splits, block_k)
-    slabs = triton.cdiv(n, block_n)
-    y, partials, counters = product_buffers(1, n, splits, slabs, x.dtype, x.device)
+    grid = (triton.cdiv(n, block_n), 1, splits)
+    y, partials, counters = product_buffers(1, n, grid, x.dtype, x.device)
     launch_pdl = pdl_on(x.device)
     launch(
-        _int4_gemv_kernel, (slabs, splits),
+        _int4_gemv_kernel, grid,
         x, qweight, scales, zeros, y, partials, counters, n, k, steps, group_size, qweight.stride(0),
         scales.stride(0), zeros.stride(0), BLOCK_N=block_n, BLOCK_K=block_k, SUB=min(block_k, group_size),
         EVEN_K=k % block_k == 0, SPLIT=splits > 1, STAGES=stages, PDL=launch_pdl, num_warps=warps,
@@ -272,7 +270,7 @@ def int4_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
                                                                                    multiprocessors(x.device))
     splits, steps = k_steps(k, splits, block_k)
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), splits)
-    y, partials, counters = product_buffers(m, n, splits, grid[0] * grid[1], x.dtype, x.device)
+    y, partials, counters = product_buffers(m, n, grid, x.dtype, x.device)
     launch_pdl = pdl_on(x.device)
     launch(
         _int4_mm_kernel, grid,

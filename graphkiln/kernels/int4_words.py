@@ -108,8 +108,7 @@ def _int4_dot_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, partials, counters, M, N
         acc += s * (qx - z * tl.sum(xs, axis=0)[None, :])
         s, z = s_next, z_next
     store_product(y_ptr, partials, counters, acc, rows[None, :].to(tl.int64) * N + cols[:, None],
-                  col_mask[:, None] & row_mask[None, :], split, tl.num_programs(2), pid_n * tl.num_programs(1) + pid_m,
-                  M.to(tl.int64) * N, SPLIT)
+                  col_mask[:, None] & row_mask[None, :], M.to(tl.int64) * N, SPLIT)
 
 
 def dot_tiling(m: int, n: int, k: int, sms: int = 132) -> tuple[int, int, int, int, int, int]:
@@ -134,7 +133,7 @@ def int4_dot(x: torch.Tensor, qwords: torch.Tensor, scales: torch.Tensor, zeros:
                           f"got BLOCK_K {block_k} for group_size {group_size}: int4_linear takes smaller groups")
     splits, steps = k_steps(k, splits, block_k)
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), splits)
-    y, partials, counters = product_buffers(m, n, splits, grid[0] * grid[1], x.dtype, x.device)
+    y, partials, counters = product_buffers(m, n, grid, x.dtype, x.device)
     launch_pdl = pdl_on(x.device)
     launch(
         _int4_dot_kernel, grid,

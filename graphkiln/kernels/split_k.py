@@ -37,13 +37,15 @@ _counters_lock = threading.Lock()
 
 
 @triton.jit
-def store_product(y_ptr, partials, counters, value, offsets, mask, split, splits, tile, total,
-                  SPLIT: tl.constexpr):
+def store_product(y_ptr, partials, counters, value, offsets, mask, total, SPLIT: tl.constexpr):
     """Store a program's float32 `value` of y at `offsets` (of y [M, N], contiguous; `total` = M * N) under
-    `mask`: cast to y's dtype where K is not split (SPLIT false); else in slice `split` of the partials
-    [splits, M, N], and the last of output tile `tile`'s splits to count on `counters` sums the slices in
-    split order into y and sets its counter back to zero. Every program of a launch calls it once."""
+    `mask`: cast to y's dtype where K is not split (SPLIT false); else in its split's slice of the partials
+    [splits, M, N], and the last of its output tile's splits to count on `counters` sums the slices in split
+    order into y and sets the tile's counter back to zero. Every program of a launch calls it once, on a grid of
+    (slabs, row tiles, splits), as `product_buffers` counts the tiles."""
     if SPLIT:
+        split, splits = tl.program_id(2), tl.num_programs(2)
+        tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
         tl.store(partials + split.to(tl.int64) * total + offsets, value, mask=mask)
         tl.debug_barrier()  # every thread's slice is stored before the count (acq_rel, GPU scope) releases it
         if tl.atomic_add(counters + tile, 1) == splits - 1:
@@ -104,12 +106,13 @@ def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
         return buffer
 
 
-def product_buffers(m: int, n: int, splits: int, tiles: int, dtype: torch.dtype,
+def product_buffers(m: int, n: int, grid: tuple[int, int, int], dtype: torch.dtype,
                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y [M, N], the [splits, M, N] float32 partials, the counters) for a product kernel's `store_product` over
-    `tiles` output tiles; with one split y stands in for the other two, which are not read."""
+    """(y [M, N], the [splits, M, N] float32 partials, the counters) for a product kernel's `store_product` on
+    `grid` = (slabs, row tiles, splits); with one split y stands in for the other two, which are not read."""
     y = torch.empty(m, n, dtype=dtype, device=device)
+    slabs, row_tiles, splits = grid
     if splits == 1:
         return y, y, y
     partials = torch.empty(splits, m, n, dtype=torch.float32, device=device)
-    return y, partials, split_counters(device, tiles)
+    return y, partials, split_counters(device, slabs * row_tiles)
