@@ -4,12 +4,15 @@
     python -m bench serve --smoke --out /tmp/bench-smoke        # CPU, tiny shapes, about a minute
 
 The study's random-weight model is compiled once and served by `graphkiln serve` in a child process on a
-free loopback port. This process drives it with asyncio and httpx: at each concurrency C (1, 16, 64), C
+free loopback port. Client processes drive it with asyncio and httpx: at each concurrency C (1, 16, 64), C
 clients in a closed loop, each sending its next streamed completion (a random token-id prompt, greedy,
 EOS ignored, return_token_ids) when its last one ended, for each shape (128 prompt tokens / 128 new,
-1000 / 200), after one warm-up wave of C requests. Per cell: requests/s and output tokens/s over the
-cell's wall time, time to first token (request sent to first token read) and time per output token
-(first to last token over tokens - 1), p50 and p99. Then the server stops, the artifact loads here and
+1000 / 200), after one warm-up wave of C requests. The clients are spread over processes of at most
+`--clients-per-process` each, as one Python process parsing every stream spends more CPU per token than the
+server does and would measure itself. Per cell: requests/s and output tokens/s over the cell's wall time,
+time to first token (request sent to first token read) and time per output token (first to last token
+over tokens - 1), p50 and p99, and the CPU time per output token of the server (all of it, and its main
+thread: HTTP and the event loop) and of the clients. Then the server stops, the artifact loads here and
 the same requests run through the engine at the same concurrency (Engine.add_request and step, a
 request joining as one finishes; TTFT and TPOT from the sequences' own times). Both sides get the same
 KV cache (131072 tokens, smoke 16384: 64 requests of 1200 tokens fit without preemption). Overhead =
@@ -21,8 +24,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import gc
 import json
+import multiprocessing
 import os
 import re
 import signal
@@ -75,8 +80,8 @@ def _percentiles(seconds: list[float]) -> dict:
 
 
 @contextmanager
-def server_process(artifact: Path, engine: dict, env: dict[str, str]) -> Iterator[str]:
-    """`graphkiln serve ARTIFACT --port 0` in a child process until the block ends; yields its URL."""
+def server_process(artifact: Path, engine: dict, env: dict[str, str]) -> Iterator[tuple[str, int]]:
+    """`graphkiln serve ARTIFACT --port 0` in a child process until the block ends; yields its URL and pid."""
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in engine.items()]
     cmd = [sys.executable, "-m", "graphkiln", "serve", str(artifact), "--port", "0", "--served-model-name", NAME,
            "--max-queued-requests", "4096", *flags]  # fmt: skip
@@ -99,7 +104,7 @@ def server_process(artifact: Path, engine: dict, env: dict[str, str]) -> Iterato
             if proc.poll() is not None or time.time() > deadline:
                 raise RuntimeError(f"graphkiln serve did not start (exit {proc.poll()}): {''.join(lines)[-1500:]}")
             time.sleep(0.2)
-        yield found[0]
+        yield found[0], proc.pid
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -137,8 +142,11 @@ async def _request(client, prompt: list[int], new_tokens: int) -> Sample:
     return Sample(first - sent, (last - first) / (tokens - 1) if tokens > 1 else None, tokens)
 
 
-async def _closed_loop(url: str, prompts: list[list[int]], new_tokens: int, concurrency: int) -> tuple[list, float]:
-    """`concurrency` clients, each sending its next prompt when its last request ended."""
+async def _closed_loop(url: str, prompts: list[list[int]], new_tokens: int, concurrency: int,
+                       start_at: float | None = None) -> tuple[list, float, float]:
+    """`concurrency` clients, each sending its next prompt when its last request ended, from `start_at` (a
+    time.time(), so that the client processes of one cell start together) or now. Returns the samples and
+    the time.time() the last one ended, and this process's CPU seconds over the cell."""
     import httpx
 
     todo, samples = iter(prompts), []
@@ -149,14 +157,59 @@ async def _closed_loop(url: str, prompts: list[list[int]], new_tokens: int, conc
             for prompt in todo:
                 samples.append(await _request(client, prompt, new_tokens))
 
-        start = time.perf_counter()
+        await asyncio.sleep(max(0.0, (start_at or 0.0) - time.time()))
+        cpu = time.process_time()
         await asyncio.gather(*(client_loop() for _ in range(concurrency)))
-        return samples, time.perf_counter() - start
+        return samples, time.time(), time.process_time() - cpu
 
 
-def http_cell(url: str, prompts: list[list[int]], warmup: list[list[int]], new_tokens: int, concurrency: int) -> dict:
-    asyncio.run(_closed_loop(url, warmup, new_tokens, concurrency))
-    return summary(*asyncio.run(_closed_loop(url, prompts, new_tokens, concurrency)))
+def _client_share(url: str, prompts: list[list[int]], new_tokens: int, concurrency: int,
+                  start_at: float) -> tuple[list, float, float]:
+    """One client process's part of a cell (a spawned process: this module's top level is all it needs)."""
+    return asyncio.run(_closed_loop(url, prompts, new_tokens, concurrency, start_at))
+
+
+def http_cell(url: str, server_pid: int, prompts: list[list[int]], warmup: list[list[int]], new_tokens: int,
+              concurrency: int, processes: int) -> dict:
+    """The cell's clients spread over `processes` client processes (at most one per client), each a closed loop
+    of its share of the clients over its share of the prompts. The clients' CPU seconds and the server's
+    (all its threads, and its main thread alone: HTTP and the event loop) are counted over the cell, per
+    output token: a client process near one CPU second a second limits what the cell can measure."""
+    processes = min(processes, concurrency)
+    clients = [concurrency // processes + (i < concurrency % processes) for i in range(processes)]
+    spawn = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(processes, mp_context=spawn) as pool:
+        for share in (warmup, prompts):
+            start_at = time.time() + 1.0  # every process started and connected by then
+            server_before = _cpu_seconds(server_pid)
+            futures = [pool.submit(_client_share, url, share[i::processes], new_tokens, c, start_at)
+                       for i, c in enumerate(clients)]  # fmt: skip
+            parts = [f.result() for f in futures]
+            server_after = _cpu_seconds(server_pid)
+    samples = [s for part in parts for s in part[0]]
+    result = summary(samples, max(part[1] for part in parts) - start_at)
+    tokens = sum(s.tokens for s in samples)
+    cpu = {"client_processes": processes, "clients_us_per_token": sum(part[2] for part in parts) / tokens * 1e6,
+           "busiest_client_cpu_share": max(part[2] for part in parts) / result["wall_s"]}  # fmt: skip
+    if server_before and server_after:
+        cpu |= {"server_us_per_token": (server_after[0] - server_before[0]) / tokens * 1e6,
+                "server_main_thread_us_per_token": (server_after[1] - server_before[1]) / tokens * 1e6}
+    return result | {"cpu": cpu}
+
+
+def _cpu_seconds(pid: int) -> tuple[float, float] | None:
+    """CPU seconds (user + system) of process `pid`, all threads and its main thread, from Linux's /proc; None
+    elsewhere."""
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def read(path: str) -> float:
+        fields = Path(path).read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+
+    try:
+        return read(f"/proc/{pid}/stat"), read(f"/proc/{pid}/task/{pid}/stat")
+    except OSError:
+        return None
 
 
 # The offline side.
@@ -190,6 +243,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_study_arguments(p)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64], help="clients at once (smoke: 1 4 8)")
     p.add_argument("--rounds", type=int, default=4, help="requests per client in a cell (at least 16 per cell)")
+    p.add_argument("--clients-per-process", type=int, default=8,
+                   help="clients one client process drives at most (the cell's clients spread over processes)")
 
 
 def main(a: argparse.Namespace) -> int:
@@ -210,7 +265,8 @@ def main(a: argparse.Namespace) -> int:
                for i, (shape, c) in enumerate(cells)}  # fmt: skip
     warmups = {(shape, c): random_prompts(c, shapes[shape][0], vocab, seed=1000 + i)
                for i, (shape, c) in enumerate(cells)}  # fmt: skip
-    results: dict = {"settings": {"shapes": shapes, "concurrency": levels, "rounds": a.rounds, "engine": engine},
+    results: dict = {"settings": {"shapes": shapes, "concurrency": levels, "rounds": a.rounds, "engine": engine,
+                                  "clients_per_process": a.clients_per_process},
                      "cells": {shape: {} for shape in shapes}, "errors": []}  # fmt: skip
     with study.scratch() as work:
         model = save_model(study.model, work / "model", study.device, study.dtype, study.layers)
@@ -220,11 +276,12 @@ def main(a: argparse.Namespace) -> int:
         if study.cuda:  # what the compile held goes back to the device before the server sizes its cache
             torch.cuda.empty_cache()
         log("compiled; starting graphkiln serve")
-        with server_process(work / "art", engine, child_env) as url:
+        with server_process(work / "art", engine, child_env) as (url, pid):
             for shape, c in cells:
                 results["cells"][shape][str(c)] = cell = {}
                 try:
-                    cell["server"] = http_cell(url, prompts[shape, c], warmups[shape, c], shapes[shape][1], c)
+                    cell["server"] = http_cell(url, pid, prompts[shape, c], warmups[shape, c], shapes[shape][1], c,
+                                               -(-c // a.clients_per_process))
                     log(f"server {shape} c={c}: {cell['server']['output_tokens_per_s']:.0f} tokens/s")
                 except Exception as e:  # the cell records why; the others still run
                     results["errors"].append({"where": f"server {shape} c={c}", "error": error_text(e)})
@@ -257,7 +314,8 @@ def _metrics(url: str) -> dict:
 def table(results: dict) -> list[list]:
     """One row per shape and concurrency: output tokens/s both ways, the overhead, TTFT and TPOT p50/p99."""
     rows = [["shape", "C", "server tok/s", "offline tok/s", "overhead", "server req/s", "TTFT p50/p99 ms server",
-             "offline", "TPOT p50/p99 ms server", "offline"]]  # fmt: skip
+             "offline", "TPOT p50/p99 ms server", "offline", "server CPU us/token (main thread)",
+             "clients CPU us/token (busiest process's CPU share)"]]  # fmt: skip
     for shape, by_level in results["cells"].items():
         for c, cell in by_level.items():
             server, offline = cell.get("server") or {}, cell.get("offline") or {}
@@ -269,5 +327,18 @@ def table(results: dict) -> list[list]:
             rows.append([shape, c, server.get("output_tokens_per_s"), offline.get("output_tokens_per_s"),
                          f"{cell['overhead']:.2f}x" if "overhead" in cell else "—", server.get("requests_per_s"),
                          pair(server, "ttft_ms"), pair(offline, "ttft_ms"), pair(server, "tpot_ms"),
-                         pair(offline, "tpot_ms")])  # fmt: skip
+                         pair(offline, "tpot_ms"), _server_cpu(server.get("cpu", {})),
+                         _clients_cpu(server.get("cpu", {}))])  # fmt: skip
     return rows
+
+
+def _server_cpu(cpu: dict) -> str:
+    if "server_us_per_token" not in cpu:
+        return "—"
+    return f"{cpu['server_us_per_token']:.0f} ({cpu['server_main_thread_us_per_token']:.0f})"
+
+
+def _clients_cpu(cpu: dict) -> str:
+    if not cpu:
+        return "—"
+    return f"{cpu['clients_us_per_token']:.0f} ({cpu['busiest_client_cpu_share']:.0%} in {cpu['client_processes']})"
