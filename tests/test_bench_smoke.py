@@ -72,16 +72,19 @@ def test_main_run_smoke(bench: Bench, tmp_path: Path, monkeypatch: pytest.Monkey
 
 def test_serve_study_smoke(bench: Bench, tmp_path: Path) -> None:
     """`graphkiln serve` driven over HTTP beside the offline engine: every cell measured both ways."""
-    stdout = bench("serve", "--smoke", "--out", str(tmp_path))
+    stdout = bench("serve", "--smoke", "--clients-per-process", "4", "--out", str(tmp_path))
     results = json.loads((tmp_path / "serve.json").read_text())
     assert results["errors"] == [] and results["meta"]["smoke"]
-    cells = [cell for by_level in results["cells"].values() for cell in by_level.values()]
+    cells = [(int(c), cell) for by_level in results["cells"].values() for c, cell in by_level.items()]
     assert len(cells) == 6
-    for cell in cells:
+    for clients, cell in cells:
         for side in ("server", "offline"):
             assert cell[side]["requests"] >= 16 and cell[side]["output_tokens_per_s"] > 0
             assert cell[side]["ttft_ms"]["p50"] <= cell[side]["ttft_ms"]["p99"]
         assert cell["overhead"] > 0
+        cpu = cell["server"]["cpu"]  # both sides' CPU time was read and counted per token
+        assert cpu["client_processes"] == -(-clients // 4) and cpu["clients_us_per_token"] > 0
+        assert cpu["server_us_per_token"] >= cpu["server_main_thread_us_per_token"] >= 0
     assert results["server_metrics"]['graphkiln_steps_without_graph_total{kind="decode"}'] > 0
     assert "overhead" in stdout
 
