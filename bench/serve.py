@@ -252,6 +252,8 @@ def main(a: argparse.Namespace) -> int:
 
     import graphkiln
 
+    if a.clients_per_process < 1:
+        raise SystemExit(f"bench serve: --clients-per-process {a.clients_per_process}; give 1 or more")
     study = Study.of("serve", a)
     shapes, levels = (SMOKE_SHAPES, [1, 4, 8]) if study.smoke else (SHAPES, a.concurrency)
     engine = {"kv_cache_tokens": 16384 if study.smoke else 131072}  # the same cache both sides; 64 x 1200 fit
