@@ -143,10 +143,10 @@ async def _request(client, prompt: list[int], new_tokens: int) -> Sample:
 
 
 async def _closed_loop(url: str, prompts: list[list[int]], new_tokens: int, concurrency: int,
-                       start_at: float | None = None) -> tuple[list, float, float]:
+                       start_at: float) -> tuple[list, float, float]:
     """`concurrency` clients, each sending its next prompt when its last request ended, from `start_at` (a
-    time.time(), so that the client processes of one cell start together) or now. Returns the samples and
-    the time.time() the last one ended, and this process's CPU seconds over the cell."""
+    time.time(), so that the client processes of one cell start together). Returns the samples, the
+    time.time() the last one ended and this process's CPU seconds over the cell."""
     import httpx
 
     todo, samples = iter(prompts), []
@@ -157,7 +157,7 @@ async def _closed_loop(url: str, prompts: list[list[int]], new_tokens: int, conc
             for prompt in todo:
                 samples.append(await _request(client, prompt, new_tokens))
 
-        await asyncio.sleep(max(0.0, (start_at or 0.0) - time.time()))
+        await asyncio.sleep(max(0.0, start_at - time.time()))
         cpu = time.process_time()
         await asyncio.gather(*(client_loop() for _ in range(concurrency)))
         return samples, time.time(), time.process_time() - cpu
@@ -170,12 +170,12 @@ def _client_share(url: str, prompts: list[list[int]], new_tokens: int, concurren
 
 
 def http_cell(url: str, server_pid: int, prompts: list[list[int]], warmup: list[list[int]], new_tokens: int,
-              concurrency: int, processes: int) -> dict:
-    """The cell's clients spread over `processes` client processes (at most one per client), each a closed loop
-    of its share of the clients over its share of the prompts. The clients' CPU seconds and the server's
+              concurrency: int, clients_per_process: int) -> dict:
+    """The cell's clients spread over client processes of at most `clients_per_process` clients, each a closed
+    loop of its share of the clients over its share of the prompts. The clients' CPU seconds and the server's
     (all its threads, and its main thread alone: HTTP and the event loop) are counted over the cell, per
     output token: a client process near one CPU second a second limits what the cell can measure."""
-    processes = min(processes, concurrency)
+    processes = -(-concurrency // clients_per_process)
     clients = [concurrency // processes + (i < concurrency % processes) for i in range(processes)]
     spawn = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(processes, mp_context=spawn) as pool:
@@ -283,7 +283,7 @@ def main(a: argparse.Namespace) -> int:
                 results["cells"][shape][str(c)] = cell = {}
                 try:
                     cell["server"] = http_cell(url, pid, prompts[shape, c], warmups[shape, c], shapes[shape][1], c,
-                                               -(-c // a.clients_per_process))
+                                               a.clients_per_process)
                     log(f"server {shape} c={c}: {cell['server']['output_tokens_per_s']:.0f} tokens/s")
                 except Exception as e:  # the cell records why; the others still run
                     results["errors"].append({"where": f"server {shape} c={c}", "error": error_text(e)})
