@@ -245,19 +245,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=4, help="requests per client in a cell (at least 16 per cell)")
     p.add_argument("--clients-per-process", type=int, default=8,
                    help="clients one client process drives at most (the cell's clients spread over processes)")
+    p.add_argument("--server-switch-interval", default=None, metavar="SECONDS",
+                   help="the server's GRAPHKILN_SERVE_SWITCH_INTERVAL (seconds or off; default: its own default)")
 
 
 def main(a: argparse.Namespace) -> int:
     import torch
 
     import graphkiln
+    from graphkiln.errors import ConfigError
+    from graphkiln.models.switch_interval import SERVE_SWITCH_INTERVAL_ENV, parse_switch_interval
 
     if a.clients_per_process < 1:
         raise SystemExit(f"bench serve: --clients-per-process {a.clients_per_process}; give 1 or more")
+    if a.server_switch_interval is not None:
+        try:
+            parse_switch_interval("--server-switch-interval", a.server_switch_interval)
+        except ConfigError as e:
+            raise SystemExit(f"bench serve: {e}") from None
     study = Study.of("serve", a)
     shapes, levels = (SMOKE_SHAPES, [1, 4, 8]) if study.smoke else (SHAPES, a.concurrency)
     engine = {"kv_cache_tokens": 16384 if study.smoke else 131072}  # the same cache both sides; 64 x 1200 fit
-    child_env = {}
+    child_env = {} if a.server_switch_interval is None else {SERVE_SWITCH_INTERVAL_ENV: a.server_switch_interval}
     if study.smoke:  # CPU: one intra-op thread on each side, or the server's threads and the clients' fight
         torch.set_num_threads(1)
         child_env["OMP_NUM_THREADS"] = "1"
@@ -268,7 +277,8 @@ def main(a: argparse.Namespace) -> int:
     warmups = {(shape, c): random_prompts(c, shapes[shape][0], vocab, seed=1000 + i)
                for i, (shape, c) in enumerate(cells)}  # fmt: skip
     results: dict = {"settings": {"shapes": shapes, "concurrency": levels, "rounds": a.rounds, "engine": engine,
-                                  "clients_per_process": a.clients_per_process},
+                                  "clients_per_process": a.clients_per_process,
+                                  "server_switch_interval": a.server_switch_interval},
                      "cells": {shape: {} for shape in shapes}, "errors": []}  # fmt: skip
     with study.scratch() as work:
         model = save_model(study.model, work / "model", study.device, study.dtype, study.layers)

@@ -231,6 +231,7 @@ def run_serve(args) -> int:
     if args.compile and args.trusted_key:
         raise ConfigError("--trusted-key checks a signed artifact; --compile makes an unsigned one: use one of them")
     from graphkiln.compiler.manifest import MANIFEST
+    from graphkiln.models.switch_interval import serve_switch_interval
     from graphkiln.serve.app import ServerConfig
     from graphkiln.serve.server import bind, serve
 
@@ -238,6 +239,7 @@ def run_serve(args) -> int:
         raise ConfigError(f"{args.model}: not a graphkiln artifact (no {MANIFEST}); compile it first "
                           f"(compile-model {args.model} -o OUT), or pass --compile to compile it into graphkiln's "
                           "cache on first start")  # fmt: skip
+    switch_interval = serve_switch_interval()  # a bad setting is said before the model loads
     sock = bind(args.host, args.port)  # before the model loads: a port in use is said at once
     try:
         llm = _serving_llm(args)
@@ -247,7 +249,7 @@ def run_serve(args) -> int:
             api_key=args.api_key or os.environ.get(API_KEY_ENV),
             max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes,
         )  # fmt: skip
-        serve(llm, config, sock, args.log_level)
+        serve(llm, config, sock, args.log_level, switch_interval)
     finally:
         sock.close()
     return 0

@@ -72,9 +72,11 @@ def test_main_run_smoke(bench: Bench, tmp_path: Path, monkeypatch: pytest.Monkey
 
 def test_serve_study_smoke(bench: Bench, tmp_path: Path) -> None:
     """`graphkiln serve` driven over HTTP beside the offline engine: every cell measured both ways."""
-    stdout = bench("serve", "--smoke", "--clients-per-process", "4", "--out", str(tmp_path))
+    stdout = bench("serve", "--smoke", "--clients-per-process", "4", "--server-switch-interval", "0.0005",
+                   "--out", str(tmp_path))  # fmt: skip
     results = json.loads((tmp_path / "serve.json").read_text())
     assert results["errors"] == [] and results["meta"]["smoke"]
+    assert results["settings"]["server_switch_interval"] == "0.0005"
     cells = [(int(c), cell) for by_level in results["cells"].values() for c, cell in by_level.items()]
     assert len(cells) == 6
     for clients, cell in cells:

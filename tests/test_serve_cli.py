@@ -1,9 +1,13 @@
 """`graphkiln serve` as a command: a hub id with --compile (found in graphkiln's compile cache, the API key
-from the environment), and the one-line errors (exit 2) before anything loads."""
+from the environment), the one-line errors (exit 2) before anything loads, and the switch interval it serves
+under (GRAPHKILN_SERVE_SWITCH_INTERVAL)."""
 
 from __future__ import annotations
 
 import socket
+import sys
+import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -13,7 +17,8 @@ import graphkiln
 from artifact_helpers import single_error_line
 from hub_helpers import HUB_REPO
 from graphkiln import SamplingParams, cli
-from serve_helpers import serve_process
+from graphkiln.models.switch_interval import SERVE_SWITCH_INTERVAL_ENV
+from serve_helpers import Server, serve_process
 
 pytestmark = pytest.mark.slow
 
@@ -62,3 +67,48 @@ def test_serve_without_its_extra_names_the_install_command(tmp_path: Path, capsy
     assert cli.main(["serve", str(tmp_path)]) == 2
     line = single_error_line(capsys.readouterr().err)
     assert "uvicorn" in line and "pip install 'graphkiln[serve]'" in line
+
+
+def test_a_bad_serve_switch_interval_is_said_before_the_model_loads(artifact: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setattr(graphkiln, "load", lambda *a, **k: pytest.fail("loaded before the setting was read"))
+    monkeypatch.setenv(SERVE_SWITCH_INTERVAL_ENV, "fast")
+    assert cli.main(["serve", str(artifact), "--port", "0"]) == 2
+    line = single_error_line(capsys.readouterr().err)
+    assert f"{SERVE_SWITCH_INTERVAL_ENV}='fast'" in line and "'off'" in line
+
+
+def test_serve_runs_under_its_switch_interval_and_restores_it(artifact: Path, monkeypatch) -> None:
+    """While `serve` answers requests the interpreter switches threads at most every `switch_interval`; the
+    interval found before is back once it stops."""
+    import uvicorn
+
+    from graphkiln.serve import server as server_module
+    from graphkiln.serve.app import ServerConfig
+
+    started: list[uvicorn.Server] = []
+
+    class Recorded(uvicorn.Server):
+        def __init__(self, config: uvicorn.Config) -> None:
+            super().__init__(config)
+            started.append(self)
+
+    monkeypatch.setattr(server_module.uvicorn, "Server", Recorded)
+    sock = server_module.bind("127.0.0.1", 0)
+    llm = graphkiln.load(artifact, kv_cache_tokens=2048)
+    llm.wait_ready()  # its background preparation, which runs under the load's own interval, is done
+    before = sys.getswitchinterval()
+    thread = threading.Thread(target=server_module.serve, args=(llm, ServerConfig("tiny"), sock, "warning", 2e-4))
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not (started and started[0].started):
+            assert thread.is_alive() and time.monotonic() < deadline, "serve did not start"
+            time.sleep(0.02)
+        assert sys.getswitchinterval() == pytest.approx(2e-4)
+        client = Server(f"http://127.0.0.1:{sock.getsockname()[1]}", None).client()
+        assert client.completions.create(model="tiny", prompt="If the file", max_tokens=4).choices[0].text
+    finally:
+        if started:
+            started[0].should_exit = True
+        thread.join(30)
+    assert not thread.is_alive() and sys.getswitchinterval() == pytest.approx(before)

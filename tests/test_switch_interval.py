@@ -18,8 +18,10 @@ from graphkiln.errors import ConfigError
 from graphkiln.models.switch_interval import (
     LOAD_SWITCH_INTERVAL_ENV,
     LOAD_SWITCH_INTERVAL_S,
+    SERVE_SWITCH_INTERVAL_ENV,
     load_switch_interval,
     lowered_switch_interval,
+    serve_switch_interval,
 )
 from graphkiln.runtime.preparation import Preparation
 from graphkiln.runtime.step_lock import StepLock
@@ -68,21 +70,30 @@ def test_nested_uses_end_with_the_first_interval() -> None:
     assert sys.getswitchinterval() == pytest.approx(0.005)
 
 
-@pytest.mark.parametrize(("value", "want"), [(None, LOAD_SWITCH_INTERVAL_S), ("off", None), ("OFF", None),
-                                             ("0.0005", 0.0005), (" 1e-3 ", 0.001)])  # fmt: skip
-def test_environment_variable(monkeypatch: pytest.MonkeyPatch, value: str | None, want: float | None) -> None:
+SETTINGS = {"load": (LOAD_SWITCH_INTERVAL_ENV, load_switch_interval, LOAD_SWITCH_INTERVAL_S),
+            "serve": (SERVE_SWITCH_INTERVAL_ENV, serve_switch_interval, None)}  # fmt: skip
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize(("value", "want"), [(None, "default"), ("off", None), ("OFF", None), ("0.0005", 0.0005),
+                                             (" 1e-3 ", 0.001)])  # fmt: skip
+def test_environment_variable(monkeypatch: pytest.MonkeyPatch, setting: str, value: str | None,
+                              want: float | str | None) -> None:  # fmt: skip
+    variable, read, default = SETTINGS[setting]
     if value is None:
-        monkeypatch.delenv(LOAD_SWITCH_INTERVAL_ENV, raising=False)
+        monkeypatch.delenv(variable, raising=False)
     else:
-        monkeypatch.setenv(LOAD_SWITCH_INTERVAL_ENV, value)
-    assert load_switch_interval() == want
+        monkeypatch.setenv(variable, value)
+    assert read() == (default if want == "default" else want)
 
 
+@pytest.mark.parametrize("setting", SETTINGS)
 @pytest.mark.parametrize("value", ["fast", "0", "-1", "2", "nan"])
-def test_a_bad_environment_variable_names_itself(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
-    monkeypatch.setenv(LOAD_SWITCH_INTERVAL_ENV, value)
-    with pytest.raises(ConfigError, match=f"{LOAD_SWITCH_INTERVAL_ENV}={value!r}.*'off'"):
-        load_switch_interval()
+def test_a_bad_environment_variable_names_itself(monkeypatch: pytest.MonkeyPatch, setting: str, value: str) -> None:
+    variable, read, _ = SETTINGS[setting]
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ConfigError, match=f"{variable}={value!r}.*'off'"):
+        read()
 
 
 def _intervals_during_load(artifact: Path) -> list[float]:

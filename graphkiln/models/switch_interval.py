@@ -13,7 +13,9 @@ is process-wide: on the way out the one found on the way in is restored, unless 
 set another meanwhile (that one is kept), and an interval already shorter is left as it is.
 
 `GRAPHKILN_LOAD_SWITCH_INTERVAL` sets the interval a load (and that preparation) uses, in seconds, or `off`
-to leave the interpreter's own.
+to leave the interpreter's own. `GRAPHKILN_SERVE_SWITCH_INTERVAL` sets the one a server runs under (by default
+the interpreter's own): its engine thread, back from waiting on a step, wants the lock while the event loop
+runs Python (HTTP, the streamed events), and the other way round.
 """
 
 from __future__ import annotations
@@ -27,13 +29,28 @@ from graphkiln.errors import ConfigError
 
 LOAD_SWITCH_INTERVAL_ENV = "GRAPHKILN_LOAD_SWITCH_INTERVAL"
 LOAD_SWITCH_INTERVAL_S = 1e-4
+SERVE_SWITCH_INTERVAL_ENV = "GRAPHKILN_SERVE_SWITCH_INTERVAL"
 
 
 def load_switch_interval() -> float | None:
     """The interval a load reads its weights under (None: the interpreter's own)."""
-    value = os.environ.get(LOAD_SWITCH_INTERVAL_ENV, "").strip()
-    if not value:
-        return LOAD_SWITCH_INTERVAL_S
+    return switch_interval_setting(LOAD_SWITCH_INTERVAL_ENV, LOAD_SWITCH_INTERVAL_S)
+
+
+def serve_switch_interval() -> float | None:
+    """The interval a server runs under (None: the interpreter's own)."""
+    return switch_interval_setting(SERVE_SWITCH_INTERVAL_ENV, None)
+
+
+def switch_interval_setting(variable: str, default: float | None) -> float | None:
+    """The interval environment variable `variable` gives (seconds, or None for `off`), `default` if unset."""
+    value = os.environ.get(variable, "").strip()
+    return parse_switch_interval(variable, value) if value else default
+
+
+def parse_switch_interval(variable: str, value: str) -> float | None:
+    """`value` of setting `variable` as seconds, or None for `off`; anything else a ConfigError naming both."""
+    value = value.strip()
     if value.lower() == "off":
         return None
     try:
@@ -42,7 +59,7 @@ def load_switch_interval() -> float | None:
         seconds = -1.0
     if not 0 < seconds < 1:
         raise ConfigError(
-            f"{LOAD_SWITCH_INTERVAL_ENV}={value!r}: give seconds between 0 and 1 (such as 0.0001), or 'off'"
+            f"{variable}={value!r}: give seconds between 0 and 1 (such as 0.0001), or 'off'"
         )
     return seconds
 

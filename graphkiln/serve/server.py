@@ -4,6 +4,8 @@ The socket is bound here rather than by uvicorn, before the model loads: a port 
 and with `--port 0` the line on stderr names the port the system picked (tests and scripts read it).
 It listens only once uvicorn runs, so a client is refused, not kept waiting, while the model loads.
 Ctrl-C (or SIGTERM) stops accepting, gives open requests a few seconds, aborts the rest, frees the engine.
+The engine's thread and the event loop each hold the interpreter lock in turn; `switch_interval` caps how long
+one waits for the other (switch_interval.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import uvicorn
 
 from graphkiln.errors import ConfigError
 from graphkiln.llm import LLM
+from graphkiln.models.switch_interval import lowered_switch_interval
 
 from .app import ServerConfig, create_app
 
@@ -37,8 +40,10 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(llm: LLM, config: ServerConfig, sock: socket.socket, log_level: str = "warning") -> None:
-    """Run the server on `sock` (from `bind`) in this thread until it is stopped; the LLM is closed after."""
+def serve(llm: LLM, config: ServerConfig, sock: socket.socket, log_level: str = "warning",
+          switch_interval: float | None = None) -> None:
+    """Run the server on `sock` (from `bind`) in this thread until it is stopped, under the interpreter's switch
+    interval lowered to `switch_interval` (None: as it is); the LLM is closed after."""
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     print(f"graphkiln serve: {config.model_name!r} on http://{shown}:{port}/v1 (max context {llm.max_context} tokens)",
@@ -49,7 +54,8 @@ def serve(llm: LLM, config: ServerConfig, sock: socket.socket, log_level: str = 
     app = create_app(llm, config)
     server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
     try:
-        server.run(sockets=[sock])
+        with lowered_switch_interval(switch_interval):
+            server.run(sockets=[sock])
     finally:
         sock.close()
         llm.close()
