@@ -265,6 +265,24 @@ def test_rank_dying_while_loading_is_named(llama: Checkpoint) -> None:
     assert not dist.is_initialized()
 
 
+def test_a_rank_dying_while_the_group_meets_is_named_and_the_group_ended(llama: Checkpoint, monkeypatch) -> None:
+    """Rank 1 joins, leaves the meeting before rank 0 is done with it and dies loading: rank 0's meeting fails
+    on the closed connection. The error names rank 1's exit, and this process keeps no process group, so the
+    next load can start one."""
+    from graphkiln.runtime import tensor_parallel
+
+    meet = tensor_parallel._init_groups
+
+    def meeting_broken_after(*args):
+        meet(*args)
+        raise RuntimeError("Connection closed by peer")
+
+    monkeypatch.setattr(tensor_parallel, "_init_groups", meeting_broken_after)
+    with pytest.raises(RankFailedError, match=r"rank 1 \(pid \d+\) exited with code 3 while starting"):
+        parallel_engine(2, "cpu", partial(_rank1_exits, llama.path), graphkiln.EngineConfig(**ENGINE))
+    assert not dist.is_initialized()
+
+
 def test_rank_failing_to_start_is_named(llama: Checkpoint) -> None:
     """A program read from stdin cannot be spawned again (the child re-runs the parent's main file): the
     parent says so at once instead of waiting for the group's timeout."""

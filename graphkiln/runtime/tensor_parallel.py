@@ -94,19 +94,13 @@ class Peers:
             raise self.failure from error
 
     def _failure(self, error: Exception, what: str) -> RankFailedError:
-        deadline = time.monotonic() + DEATH_GRACE_S
-        while time.monotonic() < deadline:
-            dead = {r: p for r, p in self.processes.items() if p.exitcode is not None}
-            if dead:
-                rank, process = min(dead.items())
-                return RankFailedError(
-                    f"tensor-parallel rank {rank} (pid {process.pid}) exited with code {process.exitcode} during "
-                    f"{what} ({type(error).__name__}: {error}); the group of {self.size} ranks stopped: load the "
-                    "model again"
-                )
-            if not self.processes:
-                break
-            time.sleep(0.05)
+        if (dead := _dead_rank(self.processes)) is not None:
+            rank, process = dead
+            return RankFailedError(
+                f"tensor-parallel rank {rank} (pid {process.pid}) exited with code {process.exitcode} during "
+                f"{what} ({type(error).__name__}: {error}); the group of {self.size} ranks stopped: load the "
+                "model again"
+            )
         return RankFailedError(
             f"{what} failed on tensor-parallel rank 0 ({type(error).__name__}: {error}); the group of {self.size} "
             "ranks stopped: load the model again"
@@ -172,6 +166,29 @@ def shared_gpus(uuids: list[str]) -> dict[str, list[int]]:
     return {u: [r for r, v in enumerate(uuids) if v == u] for u in dict.fromkeys(uuids) if uuids.count(u) > 1}
 
 
+def _dead_rank(processes: dict[int, multiprocessing.process.BaseProcess]
+               ) -> tuple[int, multiprocessing.process.BaseProcess] | None:  # fmt: skip
+    """The lowest rank among `processes` that exited, waiting up to DEATH_GRACE_S for one to; None if none did."""
+    deadline = time.monotonic() + DEATH_GRACE_S
+    while processes:
+        dead = {rank: process for rank, process in processes.items() if process.exitcode is not None}
+        if dead:
+            return min(dead.items())
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    return None
+
+
+def _started_rank_died(processes: dict[int, multiprocessing.process.BaseProcess]) -> RankFailedError | None:
+    """A RankFailedError naming the spawned rank that exited while the group started, if one did."""
+    if (dead := _dead_rank(processes)) is None:
+        return None
+    rank, process = dead
+    return RankFailedError(f"tensor-parallel rank {rank} (pid {process.pid}) exited with code {process.exitcode} "
+                           "while starting; its error is printed above")  # fmt: skip
+
+
 def _joining_key(rank: int) -> str:
     return f"graphkiln/joining/{rank}"
 
@@ -188,8 +205,7 @@ def _wait_for_ranks(
             if store.check([_joining_key(rank)]):
                 del waiting[rank]
             elif process.exitcode is not None:
-                raise RankFailedError(f"tensor-parallel rank {rank} (pid {process.pid}) exited with code "
-                                      f"{process.exitcode} while starting; its error is printed above")  # fmt: skip
+                raise _started_rank_died({rank: process})
         if waiting and time.monotonic() > deadline:
             raise RankFailedError(f"tensor-parallel ranks {sorted(waiting)} did not start within "
                                   f"{timeout_s:.0f} s (EngineConfig.collective_timeout_s)")  # fmt: skip
@@ -307,10 +323,17 @@ def start_group(size: int, device: str, load_rank: LoadRank, config: EngineConfi
             processes[rank].start()
         _wait_for_ranks(store, processes, config.collective_timeout_s)
         control = _init_groups(0, size, store, device, config.collective_timeout_s)
-    except BaseException:
+    except BaseException as error:
+        # A rank that dies while the group meets (a failed load right after, say) breaks the meeting itself:
+        # the error to show is that rank's exit, not the connection it closed.
+        died = _started_rank_died(processes) if isinstance(error, RuntimeError) else None
         for process in processes.values():
             process.terminate()
+        if dist.is_initialized():  # the next load in this process starts a group of its own
+            dist.destroy_process_group()
         shutil.rmtree(store_dir, ignore_errors=True)
+        if died is not None:
+            raise died from error
         raise
     return Group(Shard(0, size), Peers(size, control, processes, store_dir))
 
