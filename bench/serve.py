@@ -81,7 +81,8 @@ def _percentiles(seconds: list[float]) -> dict:
 
 @contextmanager
 def server_process(artifact: Path, engine: dict, env: dict[str, str]) -> Iterator[tuple[str, int]]:
-    """`graphkiln serve ARTIFACT --port 0` in a child process until the block ends; yields its URL and pid."""
+    """`graphkiln serve ARTIFACT --port 0` in a child process until the block ends; yields its URL and pid once
+    its /health says ready (every graph captured)."""
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in engine.items()]
     cmd = [sys.executable, "-m", "graphkiln", "serve", str(artifact), "--port", "0", "--served-model-name", NAME,
            "--max-queued-requests", "4096", *flags]  # fmt: skip
@@ -100,7 +101,7 @@ def server_process(artifact: Path, engine: dict, env: dict[str, str]) -> Iterato
     reader.start()
     try:
         deadline = time.time() + START_TIMEOUT_S
-        while not (found and _healthy(found[0])):
+        while not (found and _ready(found[0])):  # what the load prepares in the background is in before any cell
             if proc.poll() is not None or time.time() > deadline:
                 raise RuntimeError(f"graphkiln serve did not start (exit {proc.poll()}): {''.join(lines)[-1500:]}")
             time.sleep(0.2)
@@ -114,13 +115,14 @@ def server_process(artifact: Path, engine: dict, env: dict[str, str]) -> Iterato
             proc.wait(60)
 
 
-def _healthy(url: str) -> bool:
+def _ready(url: str) -> bool:
     import httpx
 
     try:
-        return httpx.get(url + "/health", timeout=2).status_code == 200
+        health = httpx.get(url + "/health", timeout=2)
     except httpx.HTTPError:
         return False
+    return health.status_code == 200 and health.json()["ready"]
 
 
 async def _request(client, prompt: list[int], new_tokens: int) -> Sample:

@@ -1,6 +1,7 @@
 """The server's engine thread and queue bound, with the app in this process so a test can fault its engine:
 a full queue answers 503 with Retry-After; a request that fails in an engine step gets an error, alone; an
-engine step that raises for another reason fails the requests then running and the server serves on."""
+engine step that raises for another reason fails the requests then running and the server serves on; /health
+says whether the engine's background preparation is done."""
 
 from __future__ import annotations
 
@@ -11,9 +12,12 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 
 import graphkiln
 from graphkiln import LLM, SamplingParams
+from graphkiln.runtime.preparation import Preparation
+from graphkiln.runtime.step_lock import StepLock
 from serve_helpers import Server, serve_in_thread
 
 pytestmark = pytest.mark.slow
@@ -113,7 +117,40 @@ def test_an_engine_fault_outside_any_request_fails_the_running_ones_and_serving_
     monkeypatch.setattr(llm.engine.scheduler, "schedule", broken_once)
     failed = httpx.post(server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 8}, timeout=60)
     assert failed.status_code == 500 and "scheduler broke" in failed.json()["error"]["message"]
-    assert httpx.get(server.url + "/health", timeout=10).json() == {"status": "ok"}
+    assert httpx.get(server.url + "/health", timeout=10).json()["status"] == "ok"
     got = server.client().completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0)
     assert got.choices[0].text == expected.text
     server.wait_idle()
+
+
+def test_health_says_whether_the_background_preparation_is_done(server: Server, llm: LLM, monkeypatch) -> None:
+    """`ready` follows the engine's preparation: false while a job of it runs, true once all are done; the
+    status is ok throughout (requests are served meanwhile)."""
+    release = threading.Event()
+
+    class Held:
+        kind, key = "held", "until released"
+
+        def unlocked(self) -> None:
+            release.wait(60)
+
+        def run(self) -> None:
+            """Nothing under the step lock."""
+
+        def withdraw(self) -> None:
+            """Nothing to undo."""
+
+    def health() -> dict:
+        return httpx.get(server.url + "/health", timeout=10).json()
+
+    llm.wait_ready()
+    assert health() == {"status": "ok", "ready": True}
+    held = Preparation([Held()], StepLock(), torch.device("cpu"))
+    monkeypatch.setattr(llm.engine, "preparation", held)
+    held.start()
+    try:
+        assert health() == {"status": "ok", "ready": False}
+    finally:
+        release.set()
+    assert held.wait(60)
+    assert health() == {"status": "ok", "ready": True}

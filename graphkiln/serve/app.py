@@ -100,8 +100,11 @@ class Service:
             self._templates.shutdown(wait=False, cancel_futures=True)
 
     async def health(self) -> JSONResponse:
+        """200 while the engine thread runs. `ready`: the graphs (or warm-ups) a load prepares in the background
+        are all in; requests are served before that, some steps without their graph."""
         ok = self.loop.alive
-        return JSONResponse({"status": "ok" if ok else "engine stopped"}, status_code=200 if ok else 503)
+        body = {"status": "ok" if ok else "engine stopped", "ready": ok and self.llm.engine.preparation.ready}
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     async def models(self) -> dict:
         card = {"id": self.config.model_name, "object": "model", "created": self.created, "owned_by": "graphkiln",
