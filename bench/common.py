@@ -94,9 +94,20 @@ def environment(device: str, commit: str | None = None) -> dict:
         env.update(device_name=torch.cuda.get_device_name(0), device_memory_bytes=props.total_memory,
                    multiprocessors=props.multi_processor_count, capability=f"{props.major}.{props.minor}")
     else:
-        env.update(device_name="cpu", cpu=platform.processor() or platform.machine(), threads=torch.get_num_threads())
+        env.update(device_name="cpu", threads=torch.get_num_threads())
+    env.update(cpu=cpu_model(), cpu_count=os.cpu_count())  # host-bound figures (serving, launch) follow the CPU
     env["git_commit"], env["git_dirty"] = git_commit(commit)
     return env
+
+
+def cpu_model() -> str:
+    """The host CPU's model name (Linux /proc/cpuinfo), else what platform says."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    except OSError:
+        names = []
+    return names[0] if names else platform.processor() or platform.machine()
 
 
 def device_slug(env: dict) -> str:
