@@ -79,3 +79,17 @@ def test_incremental_decoding_adds_up_to_the_whole_decode() -> None:
         pieces = [text.push([token]) for token in ids]
         assert all(not p.endswith("\ufffd") for p in pieces)
         assert "".join(pieces) + text.flush() == tokenizer.decode(ids)
+
+
+def test_tokens_that_add_no_text_keep_the_window_short() -> None:
+    """A stream whose tokens decode to nothing (special tokens skipped, a model without a tokenizer) decodes
+    windows of at most two pushes' tokens, not everything since the last text."""
+    windows: list[int] = []
+
+    def decode(ids: list[int]) -> str:
+        windows.append(len(ids))
+        return ""
+
+    text = IncrementalDecoder(decode)
+    assert all(text.push([token]) == "" for token in range(1000)) and text.flush() == ""
+    assert max(windows) <= 2

@@ -102,7 +102,8 @@ class IncrementalDecoder:
     Each push decodes a window (the tokens of the previous piece, then the new ones) and returns what the
     new ones add, so a stream of n tokens costs O(n) decoding, not O(n^2); the pieces add up to the decode
     of all the ids. Text ending in U+FFFD (a character whose bytes are still coming) is held back until it
-    completes, or until `flush` at the end of the stream.
+    completes, or until `flush` at the end of the stream. Tokens that add no text (special tokens skipped, a
+    model without a tokenizer) move the window on like tokens that do, so they too cost O(1) each.
     """
 
     def __init__(self, decode: Callable[[list[int]], str]) -> None:
@@ -122,7 +123,10 @@ class IncrementalDecoder:
     def _advance(self, final: bool) -> str:
         shown = self._decode(self.ids[self._start : self._shown])
         text = self._decode(self.ids[self._start :])
-        if len(text) <= len(shown) or (text.endswith("\ufffd") and not final):
+        if text == shown:  # nothing added: the window moves on, keeping the new tokens as the next one's context
+            self._start, self._shown = self._shown, len(self.ids)
+            return ""
+        if len(text) < len(shown) or (text.endswith("\ufffd") and not final):
             return ""
         self._start, self._shown = self._shown, len(self.ids)
         return text[len(shown) :]
