@@ -123,10 +123,8 @@ class IncrementalDecoder:
     def _advance(self, final: bool) -> str:
         shown = self._decode(self.ids[self._start : self._shown])
         text = self._decode(self.ids[self._start :])
-        if text == shown:  # nothing added: the window moves on, keeping the new tokens as the next one's context
-            self._start, self._shown = self._shown, len(self.ids)
-            return ""
-        if len(text) < len(shown) or (text.endswith("\ufffd") and not final):
+        held = len(text) < len(shown) or (text.endswith("\ufffd") and not final)
+        if held and text != shown:  # unchanged text moves the window on: the new tokens are the next one's context
             return ""
         self._start, self._shown = self._shown, len(self.ids)
         return text[len(shown) :]
