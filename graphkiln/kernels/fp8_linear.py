@@ -34,7 +34,6 @@ from .fp8_mma import fp8_mma
 from .gemv import _k_mask, paired_rows, silu_mul, store_activated
 from .launch import launch
 from .pdl import pdl_on
-from .prefetch import one_wave_registers, prefetch_inputs, prefetch_lines_per_row, prefetch_rows
 from .split_k import k_steps, multiprocessors, product_buffers, split_count, store_product
 
 FP8 = torch.float8_e4m3fn
@@ -61,16 +60,14 @@ def _gemv_step(acc, w, k, ks, k_mask, cols, col_mask, x_ptr, s_ptr, K, stride_sn
     return acc + sums
 
 
-@triton.jit(do_not_specialize=["STEPS", "PREFETCH"])  # loop bounds: one build for every split
-def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, partials, counters, N, K, STEPS, PREFETCH, stride_wn, stride_sn,
+@triton.jit(do_not_specialize=["STEPS"])  # a loop bound: one build for every split
+def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, partials, counters, N, K, STEPS, stride_wn, stride_sn,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr, EVEN_K: tl.constexpr,
                      BLOCK_SCALES: tl.constexpr, SCALE_ROWS: tl.constexpr, ACTIVATED: tl.constexpr,
-                     SPLIT: tl.constexpr, STAGES: tl.constexpr, LINES: tl.constexpr, PDL: tl.constexpr):
+                     SPLIT: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
     """y[0, N] for one row x[0, K]: one program per slab of BLOCK_N weight rows and split of K (STEPS steps of
     BLOCK_K, split_k.store_product); the accumulator has one column per SUB-wide chunk of a step. ACTIVATED (one
-    split): y[0, N / 2] = silu(gate) * up of the product's halves (gemv.paired_rows, gemv.store_activated).
-    With PDL the PREFETCH inputs of each row after the split's first step are asked of L2 before the wait
-    (prefetch.py)."""
+    split): y[0, N / 2] = silu(gate) * up of the product's halves (gemv.paired_rows, gemv.store_activated)."""
     pid = tl.program_id(0)
     split = tl.program_id(2)
     if PDL:  # the next kernel may start once every program has begun
@@ -81,14 +78,11 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, partials, counters, N, K, STEPS
     else:
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < N
-    if PDL:  # the steps after the first asked of L2, then the first loaded: the weight needs no wait
-        prefetch_rows(w_ptr, cols, col_mask, stride_wn, k_start + BLOCK_K,
-                      tl.minimum(k_start + BLOCK_K + PREFETCH, K), 128, LINES)
     ks = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_K // SUB), dtype=tl.float32)
     k_mask = _k_mask(ks, k_start, K, EVEN_K)
-    w = tl.load(w_ptrs + k_start, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+    w = tl.load(w_ptrs + k_start, mask=col_mask[:, None] & k_mask[None, :], other=0.0)  # the weight: no wait
     if PDL:  # x is: wait for the previous kernel to finish and its writes to land
         gdc_wait()
     acc = _gemv_step(acc, w, k_start, ks, k_mask, cols, col_mask, x_ptr, s_ptr, K, stride_sn, BLOCK_N,
@@ -110,15 +104,10 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, partials, counters, N, K, STEPS
 
 @triton.jit
 def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm, stride_sg,
-                            GROUP: tl.constexpr, BLOCK: tl.constexpr, INT8: tl.constexpr, ACTIVATED: tl.constexpr,
-                            PDL: tl.constexpr):
+                            GROUP: tl.constexpr, BLOCK: tl.constexpr, INT8: tl.constexpr, ACTIVATED: tl.constexpr):
     """One group of one row of x to fp8 (int8) by its absolute maximum: q = x / s, s = amax / 448 (s = amax / 127,
     q rounded to the nearest integer). ACTIVATED: the row is [gate | up] of width 2K and what is quantized is
-    silu(gate) * up rounded to x's dtype, the SiLU-and-mul kernel's output, never stored. With PDL the product
-    after it launches at once and asks L2 for its weights while this runs (prefetch.py)."""
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()  # x is the previous kernel's output
+    silu(gate) * up rounded to x's dtype, the SiLU-and-mul kernel's output, never stored."""
     row = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
@@ -212,16 +201,12 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     grid = (triton.cdiv(n // 2, block_n // 2) if in_epilogue else triton.cdiv(n, block_n), 1, splits)
     y, partials, counters = product_buffers(1, n // 2 if in_epilogue else n, grid, x.dtype, x.device)
     launch_pdl = pdl_on(x.device)
-    programs = grid[0] * splits
-    prefetch = prefetch_inputs(x.device, programs, block_n, 1, (steps - 1) * block_k) if launch_pdl else 0
-    registers = one_wave_registers(programs, warps, multiprocessors(x.device)) if prefetch else None
     launch(
         _fp8_gemv_kernel, grid,
-        x, weight, weight_scale, y, partials, counters, n, k, steps, prefetch, weight.stride(0), weight_scale.stride(0),
+        x, weight, weight_scale, y, partials, counters, n, k, steps, weight.stride(0), weight_scale.stride(0),
         BLOCK_N=block_n, BLOCK_K=block_k, SUB=min(block_k, BLOCK), EVEN_K=k % block_k == 0,
         BLOCK_SCALES=block_scales, SCALE_ROWS=scale_rows, ACTIVATED=in_epilogue, SPLIT=splits > 1, STAGES=stages,
-        LINES=prefetch_lines_per_row(block_n, warps), PDL=launch_pdl, num_warps=warps, num_stages=stages,
-        maxnreg=registers, launch_pdl=launch_pdl,
+        PDL=launch_pdl, num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,
     )
     return silu_mul(y) if activated and not in_epilogue else y
 
@@ -243,12 +228,10 @@ def quantize_rows(x: torch.Tensor, group: int | None = None, dtype: torch.dtype 
         width = group
     block = triton.next_power_of_2(width)
     if m:
-        launch_pdl = pdl_on(x.device)
         launch(
             _quantize_groups_kernel, (m, groups),
             x, q, scales, k, x.stride(0), q.stride(0), scales.stride(0), scales.stride(1), GROUP=width, BLOCK=block,
-            INT8=dtype == torch.int8, ACTIVATED=activated, PDL=launch_pdl, num_warps=max(1, min(16, block // 512)),
-            launch_pdl=launch_pdl,
+            INT8=dtype == torch.int8, ACTIVATED=activated, num_warps=max(1, min(16, block // 512)),
         )
     return q, scales
 

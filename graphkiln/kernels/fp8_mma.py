@@ -34,7 +34,6 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .launch import launch
 from .pdl import pdl_on
-from .prefetch import prefetch_inputs, prefetch_lines_per_row, prefetch_rows
 from .split_k import RESIDENT, k_steps, multiprocessors, product_buffers, split_count, store_product
 
 
@@ -48,18 +47,17 @@ def _dot(w, xq, INT8: tl.constexpr):
     return part
 
 
-@triton.jit(do_not_specialize=["M", "STEPS", "PREFETCH"])  # one build for every row count and split
-def _mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, partials, counters, M, N, K, STEPS, PREFETCH, stride_xm, stride_xsm,
+@triton.jit(do_not_specialize=["M", "STEPS"])  # one build for every row count and split
+def _mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, partials, counters, M, N, K, STEPS, stride_xm, stride_xsm,
                 stride_xsg, stride_wn, stride_sn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, BLOCK_SCALES: tl.constexpr, SCALE_ROWS: tl.constexpr, INT8: tl.constexpr,
                 X_QUANTIZED: tl.constexpr, X_GROUPS: tl.constexpr, WEIGHT_TO_X: tl.constexpr, SPLIT: tl.constexpr,
-                LINES: tl.constexpr, PDL: tl.constexpr):
+                PDL: tl.constexpr):
     """y[M, N] (split_k.store_product) for one BLOCK_N slab of weight rows and one BLOCK_M tile of x rows over a
     split of K (STEPS steps of BLOCK_K). BLOCK_SCALES: 2-D weight scales, one per SCALE_ROWS x 128 tile (128 x 128
     blocks, or int8's groups of 128 inputs with SCALE_ROWS 1). INT8: the weight is int8, else fp8. X_QUANTIZED: x is in
     the weight's type already, scaled by xs per row or (X_GROUPS) per 128-wide group. WEIGHT_TO_X: x is
-    multiplied as it is, by the weight converted to x's dtype. With PDL the split's first PREFETCH inputs of each
-    weight row are asked of L2 before the wait (prefetch.py)."""
+    multiplied as it is, by the weight converted to x's dtype."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     split = tl.program_id(2)
@@ -75,7 +73,6 @@ def _mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, partials, counters, M, N, K,
     w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if PDL:  # x is the previous kernel's output
-        prefetch_rows(w_ptr, cols, col_mask, stride_wn, k_start, tl.minimum(k_start + PREFETCH, K), 128, LINES)
         gdc_wait()
     for step in range(STEPS):
         k = k_start + step * BLOCK_K
@@ -153,14 +150,12 @@ def fp8_mma(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     x_groups = x_scale is not None and x_scale.shape[1] > 1
     xs = x_scale if x_scale is not None else weight_scale  # not read unless x is quantized
     launch_pdl = pdl_on(x.device)
-    prefetch = prefetch_inputs(x.device, grid[0] * splits, block_n, 1, steps * block_k) if launch_pdl else 0
     launch(
         _mma_kernel, grid,
-        x, xs, weight, weight_scale, y, partials, counters, m, n, k, steps, prefetch, x.stride(0), xs.stride(0),
-        xs.stride(-1), weight.stride(0), weight_scale.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        x, xs, weight, weight_scale, y, partials, counters, m, n, k, steps, x.stride(0), xs.stride(0), xs.stride(-1),
+        weight.stride(0), weight_scale.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         BLOCK_SCALES=block_scales, SCALE_ROWS=scale_rows, INT8=weight.dtype == torch.int8,
-        X_QUANTIZED=x_scale is not None, X_GROUPS=x_groups, WEIGHT_TO_X=weight_to_x, SPLIT=splits > 1,
-        LINES=prefetch_lines_per_row(block_n, warps), PDL=launch_pdl, num_warps=warps, num_stages=stages,
-        launch_pdl=launch_pdl,
+        X_QUANTIZED=x_scale is not None, X_GROUPS=x_groups, WEIGHT_TO_X=weight_to_x, SPLIT=splits > 1, PDL=launch_pdl,
+        num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,
     )
     return y

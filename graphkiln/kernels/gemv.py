@@ -16,7 +16,6 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .launch import launch
 from .pdl import pdl_on
-from .prefetch import prefetch_inputs, prefetch_lines_per_row, prefetch_rows
 
 
 @triton.jit
@@ -55,13 +54,9 @@ def _gemv_step(acc, w, k, ks, k_mask, x_ptr, K, GATED: tl.constexpr):
     return acc + w.to(tl.float32) * x.to(tl.float32)[None, :]
 
 
-@triton.jit(do_not_specialize=["PREFETCH"])
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, PREFETCH, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr, GATED: tl.constexpr, ACTIVATED: tl.constexpr, LINE: tl.constexpr,
-                 LINES: tl.constexpr, PDL: tl.constexpr):
-    """y[0, N] for one row x[0, K], a slab of BLOCK_N weight rows a program (module docstring); with PDL the
-    PREFETCH inputs of each row after the first step are asked of L2 (LINE inputs a line) before the wait
-    (prefetch.py)."""
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 EVEN_K: tl.constexpr, GATED: tl.constexpr, ACTIVATED: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     if PDL:  # the next kernel may start once every program has begun
         gdc_launch_dependents()
@@ -74,9 +69,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, PREFETCH, stride_wn, BLOCK_N: tl.con
     w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     k_mask = _k_mask(ks, 0, K, EVEN_K)
-    if PDL:  # the steps after the first asked of L2, then the first loaded: no earlier kernel's output
-        prefetch_rows(w_ptr, cols, col_mask, stride_wn, BLOCK_K, tl.minimum(BLOCK_K + PREFETCH, K), LINE, LINES)
-    w = tl.load(w_ptrs, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+    w = tl.load(w_ptrs, mask=col_mask[:, None] & k_mask[None, :], other=0.0)  # no earlier kernel's output
     if PDL:  # x is: wait for the previous kernel to finish and its writes to land
         gdc_wait()
     acc = _gemv_step(acc, w, 0, ks, k_mask, x_ptr, K, GATED)
@@ -124,14 +117,10 @@ def gemv(
     width = n // 2 if activated else n
     y = torch.empty(1, width, dtype=x.dtype, device=x.device)
     launch_pdl = pdl_on(x.device)
-    programs = triton.cdiv(width, block_n // 2 if activated else block_n)
-    element = weight.element_size()
-    prefetch = prefetch_inputs(x.device, programs, block_n, element, k - block_k) if launch_pdl else 0
     launch(
-        _gemv_kernel, (programs,),
-        x, weight, y, n, k, prefetch, weight.stride(0), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        GATED=gated, ACTIVATED=activated, LINE=128 // element, LINES=prefetch_lines_per_row(block_n, warps),
-        PDL=launch_pdl, num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,
+        _gemv_kernel, (triton.cdiv(width, block_n // 2 if activated else block_n),),
+        x, weight, y, n, k, weight.stride(0), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+        GATED=gated, ACTIVATED=activated, PDL=launch_pdl, num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,
     )
     return y
 

@@ -29,7 +29,6 @@ from graphkiln.errors import ConfigError
 from .int4_words import group_params
 from .launch import launch
 from .pdl import pdl_on
-from .prefetch import one_wave_registers, prefetch_inputs, prefetch_lines_per_row, prefetch_rows
 from .split_k import k_steps, multiprocessors, product_buffers, split_count, store_product
 
 FIXED = tl.constexpr(32767.0)  # the largest |f| of a group
@@ -119,14 +118,13 @@ def _x_params(xs_ptr, xf_ptr, groups, NG):
     return xs, xf
 
 
-@triton.jit(do_not_specialize=["STEPS", "PREFETCH"])  # loop bounds: one build for every split
+@triton.jit(do_not_specialize=["STEPS"])  # a loop bound: one build for every split
 def _int4_dp4a_gemv_kernel(q_ptr, xw_ptr, xs_ptr, xf_ptr, s_ptr, z_ptr, y_ptr, partials, counters, N, KW, STEPS,
-                           PREFETCH, stride_qn, stride_sn, stride_zn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           stride_qn, stride_sn, stride_zn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            G: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr,
-                           LINES: tl.constexpr, PDL: tl.constexpr):
+                           PDL: tl.constexpr):
     """y[0, N] (split_k.store_product): BLOCK_N weight rows (int32 words [N, K/8]) over STEPS steps of BLOCK_K
-    inputs, whole groups, from the split's start: y += s * xs * (S - z * F) per group. With PDL the PREFETCH words of
-    each row after the split's first step are asked of L2 before the wait (prefetch.py)."""
+    inputs, whole groups, from the split's start: y += s * xs * (S - z * F) per group."""
     pid = tl.program_id(0)
     split = tl.program_id(2)
     if PDL:  # the next kernel may start once every program has begun
@@ -140,11 +138,8 @@ def _int4_dp4a_gemv_kernel(q_ptr, xw_ptr, xs_ptr, xf_ptr, s_ptr, z_ptr, y_ptr, p
     k_start = split * STEPS * BLOCK_K
     q_ptrs = q_ptr + cols[:, None].to(tl.int64) * stride_qn + tl.arange(0, WORDS)[None, :]
     groups = k_start // G + tl.arange(0, CHUNKS)
-    if PDL:  # the steps after the first asked of L2, then the first loaded with its scales: no wait
-        prefetch_rows(q_ptr, cols, col_mask, stride_qn, k_start // 8 + WORDS,
-                      tl.minimum(k_start // 8 + WORDS + PREFETCH, KW), 32, LINES)
     s, z = group_params(s_ptr, z_ptr, cols, col_mask, k_start, K, G, stride_sn, stride_zn, CHUNKS, G)
-    w = tl.load(q_ptrs + k_start // 8, mask=col_mask[:, None], other=0)
+    w = tl.load(q_ptrs + k_start // 8, mask=col_mask[:, None], other=0)  # the weight and its scales: no wait
     if PDL:  # x's words are the previous kernel's output
         gdc_wait()
     xs, xf = _x_params(xs_ptr, xf_ptr, groups, NG)
@@ -217,14 +212,10 @@ def int4_dp4a_gemv(x: torch.Tensor, qwords: torch.Tensor | None, scales: torch.T
     y, partials, counters = product_buffers(1, n, grid, x.dtype, x.device)
     launch_pdl = pdl_on(x.device)
     runs_ptx = not isinstance(_int4_dp4a_gemv_kernel, InterpretedFunction)  # the interpreter runs no inline PTX
-    programs = grid[0] * splits
-    prefetch = prefetch_inputs(x.device, programs, block_n, 0.5, (steps - 1) * block_k) // 8 if launch_pdl else 0
-    registers = one_wave_registers(programs, warps, multiprocessors(x.device)) if prefetch else None
     launch(
         _int4_dp4a_gemv_kernel, grid,
-        qwords, xw, xs, xf, scales, zeros, y, partials, counters, n, k // 8, steps, prefetch, qwords.stride(0),
+        qwords, xw, xs, xf, scales, zeros, y, partials, counters, n, k // 8, steps, qwords.stride(0),
         scales.stride(0), zeros.stride(0), BLOCK_N=block_n, BLOCK_K=block_k, G=group_size, SPLIT=splits > 1,
-        STAGES=stages, ASM=runs_ptx, LINES=prefetch_lines_per_row(block_n, warps), PDL=launch_pdl, num_warps=warps,
-        num_stages=stages, maxnreg=registers, launch_pdl=launch_pdl,
+        STAGES=stages, ASM=runs_ptx, PDL=launch_pdl, num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,
     )
     return y
