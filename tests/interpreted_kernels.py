@@ -20,7 +20,8 @@ import triton.runtime.interpreter as interpreter
 
 from graphkiln.kernels.block_decode_attention import block_paged_decode
 from graphkiln.kernels.decode_attention import paged_decode
-from graphkiln.kernels.fp8_linear import FEW_ROWS, fp8_linear, fp8_mlp
+from graphkiln.kernels.fp8_linear import FEW_ROWS, fp8_linear, fp8_mlp, quantize_rows
+from graphkiln.kernels.fp8_tma import fp8_tma
 from graphkiln.kernels.gemv import gemv
 from graphkiln.kernels.int4_dp4a import int4_dp4a_gemv
 from graphkiln.kernels.int4_linear import int4_linear
@@ -164,7 +165,7 @@ def run_prefill(dtype: torch.dtype, hq: int, hkv: int, d: int, lens: list[tuple[
 
 
 def run_product(kind: str, rows: int, n: int, k: int, seed: int = 0) -> dict:
-    """fp8_linear ("fp8-channel", "fp8-block"), int8_linear ("w8a8", "w8a8-static", "w8a16", "w8a16-groups": scales
+    """fp8_linear ("fp8-channel", "fp8-block"), the TMA-fed fp8 product on quantized rows ("fp8-tma"), int8_linear ("w8a8", "w8a8-static", "w8a16", "w8a16-groups": scales
     per 128 inputs), int4_linear ("int4",
     groups of 128) or the int4 dp4a GEMV ("int4-dp4a", "-g32": groups of 32) of `rows` float16 rows, as
     they dispatch that many, on the GPU tests' weights (gpu/kernel_weights.py), against float32 products of the
@@ -192,6 +193,11 @@ def run_product(kind: str, rows: int, n: int, k: int, seed: int = 0) -> dict:
         got = int8_linear(x, weight, scale, static, quantize_input=kind.startswith("w8a8"), activated=activated)
         want = _int8_rounded(x, rows, static) if kind.startswith("w8a8") else x.float()
         want = want @ reference.t()
+    elif kind == "fp8-tma":  # the TMA-fed product on rows quantized per token, as fp8_linear hands them over
+        weight, scale, reference = fp8_weight(n, k, False, "cpu")
+        xq, x_scale = quantize_rows(x)
+        got = fp8_tma(xq, x_scale, weight, scale, torch.float16)
+        want = (xq.float() * x_scale) @ reference.t()
     elif kind == "half-activated":
         weight = torch.randn(n, k, generator=torch.Generator().manual_seed(seed + 1)).to(torch.float16) / k**0.5
         got = gemv(x, weight, activated=True)
@@ -283,6 +289,7 @@ PRODUCT_CASES = {  # name: (kind, rows, N, K); the rows pick each path fp8_linea
     **{f"{kind}-activated-{rows}-rows": (f"{kind}-activated", rows, 200, 384) for kind in ("fp8-channel", "fp8-block")
        for rows in (1, 8)},
     "half-activated-1-row": ("half-activated", 1, 200, 384),
+    **{f"fp8-tma-{rows}-rows": ("fp8-tma", rows, 200, 1168) for rows in (3, 40)},  # a partial slab and K step
     **{f"{kind}-mlp-{rows}-rows": (f"{kind}-mlp", rows, 200, 384) for kind in ("fp8-channel", "fp8-block")
        for rows in (8, 24)},  # 24: the activation applied in the down product's quantization
     **{f"{kind}-{rows}-rows": (kind, rows, 200, 384) for kind in ("w8a8", "w8a16") for rows in (1, 8, 24, 80)},

@@ -11,7 +11,9 @@ fp8_mma.py, the fp8 weight straight into fp8 tensor cores and the activation qua
 registers per 1 x 128 group. Both split K where their slabs alone leave multiprocessors without
 loads in flight (split_k.py: partials summed in order by a tile's last split, the same result on every call).
 FEW_ROWS + 1 to MMA_ROWS rows: the activation quantized first, as for torch._scaled_mm below, then
-fp8_mma on it.
+fp8_mma on it. On sm90 and later, per-channel weights take fp8_tma.py from 2 rows to MMA_ROWS instead: x
+quantized per token first, then a product fed by TMA copies, which measured faster than fp8_mma at every
+row count it takes, the quantization's launch included.
 More rows (prefill): the activation is quantized to fp8 (per token for per-channel weights, per
 1 x 128 group for block weights; with `input_scale`, by that static per-tensor scale) and the
 product runs on fp8 tensor cores in torch._scaled_mm; block weights where that torch build has no
@@ -31,6 +33,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from graphkiln.errors import ConfigError
 
 from .fp8_mma import fp8_mma
+from .fp8_tma import fp8_tma, tma_fits
 from .gemv import _k_mask, paired_rows, silu_mul, store_activated
 from .launch import launch
 from .pdl import pdl_on
@@ -300,8 +303,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     weight_scale: float32 [N] per output channel or [ceil(N/128), ceil(K/128)] per block. input_scale:
     a static per-tensor activation scale (float32, one element) used where a kernel of its own quantizes the
     activation (more than FEW_ROWS rows); without it activations are scaled per token or per 1 x 128 group.
-    One row is multiplied unquantized; 2 to FEW_ROWS rows are quantized per 1 x 128 group in registers; up to
-    MMA_ROWS fp8_mma multiplies the quantized rows, torch._scaled_mm more."""
+    One row is multiplied unquantized; 2 to FEW_ROWS rows are quantized per 1 x 128 group in registers (per token
+    where fp8_tma takes them); up to MMA_ROWS fp8_tma or fp8_mma multiplies the quantized rows,
+    torch._scaled_mm more."""
     _check(x, weight, weight_scale)
     block_scales = _block_scales(weight, weight_scale)
     x, weight_scale = x if x.stride(1) == 1 else x.contiguous(), weight_scale.contiguous()
@@ -318,7 +322,7 @@ def _rows_product(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
                   block_scales: bool) -> torch.Tensor:
     """fp8_linear of 2 or more rows (checked, contiguous)."""
     m, k = x.shape
-    if m <= FEW_ROWS:
+    if m <= FEW_ROWS and not tma_fits(x, weight, weight_scale):
         return fp8_mma(x, weight, weight_scale)
     if m > MMA_ROWS and not scaled_mm_fits(x, weight, block_scales):
         if block_scales:  # no block-scaled _scaled_mm: cuBLAS on the dequantized weight
@@ -336,8 +340,11 @@ def _rows_product(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
 def quantized_product(xq: torch.Tensor, scale_a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                       dtype: torch.dtype) -> torch.Tensor:
     """fp8 rows xq [M, K] times their scales (float32 [M, 1] per row, or [M, K/128] per 1 x 128 group, column-major
-    as quantize_rows makes them) @ the dequantized fp8 weight^T, in `dtype`: fp8_mma up to MMA_ROWS rows (a
-    tiling of its own for every row count), torch._scaled_mm above."""
+    as quantize_rows makes them) @ the dequantized fp8 weight^T, in `dtype`: up to MMA_ROWS rows fp8_tma where it
+    fits (per-row and per-channel scales on sm90+), else fp8_mma (a tiling of its own for every row count);
+    torch._scaled_mm above."""
+    if xq.shape[0] <= MMA_ROWS and scale_a.shape[1] == 1 and tma_fits(xq, weight, weight_scale):
+        return fp8_tma(xq, scale_a, weight, weight_scale, dtype)
     if xq.shape[0] <= MMA_ROWS:
         return fp8_mma(xq, weight, weight_scale, x_scale=scale_a, out_dtype=dtype)
     scale_b = weight_scale.t() if weight_scale.dim() == 2 else weight_scale.view(1, -1)
@@ -354,7 +361,8 @@ def fp8_mlp(x: torch.Tensor, gate_up_weight: torch.Tensor, gate_up_scale: torch.
     _check(x, gate_up_weight, gate_up_scale)
     block_scales = _block_scales(down_weight, down_scale)
     m = x.shape[0]
-    if m <= FEW_ROWS or (m > MMA_ROWS and not scaled_mm_fits(x, down_weight, block_scales)):
+    few = m <= FEW_ROWS and not tma_fits(x, gate_up_weight, gate_up_scale)
+    if m == 1 or few or (m > MMA_ROWS and not scaled_mm_fits(x, down_weight, block_scales)):
         h = fp8_linear(x, gate_up_weight, gate_up_scale, gate_up_input_scale, activated=True)
         return fp8_linear(h, down_weight, down_scale)
     y = fp8_linear(x, gate_up_weight, gate_up_scale, gate_up_input_scale)

@@ -1,5 +1,5 @@
-"""The fp8 weight kernels (the one-row GEMV, the tensor-core kernel on activations quantized in registers or
-before it, fp8_linear's choice among them and torch._scaled_mm) against float32 products of the dequantized
+"""The fp8 weight kernels (the one-row GEMV, the tensor-core kernels on activations quantized in registers or
+before them, fp8_linear's choice among them and torch._scaled_mm) against float32 products of the dequantized
 weight, at decode and prefill row counts, on the bench models' projections and ragged shapes, with every split
 of K; with the activation of the gate and up projections (`activated`) against the SiLU-and-mul kernel on the
 plain product."""
@@ -11,6 +11,7 @@ pytest.importorskip("triton")
 
 from graphkiln.kernels import fp8_linear as fp8_kernels  # noqa: E402
 from graphkiln.kernels import fp8_mma as mma_kernels  # noqa: E402
+from graphkiln.kernels import fp8_tma as tma_kernels  # noqa: E402
 from graphkiln.kernels.fp8_linear import (  # noqa: E402
     FP8, MMA_ROWS, fp8_linear, quantize_rows, quantize_static, scaled_mm_fits,
 )
@@ -28,7 +29,7 @@ SPLIT_SHAPES = {"ragged": (1000, 3000), "odd-blocks": (200, 1160), "8b-down": (4
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("shape", FP8_SHAPES.values(), ids=FP8_SHAPES.keys())
 def test_fp8_linear_matches_float32(shape, rows, blocks):
-    """The activation is quantized to fp8 (per 1 x 128 group from 2 to FEW_ROWS rows, per token or group above):
+    """The activation is quantized to fp8 (per token, or per 1 x 128 group where fp8_mma rounds it in registers):
     within fp8's step of the float32 product. One row, and block weights beyond what _scaled_mm takes, are
     multiplied unquantized (bf16 output rounding only)."""
     n, k = shape
@@ -48,7 +49,7 @@ def test_fp8_linear_float16_and_static_input_scale(rows):
     x = activation(rows, k, torch.float16)
     input_scale = (x.float().abs().amax() / 448).reshape(1)
     y = fp8_linear(x, weight, scale, input_scale)
-    assert y.dtype == torch.float16  # up to FEW_ROWS rows the kernel's own groups quantize, not the static scale
+    assert y.dtype == torch.float16  # fp8_mma's groups in registers at 8 rows before sm90, the static scale else
     assert relative_error(y, x.float() @ reference_weight.t()) < 0.06
 
 
@@ -186,3 +187,50 @@ def test_activated_quantize_rows_is_silu_mul_then_quantize_rows(group):
     y = activation(70, 2 * 14336)
     assert all(torch.equal(a, b) for a, b in zip(quantize_rows(y, group, activated=True),
                                                     quantize_rows(silu_mul(y), group)))
+
+
+TMA_SHAPES = {"8b-qkv": (6144, 4096), "8b-down": (4096, 14336), "1b-o": (2048, 2048), "partial-tiles": (200, 1168)}
+needs_tma = pytest.mark.skipif(torch.cuda.get_device_capability()[0] < 9, reason="TMA copies need sm90 or later")
+
+
+@needs_tma
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("rows", [2, 8, 16, 17, 33, 64])
+@pytest.mark.parametrize("shape", TMA_SHAPES.values(), ids=TMA_SHAPES.keys())
+def test_fp8_tma_is_the_float32_product_of_what_it_reads(shape, rows, static):
+    """The TMA-fed product on x in fp8 (per token, or one static scale whose rows share an element) against the
+    float32 product of those fp8 rows times their scales and the dequantized weight: only accumulation order and
+    the output rounding differ. 200 x 1168 ends in a partial slab and a partial K step, which read zeros."""
+    n, k = shape
+    weight, scale, reference_weight = fp8_weight(n, k, False)
+    x = activation(rows, k) * torch.linspace(0.01, 4, k, device="cuda")
+    if static:
+        input_scale = (x.float().abs().amax() / 448).reshape(1)
+        xq, x_scale = quantize_static(x, input_scale), input_scale.reshape(1, 1).expand(rows, 1)
+    else:
+        xq, x_scale = quantize_rows(x)
+    assert tma_kernels.tma_fits(xq, weight, scale)
+    y = tma_kernels.fp8_tma(xq, x_scale, weight, scale, torch.bfloat16)
+    assert y.shape == (rows, n) and y.dtype == torch.bfloat16
+    assert relative_error(y, (xq.float() * x_scale) @ reference_weight.t()) < 0.006
+
+
+@needs_tma
+def test_fp8_linear_takes_the_tma_product_where_it_fits(monkeypatch):
+    """From 2 to MMA_ROWS rows, per-channel weights whose rows are 16-byte multiples go to fp8_tma; block weights,
+    a K that is not a multiple of 16, one row and more than MMA_ROWS rows do not."""
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return tma_kernels.fp8_tma(*args, **kwargs)
+
+    monkeypatch.setattr(fp8_kernels, "fp8_tma", counted)
+    for n, k, blocks, rows, taken in [(4096, 4096, False, 2, True), (4096, 4096, False, 16, True),
+                                      (4096, 4096, False, 64, True), (4096, 4096, False, 1, False),
+                                      (4096, 4096, False, 65, False), (4096, 4096, True, 8, False),
+                                      (1000, 3000, False, 8, False)]:
+        weight, scale, _ = fp8_weight(n, k, blocks)
+        calls.clear()
+        fp8_linear(activation(rows, k), weight, scale)
+        assert calls == ([rows] if taken else []), (n, k, blocks, rows)

@@ -1,0 +1,94 @@
+"""Few-row fp8 products fed by tensor memory accelerator (TMA) copies, on sm90 and later.
+
+y [M, N] = (xq [M, K] times its scale per row) @ (weight [N, K] times its scale per output channel)^T, for M up
+to TMA_ROWS rows of x already quantized to float8_e4m3fn (fp8_linear.quantize_rows, per token). A program owns
+BLOCK_N weight rows over all of K. Each K step the copy engine brings a BLOCK_N x BLOCK_K tile of the weight and
+the BLOCK_M x BLOCK_K tile of x into shared memory, STAGES steps ahead, and the tensor cores read both from there:
+no thread computes an address or holds a tile in its registers on the way, which is where the pointer-fed kernel
+(fp8_mma.py) spends its issue slots and registers at these sizes. With the bytes in flight that deep, one
+program a slab streams its weight fast enough that K is not split (no partials, no second pass over them).
+
+The weight's descriptor spans [N, K], x's [M, K]; boxes past either edge read zeros, so N, K and M need not be
+multiples of the tiles. Descriptors are built at each call on the host: inside a CUDA graph they are captured with
+the launch, and x's buffer is the graph's own.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from .launch import launch
+from .pdl import pdl_on
+
+TMA_ROWS = 64  # the most rows of x one tile takes
+ALIGN = 16  # bytes: what a descriptor's base address and row stride must be a multiple of
+
+
+@triton.jit(do_not_specialize=["M"])  # one build for every row count up to BLOCK_M
+def _tma_kernel(w_desc, x_desc, xs_ptr, s_ptr, y_ptr, M, N, K, stride_xs, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+    """y[M, N] for one slab of BLOCK_N weight rows, all of K, x's rows on the narrow side of the tensor-core tile."""
+    n0 = tl.program_id(0) * BLOCK_N
+    if PDL:  # the next kernel may start once every program has begun
+        gdc_launch_dependents()
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if PDL:  # x is the previous kernel's output
+        gdc_wait()
+    for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        acc = tl.dot(w_desc.load([n0, k]), tl.trans(x_desc.load([0, k])), acc)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, BLOCK_M)
+    col_mask = cols < N
+    row_mask = rows < M
+    acc = acc * tl.load(s_ptr + cols, mask=col_mask, other=0.0)[:, None]
+    acc = acc * tl.load(xs_ptr + rows * stride_xs, mask=row_mask, other=0.0)[None, :]
+    tl.store(y_ptr + rows[None, :].to(tl.int64) * N + cols[:, None], acc.to(y_ptr.dtype.element_ty),
+             mask=col_mask[:, None] & row_mask[None, :])
+
+
+@functools.cache
+def _has_tma(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def tma_fits(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
+    """Whether `fp8_tma` takes these: CUDA with TMA (sm90+), 2 to TMA_ROWS rows, an fp8 weight with one scale per
+    output channel, rows of x and of the weight 16-byte aligned."""
+    if not x.is_cuda or not 2 <= x.shape[0] <= TMA_ROWS or weight.dtype != torch.float8_e4m3fn:
+        return False
+    if weight_scale.dim() != 1 or weight.stride(1) != 1 or weight.stride(0) % ALIGN or weight.data_ptr() % ALIGN:
+        return False
+    return x.shape[1] % ALIGN == 0 and _has_tma(x.device.index if x.device.index is not None else 0)
+
+
+def tma_tiling(m: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): the fastest of those measured on the 8B-like projections at 8 to
+    64 rows (64-row slabs of 256-wide steps; 4 stages, 6 from 33 rows, where gate_up and down gained by them)."""
+    block_m = max(16, triton.next_power_of_2(m))
+    return block_m, 64, 256, 4, 6 if block_m > 32 else 4
+
+
+def fp8_tma(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+            out_dtype: torch.dtype, tiles: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """xq [M, K] float8_e4m3fn (contiguous) times x_scale (float32 [M, 1], one a row) @ the weight [N, K]
+    float8_e4m3fn times weight_scale (float32 [N], contiguous)^T, in `out_dtype`; where `tma_fits`. `tiles`
+    defaults to `tma_tiling`."""
+    m, k = xq.shape
+    n = weight.shape[0]
+    block_m, block_n, block_k, warps, stages = tiles or tma_tiling(m)
+    y = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    w_desc = TensorDescriptor(weight, [n, k], [weight.stride(0), 1], [block_n, block_k])
+    x_desc = TensorDescriptor(xq, [m, k], [xq.stride(0), 1], [block_m, block_k])
+    launch_pdl = pdl_on(xq.device)
+    launch(
+        _tma_kernel, (triton.cdiv(n, block_n),),
+        w_desc, x_desc, x_scale, weight_scale, y, m, n, k, x_scale.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, STAGES=stages, PDL=launch_pdl, num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,
+    )
+    return y
