@@ -107,10 +107,14 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, partials, counters, N, K, STEPS
 
 @triton.jit
 def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm, stride_sg,
-                            GROUP: tl.constexpr, BLOCK: tl.constexpr, INT8: tl.constexpr, ACTIVATED: tl.constexpr):
+                            GROUP: tl.constexpr, BLOCK: tl.constexpr, INT8: tl.constexpr, ACTIVATED: tl.constexpr,
+                            PDL: tl.constexpr):
     """One group of one row of x to fp8 (int8) by its absolute maximum: q = x / s, s = amax / 448 (s = amax / 127,
     q rounded to the nearest integer). ACTIVATED: the row is [gate | up] of width 2K and what is quantized is
     silu(gate) * up rounded to x's dtype, the SiLU-and-mul kernel's output, never stored."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
@@ -235,6 +239,7 @@ def quantize_rows(x: torch.Tensor, group: int | None = None, dtype: torch.dtype 
             _quantize_groups_kernel, (m, groups),
             x, q, scales, k, x.stride(0), q.stride(0), scales.stride(0), scales.stride(1), GROUP=width, BLOCK=block,
             INT8=dtype == torch.int8, ACTIVATED=activated, num_warps=max(1, min(16, block // 512)),
+            PDL=pdl_on(x.device), launch_pdl=pdl_on(x.device),
         )
     return q, scales
 
