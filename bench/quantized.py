@@ -6,7 +6,8 @@ counts, with sweeps of the few-row kernels' tiles. A few minutes on the 8b shape
   bf16        cuBLAS (torch.mm); at 1 row the Triton GEMV behind graphkiln::linear
   fp8         fp8_linear with per-channel scales (what it picks), and each candidate: the one-row GEMV,
               the fp8 tensor-core kernel quantizing x in registers (mma) or, above FEW_ROWS rows, multiplying x
-              quantized per token by a kernel before it (mma_quantized), per-token quantization +
+              quantized per token by a kernel before it (mma_quantized), from 2 to 64 rows on sm90+ the TMA-fed
+              kernel on x quantized per token (tma_quantized, what fp8_linear picks there), per-token quantization +
               torch._scaled_mm (rowwise); above 64 rows also that product alone on x quantized before
               (scaled_mm_only) and with one scale per tensor on each side (scaled_mm_tensor)
   fp8-block   the same with 128 x 128 block scales; candidates: the GEMV, the mma kernel, 1 x 128
@@ -27,7 +28,8 @@ counts, with sweeps of the few-row kernels' tiles. A few minutes on the 8b shape
   --quality   instead: each format's logits against the unquantized model's and the tiny model's held-out
               perplexity per format (bench/quality.py)
   --sweep     fp8, fp8-block: at 1 row every GEMV tiling of SWEEP_GEMV, at 2 to 64 rows every tiling of SWEEP_MMA
-              (above FEW_ROWS rows on x quantized first, as mma_quantized); the int8 formats: the same tilings,
+              (above FEW_ROWS rows on x quantized first, as mma_quantized), or for fp8 on sm90+ every tiling of
+              SWEEP_TMA (the TMA-fed kernel, as tma_quantized, K not split); the int8 formats: the same tilings,
               as int8_linear runs them (W8A16 converting the weight at every row count);
               int4: every tiling of SWEEP_DP4A (the dp4a GEMV) at 1 row, of SWEEP_WORD_DOT at 2 to 64 rows, of
               SWEEP_MM (the byte kernel, which int4_linear leaves to dequantize + mm there) at 65 to 256; each
@@ -53,6 +55,7 @@ from .quantized_sweep import (
     blockwise_scaled_mm,
     int8_quantized_mma,
     quantized_mma,
+    quantized_tma,
     rowwise_scaled_mm,
     sweep,
     sweep_summary,
@@ -134,6 +137,8 @@ def candidates(fmt: str, x, rows: int, tinygemm: dict | None = None) -> dict:
             out["mma"] = lambda w, s: fp8_mma(x, w, s)
         if f.FEW_ROWS < rows <= 256:
             out["mma_quantized"] = lambda w, s: quantized_mma(x, w, s)
+        if fmt == "fp8" and 1 < rows <= f.MMA_ROWS and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9:
+            out["tma_quantized"] = lambda w, s: quantized_tma(x, w, s)
         if fmt == "fp8":
             out["scaled_mm"] = lambda w, s: rowwise_scaled_mm(x, w, s)
             if rows > f.MMA_ROWS:  # the product alone, on x quantized before the timing

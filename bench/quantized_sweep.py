@@ -1,8 +1,8 @@
 """The few-row kernels' tilings `python -m bench quantized --sweep` tries (bench/quantized.py has the study):
 each format's kernel at a row count with given tiles, the tiles its rule picks, and the fastest found.
 
-The products on x quantized before the kernel (`quantized_mma`, `int8_quantized_mma`, the per-token and
-block-scaled torch._scaled_mm) live here too: the sweep and the study's candidates both call them."""
+The products on x quantized before the kernel (`quantized_mma`, `quantized_tma`, `int8_quantized_mma`, the
+per-token and block-scaled torch._scaled_mm) live here too: the sweep and the study's candidates both call them."""
 
 from __future__ import annotations
 
@@ -30,6 +30,8 @@ SWEEP_MM += [(m, n, k, True, warps, stages) for m, n, k, warps, stages in
 # (BLOCK_N, BLOCK_K, warps, stages) of the fp8 tensor-core kernel (fp8_mma.py) tried at 2 to 64 rows
 SWEEP_MMA = [(n, k, warps, stages) for n in (64, 128) for k in (64, 128) for warps, stages in ((4, 3), (4, 5), (8, 4))]
 SWEEP_MMA += [(256, 128, 8, stages) for stages in (3, 4)]
+# (BLOCK_N, BLOCK_K, warps, stages) of the TMA-fed fp8 kernel (fp8_tma.py) tried at 2 to 64 rows on sm90+
+SWEEP_TMA = [(n, k, 4, stages) for n in (32, 64, 128) for k in (128, 256, 512) for stages in (3, 4, 6, 8)]
 
 
 def int8_quantized_mma(x, weight, scale, tiles=None):
@@ -52,6 +54,23 @@ def quantized_mma(x, weight, scale, tiles=None):
 
     q, scale_a = quantize_rows(x, BLOCK if scale.dim() == 2 else None)
     return fp8_mma(q, weight, scale, tiles, x_scale=scale_a, out_dtype=x.dtype)
+
+
+def quantized_tma(x, weight, scale, tiles=None):
+    """x quantized per token, then fp8_tma on the fp8 rows: what fp8_linear runs from 2 to MMA_ROWS rows where
+    fp8_tma fits."""
+    from graphkiln.kernels.fp8_linear import quantize_rows
+    from graphkiln.kernels.fp8_tma import fp8_tma
+
+    q, scale_a = quantize_rows(x)
+    return fp8_tma(q, scale_a, weight, scale, x.dtype, tiles)
+
+
+def takes_tma(fmt: str, x, weights: list) -> bool:
+    """Whether fp8_linear sends this format's product of x's rows to fp8_tma (sm90+, per-channel fp8)."""
+    from graphkiln.kernels.fp8_tma import tma_fits
+
+    return fmt == "fp8" and x.shape[0] > 1 and tma_fits(x, *weights[0])
 
 
 def rowwise_scaled_mm(x, weight, scale):
@@ -150,10 +169,17 @@ def sweep(fmt: str, x, rows: int, weights: list, calls: int) -> dict:
     from graphkiln.errors import ConfigError
 
     n, k = weights[0][0].shape[0], x.shape[1]
-    rule = rule_tiles(fmt, rows, n, k, x.device)
+    tma = takes_tma(fmt, x, weights)
+    if tma:
+        from graphkiln.kernels.fp8_tma import tma_tiling
+
+        block_m = tma_tiling(rows)[0]
+        rule, tilings = tma_tiling(rows), [(block_m, *tiles) for tiles in SWEEP_TMA]
+    else:
+        rule, tilings = rule_tiles(fmt, rows, n, k, x.device), sweep_tilings(fmt, rows)
     timed, failed = [], []
-    for tiles in dict.fromkeys([rule, *sweep_tilings(fmt, rows)]):  # ConfigError: steps that do not divide K
-        fn = tiled(fmt, x, rows, tiles)
+    for tiles in dict.fromkeys([rule, *tilings]):  # ConfigError: steps that do not divide K
+        fn = (lambda w, s, t=tiles: quantized_tma(x, w, s, t)) if tma else tiled(fmt, x, rows, tiles)
         try:
             timed.append((per_call_us(lambda w, fn=fn: fn(*w), weights, calls, "cuda"), tiles))
         except (OutOfResources, CompilationError, RuntimeError, ConfigError) as e:  # RuntimeError: a failed pass
