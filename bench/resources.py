@@ -9,8 +9,8 @@ machine: no GPU needed (a minute or so).
 Per model: the row decode kernel at each batch, planned as the engine plans it for a block table of
 `--max-context` tokens (its grid is that plan's, whatever the context), at the last batch also on an fp8 cache
 and the block kernel on both caches, the prefill and rope kernels for one prompt of `--prefill-tokens`, and each
-projection's products: the bf16 one-row GEMV, the int4 one-row byte and dp4a GEMVs, and fp8 (per-channel and
-128 x 128 block scales) and int8 (W8A8, W8A16 per channel and per group) at each of `--rows` as fp8_linear and
+projection's products: the bf16 one-row GEMV, the int4 one-row byte and dp4a GEMVs, and fp8 (per-channel, on sm90
+and later by fp8_tma from 2 rows, and 128 x 128 block scales) and int8 (W8A8, W8A16 per channel and per group) at each of `--rows` as fp8_linear and
 int8_linear dispatch them, with the kernels around it (x's
 quantization or words, a split-K sum). `loop`: the instructions of a kernel's longest loop (`nvdisasm`);
 `per_weight`: for the one-row GEMVs, those a thread issues per weight it takes (the loop over the weights a
@@ -226,19 +226,25 @@ def rope_launch(model: str, tokens: int) -> tuple[str, str]:
     return f"rope {tokens}", f"heads={heads} head_dim={d}"
 
 
-def product_launches(name: str, n: int, k: int, rows: int, block_scales: bool) -> tuple[str, str]:
+def product_launches(name: str, n: int, k: int, rows: int, block_scales: bool, arch: int) -> tuple[str, str]:
     """fp8_linear's launches for `rows` rows of x and an N x K weight with per-channel or 128 x 128 block scales,
-    as it dispatches them (the GEMV, fp8_mma on x quantized in registers or by a kernel before it, split-K
-    sums; above MMA_ROWS the CPU takes the fp8_mma fallback, not torch._scaled_mm); its (label, tiles of
-    the product kernel)."""
+    as it dispatches them on sm_<arch> (the GEMV, fp8_tma on x quantized before it from sm90, fp8_mma on x
+    quantized in registers or by a kernel before it, split-K sums; above MMA_ROWS the CPU takes the fp8_mma
+    fallback, not torch._scaled_mm); its (label, tiles of the product kernel)."""
     import torch
 
-    from graphkiln.kernels.fp8_linear import FEW_ROWS, FP8, fp8_linear, gemv_tiling
+    from graphkiln.kernels.fp8_linear import FEW_ROWS, FP8, MMA_ROWS, fp8_linear, gemv_tiling, quantize_rows
     from graphkiln.kernels.fp8_mma import mma_tiling
+    from graphkiln.kernels.fp8_tma import fp8_tma, tma_tiling
 
     scale = torch.ones(-(-n // 128), -(-k // 128)) if block_scales else torch.ones(n)
-    fp8_linear(torch.zeros(rows, k, dtype=torch.bfloat16), torch.zeros(n, k, dtype=FP8), scale)
+    x, weight = torch.zeros(rows, k, dtype=torch.bfloat16), torch.zeros(n, k, dtype=FP8)
     label = f"{name} fp8 {'per block' if block_scales else 'per channel'} m={rows}"
+    if arch >= 90 and not block_scales and 1 < rows <= MMA_ROWS and k % 16 == 0:  # what tma_fits takes on CUDA
+        fp8_tma(*quantize_rows(x), weight, scale, torch.bfloat16)
+        block_m, block_n, block_k, _, stages = tma_tiling(rows)
+        return f"{label} tma", f"block_m={block_m} block_n={block_n} block_k={block_k} stages={stages}"
+    fp8_linear(x, weight, scale)
     if rows == 1:
         block_n, block_k, splits, warps, stages = gemv_tiling(n, k)
         return (label, f"block_n={block_n} block_k={block_k} splits={splits} stages={stages}",
@@ -377,7 +383,8 @@ def main(a: argparse.Namespace) -> int:
                     rows += rows_of(model, built, int4_gemv_launch(name, n, k, dp4a), a.arch, a.sms)
                 for m in a.rows:
                     for block_scales in (False, True):
-                        rows += rows_of(model, built, product_launches(name, n, k, m, block_scales), a.arch, a.sms)
+                        rows += rows_of(model, built, product_launches(name, n, k, m, block_scales, a.arch), a.arch,
+                                        a.sms)
                     for scheme in ("w8a8", "w8a16", "w8a16-groups"):
                         rows += rows_of(model, built, int8_launches(name, n, k, m, scheme), a.arch, a.sms)
             log(f"{model}: {len(rows)} kernels compiled")

@@ -64,7 +64,8 @@ def tma_fits(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) 
         return False
     if weight_scale.dim() != 1 or weight.stride(1) != 1 or weight.stride(0) % ALIGN or weight.data_ptr() % ALIGN:
         return False
-    return x.shape[1] % ALIGN == 0 and _has_tma(x.device.index if x.device.index is not None else 0)
+    return x.shape[1] % ALIGN == 0 and _has_tma(x.device.index if x.device.index is not None
+                                                else torch.cuda.current_device())
 
 
 def tma_tiling(m: int) -> tuple[int, int, int, int, int]:
