@@ -171,10 +171,10 @@ def sweep(fmt: str, x, rows: int, weights: list, calls: int) -> dict:
     n, k = weights[0][0].shape[0], x.shape[1]
     tma = takes_tma(fmt, x, weights)
     if tma:
-        from graphkiln.kernels.fp8_tma import tma_tiling
+        from graphkiln.kernels.fp8_tma import shared_bytes, tma_tiling
 
-        block_m = tma_tiling(rows)[0]
-        rule, tilings = tma_tiling(rows), [(block_m, *tiles) for tiles in SWEEP_TMA]
+        rule = tma_tiling(rows, shared_bytes(x.device))
+        tilings = [(rule[0], *tiles) for tiles in SWEEP_TMA]
     else:
         rule, tilings = rule_tiles(fmt, rows, n, k, x.device), sweep_tilings(fmt, rows)
     timed, failed = [], []

@@ -28,6 +28,8 @@ from .pdl import pdl_on
 
 TMA_ROWS = 64  # the most rows of x one tile takes
 ALIGN = 16  # bytes: what a descriptor's base address and row stride must be a multiple of
+HOPPER_SHARED = 227 * 1024  # shared memory a program may take on an H100 or H200
+SHARED_RESERVE = 1024  # of it, left to the kernel's own barriers and scratch
 
 
 @triton.jit(do_not_specialize=["M"])  # one build for every row count up to BLOCK_M
@@ -53,26 +55,41 @@ def _tma_kernel(w_desc, x_desc, xs_ptr, s_ptr, y_ptr, M, N, K, stride_xs, BLOCK_
 
 
 @functools.cache
-def _has_tma(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
+def _device(device_index: int) -> tuple[bool, int]:
+    """(whether it has TMA: sm90+, the shared memory a program may take) of a CUDA device."""
+    from triton.runtime import driver
+
+    shared = driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
+    return torch.cuda.get_device_capability(device_index)[0] >= 9, shared
+
+
+def shared_bytes(device: torch.device) -> int:
+    """The shared memory a program may take on `device`; an H100's off CUDA (the interpreter)."""
+    if device.type != "cuda":
+        return HOPPER_SHARED
+    return _device(device.index if device.index is not None else torch.cuda.current_device())[1]
 
 
 def tma_fits(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
-    """Whether `fp8_tma` takes these: CUDA with TMA (sm90+), 2 to TMA_ROWS rows, an fp8 weight with one scale per
-    output channel, rows of x and of the weight 16-byte aligned."""
+    """Whether `fp8_tma` takes these: CUDA with TMA (sm90+) and shared memory for two steps of its tiles, 2 to
+    TMA_ROWS rows, an fp8 weight with one scale per output channel, rows of x and of the weight 16-byte aligned."""
     if not x.is_cuda or not 2 <= x.shape[0] <= TMA_ROWS or weight.dtype != torch.float8_e4m3fn:
         return False
     if weight_scale.dim() != 1 or weight.stride(1) != 1 or weight.stride(0) % ALIGN or weight.data_ptr() % ALIGN:
         return False
-    return x.shape[1] % ALIGN == 0 and _has_tma(x.device.index if x.device.index is not None
-                                                else torch.cuda.current_device())
+    if x.shape[1] % ALIGN:
+        return False
+    has_tma, shared = _device(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    return has_tma and tma_tiling(x.shape[0], shared)[4] >= 2
 
 
-def tma_tiling(m: int) -> tuple[int, int, int, int, int]:
+def tma_tiling(m: int, shared: int = HOPPER_SHARED) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): the fastest of those measured on the 8B-like projections at 8 to
-    64 rows (64-row slabs of 256-wide steps; 4 stages, 6 from 33 rows, where gate_up and down gained by them)."""
-    block_m = max(16, triton.next_power_of_2(m))
-    return block_m, 64, 256, 4, 6 if block_m > 32 else 4
+    64 rows (64-row slabs of 256-wide steps; 4 stages, 6 from 33 rows, where gate_up and down gained by them), the
+    stages cut to what `shared` bytes of shared memory hold (a GPU with less than a Hopper's)."""
+    block_m, block_n, block_k = max(16, triton.next_power_of_2(m)), 64, 256
+    stages = min(6 if block_m > 32 else 4, (shared - SHARED_RESERVE) // ((block_m + block_n) * block_k))
+    return block_m, block_n, block_k, 4, stages
 
 
 def fp8_tma(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -82,7 +99,7 @@ def fp8_tma(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weigh
     defaults to `tma_tiling`."""
     m, k = xq.shape
     n = weight.shape[0]
-    block_m, block_n, block_k, warps, stages = tiles or tma_tiling(m)
+    block_m, block_n, block_k, warps, stages = tiles or tma_tiling(m, shared_bytes(xq.device))
     y = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     w_desc = TensorDescriptor(weight, [n, k], [weight.stride(0), 1], [block_n, block_k])
     x_desc = TensorDescriptor(xq, [m, k], [xq.stride(0), 1], [block_m, block_k])
