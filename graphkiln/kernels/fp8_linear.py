@@ -12,8 +12,8 @@ registers per 1 x 128 group. Both split K where their slabs alone leave multipro
 loads in flight (split_k.py: partials summed in order by a tile's last split, the same result on every call).
 FEW_ROWS + 1 to MMA_ROWS rows: the activation quantized first, as for torch._scaled_mm below, then
 fp8_mma on it. On sm90 and later, per-channel weights take fp8_tma.py from 2 rows to MMA_ROWS instead: x
-quantized per token first, then a product fed by TMA copies, which measured faster than fp8_mma at every
-row count it takes, the quantization's launch included.
+quantized per token first, then a product fed by TMA copies, which measured faster than fp8_mma at 8 to 64
+rows alone (the quantization's launch included) and in whole decode steps at 8 and 64 rows (even at 32).
 More rows (prefill): the activation is quantized to fp8 (per token for per-channel weights, per
 1 x 128 group for block weights; with `input_scale`, by that static per-tensor scale) and the
 product runs on fp8 tensor cores in torch._scaled_mm; block weights where that torch build has no
@@ -111,10 +111,11 @@ def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride
                             PDL: tl.constexpr):
     """One group of one row of x to fp8 (int8) by its absolute maximum: q = x / s, s = amax / 448 (s = amax / 127,
     q rounded to the nearest integer). ACTIVATED: the row is [gate | up] of width 2K and what is quantized is
-    silu(gate) * up rounded to x's dtype, the SiLU-and-mul kernel's output, never stored."""
+    silu(gate) * up rounded to x's dtype, the SiLU-and-mul kernel's output, never stored. With PDL the product
+    after it launches as it begins, so that product's programs are resident and set up when q lands."""
     if PDL:
         gdc_launch_dependents()
-        gdc_wait()
+        gdc_wait()  # x is the previous kernel's output
     row = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
@@ -235,11 +236,12 @@ def quantize_rows(x: torch.Tensor, group: int | None = None, dtype: torch.dtype 
         width = group
     block = triton.next_power_of_2(width)
     if m:
+        launch_pdl = pdl_on(x.device)
         launch(
             _quantize_groups_kernel, (m, groups),
             x, q, scales, k, x.stride(0), q.stride(0), scales.stride(0), scales.stride(1), GROUP=width, BLOCK=block,
-            INT8=dtype == torch.int8, ACTIVATED=activated, num_warps=max(1, min(16, block // 512)),
-            PDL=pdl_on(x.device), launch_pdl=pdl_on(x.device),
+            INT8=dtype == torch.int8, ACTIVATED=activated, PDL=launch_pdl, num_warps=max(1, min(16, block // 512)),
+            launch_pdl=launch_pdl,
         )
     return q, scales
 
