@@ -10,7 +10,7 @@ Per model: the row decode kernel at each batch, planned as the engine plans it f
 `--max-context` tokens (its grid is that plan's, whatever the context), at the last batch also on an fp8 cache
 and the block kernel on both caches, the prefill and rope kernels for one prompt of `--prefill-tokens`, and each
 projection's products: the bf16 one-row GEMV, the int4 one-row byte and dp4a GEMVs, and fp8 (per-channel, on sm90
-and later by fp8_tma from 2 rows, and 128 x 128 block scales) and int8 (W8A8, W8A16 per channel and per group) at
+and later by fp8_tma from 2 rows where N is at least 4096, and 128 x 128 block scales) and int8 (W8A8, W8A16 per channel and per group) at
 each of `--rows` as fp8_linear and int8_linear dispatch them, with the kernels around it (x's quantization or
 words, a split-K sum). `loop`: the instructions of a kernel's longest loop (`nvdisasm`);
 `per_weight`: for the one-row GEMVs, those a thread issues per weight it takes (the loop over the weights a
@@ -233,14 +233,14 @@ def product_launches(name: str, n: int, k: int, rows: int, block_scales: bool, a
     fallback, not torch._scaled_mm); its (label, tiles of the product kernel)."""
     import torch
 
-    from graphkiln.kernels.fp8_linear import FEW_ROWS, FP8, MMA_ROWS, fp8_linear, gemv_tiling, quantize_rows
+    from graphkiln.kernels.fp8_linear import FEW_ROWS, FP8, fp8_linear, gemv_tiling, quantize_rows
     from graphkiln.kernels.fp8_mma import mma_tiling
-    from graphkiln.kernels.fp8_tma import fp8_tma, tma_tiling
+    from graphkiln.kernels.fp8_tma import fp8_tma, tma_takes, tma_tiling
 
     scale = torch.ones(-(-n // 128), -(-k // 128)) if block_scales else torch.ones(n)
     x, weight = torch.zeros(rows, k, dtype=torch.bfloat16), torch.zeros(n, k, dtype=FP8)
     label = f"{name} fp8 {'per block' if block_scales else 'per channel'} m={rows}"
-    if arch >= 90 and not block_scales and 1 < rows <= MMA_ROWS and k % 16 == 0:  # what tma_fits takes on CUDA
+    if arch >= 90 and not block_scales and tma_takes(rows, n, k):  # what tma_fits takes on CUDA
         fp8_tma(*quantize_rows(x), weight, scale, torch.bfloat16)
         block_m, block_n, block_k, _, stages = tma_tiling(rows)
         return f"{label} tma", f"block_m={block_m} block_n={block_n} block_k={block_k} stages={stages}"

@@ -11,9 +11,10 @@ fp8_mma.py, the fp8 weight straight into fp8 tensor cores and the activation qua
 registers per 1 x 128 group. Both split K where their slabs alone leave multiprocessors without
 loads in flight (split_k.py: partials summed in order by a tile's last split, the same result on every call).
 FEW_ROWS + 1 to MMA_ROWS rows: the activation quantized first, as for torch._scaled_mm below, then
-fp8_mma on it. On sm90 and later, per-channel weights take fp8_tma.py from 2 rows to MMA_ROWS instead: x
-quantized per token first, then a product fed by TMA copies, which measured faster than fp8_mma at 8 to 64
-rows alone (the quantization's launch included) and in whole decode steps at 8 and 64 rows (even at 32).
+fp8_mma on it. On sm90 and later, per-channel weights of TMA_MIN_N rows or more take fp8_tma.py from 2 rows to
+MMA_ROWS instead: x quantized per token first, then a product fed by TMA copies, which measured faster than
+fp8_mma at 8 to 64 rows alone (the quantization's launch included) and in whole decode steps at 8 and 64 rows
+(even at 32).
 More rows (prefill): the activation is quantized to fp8 (per token for per-channel weights, per
 1 x 128 group for block weights; with `input_scale`, by that static per-tensor scale) and the
 product runs on fp8 tensor cores in torch._scaled_mm; block weights where that torch build has no

@@ -27,6 +27,7 @@ from .launch import launch
 from .pdl import pdl_on
 
 TMA_ROWS = 64  # the most rows of x one tile takes
+TMA_MIN_N = 4096  # the narrowest weight measured faster here (64 slabs); narrower ones keep fp8_mma.py
 ALIGN = 16  # bytes: what a descriptor's base address and row stride must be a multiple of
 HOPPER_SHARED = 227 * 1024  # shared memory a program may take on an H100 or H200
 SHARED_RESERVE = 1024  # of it, left to the kernel's own barriers and scratch
@@ -70,17 +71,22 @@ def shared_bytes(device: torch.device) -> int:
     return _device(device.index if device.index is not None else torch.cuda.current_device())[1]
 
 
+def tma_takes(m: int, n: int, k: int, shared: int = HOPPER_SHARED) -> bool:
+    """Whether an sm90+ GPU with `shared` bytes of shared memory a program sends m rows of x times a per-channel
+    fp8 weight [n, k] to `fp8_tma`: 2 to TMA_ROWS rows, at least TMA_MIN_N weight rows (where it was measured
+    faster; the 8B-like projections), 16-byte rows, and room for two steps of its tiles."""
+    return 2 <= m <= TMA_ROWS and n >= TMA_MIN_N and k % ALIGN == 0 and tma_tiling(m, shared)[4] >= 2
+
+
 def tma_fits(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
-    """Whether `fp8_tma` takes these: CUDA with TMA (sm90+) and shared memory for two steps of its tiles, 2 to
-    TMA_ROWS rows, an fp8 weight with one scale per output channel, rows of x and of the weight 16-byte aligned."""
-    if not x.is_cuda or not 2 <= x.shape[0] <= TMA_ROWS or weight.dtype != torch.float8_e4m3fn:
+    """Whether `fp8_tma` takes these (`tma_takes`): CUDA with TMA (sm90+), an fp8 weight with one scale per output
+    channel whose rows start 16-byte aligned."""
+    if not x.is_cuda or weight.dtype != torch.float8_e4m3fn or weight_scale.dim() != 1:
         return False
-    if weight_scale.dim() != 1 or weight.stride(1) != 1 or weight.stride(0) % ALIGN or weight.data_ptr() % ALIGN:
-        return False
-    if x.shape[1] % ALIGN:
+    if weight.stride(1) != 1 or weight.stride(0) % ALIGN or weight.data_ptr() % ALIGN:
         return False
     has_tma, shared = _device(x.device.index if x.device.index is not None else torch.cuda.current_device())
-    return has_tma and tma_tiling(x.shape[0], shared)[4] >= 2
+    return has_tma and tma_takes(x.shape[0], weight.shape[0], x.shape[1], shared)
 
 
 def tma_tiling(m: int, shared: int = HOPPER_SHARED) -> tuple[int, int, int, int, int]:

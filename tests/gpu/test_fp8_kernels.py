@@ -209,7 +209,7 @@ def test_fp8_tma_is_the_float32_product_of_what_it_reads(shape, rows, static):
         xq, x_scale = quantize_static(x, input_scale), input_scale.reshape(1, 1).expand(rows, 1)
     else:
         xq, x_scale = quantize_rows(x)
-    assert tma_kernels.tma_fits(xq, weight, scale)
+    assert tma_kernels.tma_fits(xq, weight, scale) == (n >= tma_kernels.TMA_MIN_N)
     y = tma_kernels.fp8_tma(xq, x_scale, weight, scale, torch.bfloat16)
     assert y.shape == (rows, n) and y.dtype == torch.bfloat16
     assert relative_error(y, (xq.float() * x_scale) @ reference_weight.t()) < 0.006
@@ -217,8 +217,9 @@ def test_fp8_tma_is_the_float32_product_of_what_it_reads(shape, rows, static):
 
 @needs_tma
 def test_fp8_linear_takes_the_tma_product_where_it_fits(monkeypatch):
-    """From 2 to MMA_ROWS rows, per-channel weights whose rows are 16-byte multiples go to fp8_tma; block weights,
-    a K that is not a multiple of 16, one row and more than MMA_ROWS rows do not."""
+    """From 2 to MMA_ROWS rows, per-channel weights of at least TMA_MIN_N rows whose rows are 16-byte multiples go
+    to fp8_tma; block weights, narrower weights, a K that is not a multiple of 16, one row and more than MMA_ROWS
+    rows do not."""
     calls = []
 
     def counted(*args, **kwargs):
@@ -229,7 +230,7 @@ def test_fp8_linear_takes_the_tma_product_where_it_fits(monkeypatch):
     for n, k, blocks, rows, taken in [(4096, 4096, False, 2, True), (4096, 4096, False, 16, True),
                                       (4096, 4096, False, 64, True), (4096, 4096, False, 1, False),
                                       (4096, 4096, False, 65, False), (4096, 4096, True, 8, False),
-                                      (1000, 3000, False, 8, False)]:
+                                      (2048, 2048, False, 8, False), (4104, 3000, False, 8, False)]:
         weight, scale, _ = fp8_weight(n, k, blocks)
         calls.clear()
         fp8_linear(activation(rows, k), weight, scale)
