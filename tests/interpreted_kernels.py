@@ -165,9 +165,9 @@ def run_prefill(dtype: torch.dtype, hq: int, hkv: int, d: int, lens: list[tuple[
 
 
 def run_product(kind: str, rows: int, n: int, k: int, seed: int = 0) -> dict:
-    """fp8_linear ("fp8-channel", "fp8-block"), the TMA-fed fp8 product on quantized rows ("fp8-tma"), int8_linear ("w8a8", "w8a8-static", "w8a16", "w8a16-groups": scales
-    per 128 inputs), int4_linear ("int4",
-    groups of 128) or the int4 dp4a GEMV ("int4-dp4a", "-g32": groups of 32) of `rows` float16 rows, as
+    """fp8_linear ("fp8-channel", "fp8-block"), the TMA-fed fp8 product on quantized rows ("fp8-tma"), int8_linear
+    ("w8a8", "w8a8-static", "w8a16", "w8a16-groups": scales per 128 inputs), int4_linear ("int4", groups of 128)
+    or the int4 dp4a GEMV ("int4-dp4a", "-g32": groups of 32) of `rows` float16 rows, as
     they dispatch that many, on the GPU tests' weights (gpu/kernel_weights.py), against float32 products of the
     dequantized weight and of x as the kernels round it (models/quantized_linear.py): unquantized at one row, per
     1 x 128 group in registers up to FEW_ROWS, per token (channel scales) or group (block scales) by a kernel of
@@ -234,15 +234,21 @@ def _int8_rounded(x: torch.Tensor, rows: int, static: torch.Tensor | None) -> to
 
 def run_norm(dtype: torch.dtype, rows: int, width: int, seed: int = 0) -> dict:
     """The residual add and RMSNorm kernel against the model's own ops (add_rms_norm_reference): whether the sums
-    are equal, the norm's relative error and the fraction of its outputs equal to the reference's."""
+    are equal, the norm's relative error and the fraction of its outputs equal to the reference's; and whether,
+    quantizing, its fp8 rows and scales are quantize_rows' of its output, bit for bit."""
     gen = torch.Generator().manual_seed(seed)
     x, residual = (torch.randn(rows, width, generator=gen).to(dtype) for _ in range(2))
     weight = (1 + 0.1 * torch.randn(width, generator=gen)).to(dtype)
     total, out = add_rms_norm(x, residual, weight, 1e-5)
     want_total, want = add_rms_norm_reference(x, residual, weight, 1e-5)
+    *same, q, scale = add_rms_norm(x, residual, weight, 1e-5, quantize=True)
+    want_q, want_scale = quantize_rows(out)
     return {"sum_equal": bool(torch.equal(total, want_total)),
             "error": ((out.double() - want.double()).norm() / want.double().norm()).item(),
-            "equal": (out == want).float().mean().item()}
+            "equal": (out == want).float().mean().item(),
+            "quantized_as_quantize_rows": bool(all(torch.equal(a, b) for a, b in zip(same, (total, out)))
+                                               and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+                                               and torch.equal(scale, want_scale))}
 
 
 def run_rope(dtype: torch.dtype, tokens: int, heads: int, head_dim: int, seed: int = 0) -> dict:

@@ -1,5 +1,6 @@
-"""The fusion passes on Dynamo graphs: silu_mul_linear, silu_mul_epilogue, fp8_mlp and add_rms_norm take the patterns they
-are for and leave the ones they are not, compute on the CPU what the graph did, and hand each other what they leave."""
+"""The fusion passes on Dynamo graphs: silu_mul_linear, silu_mul_epilogue, fp8_mlp, add_rms_norm and fp8_norm_quant
+take the patterns they are for and leave the ones they are not, compute on the CPU what the graph did, and hand each
+other what they leave."""
 
 from __future__ import annotations
 
@@ -230,3 +231,74 @@ def test_add_rms_norm_takes_every_norm_after_a_residual_add_and_compiles_to_the_
     records = {r.name: r for r in report.passes}
     assert records["add_rms_norm"].matches == 2 * TOY.num_layers
     eager_and_compiled_agree(toy, compiled)
+
+
+def _norm_quant_variants():
+    """(name, fn(x, r, w, q1, s1, q2, s2, qb, sb, t), matches): norms before fp8 products that fp8_norm_quant must
+    take or leave, as add_rms_norm leaves them."""
+    ops = torch.ops.graphkiln
+    norm, linear, mlp = ops.add_rms_norm, ops.fp8_linear, ops.fp8_mlp
+
+    def qkv_and_mlp(x, r, w, q1, s1, q2, s2, qb, sb, t):
+        total, out = norm(x, r, w, 1e-5)
+        h = linear(out, q1, s1, None)
+        total2, out2 = norm(total, h, w, 1e-5)
+        return total2 + mlp(out2, q1, s1, None, q2, s2)
+
+    def also_read_as_is(x, r, w, q1, s1, q2, s2, qb, sb, t):
+        total, out = norm(x, r, w, 1e-5)
+        return linear(out, q1, s1, None) + out
+
+    def static_scale(x, r, w, q1, s1, q2, s2, qb, sb, t):
+        return linear(norm(x, r, w, 1e-5)[1], q1, s1, t)
+
+    def block_scales(x, r, w, q1, s1, q2, s2, qb, sb, t):
+        return linear(norm(x, r, w, 1e-5)[1], qb, sb, None)
+
+    return [("q/k/v and MLP products", qkv_and_mlp, 2), ("output also read as it is", also_read_as_is, 0),
+            ("static activation scale", static_scale, 0), ("block weight scales", block_scales, 0)]
+
+
+@pytest.mark.parametrize("name,fn,matches", _norm_quant_variants(), ids=[v[0] for v in _norm_quant_variants()])
+def test_fp8_norm_quant_takes_norms_feeding_only_per_token_fp8_products(name, fn, matches):
+    """The norm becomes add_rms_norm_fp8 and its products the quantized ops, which on the CPU compute what the
+    graph did, bit for bit."""
+    from graphkiln.models.quantized_linear import quantize_fp8
+    from graphkiln.passes.fp8_norm_quant import Fp8NormQuant
+
+    x, r = torch.randn(5, 128, dtype=torch.bfloat16), torch.randn(5, 128, dtype=torch.bfloat16)
+    w = torch.rand(128, dtype=torch.bfloat16) + 0.5
+    (q1, s1), (q2, s2) = quantize_fp8(torch.randn(128, 128)), quantize_fp8(torch.randn(128, 64))
+    qb, sb = q1, torch.rand(1, 1)
+    s1, s2 = s1.reshape(-1), s2.reshape(-1)
+    t = torch.tensor([0.01])
+    feeds = {"L_x_": x, "L_r_": r, "L_w_": w, "L_q1_": q1, "L_s1_": s1, "L_q2_": q2, "L_s2_": s2, "L_qb_": qb,
+             "L_sb_": sb, "L_t_": t}
+    gm = dynamo_graph(fn, x, r, w, q1, s1, q2, s2, qb, sb, t)
+    assert Fp8NormQuant()(gm) == matches
+    gm.graph.lint()
+    assert ("add_rms_norm_fp8.default" in gm.code) == bool(matches)
+    quantized = [n for n in gm.graph.nodes if str(n.target).endswith("_quantized.default")]
+    assert len(quantized) == matches
+    for call in quantized:  # x, then the fp8 rows and their scales of the same norm (the CPU ops ignore them)
+        normed, q, scale = call.args[:3]
+        assert [(a.args[0], a.args[1]) for a in (normed, q, scale)] == [(normed.args[0], i) for i in (1, 2, 3)]
+    args = [feeds.get(n.target, 5) for n in gm.graph.nodes if n.op == "placeholder"]
+    assert torch.equal(gm(*args)[0], fn(x, r, w, q1, s1, q2, s2, qb, sb, t))
+
+
+def test_fp8_norm_quant_norms_quantize_as_the_products_would():
+    """add_rms_norm_fp8's q and scale are the per-token quantization the fp8 products make of the norm's output
+    (quantize_activations_fp8 rounds through them), and its first two outputs add_rms_norm's."""
+    from graphkiln.models.norm_fp8 import add_rms_norm_fp8
+    from graphkiln.models.quantized_linear import quantize_activations_fp8
+
+    x, r = torch.randn(6, 96, dtype=torch.bfloat16), torch.randn(6, 96, dtype=torch.bfloat16)
+    w = torch.rand(96, dtype=torch.bfloat16) + 0.5
+    x[2] = 0  # an all-zero row: the smallest scale, zeros out
+    r[2] = 0
+    total, out, q, scale = add_rms_norm_fp8(x, r, w, 1e-5)
+    assert all(torch.equal(a, b) for a, b in zip((total, out), torch.ops.graphkiln.add_rms_norm(x, r, w, 1e-5)))
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (6, 1) and scale.dtype == torch.float32
+    assert torch.equal(q.float() * scale, quantize_activations_fp8(out, False, None))
+    assert torch.equal(q[2].float(), torch.zeros(96))

@@ -93,6 +93,24 @@ def test_fp8_mlp_activation_in_its_product_scores_as_without_silu_mul_epilogue(
 
 
 @pytest.mark.slow
+def test_fp8_norm_quant_takes_the_norms_before_fp8_products_and_scores_as_the_default(
+    quantized: dict[str, Path], tmp_path: Path
+) -> None:
+    """Enabled with add_rms_norm, the norms feeding fp8 products (each layer's post-attention norm before fp8_mlp,
+    the input norms of layers 2-4 before q/k/v; not the final norm before the bf16 LM head) quantize their output
+    for them; the artifact scores a prompt as the default one (add_rms_norm off on the CPU, Inductor's norm)."""
+    config = CompileConfig(quantization="fp8", enabled_passes=("add_rms_norm", "fp8_norm_quant"))
+    _, report = graphkiln.compile_model(tiny_model_dir(), tmp_path / "fp8", config, engine=SMALL_ENGINE)
+    records = {r.name: r for r in report.passes}
+    assert (records["add_rms_norm"].matches, records["fp8_norm_quant"].matches) == (8, 7)
+    ids = list(range(5, 133))
+    fused = graphkiln.load(tmp_path / "fp8", **ENGINE).score(ids)
+    default = graphkiln.load(quantized["fp8"], **ENGINE).score(ids)
+    torch.testing.assert_close(fused, default, rtol=2e-2, atol=2e-2)
+    assert top1_agreement(fused, default) == 1.0
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme,max_error,min_top1", [("fp8", 0.1, 0.9), ("int8", 0.05, 0.95), ("int4", 0.2, 0.8)])
 def test_quantized_tiny_logits_stay_close_to_bf16(
     quantized: dict[str, Path], scheme: str, max_error: float, min_top1: float

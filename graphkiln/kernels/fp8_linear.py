@@ -303,7 +303,8 @@ def scaled_mm_fits(x: torch.Tensor, weight: torch.Tensor, block_scales: bool) ->
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-               input_scale: torch.Tensor | None = None, activated: bool = False) -> torch.Tensor:
+               input_scale: torch.Tensor | None = None, activated: bool = False,
+               quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x [M, K] (bfloat16/float16) @ dequantized fp8 weight [N, K]^T -> [M, N] in x's dtype; `activated` (N even):
     silu(y[:, :N/2]) * y[:, N/2:] of that product y, [M, N/2] (the MLP's gate and up projections with their
     activation), in the one-row kernel's epilogue, by the SiLU-and-mul kernel at other row counts.
@@ -313,7 +314,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     activation (more than FEW_ROWS rows); without it activations are scaled per token or per 1 x 128 group.
     One row is multiplied unquantized; 2 to FEW_ROWS rows are quantized per 1 x 128 group in registers (per token
     where fp8_tma takes them); up to MMA_ROWS fp8_tma or fp8_mma multiplies the quantized rows,
-    torch._scaled_mm more."""
+    torch._scaled_mm more. `quantized`: x already quantized per token, (q, scale [M, 1]) as quantize_rows(x) makes
+    them, used where the product would quantize x so (per-channel weights, no input_scale)."""
     _check(x, weight, weight_scale)
     block_scales = _block_scales(weight, weight_scale)
     x, weight_scale = x if x.stride(1) == 1 else x.contiguous(), weight_scale.contiguous()
@@ -322,13 +324,13 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         return x.new_empty(0, n // 2 if activated else n)
     if m == 1:
         return fp8_gemv(x, weight, weight_scale, activated=activated)
-    y = _rows_product(x, weight, weight_scale, input_scale, block_scales)
+    y = _rows_product(x, weight, weight_scale, input_scale, block_scales, quantized)
     return silu_mul(y) if activated else y
 
 
 def _rows_product(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None,
-                  block_scales: bool) -> torch.Tensor:
-    """fp8_linear of 2 or more rows (checked, contiguous)."""
+                  block_scales: bool, quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """fp8_linear of 2 or more rows (checked, contiguous); `quantized` as fp8_linear takes it."""
     m, k = x.shape
     if m <= FEW_ROWS and not tma_fits(x, weight, weight_scale):
         return fp8_mma(x, weight, weight_scale)
@@ -336,7 +338,9 @@ def _rows_product(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
         if block_scales:  # no block-scaled _scaled_mm: cuBLAS on the dequantized weight
             return torch.mm(x, dequantize(weight, weight_scale, x.dtype).t())
         return fp8_mma(x, weight, weight_scale)
-    if input_scale is None:
+    if input_scale is None and quantized is not None and not block_scales:
+        xq, scale_a = quantized
+    elif input_scale is None:
         xq, scale_a = quantize_rows(x, BLOCK if block_scales else None)
     else:
         xq = quantize_static(x, input_scale)
@@ -361,19 +365,20 @@ def quantized_product(xq: torch.Tensor, scale_a: torch.Tensor, weight: torch.Ten
 
 def fp8_mlp(x: torch.Tensor, gate_up_weight: torch.Tensor, gate_up_scale: torch.Tensor,
             gate_up_input_scale: torch.Tensor | None, down_weight: torch.Tensor,
-            down_scale: torch.Tensor) -> torch.Tensor:
+            down_scale: torch.Tensor, quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """fp8_linear(fp8_linear(x, gate_up_weight, ..., activated=True), down_weight, down_scale): the MLP's two
     products with the activation between, equal to them bit for bit. Where the down product quantizes its input
     in a kernel of its own (more than FEW_ROWS rows, a dynamic scale), that kernel computes the activation as it
-    loads [gate | up], so silu(gate) * up is never written out and read back."""
+    loads [gate | up], so silu(gate) * up is never written out and read back. `quantized`: x already quantized,
+    for the gate/up product (fp8_linear)."""
     _check(x, gate_up_weight, gate_up_scale)
     block_scales = _block_scales(down_weight, down_scale)
     m = x.shape[0]
     few = m <= FEW_ROWS and not tma_fits(x, gate_up_weight, gate_up_scale)
     if m == 1 or few or (m > MMA_ROWS and not scaled_mm_fits(x, down_weight, block_scales)):
-        h = fp8_linear(x, gate_up_weight, gate_up_scale, gate_up_input_scale, activated=True)
+        h = fp8_linear(x, gate_up_weight, gate_up_scale, gate_up_input_scale, activated=True, quantized=quantized)
         return fp8_linear(h, down_weight, down_scale)
-    y = fp8_linear(x, gate_up_weight, gate_up_scale, gate_up_input_scale)
+    y = fp8_linear(x, gate_up_weight, gate_up_scale, gate_up_input_scale, quantized=quantized)
     _check(y[:, : y.shape[1] // 2], down_weight, down_scale)
     hq, scale_a = quantize_rows(y, BLOCK if block_scales else None, activated=True)
     return quantized_product(hq, scale_a, down_weight, down_scale.contiguous(), x.dtype)

@@ -5,6 +5,9 @@ eps)) rounded to the dtype before the weight multiplies it and once after, as mo
 computes it. Inductor's fused kernel for the same graph loops over a row twice above 1024 inputs (it keeps a
 row in registers only up to that width), and launches without programmatic dependent launch; here a program
 loads its row once, and with PDL (kernels/pdl.py) loads the norm's weight while the kernel before it drains.
+With `quantize`, the program also writes its output row in float8_e4m3fn with one scale, as
+fp8_linear.quantize_rows would from that output (the same operations, so the same bits): the fp8 product after
+the norm then needs no quantization launch of its own (passes/fp8_norm_quant.py).
 """
 
 from __future__ import annotations
@@ -18,11 +21,13 @@ from .launch import launch
 from .pdl import pdl_on
 
 MAX_WIDTH = 16384  # widest row a program holds; wider rows go to the torch reference
+FP8_MAX = tl.constexpr(448.0)  # as fp8_linear.quantize_rows scales a row
+MIN_SCALE = tl.constexpr(1e-12)
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, sum_ptr, out_ptr, H, stride_x, stride_r, stride_s, stride_o, eps,
-                         BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, sum_ptr, out_ptr, q_ptr, qs_ptr, H, stride_x, stride_r, stride_s,
+                         stride_o, stride_q, eps, BLOCK: tl.constexpr, QUANTIZE: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     if PDL:  # the next kernel may start once every program has begun
         gdc_launch_dependents()
@@ -38,7 +43,14 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, sum_ptr, out_ptr, H, stride_x, str
     tl.store(sum_ptr + row * stride_s + cols, total, mask=mask)
     s = total.to(tl.float32)
     normed = (s * tl.rsqrt(tl.sum(s * s, axis=0) / H + eps)).to(dtype).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (weight * normed).to(dtype), mask=mask)
+    out = (weight * normed).to(dtype)
+    tl.store(out_ptr + row * stride_o + cols, out, mask=mask)
+    if QUANTIZE:  # quantize_rows' per-token rounding of `out` (its padded lanes are zeros)
+        out32 = out.to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(out32), axis=0) / FP8_MAX, MIN_SCALE)
+        q = tl.clamp(out32 / scale, -FP8_MAX, FP8_MAX)
+        tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(qs_ptr + row, scale)
 
 
 def warps(width: int) -> int:
@@ -46,16 +58,20 @@ def warps(width: int) -> int:
     return min(max(triton.next_power_of_2(width) // 512, 1), 16)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 quantize: bool = False) -> tuple[torch.Tensor, ...]:
     """(x + residual, RMSNorm of it) for x, residual [M, H] and weight [H] of one dtype, unit stride along H,
-    H at most MAX_WIDTH: one launch of M programs."""
+    H at most MAX_WIDTH: one launch of M programs. `quantize`: also (q, scale), the norm's output in
+    float8_e4m3fn [M, H] with a float32 scale a row [M, 1], equal to fp8_linear.quantize_rows of it."""
     rows, width = x.shape
     total = torch.empty_like(x)
     out = torch.empty_like(x)
+    q = torch.empty(rows, width, dtype=torch.float8_e4m3fn, device=x.device) if quantize else out
+    scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device) if quantize else out
     if rows:
         launch_pdl = pdl_on(x.device)
-        launch(_add_rms_norm_kernel, (rows,), x, residual, weight, total, out, width, x.stride(0), residual.stride(0),
-               total.stride(0), out.stride(0), eps, BLOCK=triton.next_power_of_2(width), PDL=launch_pdl,
-               num_warps=warps(width), launch_pdl=launch_pdl)
-    return total, out
+        launch(_add_rms_norm_kernel, (rows,), x, residual, weight, total, out, q, scale, width, x.stride(0),
+               residual.stride(0), total.stride(0), out.stride(0), q.stride(0), eps,
+               BLOCK=triton.next_power_of_2(width), QUANTIZE=quantize, PDL=launch_pdl, num_warps=warps(width),
+               launch_pdl=launch_pdl)
+    return (total, out, q, scale) if quantize else (total, out)

@@ -13,10 +13,13 @@ Pipeline (`pipeline.default_passes`), each switchable with `CompileConfig.disabl
 4. `add_rms_norm` (CUDA compiles; on the CPU only when named): a residual add and the RMSNorm of its sum become one
    graphkiln::add_rms_norm call, a Triton kernel holding each row in registers (Inductor's loops over
    a row twice above 1024 inputs) and launched with programmatic dependent launch.
-5. `attention_split`: cuts the graph at every graphkiln::attention call into pieces.
-6. `linear_op` (post-grad): routes weight products through graphkiln::linear, whose one-row
+5. `fp8_norm_quant` (off unless named, with add_rms_norm): an add_rms_norm feeding only fp8 products with a
+   dynamic per-token scale becomes graphkiln::add_rms_norm_fp8, which also writes its output quantized, and the
+   products read that instead of launching their own quantization.
+6. `attention_split`: cuts the graph at every graphkiln::attention call into pieces.
+7. `linear_op` (post-grad): routes weight products through graphkiln::linear, whose one-row
    Triton GEMV reads the narrow projections faster than cuBLAS (see models/linear.py).
-7. `symm_mem_all_reduce` (post-grad, off unless named; CUDA, 2+ ranks): in compiles specialized to a
+8. `symm_mem_all_reduce` (post-grad, off unless named; CUDA, 2+ ranks): in compiles specialized to a
    token count, an all-reduce of at most 128 KiB becomes PyTorch's symmetric-memory one-shot kernel
    instead of NCCL's; the residual add + RMSNorm after it stay one Inductor kernel.
 

@@ -15,6 +15,7 @@ from .add_rms_norm import AddRmsNorm
 from .attention_split import AttentionSplit
 from .base import Pass
 from .fp8_mlp import Fp8Mlp
+from .fp8_norm_quant import Fp8NormQuant
 from .linear_op import LinearOp
 from .silu_mul_epilogue import SiluMulEpilogue
 from .silu_mul_linear import SiluMulLinear
@@ -23,7 +24,7 @@ from .symm_mem_all_reduce import SymmMemAllReduce
 
 def default_passes(extra: Sequence[Pass] = ()) -> list[Pass]:
     """Built-in passes in pipeline order; `extra` Dynamo-graph passes run just before the split."""
-    return [SiluMulEpilogue(), Fp8Mlp(), SiluMulLinear(), AddRmsNorm(), *extra, AttentionSplit(),
+    return [SiluMulEpilogue(), Fp8Mlp(), SiluMulLinear(), AddRmsNorm(), Fp8NormQuant(), *extra, AttentionSplit(),
             LinearOp(), SymmMemAllReduce()]
 
 

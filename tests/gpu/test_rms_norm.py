@@ -1,5 +1,6 @@
 """graphkiln::add_rms_norm on CUDA: the Triton kernel against the model's own ops, inside a CUDA graph, and the
-add_rms_norm pass in a compiled tiny engine."""
+add_rms_norm pass in a compiled tiny engine; the kernel's fp8 output (add_rms_norm_fp8) against quantize_rows, and
+the fp8 products taking it against those quantizing their input themselves."""
 
 from __future__ import annotations
 
@@ -68,3 +69,36 @@ def test_pass_in_a_compiled_bf16_engine_scores_and_decodes_as_the_eager_model():
     got = [o.token_ids for o in plain.generate(prompts, params)]
     assert [o.token_ids for o in graphed.generate(prompts, params)] == got
     assert_greedy_agrees(eager, prompts, [o.token_ids for o in eager.generate(prompts, params)], got)
+
+
+@pytest.mark.parametrize("rows,width", [(1, 2048), (8, 4096), (64, 4096), (300, 8192), (3, 1000)])
+def test_quantizing_kernel_writes_what_quantize_rows_makes_of_its_output(rows, width):
+    """add_rms_norm_fp8 on CUDA: the sum and norm of add_rms_norm, and the norm's fp8 rows and scales equal, bit for
+    bit, to fp8_linear.quantize_rows of it (the launch the fp8 product after it no longer makes)."""
+    from graphkiln.kernels.fp8_linear import quantize_rows
+    from graphkiln.models.norm_fp8 import add_rms_norm_fp8
+
+    x, residual, weight = _inputs(rows, width, torch.bfloat16, rows * width)
+    total, out, q, scale = add_rms_norm_fp8(x, residual, weight, 1e-5)
+    assert all(torch.equal(a, b) for a, b in zip((total, out), add_rms_norm(x, residual, weight, 1e-5)))
+    want_q, want_scale = quantize_rows(out)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scale, want_scale)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 8, 16, 33, 64, 300])
+def test_fp8_products_given_the_quantized_rows_equal_those_quantizing_them(rows):
+    """fp8_linear_quantized and fp8_mlp_quantized with quantize_rows' fp8 rows of x equal fp8_linear and fp8_mlp on
+    x, bit for bit, at every row count's path (the GEMV at one row, fp8_tma or fp8_mma, torch._scaled_mm)."""
+    from graphkiln.kernels.fp8_linear import quantize_rows
+    from graphkiln.models.norm_fp8 import fp8_linear_quantized, fp8_mlp_quantized
+    from graphkiln.models.quantized_linear import fp8_linear, fp8_mlp, quantize_fp8
+
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16, generator=gen)
+    (w, s), (gate_up, gate_up_s), (down, down_s) = (
+        quantize_fp8(torch.randn(n, k, device="cuda", generator=gen) * k**-0.5)
+        for n, k in ((6144, 4096), (2 * 14336, 4096), (4096, 14336)))
+    q, scale = quantize_rows(x)
+    assert torch.equal(fp8_linear_quantized(x, q, scale, w, s), fp8_linear(x, w, s, None))
+    assert torch.equal(fp8_mlp_quantized(x, q, scale, gate_up, gate_up_s, down, down_s),
+                       fp8_mlp(x, gate_up, gate_up_s, None, down, down_s))

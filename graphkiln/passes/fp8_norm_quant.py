@@ -1,0 +1,90 @@
+"""fp8_norm_quant: a residual add and RMSNorm feeding only fp8 products quantize the norm's output themselves.
+
+A Dynamo-graph pass after add_rms_norm, off by default (enable both: `CompileConfig(enabled_passes=("add_rms_norm",
+"fp8_norm_quant"))`; README, "Quantized weights", says why it is off). It matches graphkiln::add_rms_norm whose
+normed output feeds nothing but graphkiln::fp8_linear(out, weight, weight_scale, None) and graphkiln::fp8_mlp(out,
+gate_up_weight, gate_up_scale, None, ...) with one weight scale per output channel (a layer's q/k/v and gate/up
+products), and calls graphkiln::add_rms_norm_fp8, which also writes that output quantized per token, and
+fp8_linear_quantized / fp8_mlp_quantized on it (models/norm_fp8.py). Past one row a product then reads the fp8
+rows the norm wrote instead of launching its own quantization; the numbers are the same.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from graphkiln.models.norm import add_rms_norm
+from graphkiln.models.norm_fp8 import add_rms_norm_fp8, fp8_linear_quantized, fp8_mlp_quantized
+from graphkiln.models.quantized_linear import FP8, fp8_linear, fp8_mlp
+
+from .base import GraphPass
+from .silu_mul_epilogue import call_arguments
+
+NORMS = (add_rms_norm, add_rms_norm.default)
+PRODUCTS = {fp8_linear: fp8_linear_quantized.default, fp8_linear.default: fp8_linear_quantized.default,
+            fp8_mlp: fp8_mlp_quantized.default, fp8_mlp.default: fp8_mlp_quantized.default}
+
+
+def _value(node) -> torch.Tensor | None:
+    value = node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _weights(user: torch.fx.Node, normed: torch.fx.Node) -> tuple | None:
+    """The arguments after x of the quantized op replacing `user` (the weights and their scales), when `user` is an
+    fp8 product of `normed` that quantizes it per token: a dynamic activation scale, per-channel weight scales."""
+    if user.op != "call_function" or user.target not in PRODUCTS:
+        return None
+    x, weight, weight_scale, input_scale, *rest = call_arguments(user)
+    value = _value(weight_scale)
+    if x is not normed or input_scale is not None or value is None or value.dim() != 1:
+        return None
+    return (weight, weight_scale, *rest)
+
+
+def _normed_output(pair: torch.fx.Node) -> torch.fx.Node | None:
+    """The getitem node of `pair`'s second output (the norm), where every user of `pair` is a getitem."""
+    items = [u for u in pair.users if u.op == "call_function" and u.target is operator.getitem]
+    if len(items) != len(pair.users):
+        return None
+    return next((u for u in items if u.args[1] == 1), None)
+
+
+class Fp8NormQuant(GraphPass):
+    name = "fp8_norm_quant"
+    default_devices = ()  # off until a decode step measures faster with it
+
+    def __call__(self, gm: torch.fx.GraphModule) -> int:
+        graph, matches = gm.graph, 0
+        for pair in list(graph.nodes):
+            if pair.op != "call_function" or pair.target not in NORMS:
+                continue
+            normed = _normed_output(pair)
+            out = _value(normed)
+            if normed is None or out is None or not normed.users:
+                continue
+            weights = {user: _weights(user, normed) for user in normed.users}
+            if any(w is None for w in weights.values()):
+                continue
+            with graph.inserting_after(pair):
+                fused = graph.call_function(add_rms_norm_fp8.default, pair.args, pair.kwargs)
+            q_value, scale_value = out.new_empty(out.shape, dtype=FP8), out.new_empty(out.shape[0], 1,
+                                                                                     dtype=torch.float32)
+            fused.meta["example_value"] = (*pair.meta["example_value"], q_value, scale_value)
+            with graph.inserting_after(fused):
+                scale = graph.call_function(operator.getitem, (fused, 3))
+                q = graph.call_function(operator.getitem, (fused, 2))
+            q.meta["example_value"], scale.meta["example_value"] = q_value, scale_value
+            for user, rest in weights.items():
+                with graph.inserting_before(user):
+                    call = graph.call_function(PRODUCTS[user.target], (normed, q, scale, *rest))
+                call.meta = dict(user.meta)
+                user.replace_all_uses_with(call)
+                graph.erase_node(user)
+            pair.replace_all_uses_with(fused)
+            graph.erase_node(pair)
+            matches += 1
+        gm.recompile()
+        return matches
