@@ -368,13 +368,14 @@ def fp8_mlp(x: torch.Tensor, gate_up_weight: torch.Tensor, gate_up_scale: torch.
             down_scale: torch.Tensor, quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """fp8_linear(fp8_linear(x, gate_up_weight, ..., activated=True), down_weight, down_scale): the MLP's two
     products with the activation between, equal to them bit for bit. Where the down product quantizes its input
-    in a kernel of its own (more than FEW_ROWS rows, a dynamic scale), that kernel computes the activation as it
-    loads [gate | up], so silu(gate) * up is never written out and read back. `quantized`: x already quantized,
-    for the gate/up product (fp8_linear)."""
+    in a kernel of its own (a dynamic scale, more than FEW_ROWS rows, or from 2 where both products take fp8_tma),
+    that kernel computes the activation as it loads [gate | up], so silu(gate) * up is never written out and read
+    back. `quantized`: x already quantized, for the gate/up product (fp8_linear)."""
     _check(x, gate_up_weight, gate_up_scale)
     block_scales = _block_scales(down_weight, down_scale)
     m = x.shape[0]
-    few = m <= FEW_ROWS and not tma_fits(x, gate_up_weight, gate_up_scale)
+    # up to FEW_ROWS, one product off fp8_tma rounds its input in registers: then the two go apart, as written
+    few = m <= FEW_ROWS and not (tma_fits(x, gate_up_weight, gate_up_scale) and tma_fits(x, down_weight, down_scale))
     if m == 1 or few or (m > MMA_ROWS and not scaled_mm_fits(x, down_weight, block_scales)):
         h = fp8_linear(x, gate_up_weight, gate_up_scale, gate_up_input_scale, activated=True, quantized=quantized)
         return fp8_linear(h, down_weight, down_scale)

@@ -79,14 +79,14 @@ def tma_takes(m: int, n: int, k: int, shared: int = HOPPER_SHARED) -> bool:
 
 
 def tma_fits(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
-    """Whether `fp8_tma` takes these (`tma_takes`): CUDA with TMA (sm90+), an fp8 weight with one scale per output
-    channel whose rows start 16-byte aligned."""
+    """Whether `fp8_tma` takes x's rows times this weight (`tma_takes`; x [M, K] as the weight's K): CUDA with TMA
+    (sm90+), an fp8 weight with one scale per output channel whose rows start 16-byte aligned."""
     if not x.is_cuda or weight.dtype != torch.float8_e4m3fn or weight_scale.dim() != 1:
         return False
     if weight.stride(1) != 1 or weight.stride(0) % ALIGN or weight.data_ptr() % ALIGN:
         return False
     has_tma, shared = _device(x.device.index if x.device.index is not None else torch.cuda.current_device())
-    return has_tma and tma_takes(x.shape[0], weight.shape[0], x.shape[1], shared)
+    return has_tma and tma_takes(x.shape[0], weight.shape[0], weight.shape[1], shared)
 
 
 def tma_tiling(m: int, shared: int = HOPPER_SHARED) -> tuple[int, int, int, int, int]:
