@@ -29,7 +29,7 @@ counts, with sweeps of the few-row kernels' tiles. A few minutes on the 8b shape
               perplexity per format (bench/quality.py)
   --sweep     fp8, fp8-block: at 1 row every GEMV tiling of SWEEP_GEMV, at 2 to 64 rows every tiling of SWEEP_MMA
               (above FEW_ROWS rows on x quantized first, as mma_quantized), or for fp8 on sm90+ every tiling of
-              SWEEP_TMA (the TMA-fed kernel, as tma_quantized, K not split); the int8 formats: the same tilings,
+              SWEEP_TMA (the TMA-fed kernel, as tma_quantized); the int8 formats: the same tilings,
               as int8_linear runs them (W8A16 converting the weight at every row count);
               int4: every tiling of SWEEP_DP4A (the dp4a GEMV) at 1 row, of SWEEP_WORD_DOT at 2 to 64 rows, of
               SWEEP_MM (the byte kernel, which int4_linear leaves to dequantize + mm there) at 65 to 256; each

@@ -30,8 +30,9 @@ SWEEP_MM += [(m, n, k, True, warps, stages) for m, n, k, warps, stages in
 # (BLOCK_N, BLOCK_K, warps, stages) of the fp8 tensor-core kernel (fp8_mma.py) tried at 2 to 64 rows
 SWEEP_MMA = [(n, k, warps, stages) for n in (64, 128) for k in (64, 128) for warps, stages in ((4, 3), (4, 5), (8, 4))]
 SWEEP_MMA += [(256, 128, 8, stages) for stages in (3, 4)]
-# (BLOCK_N, BLOCK_K, warps, stages) of the TMA-fed fp8 kernel (fp8_tma.py) tried at 2 to 64 rows on sm90+
-SWEEP_TMA = [(n, k, 4, stages) for n in (32, 64, 128) for k in (128, 256, 512) for stages in (3, 4, 6, 8)]
+# (BLOCK_N, BLOCK_K, splits, warps, stages) of the TMA-fed fp8 kernel (fp8_tma.py) tried at 2 to 64 rows on sm90+
+SWEEP_TMA = [(n, k, 1, 4, stages) for n in (32, 64, 128) for k in (128, 256, 512) for stages in (3, 4, 6, 8)]
+SWEEP_TMA += [(n, 256, splits, 4, stages) for n in (32, 64) for splits in (2, 4) for stages in (4, 6)]
 
 
 def int8_quantized_mma(x, weight, scale, tiles=None):

@@ -165,18 +165,18 @@ def run_prefill(dtype: torch.dtype, hq: int, hkv: int, d: int, lens: list[tuple[
 
 
 def run_product(kind: str, rows: int, n: int, k: int, seed: int = 0) -> dict:
-    """fp8_linear ("fp8-channel", "fp8-block"), the TMA-fed fp8 product on quantized rows ("fp8-tma"), int8_linear
-    ("w8a8", "w8a8-static", "w8a16", "w8a16-groups": scales per 128 inputs), int4_linear ("int4", groups of 128)
-    or the int4 dp4a GEMV ("int4-dp4a", "-g32": groups of 32) of `rows` float16 rows, as
-    they dispatch that many, on the GPU tests' weights (gpu/kernel_weights.py), against float32 products of the
-    dequantized weight and of x as the kernels round it (models/quantized_linear.py): unquantized at one row, per
-    1 x 128 group in registers up to FEW_ROWS, per token (channel scales) or group (block scales) by a kernel of
-    its own up to MMA_ROWS; int8's W8A8 rounds x to int8 likewise, per 1 x 128 group in registers from 2 to
-    FEW_ROWS rows and per token (or by the static scale) past them; W8A16 and int4 keep x (the dp4a GEMV's
-    16-bit fixed point per group is finer than float16 for all but a group's smallest inputs). "-activated" kinds
-    (fp8, int8, and "half" for the float16 GEMV of one row) are
-    silu(gate) * up of the product's halves, against that of the float16 product; "-mlp" kinds (fp8) are
-    fp8_mlp, the down product of that activation rounded as its row count rounds x."""
+    """fp8_linear ("fp8-channel", "fp8-block"), the TMA-fed fp8 product on quantized rows ("fp8-tma", "-split"
+    with K in three), int8_linear ("w8a8", "w8a8-static", "w8a16", "w8a16-groups": scales per 128 inputs),
+    int4_linear ("int4", groups of 128) or the int4 dp4a GEMV ("int4-dp4a", "-g32": groups of 32) of `rows`
+    float16 rows, as they dispatch that many, on the GPU tests' weights (gpu/kernel_weights.py), against float32
+    products of the dequantized weight and of x as the kernels round it (models/quantized_linear.py): unquantized
+    at one row, per 1 x 128 group in registers up to FEW_ROWS, per token (channel scales) or group (block scales)
+    by a kernel of its own up to MMA_ROWS; int8's W8A8 rounds x to int8 likewise, per 1 x 128 group in registers
+    from 2 to FEW_ROWS rows and per token (or by the static scale) past them; W8A16 and int4 keep x (the dp4a
+    GEMV's 16-bit fixed point per group is finer than float16 for all but a group's smallest inputs). "-activated"
+    kinds (fp8, int8, and "half" for the float16 GEMV of one row) are silu(gate) * up of the product's halves,
+    against that of the float16 product; "-mlp" kinds (fp8) are fp8_mlp, the down product of that activation
+    rounded as its row count rounds x."""
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed)).to(torch.float16)
     activated = kind.endswith("-activated")
     if kind.startswith("int4"):
@@ -193,10 +193,11 @@ def run_product(kind: str, rows: int, n: int, k: int, seed: int = 0) -> dict:
         got = int8_linear(x, weight, scale, static, quantize_input=kind.startswith("w8a8"), activated=activated)
         want = _int8_rounded(x, rows, static) if kind.startswith("w8a8") else x.float()
         want = want @ reference.t()
-    elif kind == "fp8-tma":  # the TMA-fed product on rows quantized per token, as fp8_linear hands them over
+    elif kind.startswith("fp8-tma"):  # the TMA-fed product on rows quantized per token (-split: K in three)
         weight, scale, reference = fp8_weight(n, k, False, "cpu")
         xq, x_scale = quantize_rows(x)
-        got = fp8_tma(xq, x_scale, weight, scale, torch.float16)
+        tiles = (max(16, 1 << (rows - 1).bit_length()), 64, 256, 3, 4, 4) if kind.endswith("split") else None
+        got = fp8_tma(xq, x_scale, weight, scale, torch.float16, tiles)
         want = (xq.float() * x_scale) @ reference.t()
     elif kind == "half-activated":
         weight = torch.randn(n, k, generator=torch.Generator().manual_seed(seed + 1)).to(torch.float16) / k**0.5
@@ -296,6 +297,7 @@ PRODUCT_CASES = {  # name: (kind, rows, N, K); the rows pick each path fp8_linea
        for rows in (1, 8)},
     "half-activated-1-row": ("half-activated", 1, 200, 384),
     **{f"fp8-tma-{rows}-rows": ("fp8-tma", rows, 200, 1168) for rows in (3, 40)},  # a partial slab and K step
+    "fp8-tma-split-40-rows": ("fp8-tma-split", 40, 200, 1424),  # 6 K steps in 3 splits, the last step partial
     **{f"{kind}-mlp-{rows}-rows": (f"{kind}-mlp", rows, 200, 384) for kind in ("fp8-channel", "fp8-block")
        for rows in (8, 24)},  # 24: the activation applied in the down product's quantization
     **{f"{kind}-{rows}-rows": (kind, rows, 200, 384) for kind in ("w8a8", "w8a16") for rows in (1, 8, 24, 80)},

@@ -6,7 +6,8 @@ BLOCK_N weight rows over all of K. Each K step the copy engine brings a BLOCK_N 
 the BLOCK_M x BLOCK_K tile of x into shared memory, STAGES steps ahead, and the tensor cores read both from there:
 no thread computes an address or holds a tile in its registers on the way, which is where the pointer-fed kernel
 (fp8_mma.py) spends its issue slots and registers at these sizes. With the bytes in flight that deep, one
-program a slab streams its weight fast enough that K is not split (no partials, no second pass over them).
+program a slab streams its weight fast enough that the rule does not split K (no partials, no second pass over
+them); a split (split_k.py) is there for the sweeps.
 
 The weight's descriptor spans [N, K], x's [M, K]; boxes past either edge read zeros, so N, K and M need not be
 multiples of the tiles. Descriptors are built at each call on the host: inside a CUDA graph they are captured with
@@ -25,6 +26,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .launch import launch
 from .pdl import pdl_on
+from .split_k import k_steps, product_buffers, store_product
 
 TMA_ROWS = 64  # the most rows of x one tile takes
 TMA_MIN_N = 4096  # the narrowest weight measured faster here (64 slabs); narrower ones keep fp8_mma.py
@@ -33,17 +35,20 @@ HOPPER_SHARED = 227 * 1024  # shared memory a program may take on an H100 or H20
 SHARED_RESERVE = 1024  # of it, left to the kernel's own barriers and scratch
 
 
-@triton.jit(do_not_specialize=["M"])  # one build for every row count up to BLOCK_M
-def _tma_kernel(w_desc, x_desc, xs_ptr, s_ptr, y_ptr, M, N, K, stride_xs, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
-    """y[M, N] for one slab of BLOCK_N weight rows, all of K, x's rows on the narrow side of the tensor-core tile."""
+@triton.jit(do_not_specialize=["M", "STEPS"])  # one build for every row count up to BLOCK_M and every split
+def _tma_kernel(w_desc, x_desc, xs_ptr, s_ptr, y_ptr, partials, counters, M, N, STEPS, stride_xs,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+                SPLIT: tl.constexpr, PDL: tl.constexpr):
+    """y[M, N] (split_k.store_product) for one slab of BLOCK_N weight rows over a split of K (STEPS steps of
+    BLOCK_K), x's rows on the narrow side of the tensor-core tile."""
     n0 = tl.program_id(0) * BLOCK_N
+    k0 = tl.program_id(2) * STEPS * BLOCK_K
     if PDL:  # the next kernel may start once every program has begun
         gdc_launch_dependents()
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if PDL:  # x is the previous kernel's output
         gdc_wait()
-    for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+    for k in tl.range(k0, k0 + STEPS * BLOCK_K, BLOCK_K, num_stages=STAGES):
         acc = tl.dot(w_desc.load([n0, k]), tl.trans(x_desc.load([0, k])), acc)
     cols = n0 + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
@@ -51,8 +56,8 @@ def _tma_kernel(w_desc, x_desc, xs_ptr, s_ptr, y_ptr, M, N, K, stride_xs, BLOCK_
     row_mask = rows < M
     acc = acc * tl.load(s_ptr + cols, mask=col_mask, other=0.0)[:, None]
     acc = acc * tl.load(xs_ptr + rows * stride_xs, mask=row_mask, other=0.0)[None, :]
-    tl.store(y_ptr + rows[None, :].to(tl.int64) * N + cols[:, None], acc.to(y_ptr.dtype.element_ty),
-             mask=col_mask[:, None] & row_mask[None, :])
+    store_product(y_ptr, partials, counters, acc, rows[None, :].to(tl.int64) * N + cols[:, None],
+                  col_mask[:, None] & row_mask[None, :], M.to(tl.int64) * N, SPLIT)
 
 
 @functools.cache
@@ -75,7 +80,7 @@ def tma_takes(m: int, n: int, k: int, shared: int = HOPPER_SHARED) -> bool:
     """Whether an sm90+ GPU with `shared` bytes of shared memory a program sends m rows of x times a per-channel
     fp8 weight [n, k] to `fp8_tma`: 2 to TMA_ROWS rows, at least TMA_MIN_N weight rows (where it was measured
     faster; the 8B-like projections), 16-byte rows, and room for two steps of its tiles."""
-    return 2 <= m <= TMA_ROWS and n >= TMA_MIN_N and k % ALIGN == 0 and tma_tiling(m, shared)[4] >= 2
+    return 2 <= m <= TMA_ROWS and n >= TMA_MIN_N and k % ALIGN == 0 and tma_tiling(m, shared)[5] >= 2
 
 
 def tma_fits(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
@@ -89,30 +94,34 @@ def tma_fits(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) 
     return has_tma and tma_takes(x.shape[0], weight.shape[0], weight.shape[1], shared)
 
 
-def tma_tiling(m: int, shared: int = HOPPER_SHARED) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): the fastest of those measured on the 8B-like projections at 8 to
-    64 rows (64-row slabs of 256-wide steps; 4 stages, 6 from 33 rows, where gate_up and down gained by them), the
-    stages cut to what `shared` bytes of shared memory hold (a GPU with less than a Hopper's)."""
+def tma_tiling(m: int, shared: int = HOPPER_SHARED) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, splits, warps, stages): the fastest of those measured on the 8B-like projections
+    at 8 to 64 rows (64-row slabs of 256-wide steps, K not split; 4 stages, 6 from 33 rows, where gate_up and down
+    gained by them), the stages cut to what `shared` bytes of shared memory hold (a GPU with less than a Hopper's).
+    A split of K (split_k.py) is there for the sweeps: it measured slower on every 8B-like projection."""
     block_m, block_n, block_k = max(16, triton.next_power_of_2(m)), 64, 256
     stages = min(6 if block_m > 32 else 4, (shared - SHARED_RESERVE) // ((block_m + block_n) * block_k))
-    return block_m, block_n, block_k, 4, stages
+    return block_m, block_n, block_k, 1, 4, stages
 
 
 def fp8_tma(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-            out_dtype: torch.dtype, tiles: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+            out_dtype: torch.dtype, tiles: tuple[int, int, int, int, int, int] | None = None) -> torch.Tensor:
     """xq [M, K] float8_e4m3fn (contiguous) times x_scale (float32 [M, 1], one a row) @ the weight [N, K]
     float8_e4m3fn times weight_scale (float32 [N], contiguous)^T, in `out_dtype`; where `tma_fits`. `tiles`
     defaults to `tma_tiling`."""
     m, k = xq.shape
     n = weight.shape[0]
-    block_m, block_n, block_k, warps, stages = tiles or tma_tiling(m, shared_bytes(xq.device))
-    y = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    block_m, block_n, block_k, splits, warps, stages = tiles or tma_tiling(m, shared_bytes(xq.device))
+    splits, steps = k_steps(k, splits, block_k)
+    grid = (triton.cdiv(n, block_n), 1, splits)
+    y, partials, counters = product_buffers(m, n, grid, out_dtype, xq.device)
     w_desc = TensorDescriptor(weight, [n, k], [weight.stride(0), 1], [block_n, block_k])
     x_desc = TensorDescriptor(xq, [m, k], [xq.stride(0), 1], [block_m, block_k])
     launch_pdl = pdl_on(xq.device)
     launch(
-        _tma_kernel, (triton.cdiv(n, block_n),),
-        w_desc, x_desc, x_scale, weight_scale, y, m, n, k, x_scale.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, STAGES=stages, PDL=launch_pdl, num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,
+        _tma_kernel, grid,
+        w_desc, x_desc, x_scale, weight_scale, y, partials, counters, m, n, steps, x_scale.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, SPLIT=splits > 1, PDL=launch_pdl,
+        num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,
     )
     return y

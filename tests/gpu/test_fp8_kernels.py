@@ -194,13 +194,15 @@ needs_tma = pytest.mark.skipif(torch.cuda.get_device_capability()[0] < 9, reason
 
 
 @needs_tma
+@pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 @pytest.mark.parametrize("rows", [2, 8, 16, 17, 33, 64])
 @pytest.mark.parametrize("shape", TMA_SHAPES.values(), ids=TMA_SHAPES.keys())
-def test_fp8_tma_is_the_float32_product_of_what_it_reads(shape, rows, static):
+def test_fp8_tma_is_the_float32_product_of_what_it_reads(shape, rows, static, splits):
     """The TMA-fed product on x in fp8 (per token, or one static scale whose rows share an element) against the
-    float32 product of those fp8 rows times their scales and the dequantized weight: only accumulation order and
-    the output rounding differ. 200 x 1168 ends in a partial slab and a partial K step, which read zeros."""
+    float32 product of those fp8 rows times their scales and the dequantized weight, K unsplit (the rule's) or in
+    up to three splits (the sweep's): only accumulation order and the output rounding differ. 200 x 1168 ends in a
+    partial slab and a partial K step, which read zeros."""
     n, k = shape
     weight, scale, reference_weight = fp8_weight(n, k, False)
     x = activation(rows, k) * torch.linspace(0.01, 4, k, device="cuda")
@@ -210,7 +212,8 @@ def test_fp8_tma_is_the_float32_product_of_what_it_reads(shape, rows, static):
     else:
         xq, x_scale = quantize_rows(x)
     assert tma_kernels.tma_fits(xq, weight, scale) == (n >= tma_kernels.TMA_MIN_N)
-    y = tma_kernels.fp8_tma(xq, x_scale, weight, scale, torch.bfloat16)
+    tiles = tma_kernels.tma_tiling(rows)
+    y = tma_kernels.fp8_tma(xq, x_scale, weight, scale, torch.bfloat16, (*tiles[:3], splits, *tiles[4:]))
     assert y.shape == (rows, n) and y.dtype == torch.bfloat16
     assert relative_error(y, (xq.float() * x_scale) @ reference_weight.t()) < 0.006
 
