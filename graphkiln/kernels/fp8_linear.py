@@ -107,6 +107,19 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, partials, counters, N, K, STEPS
 
 
 @triton.jit
+def quantize_group(x, INT8: tl.constexpr):
+    """(q, scale) of a group of float32 values x (zeros in masked lanes) by its absolute maximum: scale = amax / 448
+    (amax / 127 for INT8), at least 1e-12, and q = x / scale clamped to the type's range (rounded to the nearest
+    integer for INT8), still float32. The quantization kernel's, and the RMSNorm's that quantizes (rms_norm.py)."""
+    q_max = 127.0 if INT8 else 448.0
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0) / q_max, 1e-12)
+    q = x / scale
+    if INT8:
+        q = tl.floor(q + 0.5)
+    return tl.clamp(q, -q_max, q_max), scale
+
+
+@triton.jit
 def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm, stride_sg,
                             GROUP: tl.constexpr, BLOCK: tl.constexpr, INT8: tl.constexpr, ACTIVATED: tl.constexpr,
                             PDL: tl.constexpr):
@@ -126,12 +139,7 @@ def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride
     if ACTIVATED:
         up = tl.load(x_ptr + row * stride_xm + K + ks, mask=mask, other=0.0).to(tl.float32)
         x = (x * tl.sigmoid(x) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
-    q_max = 127.0 if INT8 else 448.0
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0) / q_max, 1e-12)
-    q = x / scale
-    if INT8:
-        q = tl.floor(q + 0.5)
-    q = tl.clamp(q, -q_max, q_max)
+    q, scale = quantize_group(x, INT8)
     tl.store(q_ptr + row * stride_qm + ks, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + row * stride_sm + group * stride_sg, scale)
 

@@ -6,7 +6,7 @@ computes it. Inductor's fused kernel for the same graph loops over a row twice a
 row in registers only up to that width), and launches without programmatic dependent launch; here a program
 loads its row once, and with PDL (kernels/pdl.py) loads the norm's weight while the kernel before it drains.
 With `quantize`, the program also writes its output row in float8_e4m3fn with one scale, as
-fp8_linear.quantize_rows would from that output (the same operations, so the same bits): the fp8 product after
+fp8_linear.quantize_rows would from that output (its quantize_group, so the same bits): the fp8 product after
 the norm then needs no quantization launch of its own (passes/fp8_norm_quant.py).
 """
 
@@ -17,12 +17,11 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from .fp8_linear import quantize_group
 from .launch import launch
 from .pdl import pdl_on
 
 MAX_WIDTH = 16384  # widest row a program holds; wider rows go to the torch reference
-FP8_MAX = tl.constexpr(448.0)  # as fp8_linear.quantize_rows scales a row
-MIN_SCALE = tl.constexpr(1e-12)
 
 
 @triton.jit
@@ -46,9 +45,7 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, sum_ptr, out_ptr, q_ptr, qs_ptr, H
     out = (weight * normed).to(dtype)
     tl.store(out_ptr + row * stride_o + cols, out, mask=mask)
     if QUANTIZE:  # quantize_rows' per-token rounding of `out` (its padded lanes are zeros)
-        out32 = out.to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(out32), axis=0) / FP8_MAX, MIN_SCALE)
-        q = tl.clamp(out32 / scale, -FP8_MAX, FP8_MAX)
+        q, scale = quantize_group(out.to(tl.float32), False)
         tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(qs_ptr + row, scale)
 
