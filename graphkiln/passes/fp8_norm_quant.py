@@ -19,17 +19,13 @@ from graphkiln.models.norm import add_rms_norm
 from graphkiln.models.norm_fp8 import add_rms_norm_fp8, fp8_linear_quantized, fp8_mlp_quantized
 from graphkiln.models.quantized_linear import FP8, fp8_linear, fp8_mlp
 
+from .add_rms_norm import _value
 from .base import GraphPass
 from .silu_mul_epilogue import call_arguments
 
 NORMS = (add_rms_norm, add_rms_norm.default)
 PRODUCTS = {fp8_linear: fp8_linear_quantized.default, fp8_linear.default: fp8_linear_quantized.default,
             fp8_mlp: fp8_mlp_quantized.default, fp8_mlp.default: fp8_mlp_quantized.default}
-
-
-def _value(node) -> torch.Tensor | None:
-    value = node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
-    return value if isinstance(value, torch.Tensor) else None
 
 
 def _weights(user: torch.fx.Node, normed: torch.fx.Node) -> tuple | None:
@@ -62,8 +58,8 @@ class Fp8NormQuant(GraphPass):
             if pair.op != "call_function" or pair.target not in NORMS:
                 continue
             normed = _normed_output(pair)
-            out = _value(normed)
-            if normed is None or out is None or not normed.users:
+            out = _value(normed) if normed is not None else None
+            if out is None or not normed.users:
                 continue
             weights = {user: _weights(user, normed) for user in normed.users}
             if any(w is None for w in weights.values()):
