@@ -129,6 +129,7 @@ def candidates(fmt: str, x, rows: int, tinygemm: dict | None = None) -> dict:
     if fmt.startswith("fp8"):
         from graphkiln.kernels import fp8_linear as f
         from graphkiln.kernels.fp8_mma import fp8_mma
+        from graphkiln.kernels.fp8_tma import has_tma
 
         out = {"picked": lambda w, s: f.fp8_linear(x, w, s)}
         if rows == 1:
@@ -137,7 +138,7 @@ def candidates(fmt: str, x, rows: int, tinygemm: dict | None = None) -> dict:
             out["mma"] = lambda w, s: fp8_mma(x, w, s)
         if f.FEW_ROWS < rows <= 256:
             out["mma_quantized"] = lambda w, s: quantized_mma(x, w, s)
-        if fmt == "fp8" and 1 < rows <= f.MMA_ROWS and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9:
+        if fmt == "fp8" and 1 < rows <= f.MMA_ROWS and has_tma(x.device):
             out["tma_quantized"] = lambda w, s: quantized_tma(x, w, s)
         if fmt == "fp8":
             out["scaled_mm"] = lambda w, s: rowwise_scaled_mm(x, w, s)

@@ -69,11 +69,19 @@ def _device(device_index: int) -> tuple[bool, int]:
     return torch.cuda.get_device_capability(device_index)[0] >= 9, shared
 
 
+def _properties(device: torch.device) -> tuple[bool, int]:
+    """`_device` of a CUDA tensor's device."""
+    return _device(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def has_tma(device: torch.device) -> bool:
+    """Whether `device` is a CUDA device with TMA copies (sm90+)."""
+    return device.type == "cuda" and _properties(device)[0]
+
+
 def shared_bytes(device: torch.device) -> int:
     """The shared memory a program may take on `device`; an H100's off CUDA (the interpreter)."""
-    if device.type != "cuda":
-        return HOPPER_SHARED
-    return _device(device.index if device.index is not None else torch.cuda.current_device())[1]
+    return _properties(device)[1] if device.type == "cuda" else HOPPER_SHARED
 
 
 def tma_takes(m: int, n: int, k: int, shared: int = HOPPER_SHARED) -> bool:
@@ -86,12 +94,11 @@ def tma_takes(m: int, n: int, k: int, shared: int = HOPPER_SHARED) -> bool:
 def tma_fits(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
     """Whether `fp8_tma` takes x's rows times this weight (`tma_takes`; x [M, K] as the weight's K): CUDA with TMA
     (sm90+), an fp8 weight with one scale per output channel whose rows start 16-byte aligned."""
-    if not x.is_cuda or weight.dtype != torch.float8_e4m3fn or weight_scale.dim() != 1:
+    if not has_tma(x.device) or weight.dtype != torch.float8_e4m3fn or weight_scale.dim() != 1:
         return False
     if weight.stride(1) != 1 or weight.stride(0) % ALIGN or weight.data_ptr() % ALIGN:
         return False
-    has_tma, shared = _device(x.device.index if x.device.index is not None else torch.cuda.current_device())
-    return has_tma and tma_takes(x.shape[0], weight.shape[0], weight.shape[1], shared)
+    return tma_takes(x.shape[0], weight.shape[0], weight.shape[1], shared_bytes(x.device))
 
 
 def tma_tiling(m: int, shared: int = HOPPER_SHARED) -> tuple[int, int, int, int, int, int]:
