@@ -173,8 +173,9 @@ def sweep(fmt: str, x, rows: int, weights: list, calls: int) -> dict:
     tma = takes_tma(fmt, x, weights)
     if tma:
         from graphkiln.kernels.fp8_tma import shared_bytes, tma_tiling
+        from graphkiln.kernels.split_k import multiprocessors
 
-        rule = tma_tiling(rows, shared_bytes(x.device))
+        rule = tma_tiling(rows, n, shared_bytes(x.device), multiprocessors(x.device))
         tilings = [(rule[0], *tiles) for tiles in SWEEP_TMA]
     else:
         rule, tilings = rule_tiles(fmt, rows, n, k, x.device), sweep_tilings(fmt, rows)

@@ -242,7 +242,7 @@ def product_launches(name: str, n: int, k: int, rows: int, block_scales: bool, a
     label = f"{name} fp8 {'per block' if block_scales else 'per channel'} m={rows}"
     if arch >= 90 and not block_scales and tma_takes(rows, n, k):  # what tma_fits takes on CUDA
         fp8_tma(*quantize_rows(x), weight, scale, torch.bfloat16)
-        block_m, block_n, block_k, splits, _, stages = tma_tiling(rows)
+        block_m, block_n, block_k, splits, _, stages = tma_tiling(rows, n)
         return f"{label} tma", f"block_m={block_m} block_n={block_n} block_k={block_k} splits={splits} stages={stages}"
     fp8_linear(x, weight, scale)
     if rows == 1:

@@ -26,12 +26,13 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .launch import launch
 from .pdl import pdl_on
-from .split_k import k_steps, product_buffers, store_product
+from .split_k import k_steps, multiprocessors, product_buffers, store_product
 
 TMA_ROWS = 64  # the most rows of x one tile takes
-TMA_MIN_N = 4096  # the narrowest weight measured faster here (64 slabs); narrower ones keep fp8_mma.py
+TMA_MIN_N = 2048  # the narrowest weight measured faster here (32 slabs); narrower ones keep fp8_mma.py
 ALIGN = 16  # bytes: what a descriptor's base address and row stride must be a multiple of
 HOPPER_SHARED = 227 * 1024  # shared memory a program may take on an H100 or H200
+HOPPER_SMS = 132  # multiprocessors of an H100 or H200
 SHARED_RESERVE = 1024  # of it, left to the kernel's own barriers and scratch
 
 
@@ -84,11 +85,11 @@ def shared_bytes(device: torch.device) -> int:
     return _properties(device)[1] if device.type == "cuda" else HOPPER_SHARED
 
 
-def tma_takes(m: int, n: int, k: int, shared: int = HOPPER_SHARED) -> bool:
-    """Whether an sm90+ GPU with `shared` bytes of shared memory a program sends m rows of x times a per-channel
-    fp8 weight [n, k] to `fp8_tma`: 2 to TMA_ROWS rows, at least TMA_MIN_N weight rows (where it was measured
-    faster; the 8B-like projections), 16-byte rows, and room for two steps of its tiles."""
-    return 2 <= m <= TMA_ROWS and n >= TMA_MIN_N and k % ALIGN == 0 and tma_tiling(m, shared)[5] >= 2
+def tma_takes(m: int, n: int, k: int, shared: int = HOPPER_SHARED, sms: int = HOPPER_SMS) -> bool:
+    """Whether an sm90+ GPU with `shared` bytes of shared memory a program and `sms` multiprocessors sends m rows
+    of x times a per-channel fp8 weight [n, k] to `fp8_tma`: 2 to TMA_ROWS rows, at least TMA_MIN_N weight rows
+    (where it was measured faster), 16-byte rows, and room for two steps of its tiles."""
+    return 2 <= m <= TMA_ROWS and n >= TMA_MIN_N and k % ALIGN == 0 and tma_tiling(m, n, shared, sms)[5] >= 2
 
 
 def tma_fits(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
@@ -98,16 +99,18 @@ def tma_fits(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) 
         return False
     if weight.stride(1) != 1 or weight.stride(0) % ALIGN or weight.data_ptr() % ALIGN:
         return False
-    return tma_takes(x.shape[0], weight.shape[0], weight.shape[1], shared_bytes(x.device))
+    return tma_takes(x.shape[0], weight.shape[0], weight.shape[1], shared_bytes(x.device), multiprocessors(x.device))
 
 
-def tma_tiling(m: int, shared: int = HOPPER_SHARED) -> tuple[int, int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, splits, warps, stages): the fastest of those measured on the 8B-like projections
-    at 8 to 64 rows (64-row slabs of 256-wide steps, K not split; 4 stages, 6 from 33 rows, where gate_up and down
-    gained by them), the stages cut to what `shared` bytes of shared memory hold (a GPU with less than a Hopper's).
-    A split of K (split_k.py) is there for the sweeps: it measured slower on every 8B-like projection."""
+def tma_tiling(m: int, n: int, shared: int = HOPPER_SHARED, sms: int = HOPPER_SMS) -> tuple[int, ...]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, splits, warps, stages) for m rows of x and n weight rows: 64-row slabs of
+    256-wide steps, K not split (a split, split_k.py, is there for the sweeps: it measured slower on every 8B-like
+    projection). The stages follow the waves: where the slabs outnumber the `sms` multiprocessors, as few stages
+    (up to 4) as let two programs share one, so the last wave is half as long; where they fit in one wave, up to
+    6, as deep as `shared` bytes hold (the sweeps' fastest on the 1B- and 8B-like projections either way)."""
     block_m, block_n, block_k = max(16, triton.next_power_of_2(m)), 64, 256
-    stages = min(6 if block_m > 32 else 4, (shared - SHARED_RESERVE) // ((block_m + block_n) * block_k))
+    room = (shared - SHARED_RESERVE) // ((block_m + block_n) * block_k)  # steps one program's shared memory holds
+    stages = min(4, room // 2) if triton.cdiv(n, block_n) > sms and room // 2 >= 3 else min(6, room)
     return block_m, block_n, block_k, 1, 4, stages
 
 
@@ -118,7 +121,8 @@ def fp8_tma(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weigh
     defaults to `tma_tiling`."""
     m, k = xq.shape
     n = weight.shape[0]
-    block_m, block_n, block_k, splits, warps, stages = tiles or tma_tiling(m, shared_bytes(xq.device))
+    block_m, block_n, block_k, splits, warps, stages = tiles or tma_tiling(m, n, shared_bytes(xq.device),
+                                                                           multiprocessors(xq.device))
     splits, steps = k_steps(k, splits, block_k)
     grid = (triton.cdiv(n, block_n), 1, splits)
     y, partials, counters = product_buffers(m, n, grid, out_dtype, xq.device)

@@ -212,7 +212,7 @@ def test_fp8_tma_is_the_float32_product_of_what_it_reads(shape, rows, static, sp
     else:
         xq, x_scale = quantize_rows(x)
     assert tma_kernels.tma_fits(xq, weight, scale) == (n >= tma_kernels.TMA_MIN_N)
-    tiles = tma_kernels.tma_tiling(rows)
+    tiles = tma_kernels.tma_tiling(rows, n)
     y = tma_kernels.fp8_tma(xq, x_scale, weight, scale, torch.bfloat16, (*tiles[:3], splits, *tiles[4:]))
     assert y.shape == (rows, n) and y.dtype == torch.bfloat16
     assert relative_error(y, (xq.float() * x_scale) @ reference_weight.t()) < 0.006
@@ -233,7 +233,8 @@ def test_fp8_linear_takes_the_tma_product_where_it_fits(monkeypatch):
     for n, k, blocks, rows, taken in [(4096, 4096, False, 2, True), (4096, 4096, False, 16, True),
                                       (4096, 4096, False, 64, True), (4096, 4096, False, 1, False),
                                       (4096, 4096, False, 65, False), (4096, 4096, True, 8, False),
-                                      (2048, 2048, False, 8, False), (4104, 3000, False, 8, False)]:
+                                      (2048, 2048, False, 8, True), (1024, 2048, False, 8, False),
+                                      (4104, 3000, False, 8, False)]:
         weight, scale, _ = fp8_weight(n, k, blocks)
         calls.clear()
         fp8_linear(activation(rows, k), weight, scale)
