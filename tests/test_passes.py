@@ -32,7 +32,7 @@ from graphkiln.passes.pipeline import default_passes, passes_off
 from graphkiln.passes.symm_mem_all_reduce import SymmMemAllReduce, SymmMemAllReduceConfig
 
 DYNAMO_NAMES = ["silu_mul_epilogue", "attention_split"]
-OFF_BY_DEFAULT = ["add_rms_norm", "fp8_norm_quant", "symm_mem_all_reduce"]
+OFF_BY_DEFAULT = ["add_rms_norm", "fp8_norm_quant", "symm_mem_all_reduce"]  # in CPU compiles
 NAMES = ["silu_mul_epilogue", "fp8_mlp", "silu_mul_linear", "add_rms_norm", "fp8_norm_quant", "attention_split",
          "linear_op", "symm_mem_all_reduce"]
 
@@ -150,17 +150,16 @@ def test_default_pipeline_matches_eager_and_reports_every_pass(toy):
 
 
 def test_default_passes_depend_on_the_compile_device():
-    """add_rms_norm runs by default in CUDA compiles only; fp8_norm_quant and symm_mem_all_reduce only when named;
+    """add_rms_norm and fp8_norm_quant run by default in CUDA compiles only; symm_mem_all_reduce only when named;
     disabled wins."""
     passes = default_passes()
     assert passes_off(passes, ()) == {"add_rms_norm", "fp8_norm_quant", "symm_mem_all_reduce"}
-    assert passes_off(passes, (), device="cuda") == {"fp8_norm_quant", "symm_mem_all_reduce"}
+    assert passes_off(passes, (), device="cuda") == {"symm_mem_all_reduce"}
     assert passes_off(passes, (), ("add_rms_norm",)) == {"fp8_norm_quant", "symm_mem_all_reduce"}
-    assert passes_off(passes, ("add_rms_norm",), device="cuda") == {"add_rms_norm", "fp8_norm_quant",
-                                                                     "symm_mem_all_reduce"}
-    assert passes_off(passes, (), ("fp8_norm_quant",), device="cuda") == {"symm_mem_all_reduce"}
+    assert passes_off(passes, ("add_rms_norm",), device="cuda") == {"add_rms_norm", "symm_mem_all_reduce"}
+    assert passes_off(passes, ("fp8_norm_quant",), device="cuda") == {"fp8_norm_quant", "symm_mem_all_reduce"}
     records = PassManager(default_passes(), device="cuda").records
-    assert [n for n in NAMES if not records[n].enabled] == ["fp8_norm_quant", "symm_mem_all_reduce"]
+    assert [n for n in NAMES if not records[n].enabled] == ["symm_mem_all_reduce"]
     assert PassManager(default_passes(), device="cuda").uuid() != PassManager(default_passes()).uuid()
 
 

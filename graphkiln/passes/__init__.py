@@ -13,7 +13,7 @@ Pipeline (`pipeline.default_passes`), each switchable with `CompileConfig.disabl
 4. `add_rms_norm` (CUDA compiles; on the CPU only when named): a residual add and the RMSNorm of its sum become one
    graphkiln::add_rms_norm call, a Triton kernel holding each row in registers (Inductor's loops over
    a row twice above 1024 inputs) and launched with programmatic dependent launch.
-5. `fp8_norm_quant` (off unless named, with add_rms_norm): an add_rms_norm feeding only fp8 products with a
+5. `fp8_norm_quant` (where add_rms_norm runs): an add_rms_norm feeding only fp8 products with a
    dynamic per-token scale becomes graphkiln::add_rms_norm_fp8, which also writes its output quantized, and the
    products read that instead of launching their own quantization.
 6. `attention_split`: cuts the graph at every graphkiln::attention call into pieces.

@@ -1,7 +1,7 @@
 """fp8_norm_quant: a residual add and RMSNorm feeding only fp8 products quantize the norm's output themselves.
 
-A Dynamo-graph pass after add_rms_norm, off by default (enable both: `CompileConfig(enabled_passes=("add_rms_norm",
-"fp8_norm_quant"))`; README, "Quantized weights", says why it is off). It matches graphkiln::add_rms_norm whose
+A Dynamo-graph pass after add_rms_norm, on where that runs (CUDA compiles; on the CPU name both:
+`CompileConfig(enabled_passes=("add_rms_norm", "fp8_norm_quant"))`). It matches graphkiln::add_rms_norm whose
 normed output feeds nothing but graphkiln::fp8_linear(out, weight, weight_scale, None) and graphkiln::fp8_mlp(out,
 gate_up_weight, gate_up_scale, None, ...) with one weight scale per output channel (a layer's q/k/v and gate/up
 products), and calls graphkiln::add_rms_norm_fp8, which also writes that output quantized per token, and
@@ -50,7 +50,7 @@ def _normed_output(pair: torch.fx.Node) -> torch.fx.Node | None:
 
 class Fp8NormQuant(GraphPass):
     name = "fp8_norm_quant"
-    default_devices = ()  # off until a decode step measures faster with it
+    default_devices = ("cuda",)  # after add_rms_norm, which runs in CUDA compiles
 
     def __call__(self, gm: torch.fx.GraphModule) -> int:
         graph, matches = gm.graph, 0
