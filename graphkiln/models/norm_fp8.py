@@ -2,7 +2,8 @@
 
 `graphkiln::add_rms_norm_fp8(x, residual, weight, eps) -> (sum, out, q, scale)`: add_rms_norm's two outputs and
 out quantized to float8_e4m3fn per token (q [M, H], scale float32 [M, 1]), as the fp8 products quantize their
-input (kernels/fp8_linear.quantize_rows; on CUDA in the norm's own launch). `fp8_linear_quantized(x, q, scale,
+input (kernels/fp8_linear.quantize_rows; on CUDA in the norm's own launch, from two rows: a product multiplies one
+row unquantized, so at one row the kernel leaves q and scale unwritten). `fp8_linear_quantized(x, q, scale,
 ...)` and `fp8_mlp_quantized(x, q, scale, ...)` are fp8_linear and fp8_mlp with a dynamic activation scale, given
 x and that quantization of it: where the product would quantize x per token (more than one row, per-channel
 weights) it multiplies q instead, which saves that launch; elsewhere it uses x. So each computes what the op it
@@ -31,6 +32,8 @@ def _add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
     if _takes_kernel(x, residual, weight):  # triton is optional: the kernel is imported only where it runs
         from graphkiln.kernels.rms_norm import add_rms_norm
 
+        if x.shape[0] == 1:  # every product multiplies one row unquantized: no reader for q, so it is not written
+            return (*add_rms_norm(x, residual, weight, eps), *_add_rms_norm_fp8_shape(x, residual, weight, eps)[2:])
         return add_rms_norm(x, residual, weight, eps, quantize=True)
     total, out = _add_rms_norm(x, residual, weight, eps)
     if out.is_cuda:  # the kernel the products would have launched

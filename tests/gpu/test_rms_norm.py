@@ -73,14 +73,17 @@ def test_pass_in_a_compiled_bf16_engine_scores_and_decodes_as_the_eager_model():
 
 @pytest.mark.parametrize("rows,width", [(1, 2048), (8, 4096), (64, 4096), (300, 8192), (3, 1000)])
 def test_quantizing_kernel_writes_what_quantize_rows_makes_of_its_output(rows, width):
-    """add_rms_norm_fp8 on CUDA: the sum and norm of add_rms_norm, and the norm's fp8 rows and scales equal, bit for
-    bit, to fp8_linear.quantize_rows of it (the launch the fp8 product after it no longer makes)."""
+    """add_rms_norm_fp8 on CUDA: the sum and norm of add_rms_norm, and from two rows the norm's fp8 rows and scales
+    equal, bit for bit, to fp8_linear.quantize_rows of it (the launch the fp8 product after it no longer makes)."""
     from graphkiln.kernels.fp8_linear import quantize_rows
     from graphkiln.models.norm_fp8 import add_rms_norm_fp8
 
     x, residual, weight = _inputs(rows, width, torch.bfloat16, rows * width)
     total, out, q, scale = add_rms_norm_fp8(x, residual, weight, 1e-5)
     assert all(torch.equal(a, b) for a, b in zip((total, out), add_rms_norm(x, residual, weight, 1e-5)))
+    assert q.shape == (rows, width) and scale.shape == (rows, 1)
+    if rows == 1:  # one row goes unquantized into every product: the kernel does not write q
+        return
     want_q, want_scale = quantize_rows(out)
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scale, want_scale)
 
@@ -102,3 +105,25 @@ def test_fp8_products_given_the_quantized_rows_equal_those_quantizing_them(rows)
     assert torch.equal(fp8_linear_quantized(x, q, scale, w, s), fp8_linear(x, w, s, None))
     assert torch.equal(fp8_mlp_quantized(x, q, scale, gate_up, gate_up_s, down, down_s),
                        fp8_mlp(x, gate_up, gate_up_s, None, down, down_s))
+
+
+def test_fp8_engine_scores_and_decodes_as_without_fp8_norm_quant(tmp_path):
+    """The tiny model compiled in fp8 on CUDA, where fp8_norm_quant is on by default, against the same compile
+    with it off: its norms before fp8 products taken, the same logits bit for bit over a 128-token prompt and the
+    same greedy tokens, with CUDA graphs, for prompts decoded one at a time and six together."""
+    import graphkiln
+
+    artifacts = {}
+    for name, disabled in (("fused", ()), ("apart", ("fp8_norm_quant",))):
+        config = CompileConfig(device="cuda", dtype="bfloat16", quantization="fp8", disabled_passes=disabled)
+        _, report = graphkiln.compile_model("tiny", tmp_path / name, config)
+        artifacts[name] = {r.name: r for r in report.passes}["fp8_norm_quant"].matches
+    assert artifacts["fused"] > 0 and artifacts["apart"] == 0
+    llms = {name: graphkiln.load(tmp_path / name, kv_cache_tokens=8192) for name in artifacts}
+    ids = list(range(100, 228))
+    assert torch.equal(llms["fused"].score(ids), llms["apart"].score(ids))
+    prompts = [[5 + i] * (1 + 3 * i) for i in range(6)]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    for batch in (prompts[:1], prompts):
+        tokens = {name: [o.token_ids for o in llm.generate(batch, params)] for name, llm in llms.items()}
+        assert tokens["fused"] == tokens["apart"]
