@@ -107,20 +107,27 @@ def context(keys: torch.Tensor, values: torch.Tensor, table: torch.Tensor, n: in
 def run_decode(kernel: str, dtype: torch.dtype, hq: int, hkv: int, d: int, lens: list[int], splits: int, fp8: bool,
                unsplit_tiles: int = 1, seed: int = 0) -> dict:
     """One decode launch over sequences of `lens` tokens, the last of each the step's new row; the row kernel
-    runs a sequence of at most `unsplit_tiles` tiles in one split."""
+    runs a sequence of at most `unsplit_tiles` tiles in one split. "rows-rope": the row kernel given q and k before
+    the rotary embedding (strided views of one qk tensor, as the model's projection leaves them), which it applies;
+    the reference attends rope_reference's rotation of them, and the new key is stored rotated."""
     torch.manual_seed(seed)
     keys, values, scales, tables = random_cache(hkv, d, lens, dtype, fp8, seed)
     slots = torch.tensor([int(tables[i, (n - 1) // BLOCK]) * BLOCK + (n - 1) % BLOCK for i, n in enumerate(lens)])
-    q = torch.randn(len(lens), hq, d).to(dtype)
-    k, v = torch.randn(len(lens), hkv, d).to(dtype), torch.randn(len(lens), hkv, d).to(dtype)
-    out = torch.full_like(q, float("nan"))
+    q, k = torch.randn(len(lens), hq + hkv, d).to(dtype).split([hq, hkv], dim=1)
+    v = torch.randn(len(lens), hkv, d).to(dtype)
+    out = torch.full((len(lens), hq, d), float("nan"), dtype=dtype)
     counters = torch.zeros(keys.shape[0] * hkv, dtype=torch.int32)
     args = (q, k, v, keys, values, torch.tensor(lens, dtype=torch.int32), tables, slots, out, d**-0.5, counters)
-    if kernel == "rows":
+    rope = None
+    if kernel == "rows-rope":
+        rope = torch.randn(128, 2 * d), torch.tensor(lens) - 1  # any table: the kernel reads both halves of a row
+    if kernel.startswith("rows"):
         paged_decode(*args, num_splits=splits, block_n=32, num_warps=4, num_stages=2, unsplit_tiles=unsplit_tiles,
-                     scales=scales)
+                     scales=scales, rope=rope)
     else:
         block_paged_decode(*args, num_splits=splits, heads=2, num_warps=4, num_stages=2, scales=scales)
+    if rope is not None:
+        q, k = rope_reference(q, *rope), rope_reference(k, *rope)
     stored_k, stored_v = stored(keys, values, scales)
     errors = []
     for i, n in enumerate(lens):
@@ -276,6 +283,9 @@ CASES = {  # name: (kernel, query dtype, q heads, kv heads, head_dim, lengths, s
     "rows-fp8-many-tiles": ("rows", torch.float16, 4, 2, 64, [230], 1, True),
     "rows-unsplit-short": ("rows", torch.float16, 8, 2, 64, [300, 96, 65, 1], 8, False, 3),  # 5, 1, 1, 1 splits
     "rows-fp8-unsplit-short": ("rows", torch.float16, 8, 2, 64, [200, 64], 16, True, 2),  # 7 splits, 1
+    "rows-rope-gqa4-splits": ("rows-rope", torch.float16, 8, 2, 64, [1, 17, 100, 33], 4, False),
+    "rows-rope-padded-head-fp8": ("rows-rope", torch.float16, 8, 2, 48, [50, 16], 2, True),
+    "rows-rope-fp32": ("rows-rope", torch.float32, 4, 1, 64, [65, 3], 2, False),  # the interpreter rounds bf16 off
     "blocks-gqa4-splits": ("blocks", torch.float16, 8, 2, 64, [1, 17, 100, 33], 4, False),
     "blocks-fp8": ("blocks", torch.float16, 8, 4, 64, [90, 1, 32], 2, True),
 }

@@ -21,6 +21,10 @@ that position out. So the cache write needs no launch of its own, no split reads
 is written, and the tiles reach the dots as loaded: putting the new row into a tile held each tile
 in registers and converted its layout, which cost more registers than the rest of the loop.
 
+With `rope` (the table and positions of models/rope.py) q and the new key arrive as the projection wrote them and
+each program rotates its own as it loads them (rotate_loaded), as the rope kernel would have before it: that
+kernel's launch, and its wait in the chain of launches, go (passes/rope_attention.py).
+
 Any head_dim up to 256 (tiles padded to a power of two) and an fp8 cache with per-row scales
 (kv_format.py): an fp8 step quantizes its new key and value in registers and attends them as
 stored, so a decode step sees what a later prefill will read.
@@ -101,6 +105,17 @@ def merge_splits(part_out, part_lse, out_row, first_head, first_part, num_splits
 
 
 @triton.jit
+def rotate_loaded(x, x_base, stride, dims, mask, cos, sin, HALF: tl.constexpr):
+    """x [..., HEAD_PAD] (loaded from x_base + dims * stride) rotated by its position's cos and sin [HEAD_PAD]:
+    x * cos - x[d + HALF] * sin in the first half, x * cos + x[d - HALF] * sin in the second, in float32 and
+    rounded once to x's dtype, as kernels/rope.py computes it."""
+    low = dims < HALF
+    swapped = tl.load(x_base + tl.where(low, dims + HALF, dims - HALF) * stride, mask=mask, other=0.0).to(tl.float32)
+    x32 = x.to(tl.float32)
+    return tl.where(low, x32 * cos - swapped * sin, x32 * cos + swapped * sin).to(x.dtype)
+
+
+@triton.jit
 def new_row_state(q, k_new, v_new, k_new_scale, v_new_scale, holds_last, scale_log2, q_unit, FP8: tl.constexpr):
     """The online-softmax state (m_i, l_i, acc) of a split before its first tile: the step's new key and value
     (the last position) attended alone where the split `holds_last`, nothing otherwise. The tiles then leave
@@ -145,12 +160,12 @@ def attend_tile(q, k, v, k_scale, v_scale, cached, m_i, l_i, acc, scale_log2, q_
 @triton.jit(do_not_specialize=["stride_bt"])  # the table width varies per eager batch: one build
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, k_cache, v_cache, k_scales, v_scales, seq_lens, block_tables, slot_mapping, out_ptr, part_out,
-    part_lse, counters, scale_log2, num_splits, unsplit_tiles,
+    part_lse, counters, rope_table, positions, scale_log2, num_splits, unsplit_tiles,
     stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
-    stride_ot, stride_oh, stride_od, stride_cb, stride_ct, stride_ch, stride_bt,
+    stride_ot, stride_oh, stride_od, stride_cb, stride_ct, stride_ch, stride_bt, stride_rope,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
-    PRECISION: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
+    PRECISION: tl.constexpr, FP8: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
     split = tl.program_id(1)
@@ -179,10 +194,18 @@ def _decode_kernel(
         dims = tl.arange(0, HEAD_PAD)
         dim_mask = lanes(dims, HEAD_DIM, HEAD_PAD)
         out_mask = head_mask & dim_mask[None, :]
-        q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + dims[None, :] * stride_qd, mask=out_mask,
-                    other=0.0)
-        k_new = tl.load(k_ptr + seq * stride_kt + kv_head * stride_kh + dims * stride_kd, mask=dim_mask, other=0.0)
+        q_base = q_ptr + seq * stride_qt + heads[:, None] * stride_qh
+        k_base = k_ptr + seq * stride_kt + kv_head * stride_kh
+        q = tl.load(q_base + dims[None, :] * stride_qd, mask=out_mask, other=0.0)
+        k_new = tl.load(k_base + dims * stride_kd, mask=dim_mask, other=0.0)
         v_new = tl.load(v_ptr + seq * stride_vt + kv_head * stride_vh + dims * stride_vd, mask=dim_mask, other=0.0)
+        if ROPE:  # cos then sin of this token's position, a row of the table
+            rope_row = rope_table + tl.load(positions + seq).to(tl.int64) * stride_rope
+            cos = tl.load(rope_row + dims, mask=dim_mask, other=0.0).to(tl.float32)
+            sin = tl.load(rope_row + HEAD_DIM + dims, mask=dim_mask, other=0.0).to(tl.float32)
+            q = rotate_loaded(q, q_base, stride_qd, dims[None, :], out_mask, cos[None, :], sin[None, :],
+                              HEAD_DIM // 2)
+            k_new = rotate_loaded(k_new, k_base, stride_kd, dims, dim_mask, cos, sin, HEAD_DIM // 2)
         k_new_scale = scale_log2  # placeholders without FP8
         v_new_scale = scale_log2
         q_unit = scale_log2
@@ -238,18 +261,22 @@ def paged_decode(
     seq_lens: torch.Tensor, block_tables: torch.Tensor, slot_mapping: torch.Tensor, out: torch.Tensor, scale: float,
     counters: torch.Tensor, *, num_splits: int, block_n: int, num_warps: int, num_stages: int,
     unsplit_tiles: int = 1, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Store k[i], v[i] [Hkv, D] at slot_mapping[i], the last of seq_lens[i] positions of sequence i, and
     write to out[i] the attention of q[i] [Hq, D] over those positions. `counters` (int32 zeros, one
     per KV head of every row up to the last whose sequence spans two splits) are zeros again after.
     A sequence takes at most `num_splits` splits of tiles of `block_n` rows, one if it has at most `unsplit_tiles`.
-    An fp8 cache (contiguous) comes with `scales`, float32 [num_blocks, block_size, Hkv] for keys and values."""
+    An fp8 cache (contiguous) comes with `scales`, float32 [num_blocks, block_size, Hkv] for keys and values.
+    `rope`: (table [P, 2D], cos then sin, unit stride; positions [num_seqs]): q and k not yet rotated, as
+    models/rope.py's rope would rotate them."""
     num_seqs = seq_lens.shape[0]
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     padded = head_pad(head_dim)
     k_scales, v_scales = scales if scales is not None else (k_cache, v_cache)
+    rope_table, positions = rope if rope is not None else (seq_lens, seq_lens)  # placeholders without ROPE
     launch_pdl = pdl_on(q.device)
     part_out = part_lse = out
     if num_splits > 1:
@@ -258,12 +285,12 @@ def paged_decode(
     launch(
         _decode_kernel, (num_kv_heads, num_splits, num_seqs),
         q, k, v, k_cache, v_cache, k_scales, v_scales, seq_lens, block_tables, slot_mapping, out, part_out, part_lse,
-        counters, scale * 1.4426950408889634, num_splits, unsplit_tiles,
+        counters, rope_table, positions, scale * 1.4426950408889634, num_splits, unsplit_tiles,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), rope_table.stride(0),
         NUM_HEADS=num_heads, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, HEAD_PAD=padded, BLOCK_N=block_n,
         BLOCK_S=triton.next_power_of_2(num_splits), PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        FP8=scales is not None, PDL=launch_pdl,
+        FP8=scales is not None, ROPE=rope is not None, PDL=launch_pdl,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=launch_pdl,
     )

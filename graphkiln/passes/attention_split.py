@@ -1,4 +1,4 @@
-"""attention_split: cut the Dynamo graph at every graphkiln::attention call.
+"""attention_split: cut the Dynamo graph at every graphkiln::attention (or rope_attention) call.
 
 In place, the graph becomes a stitching graph that calls submodules piece, attention, piece,
 ..., piece (`split_module(keep_original_order=True)` keeps the op's write to `out` in program
@@ -17,11 +17,11 @@ from torch.fx.passes.split_module import split_module
 
 from .base import GraphPass
 
-ATTENTION_OP = "graphkiln.attention"
+ATTENTION_OPS = ("graphkiln.attention", "graphkiln.rope_attention")
 
 
 def is_attention(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and str(node.target).removesuffix(".default") == ATTENTION_OP
+    return node.op == "call_function" and str(node.target).removesuffix(".default") in ATTENTION_OPS
 
 
 def assign_pieces(graph: torch.fx.Graph) -> dict[torch.fx.Node, int]:

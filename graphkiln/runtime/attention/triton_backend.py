@@ -223,11 +223,16 @@ class TritonBackend:
         )
         tile_args = asdict(tiles)
 
-        def run(layer: int, q, k, v, out, scale: float) -> None:
+        def run(layer: int, q, k, v, out, scale: float, rope: tuple | None = None) -> None:
             k_cache, v_cache = self.kv_cache.layer(layer)
             self._decode(q, k, v, k_cache, v_cache, meta.seq_lens_t, meta.block_tables, meta.slot_mapping, out, scale,
-                         self._split_counters, scales=self.kv_cache.layer_scales(layer), **tile_args)
+                         self._split_counters, scales=self.kv_cache.layer_scales(layer), rope=rope, **tile_args)
 
+        def with_rope(layer: int, q, k, v, out, scale: float, table, positions) -> None:
+            """graphkiln::rope_attention's call: q and k before the rotary embedding, which the kernel applies."""
+            run(layer, q, k, v, out, scale, (table, positions))
+
+        run.with_rope = with_rope  # type: ignore[attr-defined]
         return run
 
     def _plan_block_decode(self, meta: BatchMetadata) -> AttentionFn:
