@@ -150,18 +150,18 @@ def test_default_pipeline_matches_eager_and_reports_every_pass(toy):
 
 
 def test_default_passes_depend_on_the_compile_device():
-    """add_rms_norm and fp8_norm_quant run by default in CUDA compiles only; rope_attention and
-    symm_mem_all_reduce only when named; disabled wins."""
+    """add_rms_norm, fp8_norm_quant and rope_attention run by default in CUDA compiles only; symm_mem_all_reduce
+    only when named; disabled wins."""
     passes = default_passes()
-    named = {"rope_attention", "symm_mem_all_reduce"}
-    assert passes_off(passes, ()) == {"add_rms_norm", "fp8_norm_quant", *named}
-    assert passes_off(passes, (), device="cuda") == named
-    assert passes_off(passes, (), ("add_rms_norm",)) == {"fp8_norm_quant", *named}
-    assert passes_off(passes, ("add_rms_norm",), device="cuda") == {"add_rms_norm", *named}
-    assert passes_off(passes, ("fp8_norm_quant",), device="cuda") == {"fp8_norm_quant", *named}
-    assert passes_off(passes, (), ("rope_attention",), device="cuda") == {"symm_mem_all_reduce"}
+    cuda_only = {"add_rms_norm", "fp8_norm_quant", "rope_attention"}
+    assert passes_off(passes, ()) == {*cuda_only, "symm_mem_all_reduce"}
+    assert passes_off(passes, (), device="cuda") == {"symm_mem_all_reduce"}
+    assert passes_off(passes, (), ("add_rms_norm",)) == {"fp8_norm_quant", "rope_attention", "symm_mem_all_reduce"}
+    assert passes_off(passes, ("add_rms_norm",), device="cuda") == {"add_rms_norm", "symm_mem_all_reduce"}
+    assert passes_off(passes, ("rope_attention",), device="cuda") == {"rope_attention", "symm_mem_all_reduce"}
+    assert passes_off(passes, (), ("rope_attention",)) == {"add_rms_norm", "fp8_norm_quant", "symm_mem_all_reduce"}
     records = PassManager(default_passes(), device="cuda").records
-    assert [n for n in NAMES if not records[n].enabled] == ["rope_attention", "symm_mem_all_reduce"]
+    assert [n for n in NAMES if not records[n].enabled] == ["symm_mem_all_reduce"]
     assert PassManager(default_passes(), device="cuda").uuid() != PassManager(default_passes()).uuid()
 
 

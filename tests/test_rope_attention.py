@@ -100,3 +100,24 @@ def test_compiled_toy_model_with_the_pass_matches_eager(toy):
     assert {r.name: r for r in report.passes}["rope_attention"].matches == TOY.num_layers
     assert report.counters.attention_pieces == TOY.num_layers
     eager_and_compiled_agree(toy, compiled)
+
+
+def test_triton_decode_plans_rotate_q_and_k_in_the_kernel_up_to_a_batch_of_eight():
+    """The row decode kernel's plan offers `with_rope` for decode batches up to ROPE_IN_DECODE_ROWS rows, where it
+    measured faster, and not for larger ones or prefill, where the op launches the rope kernel first."""
+    pytest.importorskip("triton")
+    from graphkiln.runtime.attention.metadata import SequenceSlice, build_metadata, pad_decode
+    from graphkiln.runtime.attention.triton_backend import ROPE_IN_DECODE_ROWS, TritonBackend
+    from graphkiln.runtime.kv_cache import KVCache
+
+    backend = TritonBackend(KVCache(TOY, 16, 16, torch.float16, torch.device("cpu")))
+
+    def plan(rows: int, query_len: int = 1):
+        slices = pad_decode([SequenceSlice(query_len, 5, (1,))], rows) if query_len == 1 else [
+            SequenceSlice(query_len, query_len, (1,))]
+        meta = build_metadata(slices, 16, rows if query_len == 1 else query_len, torch.device("cpu"))
+        return backend.plan(meta)
+
+    assert [hasattr(plan(rows), "with_rope") for rows in (1, ROPE_IN_DECODE_ROWS, ROPE_IN_DECODE_ROWS + 1, 64)] == [
+        True, True, False, False]
+    assert not hasattr(plan(1, query_len=5), "with_rope")

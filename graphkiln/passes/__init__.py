@@ -16,8 +16,8 @@ Pipeline (`pipeline.default_passes`), each switchable with `CompileConfig.disabl
 5. `fp8_norm_quant` (where add_rms_norm runs): an add_rms_norm feeding only fp8 products with a
    dynamic per-token scale becomes graphkiln::add_rms_norm_fp8, which also writes its output quantized, and the
    products read that instead of launching their own quantization.
-6. `rope_attention` (off unless named): a layer's rope and attention become one graphkiln::rope_attention call,
-   whose Triton decode kernel rotates q and the new key as it loads them: no rope launch in a decode step.
+6. `rope_attention` (CUDA compiles): a layer's rope and attention become one graphkiln::rope_attention call,
+   whose Triton decode kernel rotates q and the new key as it loads them: no rope launch in small decode batches.
 7. `attention_split`: cuts the graph at every graphkiln::attention (or rope_attention) call into pieces.
 8. `linear_op` (post-grad): routes weight products through graphkiln::linear, whose one-row
    Triton GEMV reads the narrow projections faster than cuBLAS (see models/linear.py).

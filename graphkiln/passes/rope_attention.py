@@ -1,11 +1,11 @@
 """rope_attention: a layer's rotary embedding moves into its attention call.
 
-A Dynamo-graph pass, before attention_split. It matches graphkiln::attention(q, k, v, out, layer, scale) where q
-and k are the two parts of `rope(qk, table, positions).split([Hq, Hkv], dim=1)` and nothing else reads the rotated
-heads (but `q.new_empty(...)`, which allocates out and reads only q's dtype and device), and calls
-graphkiln::rope_attention(qk, v, out, table, positions, layer, scale) (models/rope_attention.py) instead. The Triton
-backend's decode kernel then rotates q and the new key as it loads them, and a decode step loses every layer's rope
-launch; other attention calls run the rope kernel first, as before.
+A Dynamo-graph pass, before attention_split, on in CUDA compiles. It matches graphkiln::attention(q, k, v, out,
+layer, scale) where q and k are the two parts of `rope(qk, table, positions).split([Hq, Hkv], dim=1)` and nothing
+else reads the rotated heads (but `q.new_empty(...)`, which allocates out and reads only q's dtype and device), and
+calls graphkiln::rope_attention(qk, v, out, table, positions, layer, scale) (models/rope_attention.py) instead.
+The Triton backend's decode kernel then rotates q and the new key as it loads them in batches of up to 8 rows, and
+such a decode step loses every layer's rope launch; other attention calls run the rope kernel first, as before.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def _rotated_source(attn: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, 
 
 class RopeAttention(GraphPass):
     name = "rope_attention"
-    default_devices = ()  # off until a decode step measures faster with it
+    default_devices = ("cuda",)  # the CPU's attention takes rotated heads: the op would only call rope itself
 
     def __call__(self, gm: torch.fx.GraphModule) -> int:
         graph, matches = gm.graph, 0

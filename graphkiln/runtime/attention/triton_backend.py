@@ -11,6 +11,10 @@ prefill work items) is plain Python here; the kernels import triton, an optional
 only when a backend is built. `decode_kernel` picks the decode kernel (the row
 kernel, or the block kernel that block_decode.py plans); prefill is the same either way.
 
+Given q and k before the rotary embedding (graphkiln::rope_attention, `with_rope` on a decode plan), the row decode
+kernel rotates them itself in batches of up to ROPE_IN_DECODE_ROWS rows, where the rope launch it saves is most of
+its cost; larger batches measured faster with the rope kernel first, which the op then launches.
+
 Decode launches depend only on static quantities (batch size, block table width, head shapes),
 and scratch buffers are allocated inside the call, so a capture takes them from the graph's
 pool and a replay reads whatever lengths and block tables the buffers hold by then. A prefill
@@ -44,6 +48,7 @@ MIN_SPLIT_TOKENS = 128  # a decode split never covers fewer tokens than this of 
 UNSPLIT_TILES = 3  # a sequence of at most this many tiles is not split at run time, whatever the grid's splits
 SHORT_TILE_SPLITS = 4  # a batch split this many ways or more takes short tiles (decode_tiles)
 MAX_SPLITS = 64
+ROPE_IN_DECODE_ROWS = 8  # decode batches of up to this many rows rotate q and k in the kernel (rope_attention)
 MAX_HEAD_DIM = 256
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn)
 
@@ -232,7 +237,8 @@ class TritonBackend:
             """graphkiln::rope_attention's call: q and k before the rotary embedding, which the kernel applies."""
             run(layer, q, k, v, out, scale, (table, positions))
 
-        run.with_rope = with_rope  # type: ignore[attr-defined]
+        if meta.seq_lens_t.shape[0] <= ROPE_IN_DECODE_ROWS:
+            run.with_rope = with_rope  # type: ignore[attr-defined]
         return run
 
     def _plan_block_decode(self, meta: BatchMetadata) -> AttentionFn:
