@@ -13,8 +13,7 @@ from graphkiln.llm import resolve_model_dir
 from graphkiln.models import load_model
 from graphkiln.models.norm import add_rms_norm, add_rms_norm_reference
 from graphkiln.models.tokenizer import Tokenizer
-from greedy_helpers import assert_greedy_agrees
-from tiny_engines import engines, uneven_prompts
+from tiny_engines import assert_compiled_agrees, engines
 
 
 def _inputs(rows: int, width: int, dtype: torch.dtype, seed: int):
@@ -60,15 +59,7 @@ def test_pass_in_a_compiled_bf16_engine_scores_and_decodes_as_the_eager_model():
     compiled, report = compile_module(net, CompileConfig(device="cuda", dtype="bfloat16",
                                                          enabled_passes=("add_rms_norm",)))
     assert {r.name: r for r in report.passes}["add_rms_norm"].matches == 2 * net.cfg.num_layers
-    eager, plain, graphed = engines((net, compiled, tok))
-    ids = uneven_prompts(4096, 3)[2]
-    want = eager.score(ids)
-    assert (plain.score(ids) - want).norm() / want.norm() <= 2e-2
-    prompts = uneven_prompts(4096, 8)
-    params = SamplingParams(max_tokens=16, ignore_eos=True)
-    got = [o.token_ids for o in plain.generate(prompts, params)]
-    assert [o.token_ids for o in graphed.generate(prompts, params)] == got
-    assert_greedy_agrees(eager, prompts, [o.token_ids for o in eager.generate(prompts, params)], got)
+    assert_compiled_agrees(*engines((net, compiled, tok)), max_error=2e-2, max_tokens=16)
 
 
 @pytest.mark.parametrize("rows,width", [(1, 2048), (8, 4096), (64, 4096), (300, 8192), (3, 1000)])
