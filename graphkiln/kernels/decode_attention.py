@@ -11,8 +11,9 @@ stores its partial result and log-sum-exp, then counts itself done on a per-(seq
 counter; the last one merges the partials, writes the output and resets the counter to zero for
 the next launch.
 
-With programmatic dependent launch (kernels/pdl.py) a program loads its first cached tile while
-the kernel before it (rope) drains, and the next kernel may launch once every program began.
+With programmatic dependent launch (kernels/pdl.py) a program loads its first cached tile while the kernel before
+it (rope, or the qkv projection where this kernel rotates q and k itself) drains, and the next kernel may launch
+once every program began.
 
 The step's new key and value (the context's last position) come from the projections, not the
 cache: split 0 of each (sequence, KV head) stores them into their slot, and the split that holds

@@ -6,15 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphkiln import CompileConfig
-from graphkiln.compiler.compile import compile_module
-from graphkiln.kernels.decode_attention import paged_decode
-from graphkiln.llm import resolve_model_dir
-from graphkiln.models import load_model
-from graphkiln.models.rope import rope
-from graphkiln.models.tokenizer import Tokenizer
-from graphkiln.runtime.kv_dtype import FP8
-from tiny_engines import assert_compiled_agrees, engines
+pytest.importorskip("triton")
+
+from graphkiln import CompileConfig  # noqa: E402
+from graphkiln.compiler.compile import compile_module  # noqa: E402
+from graphkiln.kernels.decode_attention import paged_decode  # noqa: E402
+from graphkiln.llm import resolve_model_dir  # noqa: E402
+from graphkiln.models import load_model  # noqa: E402
+from graphkiln.models.rope import rope  # noqa: E402
+from graphkiln.models.tokenizer import Tokenizer  # noqa: E402
+from graphkiln.runtime.kv_dtype import FP8  # noqa: E402
+from tiny_engines import assert_compiled_agrees, engines  # noqa: E402
 
 BLOCK = 16
 
