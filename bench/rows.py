@@ -258,7 +258,7 @@ def gk_compiled(s: Settings, mres: dict, row: dict, save) -> None:
     cache_env = {"TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"), "TRITON_CACHE_DIR": str(caches / "triton")}
     cache_env = cache_env if s.start else {}  # without children: this process's caches
     spec = {"model_dir": mres["model_dir"], "artifact": artifact, "device": s.device, "dtype": s.dtype_name,
-            "engine": s.engine, "prompt": mres["_start_prompt"], "quantization": s.quantization}
+            "engine": s.engine, "prompt": mres["_start_prompt"], "quantization": s.quantization, "passes": s.passes}
     row["engine"] = dict(s.engine)
 
     def start(which: str, reserve: float, cap: float | None) -> None:
@@ -277,10 +277,12 @@ def gk_compiled(s: Settings, mres: dict, row: dict, save) -> None:
         if not (Path(artifact) / "manifest.json").is_file():
             log("  compiling in this process" + (" (no artifact from the cold start child)" if s.start else ""))
             t = time.time()
-            config = graphkiln.CompileConfig(device=s.device, dtype=s.dtype_name, quantization=s.quantization)
-            graphkiln.compile_model(mres["model_dir"], artifact, config, engine=graphkiln.EngineConfig(**s.engine),
-                                    force=True)
+            config = graphkiln.CompileConfig(device=s.device, dtype=s.dtype_name, quantization=s.quantization,
+                                             **s.passes)
+            _, report = graphkiln.compile_model(mres["model_dir"], artifact, config,
+                                                engine=graphkiln.EngineConfig(**s.engine), force=True)
             row["compile_in_process_s"] = time.time() - t
+            row["passes"] = [r.name for r in report.passes if r.enabled]
         if s.start:
             start("warm", 60, 300)
         t = time.time()

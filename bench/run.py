@@ -74,6 +74,7 @@ class Settings:
         self.dtype_name = "float32" if smoke else "bfloat16"
         self.dtype_bytes = 4 if smoke else 2
         self.quantization = a.quantization
+        self.passes = {"disabled_passes": tuple(a.disable_pass), "enabled_passes": tuple(a.enable_pass)}
         self.attention_backend = a.attention_backend or ("sdpa" if smoke else "triton")
         self.models = csv(a.models or ("smoke" if smoke else "1b,8b"), str)
         self.rows = csv(a.rows or ",".join(ROWS), str)
@@ -310,6 +311,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep", action="store_true", help="keep the scratch model and artifact folders")
     p.add_argument("--quantization", choices=QUANTIZATIONS, help="compile the graphkiln compiled row with "
                    "--quantization (its floor counts the quantized bytes; the other rows stay unquantized)")
+    p.add_argument("--disable-pass", action="append", default=[], help="a graph pass the graphkiln compiled row's "
+                   "compile leaves out (repeatable)")
+    p.add_argument("--enable-pass", action="append", default=[], help="an optional graph pass it runs (repeatable)")
     p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, help="the graphkiln rows' attention backend "
                    "(default triton; smoke: sdpa)")
     p.add_argument("--smoke", action="store_true", help="CPU, float32, tiny shapes: every code path, a minute or two")

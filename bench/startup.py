@@ -147,7 +147,8 @@ def child_main(spec: dict) -> None:
     else:
         if spec["mode"] == "gk_cold":
             config = graphkiln.CompileConfig(device=device, dtype=spec["dtype"], quantization=spec.get("quantization"),
-                                             inductor_options=spec.get("inductor_options", {}))
+                                             inductor_options=spec.get("inductor_options", {}),
+                                             **spec.get("passes", {}))
             engine = graphkiln.EngineConfig(**spec["engine"])
             _, report = graphkiln.compile_model(spec["model_dir"], spec["artifact"], config, engine=engine, force=True,
                                                 build_kernels=False)  # (this process loads it next)

@@ -50,7 +50,8 @@ def test_main_run_smoke(bench: Bench, tmp_path: Path, monkeypatch: pytest.Monkey
     for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):  # it points them at fresh caches it then removes
         monkeypatch.setenv(name, os.environ.get(name, str(tmp_path / name)))
     alarm = signal.getsignal(signal.SIGALRM)
-    stdout = bench("run", "--smoke", "--no-start", "--static-models", "", "--no-plot", "--out", str(tmp_path))
+    stdout = bench("run", "--smoke", "--no-start", "--static-models", "", "--no-plot", "--enable-pass", "add_rms_norm",
+                   "--out", str(tmp_path))
     signal.signal(signal.SIGALRM, alarm)  # its watchdog's handler (the alarm itself is off once it returns)
     [result] = tmp_path.glob("*-cpu-smoke.json")
     results = json.loads(result.read_text())
@@ -62,6 +63,7 @@ def test_main_run_smoke(bench: Bench, tmp_path: Path, monkeypatch: pytest.Monkey
         assert all("ms_per_token" in row["decode"][b] for b in ("1", "2")), (name, row["decode"])
         assert all("ms" in row["prefill"][n] for n in ("16", "48")), (name, row["prefill"])
     compiled = rows["graphkiln_compiled"]
+    assert "add_rms_norm" in compiled["passes"]  # off on the CPU unless named, as --enable-pass named it
     assert compiled["check"]["argmax_agreement"] == 1.0
     assert compiled["stats"]["graphs"] == {}  # no CUDA graphs on the CPU: every step ran the compiled pieces
     assert compiled["stats"]["steps_without_graph"]["decode"] > 0
