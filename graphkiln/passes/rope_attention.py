@@ -41,8 +41,8 @@ def _allocates_only(user: torch.fx.Node, q: torch.fx.Node) -> bool:
     return user.op == "call_method" and user.target == "new_empty" and q not in user.args[1:]
 
 
-def _rotated_source(attn: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, list] | None:
-    """(the rope call, its split, the nodes to erase after it) when `attn` attends rope's split parts alone."""
+def _rotated_source(attn: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node]] | None:
+    """(the rope call, the nodes to erase after `attn`) when `attn` attends rope's split parts alone."""
     if len(attn.args) != 6 or attn.kwargs:
         return None
     q, k = attn.args[:2]
@@ -50,11 +50,11 @@ def _rotated_source(attn: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, 
     if split is None or _part(k, 1) is not split or len(split.users) != 2:
         return None
     source = split.args[0]
-    if source.op != "call_function" or source.target not in ROPES or len(source.users) != 1:
+    if source.op != "call_function" or source.target not in ROPES or len(source.args) != 3 or len(source.users) != 1:
         return None
     if list(k.users) != [attn] or not all(u is attn or _allocates_only(u, q) for u in q.users):
         return None
-    return source, split, [k, q, split, source]
+    return source, [k, q, split, source]
 
 
 class RopeAttention(GraphPass):
@@ -69,8 +69,8 @@ class RopeAttention(GraphPass):
             found = _rotated_source(attn)
             if found is None:
                 continue
-            source, _, erased = found
-            qk, table, positions = source.args[:3]
+            source, erased = found
+            qk, table, positions = source.args
             q = attn.args[0]
             v, out, layer, scale = attn.args[2:6]
             for user in list(q.users):
