@@ -16,6 +16,7 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   export PYTHONPATH=/tmp/site
 fi
 KERNELS="test_attention_backends.py test_block_decode.py test_prefill_heads.py test_linear.py test_rms_norm.py test_rope_gpu.py
+         test_rope_attention_gpu.py
          test_quantized_kernels.py test_fp8_kernels.py test_int4_kernels.py test_int8_kernels.py"
 ENGINE="test_runtime_gpu.py test_engine_lifecycle_gpu.py test_kv_cache_gpu.py test_startup_gpu.py
         test_tensor_parallel_gpu.py test_symm_mem_all_reduce_gpu.py test_quantized.py test_weights_reader_gpu.py
