@@ -3,7 +3,8 @@ counts, with sweeps of the few-row kernels' tiles. A few minutes on the 8b shape
 
     python -m bench quantized --out $OUT [--rows 1 8 32 64 4096] [--models 8b] [--formats ...] [--sweep]
 
-  bf16        cuBLAS (torch.mm); at 1 row the Triton GEMV behind graphkiln::linear
+  bf16        cuBLAS (torch.mm); at 1 row the Triton GEMV behind graphkiln::linear; from 2 to 64 rows on sm90+ the
+              TMA-fed kernel of fp8_tma.py on the 16-bit weight (tma, not dispatched to)
   fp8         fp8_linear with per-channel scales (what it picks), and each candidate: the one-row GEMV,
               the fp8 tensor-core kernel quantizing x in registers (mma) or, above FEW_ROWS rows, multiplying x
               quantized per token by a kernel before it (mma_quantized), from 2 to 64 rows on sm90+ the TMA-fed
@@ -119,10 +120,14 @@ def candidates(fmt: str, x, rows: int, tinygemm: dict | None = None) -> dict:
 
     if fmt == "bf16":
         out = {"cublas": lambda w: torch.mm(x, w.t())}
-        if rows == 1 and x.is_cuda:
+        if x.is_cuda:  # triton is optional: our kernels only where they run
+            from graphkiln.kernels.fp8_tma import TMA_ROWS, has_tma, tma_product
             from graphkiln.kernels.gemv import gemv
 
-            out["gemv"] = lambda w: gemv(x, w)
+            if rows == 1:
+                out["gemv"] = lambda w: gemv(x, w)
+            if 1 < rows <= TMA_ROWS and has_tma(x.device):
+                out["tma"] = lambda w: tma_product(x, w)
         return out
     if fmt.startswith("int8"):
         return int8_candidates(fmt, x, rows)

@@ -21,7 +21,7 @@ import triton.runtime.interpreter as interpreter
 from graphkiln.kernels.block_decode_attention import block_paged_decode
 from graphkiln.kernels.decode_attention import paged_decode
 from graphkiln.kernels.fp8_linear import FEW_ROWS, fp8_linear, fp8_mlp, quantize_rows
-from graphkiln.kernels.fp8_tma import fp8_tma
+from graphkiln.kernels.fp8_tma import fp8_tma, tma_product
 from graphkiln.kernels.gemv import gemv
 from graphkiln.kernels.int4_dp4a import int4_dp4a_gemv
 from graphkiln.kernels.int4_linear import int4_linear
@@ -183,7 +183,7 @@ def run_product(kind: str, rows: int, n: int, k: int, seed: int = 0) -> dict:
     GEMV's 16-bit fixed point per group is finer than float16 for all but a group's smallest inputs). "-activated"
     kinds (fp8, int8, and "half" for the float16 GEMV of one row) are silu(gate) * up of the product's halves,
     against that of the float16 product; "-mlp" kinds (fp8) are fp8_mlp, the down product of that activation
-    rounded as its row count rounds x."""
+    rounded as its row count rounds x; "half-tma" is the TMA-fed kernel on float16 x and weight (tma_product)."""
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed)).to(torch.float16)
     activated = kind.endswith("-activated")
     if kind.startswith("int4"):
@@ -206,9 +206,9 @@ def run_product(kind: str, rows: int, n: int, k: int, seed: int = 0) -> dict:
         tiles = (max(16, 1 << (rows - 1).bit_length()), 64, 256, 3, 4, 4) if kind.endswith("split") else None
         got = fp8_tma(xq, x_scale, weight, scale, torch.float16, tiles)
         want = (xq.float() * x_scale) @ reference.t()
-    elif kind == "half-activated":
+    elif kind.startswith("half"):  # "half-activated": the one-row GEMV; "half-tma": the TMA-fed kernel, no scales
         weight = torch.randn(n, k, generator=torch.Generator().manual_seed(seed + 1)).to(torch.float16) / k**0.5
-        got = gemv(x, weight, activated=True)
+        got = gemv(x, weight, activated=True) if activated else tma_product(x, weight)
         want = x.float() @ weight.float().t()
     elif kind.endswith("-mlp"):  # N: the MLP's inner width; K: its input's and output's
         block = kind.startswith("fp8-block")
@@ -308,6 +308,7 @@ PRODUCT_CASES = {  # name: (kind, rows, N, K); the rows pick each path fp8_linea
     "half-activated-1-row": ("half-activated", 1, 200, 384),
     **{f"fp8-tma-{rows}-rows": ("fp8-tma", rows, 200, 1168) for rows in (3, 40)},  # a partial slab and K step
     "fp8-tma-split-40-rows": ("fp8-tma-split", 40, 200, 1424),  # 6 K steps in 3 splits, the last step partial
+    **{f"half-tma-{rows}-rows": ("half-tma", rows, 200, 1168) for rows in (3, 40)},  # 16-bit, no scales
     **{f"{kind}-mlp-{rows}-rows": (f"{kind}-mlp", rows, 200, 384) for kind in ("fp8-channel", "fp8-block")
        for rows in (8, 24)},  # 24: the activation applied in the down product's quantization
     **{f"{kind}-{rows}-rows": (kind, rows, 200, 384) for kind in ("w8a8", "w8a16") for rows in (1, 8, 24, 80)},

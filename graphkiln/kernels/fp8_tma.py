@@ -9,6 +9,9 @@ no thread computes an address or holds a tile in its registers on the way, which
 program a slab streams its weight fast enough that the rule does not split K (no partials, no second pass over
 them); a split (split_k.py) is there for the sweeps.
 
+`tma_product` runs the same kernel on 16-bit x and weights (no scales), steps of the same bytes: a candidate the
+benchmark times against cuBLAS at these row counts, not dispatched to.
+
 The weight's descriptor spans [N, K], x's [M, K]; boxes past either edge read zeros, so N, K and M need not be
 multiples of the tiles. Descriptors are built at each call on the host: inside a CUDA graph they are captured with
 the launch, and x's buffer is the graph's own.
@@ -39,9 +42,10 @@ SHARED_RESERVE = 1024  # of it, left to the kernel's own barriers and scratch
 @triton.jit(do_not_specialize=["M", "STEPS"])  # one build for every row count up to BLOCK_M and every split
 def _tma_kernel(w_desc, x_desc, xs_ptr, s_ptr, y_ptr, partials, counters, M, N, STEPS, stride_xs,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                SPLIT: tl.constexpr, PDL: tl.constexpr):
+                SPLIT: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr):
     """y[M, N] (split_k.store_product) for one slab of BLOCK_N weight rows over a split of K (STEPS steps of
-    BLOCK_K), x's rows on the narrow side of the tensor-core tile."""
+    BLOCK_K), x's rows on the narrow side of the tensor-core tile; SCALED: times the weight's scale per row and
+    x's per row."""
     n0 = tl.program_id(0) * BLOCK_N
     k0 = tl.program_id(2) * STEPS * BLOCK_K
     if PDL:  # the next kernel may start once every program has begun
@@ -55,8 +59,9 @@ def _tma_kernel(w_desc, x_desc, xs_ptr, s_ptr, y_ptr, partials, counters, M, N, 
     rows = tl.arange(0, BLOCK_M)
     col_mask = cols < N
     row_mask = rows < M
-    acc = acc * tl.load(s_ptr + cols, mask=col_mask, other=0.0)[:, None]
-    acc = acc * tl.load(xs_ptr + rows * stride_xs, mask=row_mask, other=0.0)[None, :]
+    if SCALED:
+        acc = acc * tl.load(s_ptr + cols, mask=col_mask, other=0.0)[:, None]
+        acc = acc * tl.load(xs_ptr + rows * stride_xs, mask=row_mask, other=0.0)[None, :]
     store_product(y_ptr, partials, counters, acc, rows[None, :].to(tl.int64) * N + cols[:, None],
                   col_mask[:, None] & row_mask[None, :], M.to(tl.int64) * N, SPLIT)
 
@@ -102,14 +107,15 @@ def tma_fits(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) 
     return tma_takes(x.shape[0], weight.shape[0], weight.shape[1], shared_bytes(x.device), multiprocessors(x.device))
 
 
-def tma_tiling(m: int, n: int, shared: int = HOPPER_SHARED, sms: int = HOPPER_SMS) -> tuple[int, ...]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, splits, warps, stages) for m rows of x and n weight rows: 64-row slabs of
-    256-wide steps, K not split (a split, split_k.py, is there for the sweeps: it measured slower on every 8B-like
+def tma_tiling(m: int, n: int, shared: int = HOPPER_SHARED, sms: int = HOPPER_SMS,
+               itemsize: int = 1) -> tuple[int, ...]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, splits, warps, stages) for m rows of x and n weight rows of `itemsize`-byte
+    elements: 64-row slabs of 256-byte steps, K not split (a split, split_k.py, is there for the sweeps: it measured slower on every 8B-like
     projection). The stages follow the waves: where the slabs outnumber the `sms` multiprocessors, as few stages
     (up to 4) as let two programs share one, so the last wave is half as long; where they fit in one wave, up to
     6, as deep as `shared` bytes hold (the sweeps' fastest on the 1B- and 8B-like projections either way)."""
-    block_m, block_n, block_k = max(16, triton.next_power_of_2(m)), 64, 256
-    room = (shared - SHARED_RESERVE) // ((block_m + block_n) * block_k)  # steps one program's shared memory holds
+    block_m, block_n, block_k = max(16, triton.next_power_of_2(m)), 64, 256 // itemsize
+    room = (shared - SHARED_RESERVE) // ((block_m + block_n) * 256)  # steps one program's shared memory holds
     stages = min(4, room // 2) if triton.cdiv(n, block_n) > sms and room // 2 >= 3 else min(6, room)
     return block_m, block_n, block_k, 1, 4, stages
 
@@ -119,20 +125,36 @@ def fp8_tma(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weigh
     """xq [M, K] float8_e4m3fn (contiguous) times x_scale (float32 [M, 1], one a row) @ the weight [N, K]
     float8_e4m3fn times weight_scale (float32 [N], contiguous)^T, in `out_dtype`; where `tma_fits`. `tiles`
     defaults to `tma_tiling`."""
-    m, k = xq.shape
+    return _launch(xq, weight, (x_scale, weight_scale), out_dtype, tiles)
+
+
+def tma_product(x: torch.Tensor, weight: torch.Tensor,
+                tiles: tuple[int, int, int, int, int, int] | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T in x's dtype, both bfloat16 or float16 (contiguous rows, 16-byte aligned), up to
+    TMA_ROWS rows on sm90+: the TMA-fed kernel without scales. `tiles` defaults to `tma_tiling` for 2-byte
+    elements."""
+    return _launch(x, weight, None, x.dtype, tiles)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None,
+            out_dtype: torch.dtype, tiles: tuple[int, int, int, int, int, int] | None) -> torch.Tensor:
+    """The kernel on x [M, K] and weight [N, K] of one element type; `scales` (x's [M, 1], the weight's [N]) or
+    none."""
+    m, k = x.shape
     n = weight.shape[0]
-    block_m, block_n, block_k, splits, warps, stages = tiles or tma_tiling(m, n, shared_bytes(xq.device),
-                                                                           multiprocessors(xq.device))
+    block_m, block_n, block_k, splits, warps, stages = tiles or tma_tiling(
+        m, n, shared_bytes(x.device), multiprocessors(x.device), x.element_size())
     splits, steps = k_steps(k, splits, block_k)
     grid = (triton.cdiv(n, block_n), 1, splits)
-    y, partials, counters = product_buffers(m, n, grid, out_dtype, xq.device)
+    y, partials, counters = product_buffers(m, n, grid, out_dtype, x.device)
     w_desc = TensorDescriptor(weight, [n, k], [weight.stride(0), 1], [block_n, block_k])
-    x_desc = TensorDescriptor(xq, [m, k], [xq.stride(0), 1], [block_m, block_k])
-    launch_pdl = pdl_on(xq.device)
+    x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [block_m, block_k])
+    x_scale, weight_scale = scales if scales is not None else (y, y)  # placeholders without SCALED
+    launch_pdl = pdl_on(x.device)
     launch(
         _tma_kernel, grid,
         w_desc, x_desc, x_scale, weight_scale, y, partials, counters, m, n, steps, x_scale.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, SPLIT=splits > 1, PDL=launch_pdl,
-        num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, SPLIT=splits > 1,
+        SCALED=scales is not None, PDL=launch_pdl, num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,
     )
     return y

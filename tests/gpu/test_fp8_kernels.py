@@ -219,6 +219,22 @@ def test_fp8_tma_is_the_float32_product_of_what_it_reads(shape, rows, static, sp
 
 
 @needs_tma
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [2, 8, 17, 64])
+@pytest.mark.parametrize("shape", TMA_SHAPES.values(), ids=TMA_SHAPES.keys())
+def test_tma_product_of_16_bit_weights_is_their_float32_product(shape, rows, dtype):
+    """The same kernel without scales (tma_product, a benchmark candidate) on 16-bit x and weight: only
+    accumulation order and the output rounding differ from the float32 product."""
+    n, k = shape
+    x = activation(rows, k, dtype)
+    gen = torch.Generator(device="cuda").manual_seed(n + k)
+    weight = (torch.randn(n, k, device="cuda", generator=gen) * k**-0.5).to(dtype)
+    y = tma_kernels.tma_product(x, weight)
+    assert y.shape == (rows, n) and y.dtype == dtype
+    assert relative_error(y, x.float() @ weight.float().t()) < 0.006
+
+
+@needs_tma
 def test_fp8_linear_takes_the_tma_product_where_it_fits(monkeypatch):
     """From 2 to MMA_ROWS rows, per-channel weights of at least TMA_MIN_N rows whose rows are 16-byte multiples go
     to fp8_tma; block weights, narrower weights, a K that is not a multiple of 16, one row and more than MMA_ROWS
