@@ -110,10 +110,11 @@ def tma_fits(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) 
 def tma_tiling(m: int, n: int, shared: int = HOPPER_SHARED, sms: int = HOPPER_SMS,
                itemsize: int = 1) -> tuple[int, ...]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, splits, warps, stages) for m rows of x and n weight rows of `itemsize`-byte
-    elements: 64-row slabs of 256-byte steps, K not split (a split, split_k.py, is there for the sweeps: it measured slower on every 8B-like
-    projection). The stages follow the waves: where the slabs outnumber the `sms` multiprocessors, as few stages
-    (up to 4) as let two programs share one, so the last wave is half as long; where they fit in one wave, up to
-    6, as deep as `shared` bytes hold (the sweeps' fastest on the 1B- and 8B-like projections either way)."""
+    elements: 64-row slabs of 256-byte steps, K not split (a split, split_k.py, is there for the sweeps: it
+    measured slower on every 8B-like projection). The stages follow the waves: where the slabs outnumber the `sms`
+    multiprocessors, as few stages (up to 4) as let two programs share one, so the last wave is half as long; where
+    they fit in one wave, up to 6, as deep as `shared` bytes hold (the sweeps' fastest on the 1B- and 8B-like
+    projections either way)."""
     block_m, block_n, block_k = max(16, triton.next_power_of_2(m)), 64, 256 // itemsize
     room = (shared - SHARED_RESERVE) // ((block_m + block_n) * 256)  # steps one program's shared memory holds
     stages = min(4, room // 2) if triton.cdiv(n, block_n) > sms and room // 2 >= 3 else min(6, room)
