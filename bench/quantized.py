@@ -30,7 +30,8 @@ counts, with sweeps of the few-row kernels' tiles. A few minutes on the 8b shape
               perplexity per format (bench/quality.py)
   --sweep     fp8, fp8-block: at 1 row every GEMV tiling of SWEEP_GEMV, at 2 to 64 rows every tiling of SWEEP_MMA
               (above FEW_ROWS rows on x quantized first, as mma_quantized), or for fp8 on sm90+ every tiling of
-              SWEEP_TMA (the TMA-fed kernel, as tma_quantized); the int8 formats: the same tilings,
+              SWEEP_TMA (the TMA-fed kernel, as tma_quantized); bf16 on sm90+: SWEEP_TMA's tilings of tma_product
+              at 2 to 64 rows, steps of the same bytes; the int8 formats: the same tilings,
               as int8_linear runs them (W8A16 converting the weight at every row count);
               int4: every tiling of SWEEP_DP4A (the dp4a GEMV) at 1 row, of SWEEP_WORD_DOT at 2 to 64 rows, of
               SWEEP_MM (the byte kernel, which int4_linear leaves to dequantize + mm there) at 65 to 256; each
@@ -269,7 +270,7 @@ def main(a: argparse.Namespace) -> int:
                             log(f"{name} {fmt} m={m} {variant}: {row[f'{variant}_error']}")
                             continue
                         row[f"{variant}_us"], row[f"{variant}_of_floor"] = us, floor_us / us
-                    if a.sweep and study.cuda and swept(fmt, m):
+                    if a.sweep and study.cuda and swept(fmt, x, weights):
                         row["sweep"] = sweep(fmt.removesuffix("-block"), x, m, weights, calls)
                     results["shapes"].append(row)
                     log(f"{model:5} {name:8} {fmt:9} m={m:<5} floor {floor_us:8.1f} us | " + " | ".join(

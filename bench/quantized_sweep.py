@@ -68,9 +68,12 @@ def quantized_tma(x, weight, scale, tiles=None):
 
 
 def takes_tma(fmt: str, x, weights: list) -> bool:
-    """Whether fp8_linear sends this format's product of x's rows to fp8_tma (sm90+, per-channel fp8)."""
-    from graphkiln.kernels.fp8_tma import tma_fits
+    """Whether this format's product of x's rows is swept on the TMA-fed kernel: fp8 where fp8_linear sends it
+    there (sm90+, per-channel fp8), bf16 (tma_product, the candidate) from 2 to TMA_ROWS rows on sm90+."""
+    from graphkiln.kernels.fp8_tma import TMA_ROWS, has_tma, tma_fits
 
+    if fmt == "bf16":
+        return 1 < x.shape[0] <= TMA_ROWS and has_tma(x.device)
     return fmt == "fp8" and x.shape[0] > 1 and tma_fits(x, *weights[0])
 
 
@@ -104,11 +107,14 @@ def sweep_tilings(fmt: str, rows: int) -> list[tuple]:
     return [(n, k, split, warps, stages) for n, k, warps, stages in SWEEP_GEMV for split in SPLITS]
 
 
-def swept(fmt: str, rows: int) -> bool:
-    """Whether --sweep tries tilings of this format's kernel at this row count."""
+def swept(fmt: str, x, weights: list) -> bool:
+    """Whether --sweep tries tilings of this format's kernel at x's row count (bf16: the TMA-fed candidate)."""
+    rows = x.shape[0]
+    if fmt == "bf16":
+        return takes_tma(fmt, x, weights)
     if fmt == "int4":
         return rows <= 256
-    return fmt != "bf16" and rows <= 64
+    return rows <= 64
 
 
 def tiled(fmt: str, x, rows: int, tiles: tuple | None):
@@ -172,16 +178,18 @@ def sweep(fmt: str, x, rows: int, weights: list, calls: int) -> dict:
     n, k = weights[0][0].shape[0], x.shape[1]
     tma = takes_tma(fmt, x, weights)
     if tma:
-        from graphkiln.kernels.fp8_tma import shared_bytes, tma_tiling
+        from graphkiln.kernels.fp8_tma import shared_bytes, tma_product, tma_tiling
         from graphkiln.kernels.split_k import multiprocessors
 
-        rule = tma_tiling(rows, n, shared_bytes(x.device), multiprocessors(x.device))
-        tilings = [(rule[0], *tiles) for tiles in SWEEP_TMA]
+        itemsize = x.element_size() if fmt == "bf16" else 1  # SWEEP_TMA's steps in bytes: as many for 16-bit
+        rule = tma_tiling(rows, n, shared_bytes(x.device), multiprocessors(x.device), itemsize)
+        tilings = [(rule[0], n_, k_ // itemsize, *rest) for n_, k_, *rest in SWEEP_TMA]
     else:
         rule, tilings = rule_tiles(fmt, rows, n, k, x.device), sweep_tilings(fmt, rows)
     timed, failed = [], []
     for tiles in dict.fromkeys([rule, *tilings]):  # ConfigError: steps that do not divide K
-        fn = (lambda w, s, t=tiles: quantized_tma(x, w, s, t)) if tma else tiled(fmt, x, rows, tiles)
+        fn = ((lambda w, t=tiles: tma_product(x, w, t)) if fmt == "bf16" else
+              (lambda w, s, t=tiles: quantized_tma(x, w, s, t)) if tma else tiled(fmt, x, rows, tiles))
         try:
             timed.append((per_call_us(lambda w, fn=fn: fn(*w), weights, calls, "cuda"), tiles))
         except (OutOfResources, CompilationError, RuntimeError, ConfigError) as e:  # RuntimeError: a failed pass
