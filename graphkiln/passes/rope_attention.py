@@ -10,8 +10,6 @@ such a decode step loses every layer's rope launch; other attention calls run th
 
 from __future__ import annotations
 
-import operator
-
 import torch
 
 from graphkiln.models.attention import attention
@@ -19,6 +17,7 @@ from graphkiln.models.rope import rope
 from graphkiln.models.rope_attention import rope_attention
 
 from .base import GraphPass
+from .silu_mul_linear import method_part
 
 ATTENTIONS = (attention, attention.default)
 ROPES = (rope, rope.default)
@@ -26,10 +25,8 @@ ROPES = (rope, rope.default)
 
 def _part(node, index: int) -> torch.fx.Node | None:
     """The split node, when `node` is part `index` of a two-way `t.split(sizes, dim=1)` (a method call)."""
-    if not (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is operator.getitem):
-        return None
-    split, i = node.args
-    if i != index or split.op != "call_method" or split.target != "split":
+    split = method_part(node, index, "split")
+    if split is None:
         return None
     sizes = split.args[1] if len(split.args) > 1 else split.kwargs.get("split_size")
     dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)

@@ -26,12 +26,18 @@ LINEARS = (TORCH_LINEAR, F.linear)
 MULS = (operator.mul, torch.mul)
 
 
-def _half(node, index: int) -> torch.fx.Node | None:
-    """The chunked tensor, when `node` is half `index` of `t.chunk(2, dim=-1)`."""
+def method_part(node, index: int, method: str) -> torch.fx.Node | None:
+    """The `t.<method>(...)` call node, when `node` is part `index` of its result (a getitem of it)."""
     if not (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is operator.getitem):
         return None
-    chunk, i = node.args
-    if i != index or chunk.op != "call_method" or chunk.target != "chunk":
+    call, i = node.args
+    return call if i == index and call.op == "call_method" and call.target == method else None
+
+
+def _half(node, index: int) -> torch.fx.Node | None:
+    """The chunked tensor, when `node` is half `index` of `t.chunk(2, dim=-1)`."""
+    chunk = method_part(node, index, "chunk")
+    if chunk is None:
         return None
     source, *rest = chunk.args
     dim = rest[1] if len(rest) > 1 else chunk.kwargs.get("dim", 0)
