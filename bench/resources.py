@@ -10,7 +10,7 @@ Per model: the row decode kernel at each batch, planned as the engine plans it f
 `--max-context` tokens (its grid is that plan's, whatever the context), at the last batch also on an fp8 cache
 and the block kernel on both caches, the prefill and rope kernels for one prompt of `--prefill-tokens`, and each
 projection's products: the bf16 one-row GEMV, the int4 one-row byte and dp4a GEMVs, and fp8 (per-channel, on sm90
-and later by fp8_tma from 2 rows where N is at least 4096, and 128 x 128 block scales) and int8 (W8A8, W8A16 per
+and later by fp8_tma from 2 rows where N is at least TMA_MIN_N, and 128 x 128 block scales) and int8 (W8A8, W8A16 per
 channel and per group) at each of `--rows` as fp8_linear and int8_linear dispatch them, with the kernels around it
 (x's quantization or words, a split-K sum). `loop`: the instructions of a kernel's longest loop (`nvdisasm`);
 `per_weight`: for the one-row GEMVs, those a thread issues per weight it takes (the loop over the weights a
