@@ -216,8 +216,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64, 4096],
                    help="rows of x (default 1 8 32 64 4096)")
     p.add_argument("--models", nargs="+", default=["8b"], help="whose weight shapes (default 8b)")
-    p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS,
-                   help="quantized formats (default all)")
+    p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=("bf16", *FORMATS),
+                   help="quantized formats (default all; bf16 alone: only the 16-bit products, always measured)")
     p.add_argument("--sweep", action="store_true", help="tilings of the few-row kernels at 1 to 64 rows (GPU)")
     p.add_argument("--quality", action="store_true",
                    help="logits of each format against the unquantized model over 64 prompts, and the tiny model's "
@@ -234,7 +234,7 @@ def main(a: argparse.Namespace) -> int:
     study = Study.of("quantized", a)
     device = study.device
     models, row_counts = (["smoke"], [1, 8]) if study.smoke else (a.models, a.rows)
-    formats = ["bf16"] + (list(a.formats) if study.cuda else [])
+    formats = ["bf16"] + ([f for f in a.formats if f != "bf16"] if study.cuda else [])
     if not study.cuda:
         log("CPU smoke: bf16 torch.mm only; the fp8 and int4 kernels need CUDA")
     kernel_errors: tuple = ()
