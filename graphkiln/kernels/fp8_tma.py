@@ -9,8 +9,9 @@ no thread computes an address or holds a tile in its registers on the way, which
 program a slab streams its weight fast enough that the rule does not split K (no partials, no second pass over
 them); a split (split_k.py) is there for the sweeps.
 
-`tma_product` runs the same kernel on 16-bit x and weights (no scales), steps of the same bytes: a candidate the
-benchmark times against cuBLAS at these row counts, not dispatched to.
+`tma_product` runs the same kernel on 16-bit x and weights (no scales), steps of the same bytes: graphkiln::linear
+(models/linear.py) sends it the 16-bit products that `product_fits`, where it read the bench models' projections
+faster than cuBLAS.
 
 The weight's descriptor spans [N, K], x's [M, K]; boxes past either edge read zeros, so N, K and M need not be
 multiples of the tiles. Descriptors are built at each call on the host: inside a CUDA graph they are captured with
@@ -90,11 +91,18 @@ def shared_bytes(device: torch.device) -> int:
     return _properties(device)[1] if device.type == "cuda" else HOPPER_SHARED
 
 
-def tma_takes(m: int, n: int, k: int, shared: int = HOPPER_SHARED, sms: int = HOPPER_SMS) -> bool:
+def tma_takes(m: int, n: int, k: int, shared: int = HOPPER_SHARED, sms: int = HOPPER_SMS, itemsize: int = 1) -> bool:
     """Whether an sm90+ GPU with `shared` bytes of shared memory a program and `sms` multiprocessors sends m rows
-    of x times a per-channel fp8 weight [n, k] to `fp8_tma`: 2 to TMA_ROWS rows, at least TMA_MIN_N weight rows
-    (where it was measured faster), 16-byte rows, and room for two steps of its tiles."""
-    return 2 <= m <= TMA_ROWS and n >= TMA_MIN_N and k % ALIGN == 0 and tma_tiling(m, n, shared, sms)[5] >= 2
+    of x times a weight [n, k] of `itemsize`-byte elements (a per-channel fp8 weight to `fp8_tma`, a 16-bit one to
+    `tma_product`) to the kernel: 2 to TMA_ROWS rows, at least TMA_MIN_N weight rows (where it was measured
+    faster), rows of a multiple of 16 bytes, and room for two steps of its tiles."""
+    return (2 <= m <= TMA_ROWS and n >= TMA_MIN_N and k * itemsize % ALIGN == 0
+            and tma_tiling(m, n, shared, sms, itemsize)[5] >= 2)
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """Whether a 2-D tensor's rows are contiguous and start on ALIGN bytes, as a descriptor reads them."""
+    return t.stride(1) == 1 and t.stride(0) * t.element_size() % ALIGN == 0 and t.data_ptr() % ALIGN == 0
 
 
 def tma_fits(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
@@ -102,9 +110,20 @@ def tma_fits(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) 
     (sm90+), an fp8 weight with one scale per output channel whose rows start 16-byte aligned."""
     if not has_tma(x.device) or weight.dtype != torch.float8_e4m3fn or weight_scale.dim() != 1:
         return False
-    if weight.stride(1) != 1 or weight.stride(0) % ALIGN or weight.data_ptr() % ALIGN:
+    if not _aligned(weight):
         return False
     return tma_takes(x.shape[0], weight.shape[0], weight.shape[1], shared_bytes(x.device), multiprocessors(x.device))
+
+
+def product_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `tma_product` takes x [M, K] times this weight [N, K]: CUDA with TMA (sm90+), both bfloat16 or both
+    float16, rows that start 16-byte aligned, and `tma_takes` of the shapes."""
+    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype or not has_tma(x.device):
+        return False
+    if x.dim() != 2 or not (_aligned(x) and _aligned(weight)):
+        return False
+    return tma_takes(x.shape[0], weight.shape[0], weight.shape[1], shared_bytes(x.device), multiprocessors(x.device),
+                     x.element_size())
 
 
 def tma_tiling(m: int, n: int, shared: int = HOPPER_SHARED, sms: int = HOPPER_SMS,
@@ -132,8 +151,8 @@ def fp8_tma(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weigh
 def tma_product(x: torch.Tensor, weight: torch.Tensor,
                 tiles: tuple[int, int, int, int, int, int] | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T in x's dtype, both bfloat16 or float16 (contiguous rows, 16-byte aligned), up to
-    TMA_ROWS rows on sm90+: the TMA-fed kernel without scales. `tiles` defaults to `tma_tiling` for 2-byte
-    elements."""
+    TMA_ROWS rows on sm90+ (`product_fits`): the TMA-fed kernel without scales. `tiles` defaults to `tma_tiling`
+    for 2-byte elements."""
     return _launch(x, weight, None, x.dtype, tiles)
 
 

@@ -8,7 +8,9 @@ At one row (decode at batch 1) the product is a pass over the weight, and cuBLAS
 narrow projections of a decoder (q/k/v, o, down: 2048 to 6144 outputs) at a half to two thirds of
 the memory bandwidth: its few output tiles leave multiprocessors idle, and a split-K variant adds
 a second launch. Here each program owns a slab of a few weight rows and walks all of K, so every
-multiprocessor streams. Every other input (more rows, CPU, float32) goes to torch.mm. The ops are opaque to Inductor; the
+multiprocessor streams. From 2 to 64 rows on sm90+, products whose weight has at least 2048 rows go to the TMA-fed
+kernel (kernels/fp8_tma.py's `tma_product`), which read the bench models' projections faster than cuBLAS there.
+Every other input (more rows, older GPUs, CPU, float32) goes to torch.mm. The ops are opaque to Inductor; the
 passes `passes/linear_op.py`, `passes/silu_mul_epilogue.py` and `passes/silu_mul_linear.py` route the
 decoder's products to them.
 """
@@ -36,13 +38,23 @@ def on_triton(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype in GEMV_DTYPES and weight.dtype == x.dtype and x.stride(-1) == weight.stride(-1) == 1
 
 
+def product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T for more than one row: the TMA-fed kernel where it fits, else cuBLAS."""
+    if x.is_cuda:  # triton is optional: the kernel is imported only where it may run
+        from graphkiln.kernels.fp8_tma import product_fits, tma_product
+
+        if product_fits(x, weight):
+            return tma_product(x, weight)
+    return torch.mm(x, weight.t())
+
+
 def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T -> [M, N]."""
     if uses_gemv(x, weight):  # triton is optional: the kernel is imported only where it runs
         from graphkiln.kernels.gemv import gemv
 
         return gemv(x, weight)
-    return torch.mm(x, weight.t())
+    return product(x, weight)
 
 
 def _linear_shape(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -59,7 +71,7 @@ def _silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tenso
 
         if gate_up.shape[0] == 1:
             return gemv(gate_up, weight, gated=True)
-        return torch.mm(silu_mul(gate_up), weight.t())
+        return product(silu_mul(gate_up), weight)
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.mm(F.silu(gate) * up, weight.t())
 
@@ -81,7 +93,7 @@ def _linear_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
         if x.shape[0] == 1:
             return gemv(x, weight, activated=True)
-        return silu_mul(torch.mm(x, weight.t()))
+        return silu_mul(product(x, weight))
     return silu_mul_reference(torch.mm(x, weight.t()))
 
 
@@ -98,6 +110,7 @@ def import_kernels(device: torch.device, shipped: Path | None = None) -> None:
     first launch: a load does both while the weights are read, so a step does not. `shipped`: an artifact's
     Triton kernels, put into Triton's cache where it lacks them, before any launch (kernels/shipped.py)."""
     if device.type == "cuda":
+        import graphkiln.kernels.fp8_tma  # noqa: F401
         import graphkiln.kernels.gemv  # noqa: F401
         import graphkiln.kernels.rms_norm  # noqa: F401
         from graphkiln.kernels.shipped import install_shipped_kernels

@@ -1,9 +1,11 @@
-"""graphkiln::linear on CUDA: the Triton GEMV for one-row inputs against float32, and what falls back to cuBLAS."""
+"""graphkiln::linear on CUDA: the Triton GEMV for one-row inputs against float32, the TMA-fed kernel from 2 to 64
+rows of wide weights on sm90+, and what falls back to cuBLAS."""
 
 import pytest
 import torch
 
-from graphkiln.models.linear import linear, silu_mul_linear, uses_gemv
+from graphkiln.kernels.fp8_tma import has_tma, product_fits, tma_product
+from graphkiln.models.linear import linear, product, silu_mul_linear, uses_gemv
 
 SHAPES = [  # (N, K): the bench models' projections, then ragged sizes that leave partial slabs and K steps
     (3072, 2048), (2048, 8192), (16384, 2048), (128256, 2048), (6144, 4096), (4096, 14336),
@@ -36,10 +38,32 @@ def test_other_inputs_go_to_torch_mm():
         assert torch.equal(linear(a, w), torch.mm(a, w.t()))
 
 
+@pytest.mark.skipif(not has_tma(torch.device("cuda")), reason="the TMA-fed kernel needs sm90+")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_few_rows_of_wide_weights_take_the_tma_product(dtype):
+    """From 2 to 64 rows, weights of at least 2048 rows whose rows are 16-byte multiples go to tma_product (equal to
+    it, bit for bit, and within one rounding of the float32 product); one row, 65 rows, narrower weights, a K that
+    is not a multiple of 8 elements and x at an odd offset go elsewhere."""
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    for n, k, rows, taken in [(3072, 2048, 2, True), (2048, 8192, 16, True), (28672, 4096, 64, True),
+                              (128256, 2048, 8, True), (3072, 2048, 1, False), (3072, 2048, 65, False),
+                              (1024, 2048, 8, False), (2048, 2052, 8, False)]:
+        x = torch.randn(rows, k, device="cuda", dtype=dtype, generator=gen)
+        weight = torch.randn(n, k, device="cuda", dtype=dtype, generator=gen) * k**-0.5
+        assert product_fits(x, weight) == taken, (n, k, rows)
+        y = linear(x, weight)
+        if taken:
+            assert torch.equal(y, tma_product(x, weight))
+        expected = x.float() @ weight.float().t()
+        assert ((y.float() - expected).abs().max() <= expected.abs().max() * 2**-7 + 1e-3), (n, k, rows)
+    x = torch.randn(8, 2049, device="cuda", dtype=dtype, generator=gen)[:, 1:]  # rows 2 bytes past alignment
+    assert not product_fits(x, torch.randn(2048, 2048, device="cuda", dtype=dtype, generator=gen))
+
+
 @pytest.mark.parametrize("rows", [1, 3, 64])
 @pytest.mark.parametrize("shape", [(2048, 8192), (4096, 14336), (37, 100)], ids=lambda s: f"n{s[0]}-i{s[1]}")
 def test_silu_mul_linear_matches_float32(shape, rows):
-    """One row: the gated GEMV; more: the Triton SiLU-and-mul kernel, then cuBLAS."""
+    """One row: the gated GEMV; more: the Triton SiLU-and-mul kernel, then the product `product` picks."""
     n, inner = shape
     gen = torch.Generator(device="cuda").manual_seed(n + inner + rows)
     gate_up = torch.randn(rows, 2 * inner, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -56,7 +80,7 @@ def test_silu_mul_linear_matches_float32(shape, rows):
 def test_linear_silu_mul_is_the_activation_of_the_product(shape, rows):
     """One row: the GEMV pairs gate row j with up row I + j in a program and applies the activation to its own
     outputs, so it equals, bit for bit, the SiLU-and-mul kernel on the product of the GEMV at the same tiling
-    (the same K steps, so the same float32 sums); more rows: cuBLAS, then that kernel."""
+    (the same K steps, so the same float32 sums); more rows: the product `product` picks, then that kernel."""
     from graphkiln.kernels.gemv import gemv, silu_mul, tiling
     from graphkiln.models.linear import linear_silu_mul
 
@@ -66,7 +90,7 @@ def test_linear_silu_mul_is_the_activation_of_the_product(shape, rows):
     weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * k**-0.5
     y = linear_silu_mul(x, weight)
     assert y.shape == (rows, n // 2) and y.dtype == torch.bfloat16
-    product = gemv(x, weight, tiles=tiling(n, k, activated=True)) if rows == 1 else torch.mm(x, weight.t())
-    assert torch.equal(y, silu_mul(product))
+    projected = gemv(x, weight, tiles=tiling(n, k, activated=True)) if rows == 1 else product(x, weight)
+    assert torch.equal(y, silu_mul(projected))
     gate, up = (x.float() @ weight.float().t()).chunk(2, dim=-1)
     torch.testing.assert_close(y.float(), torch.nn.functional.silu(gate) * up, rtol=2e-2, atol=2e-2)
