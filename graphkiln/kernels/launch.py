@@ -82,23 +82,24 @@ def wait_for_builds(kernel: Any = None) -> None:
         _pending[:] = [(k, future) for k, future in _pending if not future.done()]
 
 
-def _specialized(arg: Any, exact: bool = False) -> Hashable:
+def _specialized(arg: Any) -> Hashable:
     """What a build specializes on of a runtime argument, as Triton does: a tensor's dtype and 16-byte alignment,
     an integer's width and whether it is 1 or a multiple of 16, a float's type; a host-side tensor descriptor by
-    its fields, their numbers `exact` (its block shape is compiled in). So the launches of every layer, which
-    differ only in their pointers, start one build. Constexprs and options, passed by keyword, count by value."""
+    its element type and block shape alone (its shape and strides are runtime values, so launches on x of 2, 4
+    or 8 rows share a build). So the launches of every layer, which differ only in their pointers, start one
+    build. Constexprs and options, passed by keyword, count by value."""
     if isinstance(arg, torch.Tensor):
         return arg.dtype, arg.data_ptr() % 16 == 0
-    if isinstance(arg, (bool, str)) or arg is None or (exact and isinstance(arg, (int, float))):
+    if isinstance(arg, (bool, str)) or arg is None:
         return arg
     if isinstance(arg, int):
         return int, arg == 1, arg % 16 == 0, -(2**31) <= arg < 2**31
     if isinstance(arg, float):
         return float
     if isinstance(arg, (tuple, list)):
-        return tuple(_specialized(a, exact) for a in arg)
-    if dataclasses.is_dataclass(arg):
-        return type(arg), tuple(_specialized(getattr(arg, f.name), True) for f in dataclasses.fields(arg))
+        return tuple(_specialized(a) for a in arg)
+    if dataclasses.is_dataclass(arg) and hasattr(arg, "block_shape"):
+        return type(arg), arg.base.dtype, tuple(arg.block_shape)
     return id(arg)  # unknown: a build of its own
 
 
