@@ -4,7 +4,7 @@ counts, with sweeps of the few-row kernels' tiles. A few minutes on the 8b shape
     python -m bench quantized --out $OUT [--rows 1 8 32 64 4096] [--models 8b] [--formats ...] [--sweep]
 
   bf16        cuBLAS (torch.mm); at 1 row the Triton GEMV behind graphkiln::linear; from 2 to 64 rows on sm90+ the
-              TMA-fed kernel of fp8_tma.py on the 16-bit weight (tma, where graphkiln::linear sends the weights of at
+              TMA-fed kernel of tma_products.py on the 16-bit weight (tma, where graphkiln::linear sends the weights of at
               least 2048 rows); the LM head in bf16 only, as every format keeps it
   fp8         fp8_linear with per-channel scales (what it picks), and each candidate: the one-row GEMV,
               the fp8 tensor-core kernel quantizing x in registers (mma) or, above FEW_ROWS rows, multiplying x
@@ -123,7 +123,7 @@ def candidates(fmt: str, x, rows: int, tinygemm: dict | None = None) -> dict:
     if fmt == "bf16":
         out = {"cublas": lambda w: torch.mm(x, w.t())}
         if x.is_cuda:  # triton is optional: our kernels only where they run
-            from graphkiln.kernels.fp8_tma import TMA_ROWS, has_tma, tma_product
+            from graphkiln.kernels.tma_products import TMA_ROWS, has_tma, tma_product
             from graphkiln.kernels.gemv import gemv
 
             if rows == 1:
@@ -136,7 +136,7 @@ def candidates(fmt: str, x, rows: int, tinygemm: dict | None = None) -> dict:
     if fmt.startswith("fp8"):
         from graphkiln.kernels import fp8_linear as f
         from graphkiln.kernels.fp8_mma import fp8_mma
-        from graphkiln.kernels.fp8_tma import has_tma
+        from graphkiln.kernels.tma_products import has_tma
 
         out = {"picked": lambda w, s: f.fp8_linear(x, w, s)}
         if rows == 1:

@@ -30,7 +30,7 @@ SWEEP_MM += [(m, n, k, True, warps, stages) for m, n, k, warps, stages in
 # (BLOCK_N, BLOCK_K, warps, stages) of the fp8 tensor-core kernel (fp8_mma.py) tried at 2 to 64 rows
 SWEEP_MMA = [(n, k, warps, stages) for n in (64, 128) for k in (64, 128) for warps, stages in ((4, 3), (4, 5), (8, 4))]
 SWEEP_MMA += [(256, 128, 8, stages) for stages in (3, 4)]
-# (BLOCK_N, BLOCK_K, splits, warps, stages) of the TMA-fed fp8 kernel (fp8_tma.py) tried at 2 to 64 rows on sm90+
+# (BLOCK_N, BLOCK_K, splits, warps, stages) of the TMA-fed fp8 kernel (tma_products.py) tried at 2 to 64 rows on sm90+
 SWEEP_TMA = [(n, k, 1, 4, stages) for n in (32, 64, 128) for k in (128, 256, 512) for stages in (3, 4, 6, 8)]
 SWEEP_TMA += [(n, 256, splits, 4, stages) for n in (32, 64) for splits in (2, 4) for stages in (4, 6)]
 
@@ -61,7 +61,7 @@ def quantized_tma(x, weight, scale, tiles=None):
     """x quantized per token, then fp8_tma on the fp8 rows: what fp8_linear runs from 2 to MMA_ROWS rows where
     fp8_tma fits."""
     from graphkiln.kernels.fp8_linear import quantize_rows
-    from graphkiln.kernels.fp8_tma import fp8_tma
+    from graphkiln.kernels.tma_products import fp8_tma
 
     q, scale_a = quantize_rows(x)
     return fp8_tma(q, scale_a, weight, scale, x.dtype, tiles)
@@ -70,7 +70,7 @@ def quantized_tma(x, weight, scale, tiles=None):
 def takes_tma(fmt: str, x, weights: list) -> bool:
     """Whether this format's product of x's rows is swept on the TMA-fed kernel: fp8 where fp8_linear sends it
     there (sm90+, per-channel fp8), bf16 (tma_product, the candidate) from 2 to TMA_ROWS rows on sm90+."""
-    from graphkiln.kernels.fp8_tma import TMA_ROWS, has_tma, tma_fits
+    from graphkiln.kernels.tma_products import TMA_ROWS, has_tma, tma_fits
 
     if fmt == "bf16":
         return 1 < x.shape[0] <= TMA_ROWS and has_tma(x.device)
@@ -178,7 +178,7 @@ def sweep(fmt: str, x, rows: int, weights: list, calls: int) -> dict:
     n, k = weights[0][0].shape[0], x.shape[1]
     tma = takes_tma(fmt, x, weights)
     if tma:
-        from graphkiln.kernels.fp8_tma import shared_bytes, tma_product, tma_tiling
+        from graphkiln.kernels.tma_products import shared_bytes, tma_product, tma_tiling
         from graphkiln.kernels.split_k import multiprocessors
 
         itemsize = x.element_size() if fmt == "bf16" else 1  # SWEEP_TMA's steps in bytes: as many for 16-bit

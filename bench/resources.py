@@ -9,7 +9,8 @@ machine: no GPU needed (a minute or so).
 Per model: the row decode kernel at each batch, planned as the engine plans it for a block table of
 `--max-context` tokens (its grid is that plan's, whatever the context), at the last batch also on an fp8 cache
 and the block kernel on both caches, the prefill and rope kernels for one prompt of `--prefill-tokens`, and each
-projection's products: the bf16 one-row GEMV, the int4 one-row byte and dp4a GEMVs, and fp8 (per-channel, on sm90
+projection's products: the bf16 one-row GEMV and, on sm90 and later, its TMA-fed product at each of `--rows` above
+one where graphkiln::linear sends it, the int4 one-row byte and dp4a GEMVs, and fp8 (per-channel, on sm90
 and later by fp8_tma from 2 rows where N is at least TMA_MIN_N, and 128 x 128 block scales) and int8 (W8A8, W8A16 per
 channel and per group) at each of `--rows` as fp8_linear and int8_linear dispatch them, with the kernels around it
 (x's quantization or words, a split-K sum). `loop`: the instructions of a kernel's longest loop (`nvdisasm`);
@@ -42,6 +43,7 @@ from pathlib import Path
 from .common import environment, log, write_json
 from .models import projections, shape_of
 from .report import text_table
+from .resources_products import bf16_launch, int4_gemv_launch, int8_launches, product_launches
 
 REGISTERS_PER_SM = 65536
 WARPS_PER_SM = 64
@@ -226,90 +228,6 @@ def rope_launch(model: str, tokens: int) -> tuple[str, str]:
     return f"rope {tokens}", f"heads={heads} head_dim={d}"
 
 
-def product_launches(name: str, n: int, k: int, rows: int, block_scales: bool, arch: int) -> tuple[str, str]:
-    """fp8_linear's launches for `rows` rows of x and an N x K weight with per-channel or 128 x 128 block scales,
-    as it dispatches them on sm_<arch> (the GEMV, fp8_tma on x quantized before it from sm90, fp8_mma on x
-    quantized in registers or by a kernel before it, split-K sums; above MMA_ROWS the CPU takes the fp8_mma
-    fallback, not torch._scaled_mm); its (label, tiles of the product kernel)."""
-    import torch
-
-    from graphkiln.kernels.fp8_linear import FEW_ROWS, FP8, fp8_linear, gemv_tiling, quantize_rows
-    from graphkiln.kernels.fp8_mma import mma_tiling
-    from graphkiln.kernels.fp8_tma import fp8_tma, tma_takes, tma_tiling
-
-    scale = torch.ones(-(-n // 128), -(-k // 128)) if block_scales else torch.ones(n)
-    x, weight = torch.zeros(rows, k, dtype=torch.bfloat16), torch.zeros(n, k, dtype=FP8)
-    label = f"{name} fp8 {'per block' if block_scales else 'per channel'} m={rows}"
-    if arch >= 90 and not block_scales and tma_takes(rows, n, k):  # what tma_fits takes on CUDA
-        fp8_tma(*quantize_rows(x), weight, scale, torch.bfloat16)
-        block_m, block_n, block_k, splits, _, stages = tma_tiling(rows, n)
-        return f"{label} tma", f"block_m={block_m} block_n={block_n} block_k={block_k} splits={splits} stages={stages}"
-    fp8_linear(x, weight, scale)
-    if rows == 1:
-        block_n, block_k, splits, warps, stages = gemv_tiling(n, k)
-        return (label, f"block_n={block_n} block_k={block_k} splits={splits} stages={stages}",
-                block_n * block_k / (32 * warps))
-    block_m, block_n, block_k, splits, _, stages = mma_tiling(rows, n, k, 132, x_quantized=rows > FEW_ROWS,
-                                                              block_scales=block_scales)
-    return label, f"block_m={block_m} block_n={block_n} block_k={block_k} splits={splits} stages={stages}"
-
-
-def int8_launches(name: str, n: int, k: int, rows: int, scheme: str) -> tuple[str, str]:
-    """int8_linear's launches for `rows` rows of x and an N x K int8 weight: `scheme` "w8a8" (per-channel scales, x
-    quantized), "w8a16" or "w8a16-groups" (scales per 128 inputs); its (label, tiles of the product kernel).
-    Above MMA_ROWS W8A8's product is torch._int_mm (cuBLAS): only the kernels around it are Triton's."""
-    import torch
-
-    from graphkiln.kernels.fp8_linear import FEW_ROWS, gemv_tiling
-    from graphkiln.kernels.fp8_mma import mma_tiling
-    from graphkiln.kernels.int8_linear import int8_linear
-
-    scale = torch.ones(n, -(-k // 128)) if scheme.endswith("groups") else torch.ones(n)
-    int8_linear(torch.zeros(rows, k, dtype=torch.bfloat16), torch.zeros(n, k, dtype=torch.int8), scale,
-                quantize_input=scheme == "w8a8")
-    label = f"{name} int8 {scheme} m={rows}"
-    if rows == 1:
-        block_n, block_k, splits, warps, stages = gemv_tiling(n, k)
-        return (label, f"block_n={block_n} block_k={block_k} splits={splits} stages={stages}",
-                block_n * block_k / (32 * warps))
-    block_m, block_n, block_k, splits, _, stages = mma_tiling(rows, n, k, 132,
-                                                              x_quantized=scheme == "w8a8" and rows > FEW_ROWS)
-    return label, f"block_m={block_m} block_n={block_n} block_k={block_k} splits={splits} stages={stages}"
-
-
-def bf16_gemv_launch(name: str, n: int, k: int) -> tuple[str, str]:
-    """The bf16 one-row GEMV of an N x K weight (more rows go to cuBLAS); its (label, tiles)."""
-    import torch
-
-    from graphkiln.kernels.gemv import gemv, tiling
-
-    gemv(torch.zeros(1, k, dtype=torch.bfloat16), torch.zeros(n, k, dtype=torch.bfloat16))
-    block_n, block_k, warps, stages = tiling(n, k)
-    return f"{name} bf16 m=1", f"block_n={block_n} block_k={block_k} stages={stages}", block_n * block_k / (32 * warps)
-
-
-def int4_gemv_launch(name: str, n: int, k: int, dp4a: bool) -> tuple[str, str, float]:
-    """The int4 one-row product of an N x K weight (groups of 128, or of K where shorter): the byte GEMV, or the
-    dp4a GEMV after its x-words kernel; its (label, tiles, weights a thread takes a loop step)."""
-    import torch
-
-    from graphkiln.kernels.int4_dp4a import dp4a_tiling, int4_dp4a_gemv
-    from graphkiln.kernels.int4_linear import gemv_tiling, int4_gemv
-    from graphkiln.kernels.int4_words import words
-
-    group = min(128, k)
-    x, qweight = torch.zeros(1, k, dtype=torch.bfloat16), torch.zeros(n, k // 2, dtype=torch.uint8)
-    scales = torch.ones(n, k // group, dtype=torch.bfloat16)
-    if dp4a:
-        int4_dp4a_gemv(x, words(qweight), scales, scales, group)
-        block_n, block_k, splits, warps, stages = dp4a_tiling(n, k, group)
-    else:
-        int4_gemv(x, qweight, scales, scales, group)
-        block_n, block_k, splits, warps, stages = gemv_tiling(n, k)
-    return (f"{name} int4 {'dp4a' if dp4a else 'byte'} m=1",
-            f"block_n={block_n} block_k={block_k} splits={splits} stages={stages}", block_n * block_k / (32 * warps))
-
-
 def rows_of(model: str, built: list, launch: tuple, arch: int, sms: int) -> list[dict]:
     """One row per kernel one call launched (`built`, emptied after), all under the call's label (launch: label,
     tiles[, weights a thread takes a loop step]); the tiles, and the main loop's instructions per weight where
@@ -378,7 +296,9 @@ def main(a: argparse.Namespace) -> int:
             for variant in parse_variants(a.prefill_variants):
                 rows += rows_of(model, built, prefill_launches(model, a.prefill_tokens, variant), a.arch, a.sms)
             for name, (n, k) in projections(model).items():
-                rows += rows_of(model, built, bf16_gemv_launch(name, n, k), a.arch, a.sms)
+                for m in sorted({1, *a.rows}):
+                    if (bf16 := bf16_launch(name, n, k, m, a.arch)) is not None:
+                        rows += rows_of(model, built, bf16, a.arch, a.sms)
                 for dp4a in (False, True):
                     rows += rows_of(model, built, int4_gemv_launch(name, n, k, dp4a), a.arch, a.sms)
                 for m in a.rows:

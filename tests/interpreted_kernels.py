@@ -21,7 +21,7 @@ import triton.runtime.interpreter as interpreter
 from graphkiln.kernels.block_decode_attention import block_paged_decode
 from graphkiln.kernels.decode_attention import paged_decode
 from graphkiln.kernels.fp8_linear import FEW_ROWS, fp8_linear, fp8_mlp, quantize_rows
-from graphkiln.kernels.fp8_tma import fp8_tma, tma_product
+from graphkiln.kernels.tma_products import fp8_tma, tma_product
 from graphkiln.kernels.gemv import gemv
 from graphkiln.kernels.int4_dp4a import int4_dp4a_gemv
 from graphkiln.kernels.int4_linear import int4_linear

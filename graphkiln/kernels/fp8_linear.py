@@ -11,7 +11,7 @@ fp8_mma.py, the fp8 weight straight into fp8 tensor cores and the activation qua
 registers per 1 x 128 group. Both split K where their slabs alone leave multiprocessors without
 loads in flight (split_k.py: partials summed in order by a tile's last split, the same result on every call).
 FEW_ROWS + 1 to MMA_ROWS rows: the activation quantized first, as for torch._scaled_mm below, then
-fp8_mma on it. On sm90 and later, per-channel weights of TMA_MIN_N rows or more take fp8_tma.py from 2 rows to
+fp8_mma on it. On sm90 and later, per-channel weights of TMA_MIN_N rows or more take tma_products.py from 2 rows to
 MMA_ROWS instead: x quantized per token first, then a product fed by TMA copies, which measured faster than
 fp8_mma at 8 to 64 rows alone (the quantization's launch included) and in whole decode steps at 8 and 64 rows
 (even at 32).
@@ -34,7 +34,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from graphkiln.errors import ConfigError
 
 from .fp8_mma import fp8_mma
-from .fp8_tma import fp8_tma, tma_fits
+from .tma_products import fp8_tma, tma_fits
 from .gemv import _k_mask, paired_rows, silu_mul, store_activated
 from .launch import launch
 from .pdl import pdl_on

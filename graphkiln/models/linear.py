@@ -9,7 +9,7 @@ narrow projections of a decoder (q/k/v, o, down: 2048 to 6144 outputs) at a half
 the memory bandwidth: its few output tiles leave multiprocessors idle, and a split-K variant adds
 a second launch. Here each program owns a slab of a few weight rows and walks all of K, so every
 multiprocessor streams. From 2 to 64 rows on sm90+, products whose weight has at least 2048 rows go to the TMA-fed
-kernel (kernels/fp8_tma.py's `tma_product`), which read the bench models' projections faster than cuBLAS there.
+kernel (kernels/tma_products.py's `tma_product`), which read the bench models' projections faster than cuBLAS there.
 Every other input (more rows, older GPUs, CPU, float32) goes to torch.mm. The ops are opaque to Inductor; the
 passes `passes/linear_op.py`, `passes/silu_mul_epilogue.py` and `passes/silu_mul_linear.py` route the
 decoder's products to them.
@@ -41,7 +41,7 @@ def on_triton(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T for more than one row: the TMA-fed kernel where it fits, else cuBLAS."""
     if x.is_cuda:  # triton is optional: the kernel is imported only where it may run
-        from graphkiln.kernels.fp8_tma import product_fits, tma_product
+        from graphkiln.kernels.tma_products import product_fits, tma_product
 
         if product_fits(x, weight):
             return tma_product(x, weight)
@@ -110,7 +110,7 @@ def import_kernels(device: torch.device, shipped: Path | None = None) -> None:
     first launch: a load does both while the weights are read, so a step does not. `shipped`: an artifact's
     Triton kernels, put into Triton's cache where it lacks them, before any launch (kernels/shipped.py)."""
     if device.type == "cuda":
-        import graphkiln.kernels.fp8_tma  # noqa: F401
+        import graphkiln.kernels.tma_products  # noqa: F401
         import graphkiln.kernels.gemv  # noqa: F401
         import graphkiln.kernels.rms_norm  # noqa: F401
         from graphkiln.kernels.shipped import install_shipped_kernels

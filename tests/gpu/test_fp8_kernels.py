@@ -11,7 +11,7 @@ pytest.importorskip("triton")
 
 from graphkiln.kernels import fp8_linear as fp8_kernels  # noqa: E402
 from graphkiln.kernels import fp8_mma as mma_kernels  # noqa: E402
-from graphkiln.kernels import fp8_tma as tma_kernels  # noqa: E402
+from graphkiln.kernels import tma_products as tma_kernels  # noqa: E402
 from graphkiln.kernels.fp8_linear import (  # noqa: E402
     FP8, MMA_ROWS, fp8_linear, quantize_rows, quantize_static, scaled_mm_fits,
 )

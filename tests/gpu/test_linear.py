@@ -4,7 +4,7 @@ rows of wide weights on sm90+, and what falls back to cuBLAS."""
 import pytest
 import torch
 
-from graphkiln.kernels.fp8_tma import has_tma, product_fits, tma_product
+from graphkiln.kernels.tma_products import has_tma, product_fits, tma_product
 from graphkiln.models.linear import linear, product, silu_mul_linear, uses_gemv
 
 SHAPES = [  # (N, K): the bench models' projections, then ragged sizes that leave partial slabs and K steps

@@ -1,4 +1,5 @@
-"""Few-row fp8 products fed by tensor memory accelerator (TMA) copies, on sm90 and later.
+"""Few-row weight products fed by tensor memory accelerator (TMA) copies, on sm90 and later: fp8 with scales
+(`fp8_tma`) and 16-bit without (`tma_product`).
 
 y [M, N] = (xq [M, K] times its scale per row) @ (weight [N, K] times its scale per output channel)^T, for M up
 to TMA_ROWS rows of x already quantized to float8_e4m3fn (fp8_linear.quantize_rows, per token). A program owns
