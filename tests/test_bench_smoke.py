@@ -95,10 +95,12 @@ def test_serve_study_smoke(bench: Bench, tmp_path: Path) -> None:
 
 
 def test_quantized_study_smoke(bench: Bench, tmp_path: Path) -> None:
-    """The quantized products study on the CPU: its bf16 rows and floors (the fp8 and int4 kernels need CUDA)."""
+    """The quantized products study on the CPU: its bf16 rows and floors, the LM head's among them (the fp8 and int4
+    kernels need CUDA)."""
     bench("quantized", "--smoke", "--out", str(tmp_path))
     rows = json.loads((tmp_path / "quantized.json").read_text())["shapes"]
-    assert {(r["name"], r["m"]) for r in rows} == {(n, m) for n in ("qkv", "o", "gate_up", "down") for m in (1, 8)}
+    names = ("qkv", "o", "gate_up", "down", "lm_head")
+    assert {(r["name"], r["m"]) for r in rows} == {(n, m) for n in names for m in (1, 8)}
     assert all(r["format"] == "bf16" and r["cublas_us"] > 0 and r["floor_us"] > 0 for r in rows)
 
 

@@ -4,7 +4,6 @@ rows of wide weights on sm90+, and what falls back to cuBLAS."""
 import pytest
 import torch
 
-from graphkiln.kernels.tma_products import has_tma, product_fits, tma_product
 from graphkiln.models.linear import linear, product, silu_mul_linear, uses_gemv
 
 SHAPES = [  # (N, K): the bench models' projections, then ragged sizes that leave partial slabs and K steps
@@ -38,12 +37,15 @@ def test_other_inputs_go_to_torch_mm():
         assert torch.equal(linear(a, w), torch.mm(a, w.t()))
 
 
-@pytest.mark.skipif(not has_tma(torch.device("cuda")), reason="the TMA-fed kernel needs sm90+")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_few_rows_of_wide_weights_take_the_tma_product(dtype):
     """From 2 to 64 rows, weights of at least 2048 rows whose rows are 16-byte multiples go to tma_product (equal to
     it, bit for bit, and within one rounding of the float32 product); one row, 65 rows, narrower weights, a K that
     is not a multiple of 8 elements and x at an odd offset go elsewhere."""
+    tma = pytest.importorskip("graphkiln.kernels.tma_products")
+    if not tma.has_tma(torch.device("cuda")):
+        pytest.skip("the TMA-fed kernel needs sm90+")
+    product_fits, tma_product = tma.product_fits, tma.tma_product
     gen = torch.Generator(device="cuda").manual_seed(7)
     for n, k, rows, taken in [(3072, 2048, 2, True), (2048, 8192, 16, True), (28672, 4096, 64, True),
                               (128256, 2048, 8, True), (3072, 2048, 1, False), (3072, 2048, 65, False),
