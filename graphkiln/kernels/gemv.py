@@ -4,7 +4,8 @@ GEMV: y[1, N] = x[1, K] @ w[N, K]^T, one program per slab of BLOCK_N weight rows
 gated, x is silu(g) * u of the row [g | u] (2K wide), computed as the weight streams by;
 activated, the product's own halves go through the activation: a program takes gate rows j and up
 rows I + j (I = N / 2) and stores silu(y[j]) * y[I + j], each sigmoid computed once.
-SiLU-and-mul: y[M, I] = silu(x[:, :I]) * x[:, I:], for the gated product's other row counts.
+SiLU-and-mul: y[M, I] = silu(x[:, :I]) * x[:, I:], for the gated product's other row counts. All launch with
+programmatic dependent launch (kernels/pdl.py), so the product after the activation may start as it runs.
 """
 
 from __future__ import annotations
@@ -126,7 +127,10 @@ def gemv(
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, y_ptr, I, stride_x, stride_y, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, y_ptr, I, stride_x, stride_y, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # the next kernel (the down projection) may start once every program has begun
+        gdc_launch_dependents()
+        gdc_wait()  # x is the product before
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
@@ -142,5 +146,7 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     y = torch.empty(rows, half, dtype=x.dtype, device=x.device)
     block = 1024
     if rows:
-        launch(_silu_mul_kernel, (rows, triton.cdiv(half, block)), x, y, half, x.stride(0), y.stride(0), BLOCK=block)
+        launch_pdl = pdl_on(x.device)
+        launch(_silu_mul_kernel, (rows, triton.cdiv(half, block)), x, y, half, x.stride(0), y.stride(0), BLOCK=block,
+               PDL=launch_pdl, launch_pdl=launch_pdl)
     return y
