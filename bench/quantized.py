@@ -4,8 +4,8 @@ counts, with sweeps of the few-row kernels' tiles. A few minutes on the 8b shape
     python -m bench quantized --out $OUT [--rows 1 8 32 64 4096] [--models 8b] [--formats ...] [--sweep]
 
   bf16        cuBLAS (torch.mm); at 1 row the Triton GEMV behind graphkiln::linear; from 2 to 64 rows on sm90+ the
-              TMA-fed kernel of tma_products.py on the 16-bit weight (tma, where graphkiln::linear sends the weights of at
-              least 2048 rows); the LM head in bf16 only, as every format keeps it
+              TMA-fed kernel of tma_products.py on the 16-bit weight (tma, where graphkiln::linear sends the weights
+              of at least 2048 rows); the LM head in bf16 only, as every format keeps it
   fp8         fp8_linear with per-channel scales (what it picks), and each candidate: the one-row GEMV,
               the fp8 tensor-core kernel quantizing x in registers (mma) or, above FEW_ROWS rows, multiplying x
               quantized per token by a kernel before it (mma_quantized), from 2 to 64 rows on sm90+ the TMA-fed
