@@ -5,7 +5,9 @@ counts, with sweeps of the few-row kernels' tiles. A few minutes on the 8b shape
 
   bf16        cuBLAS (torch.mm); at 1 row the Triton GEMV behind graphkiln::linear; from 2 to 64 rows on sm90+ the
               TMA-fed kernel of tma_products.py on the 16-bit weight (tma, where graphkiln::linear sends the weights
-              of at least 2048 rows); the LM head in bf16 only, as every format keeps it
+              of at least 2048 rows); the LM head in bf16 only, as every format keeps it; for gate_up, that kernel
+              and the SiLU-and-mul launch after it (tma_silu_mul, what runs) against the activation in its
+              epilogue (tma_activated)
   fp8         fp8_linear with per-channel scales (what it picks), and each candidate: the one-row GEMV,
               the fp8 tensor-core kernel quantizing x in registers (mma) or, above FEW_ROWS rows, multiplying x
               quantized per token by a kernel before it (mma_quantized), from 2 to 64 rows on sm90+ the TMA-fed
@@ -116,20 +118,23 @@ def tinygemm_weights(weights: list) -> dict:
     return packed
 
 
-def candidates(fmt: str, x, rows: int, tinygemm: dict | None = None) -> dict:
-    """name -> fn(weight args) of every product of this format timed at this row count."""
+def candidates(fmt: str, x, rows: int, tinygemm: dict | None = None, projection: str = "") -> dict:
+    """name -> fn(weight args) of every product of this format timed at this row count (of `projection`)."""
     import torch
 
     if fmt == "bf16":
         out = {"cublas": lambda w: torch.mm(x, w.t())}
         if x.is_cuda:  # triton is optional: our kernels only where they run
+            from graphkiln.kernels.gemv import gemv, silu_mul
             from graphkiln.kernels.tma_products import TMA_ROWS, has_tma, tma_product
-            from graphkiln.kernels.gemv import gemv
 
             if rows == 1:
                 out["gemv"] = lambda w: gemv(x, w)
             if 1 < rows <= TMA_ROWS and has_tma(x.device):
                 out["tma"] = lambda w: tma_product(x, w)
+                if projection == "gate_up":  # with the MLP's activation: a launch after, or in the epilogue
+                    out["tma_silu_mul"] = lambda w: silu_mul(tma_product(x, w))
+                    out["tma_activated"] = lambda w: tma_product(x, w, activated=True)
         return out
     if fmt.startswith("int8"):
         return int8_candidates(fmt, x, rows)
@@ -261,7 +266,7 @@ def main(a: argparse.Namespace) -> int:
                     x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
                     floor_us = (nbytes + 2 * m * (n + k)) / rate * 1e6
                     row = {"model": model, "name": name, "format": fmt, "m": m, "n": n, "k": k, "floor_us": floor_us}
-                    for variant, fn in candidates(fmt, x, m, tinygemm).items():
+                    for variant, fn in candidates(fmt, x, m, tinygemm, name).items():
                         try:
                             us = per_call_us(lambda w, fn=fn: fn(*w), weights, calls, device)
                         except kernel_errors as e:  # one kernel that does not build leaves the others measured

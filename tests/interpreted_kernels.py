@@ -21,8 +21,7 @@ import triton.runtime.interpreter as interpreter
 from graphkiln.kernels.block_decode_attention import block_paged_decode
 from graphkiln.kernels.decode_attention import paged_decode
 from graphkiln.kernels.fp8_linear import FEW_ROWS, fp8_linear, fp8_mlp, quantize_rows
-from graphkiln.kernels.tma_products import fp8_tma, tma_product
-from graphkiln.kernels.gemv import gemv
+from graphkiln.kernels.gemv import gemv, silu_mul
 from graphkiln.kernels.int4_dp4a import int4_dp4a_gemv
 from graphkiln.kernels.int4_linear import int4_linear
 from graphkiln.kernels.int4_words import words
@@ -31,6 +30,7 @@ from graphkiln.kernels.prefill_attention import paged_prefill
 from graphkiln.kernels.rms_norm import add_rms_norm
 from graphkiln.kernels.rope import rope
 from graphkiln.kernels.split_k import split_counters
+from graphkiln.kernels.tma_products import fp8_tma, tma_product
 from graphkiln.models.int8_linear import quantize_activations_int8
 from graphkiln.models.linear import silu_mul_reference
 from graphkiln.models.norm import add_rms_norm_reference
@@ -183,9 +183,11 @@ def run_product(kind: str, rows: int, n: int, k: int, seed: int = 0) -> dict:
     GEMV's 16-bit fixed point per group is finer than float16 for all but a group's smallest inputs). "-activated"
     kinds (fp8, int8, and "half" for the float16 GEMV of one row) are silu(gate) * up of the product's halves,
     against that of the float16 product; "-mlp" kinds (fp8) are fp8_mlp, the down product of that activation
-    rounded as its row count rounds x; "half-tma" is the TMA-fed kernel on float16 x and weight (tma_product)."""
+    rounded as its row count rounds x; "half-tma" is the TMA-fed kernel on float16 x and weight (tma_product), with
+    "-activated" in its epilogue, which must equal the SiLU-and-mul kernel after the plain product bit for bit."""
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed)).to(torch.float16)
     activated = kind.endswith("-activated")
+    extra: dict = {}
     if kind.startswith("int4"):
         group = 32 if kind.endswith("g32") else 128
         qweight, scales, zeros, reference = int4_weight(n, k, group, "cpu")
@@ -208,7 +210,11 @@ def run_product(kind: str, rows: int, n: int, k: int, seed: int = 0) -> dict:
         want = (xq.float() * x_scale) @ reference.t()
     elif kind.startswith("half"):  # "half-activated": the one-row GEMV; "half-tma": the TMA-fed kernel, no scales
         weight = torch.randn(n, k, generator=torch.Generator().manual_seed(seed + 1)).to(torch.float16) / k**0.5
-        got = gemv(x, weight, activated=True) if activated else tma_product(x, weight)
+        if kind.startswith("half-tma"):
+            got = tma_product(x, weight, activated=activated)
+            extra = {"as_two_launches": torch.equal(got, silu_mul(tma_product(x, weight)))} if activated else {}
+        else:
+            got = gemv(x, weight, activated=True)
         want = x.float() @ weight.float().t()
     elif kind.endswith("-mlp"):  # N: the MLP's inner width; K: its input's and output's
         block = kind.startswith("fp8-block")
@@ -227,7 +233,7 @@ def run_product(kind: str, rows: int, n: int, k: int, seed: int = 0) -> dict:
     if activated:
         want = silu_mul_reference(want.to(torch.float16)).float()
     return {"error": ((got.float() - want).norm() / want.norm()).item(),
-            "counters_zero": bool((split_counters(torch.device("cpu"), 0) == 0).all())}
+            "counters_zero": bool((split_counters(torch.device("cpu"), 0) == 0).all()), **extra}
 
 
 def _int8_rounded(x: torch.Tensor, rows: int, static: torch.Tensor | None) -> torch.Tensor:
@@ -309,6 +315,7 @@ PRODUCT_CASES = {  # name: (kind, rows, N, K); the rows pick each path fp8_linea
     **{f"fp8-tma-{rows}-rows": ("fp8-tma", rows, 200, 1168) for rows in (3, 40)},  # a partial slab and K step
     "fp8-tma-split-40-rows": ("fp8-tma-split", 40, 200, 1424),  # 6 K steps in 3 splits, the last step partial
     **{f"half-tma-{rows}-rows": ("half-tma", rows, 200, 1168) for rows in (3, 40)},  # 16-bit, no scales
+    **{f"half-tma-activated-{rows}-rows": ("half-tma-activated", rows, 200, 1168) for rows in (3, 40)},  # 100 wide
     **{f"{kind}-mlp-{rows}-rows": (f"{kind}-mlp", rows, 200, 384) for kind in ("fp8-channel", "fp8-block")
        for rows in (8, 24)},  # 24: the activation applied in the down product's quantization
     **{f"{kind}-{rows}-rows": (kind, rows, 200, 384) for kind in ("w8a8", "w8a16") for rows in (1, 8, 24, 80)},

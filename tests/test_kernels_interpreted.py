@@ -56,6 +56,8 @@ def test_interpreted_prefill_matches_float32_causal_attention(results: dict, nam
 def test_interpreted_quantized_product_matches_float32(results: dict, name: str) -> None:
     assert results[name]["error"] < ERROR  # float16 output rounding
     assert results[name]["counters_zero"]  # the split counters left as the next product needs them
+    if name.startswith("half-tma-activated"):  # the activation in the epilogue as its own kernel computes it
+        assert results[name]["as_two_launches"]
 
 
 @pytest.mark.parametrize("name", NORM_CASES)

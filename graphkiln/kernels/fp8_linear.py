@@ -34,11 +34,11 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from graphkiln.errors import ConfigError
 
 from .fp8_mma import fp8_mma
-from .tma_products import fp8_tma, tma_fits
 from .gemv import _k_mask, paired_rows, silu_mul, store_activated
 from .launch import launch
 from .pdl import pdl_on
 from .split_k import k_steps, multiprocessors, product_buffers, split_count, store_product
+from .tma_products import fp8_tma, tma_fits
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0

@@ -12,7 +12,8 @@ them); a split (split_k.py) is there for the sweeps.
 
 `tma_product` runs the same kernel on 16-bit x and weights (no scales), steps of the same bytes: graphkiln::linear
 (models/linear.py) sends it the 16-bit products that `product_fits`, where it read the bench models' projections
-faster than cuBLAS.
+faster than cuBLAS. With `activated` it applies the MLP's SiLU-and-mul to the gate and up products in its epilogue
+(a benchmark candidate).
 
 The weight's descriptor spans [N, K], x's [M, K]; boxes past either edge read zeros, so N, K and M need not be
 multiples of the tiles. Descriptors are built at each call on the host: inside a CUDA graph they are captured with
@@ -44,19 +45,25 @@ SHARED_RESERVE = 1024  # of it, left to the kernel's own barriers and scratch
 @triton.jit(do_not_specialize=["M", "STEPS"])  # one build for every row count up to BLOCK_M and every split
 def _tma_kernel(w_desc, x_desc, xs_ptr, s_ptr, y_ptr, partials, counters, M, N, STEPS, stride_xs,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                SPLIT: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr):
+                SPLIT: tl.constexpr, SCALED: tl.constexpr, ACTIVATED: tl.constexpr, PDL: tl.constexpr):
     """y[M, N] (split_k.store_product) for one slab of BLOCK_N weight rows over a split of K (STEPS steps of
     BLOCK_K), x's rows on the narrow side of the tensor-core tile; SCALED: times the weight's scale per row and
-    x's per row."""
+    x's per row. ACTIVATED (unscaled, K unsplit): the slab is BLOCK_N gate rows and the up rows N after them (the
+    weight holds 2N rows), and y is silu(gate) * up of the two products rounded to y's dtype, as gemv.silu_mul
+    computes it from them."""
     n0 = tl.program_id(0) * BLOCK_N
     k0 = tl.program_id(2) * STEPS * BLOCK_K
     if PDL:  # the next kernel may start once every program has begun
         gdc_launch_dependents()
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if PDL:  # x is the previous kernel's output
         gdc_wait()
     for k in tl.range(k0, k0 + STEPS * BLOCK_K, BLOCK_K, num_stages=STAGES):
-        acc = tl.dot(w_desc.load([n0, k]), tl.trans(x_desc.load([0, k])), acc)
+        x = tl.trans(x_desc.load([0, k]))
+        acc = tl.dot(w_desc.load([n0, k]), x, acc)
+        if ACTIVATED:
+            up = tl.dot(w_desc.load([N + n0, k]), x, up)
     cols = n0 + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     col_mask = cols < N
@@ -64,6 +71,9 @@ def _tma_kernel(w_desc, x_desc, xs_ptr, s_ptr, y_ptr, partials, counters, M, N, 
     if SCALED:
         acc = acc * tl.load(s_ptr + cols, mask=col_mask, other=0.0)[:, None]
         acc = acc * tl.load(xs_ptr + rows * stride_xs, mask=row_mask, other=0.0)[None, :]
+    if ACTIVATED:
+        gate = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
+        acc = gate * tl.sigmoid(gate) * up.to(y_ptr.dtype.element_ty).to(tl.float32)
     store_product(y_ptr, partials, counters, acc, rows[None, :].to(tl.int64) * N + cols[:, None],
                   col_mask[:, None] & row_mask[None, :], M.to(tl.int64) * N, SPLIT)
 
@@ -128,16 +138,17 @@ def product_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def tma_tiling(m: int, n: int, shared: int = HOPPER_SHARED, sms: int = HOPPER_SMS,
-               itemsize: int = 1) -> tuple[int, ...]:
+               itemsize: int = 1, activated: bool = False) -> tuple[int, ...]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, splits, warps, stages) for m rows of x and n weight rows of `itemsize`-byte
     elements: 64-row slabs of 256-byte steps, K not split (a split, split_k.py, is there for the sweeps: it
     measured slower on every 8B-like projection). The stages follow the waves: where the slabs outnumber the `sms`
     multiprocessors, as few stages (up to 4) as let two programs share one, so the last wave is half as long; where
     they fit in one wave, up to 6, as deep as `shared` bytes hold (the sweeps' fastest on the 1B- and 8B-like
-    projections either way)."""
+    projections either way). `activated`: a slab's 64 gate rows bring their 64 up rows (n / 2 outputs)."""
     block_m, block_n, block_k = max(16, triton.next_power_of_2(m)), 64, 256 // itemsize
-    room = (shared - SHARED_RESERVE) // ((block_m + block_n) * 256)  # steps one program's shared memory holds
-    stages = min(4, room // 2) if triton.cdiv(n, block_n) > sms and room // 2 >= 3 else min(6, room)
+    slab_rows, slabs = (2 * block_n, triton.cdiv(n // 2, block_n)) if activated else (block_n, triton.cdiv(n, block_n))
+    room = (shared - SHARED_RESERVE) // ((block_m + slab_rows) * 256)  # steps one program's shared memory holds
+    stages = min(4, room // 2) if slabs > sms and room // 2 >= 3 else min(6, room)
     return block_m, block_n, block_k, 1, 4, stages
 
 
@@ -149,33 +160,39 @@ def fp8_tma(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weigh
     return _launch(xq, weight, (x_scale, weight_scale), out_dtype, tiles)
 
 
-def tma_product(x: torch.Tensor, weight: torch.Tensor,
-                tiles: tuple[int, int, int, int, int, int] | None = None) -> torch.Tensor:
+def tma_product(x: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, int, int, int, int, int] | None = None,
+                activated: bool = False) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T in x's dtype, both bfloat16 or float16 (contiguous rows, 16-byte aligned), up to
     TMA_ROWS rows on sm90+ (`product_fits`): the TMA-fed kernel without scales. `tiles` defaults to `tma_tiling`
-    for 2-byte elements."""
-    return _launch(x, weight, None, x.dtype, tiles)
+    for 2-byte elements. `activated` (N even, K unsplit): silu(y[:, :N/2]) * y[:, N/2:] in the product's
+    epilogue, equal to gemv.silu_mul of the product (a benchmark candidate beside the two launches)."""
+    return _launch(x, weight, None, x.dtype, tiles, activated)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None,
-            out_dtype: torch.dtype, tiles: tuple[int, int, int, int, int, int] | None) -> torch.Tensor:
+            out_dtype: torch.dtype, tiles: tuple[int, int, int, int, int, int] | None,
+            activated: bool = False) -> torch.Tensor:
     """The kernel on x [M, K] and weight [N, K] of one element type; `scales` (x's [M, 1], the weight's [N]) or
-    none."""
+    none; `activated` as `tma_product`'s."""
     m, k = x.shape
     n = weight.shape[0]
     block_m, block_n, block_k, splits, warps, stages = tiles or tma_tiling(
-        m, n, shared_bytes(x.device), multiprocessors(x.device), x.element_size())
+        m, n, shared_bytes(x.device), multiprocessors(x.device), x.element_size(), activated)
     splits, steps = k_steps(k, splits, block_k)
-    grid = (triton.cdiv(n, block_n), 1, splits)
-    y, partials, counters = product_buffers(m, n, grid, out_dtype, x.device)
+    if activated and (scales is not None or splits > 1 or n % 2):
+        raise ValueError("the activated product takes an unscaled weight of an even row count, K unsplit")
+    width = n // 2 if activated else n
+    grid = (triton.cdiv(width, block_n), 1, splits)
+    y, partials, counters = product_buffers(m, width, grid, out_dtype, x.device)
     w_desc = TensorDescriptor(weight, [n, k], [weight.stride(0), 1], [block_n, block_k])
     x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [block_m, block_k])
     x_scale, weight_scale = scales if scales is not None else (y, y)  # placeholders without SCALED
     launch_pdl = pdl_on(x.device)
     launch(
         _tma_kernel, grid,
-        w_desc, x_desc, x_scale, weight_scale, y, partials, counters, m, n, steps, x_scale.stride(0),
+        w_desc, x_desc, x_scale, weight_scale, y, partials, counters, m, width, steps, x_scale.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, SPLIT=splits > 1,
-        SCALED=scales is not None, PDL=launch_pdl, num_warps=warps, num_stages=stages, launch_pdl=launch_pdl,
+        SCALED=scales is not None, ACTIVATED=activated, PDL=launch_pdl, num_warps=warps, num_stages=stages,
+        launch_pdl=launch_pdl,
     )
     return y
