@@ -235,6 +235,22 @@ def test_tma_product_of_16_bit_weights_is_their_float32_product(shape, rows, dty
 
 
 @needs_tma
+@pytest.mark.parametrize("rows", [2, 17, 64])
+@pytest.mark.parametrize("shape", [(16384, 2048), (28672, 4096), (200, 1168)], ids=lambda s: f"n{s[0]}-k{s[1]}")
+def test_tma_product_activated_is_the_activation_kernel_after_the_product(shape, rows):
+    """The MLP's SiLU-and-mul in the 16-bit product's epilogue (a slab's gate rows with their up rows) equals, bit
+    for bit, the activation kernel on the plain product: both round the products to bfloat16 first. 200 x 1168
+    ends in a partial slab, whose gate tile reaches into the up rows and is masked."""
+    n, k = shape
+    x = activation(rows, k)
+    gen = torch.Generator(device="cuda").manual_seed(n + k + rows)
+    weight = (torch.randn(n, k, device="cuda", generator=gen) * k**-0.5).to(torch.bfloat16)
+    y = tma_kernels.tma_product(x, weight, activated=True)
+    assert y.shape == (rows, n // 2)
+    assert torch.equal(y, silu_mul(tma_kernels.tma_product(x, weight)))
+
+
+@needs_tma
 def test_fp8_linear_takes_the_tma_product_where_it_fits(monkeypatch):
     """From 2 to MMA_ROWS rows, per-channel weights of at least TMA_MIN_N rows whose rows are 16-byte multiples go
     to fp8_tma; block weights, narrower weights, a K that is not a multiple of 16, one row and more than MMA_ROWS
