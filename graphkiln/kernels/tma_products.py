@@ -121,9 +121,7 @@ def tma_fits(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) 
     (sm90+), an fp8 weight with one scale per output channel whose rows start 16-byte aligned."""
     if not has_tma(x.device) or weight.dtype != torch.float8_e4m3fn or weight_scale.dim() != 1:
         return False
-    if not _aligned(weight):
-        return False
-    return tma_takes(x.shape[0], weight.shape[0], weight.shape[1], shared_bytes(x.device), multiprocessors(x.device))
+    return _aligned(weight) and _takes_here(x, weight)
 
 
 def product_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -131,10 +129,13 @@ def product_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     float16, rows that start 16-byte aligned, and `tma_takes` of the shapes."""
     if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype or not has_tma(x.device):
         return False
-    if x.dim() != 2 or not (_aligned(x) and _aligned(weight)):
-        return False
+    return x.dim() == 2 and _aligned(x) and _aligned(weight) and _takes_here(x, weight)
+
+
+def _takes_here(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """`tma_takes` of x's rows times this weight, with its element size, on x's device."""
     return tma_takes(x.shape[0], weight.shape[0], weight.shape[1], shared_bytes(x.device), multiprocessors(x.device),
-                     x.element_size())
+                     weight.element_size())
 
 
 def tma_tiling(m: int, n: int, shared: int = HOPPER_SHARED, sms: int = HOPPER_SMS,
