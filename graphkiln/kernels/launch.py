@@ -39,7 +39,7 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Non
     """`kernel[grid](*args, **kwargs)`, or, within `builds_ahead()` on this thread, its build started."""
     pool = _ahead.get()
     if pool is not None:
-        key = (kernel, tuple(_specialized(a) for a in args), tuple(sorted(kwargs.items())))
+        key = (kernel, build_key(kernel, args), tuple(sorted(kwargs.items())))
         with _pending_lock:
             if key in _started:
                 return
@@ -82,12 +82,22 @@ def wait_for_builds(kernel: Any = None) -> None:
         _pending[:] = [(k, future) for k, future in _pending if not future.done()]
 
 
-def _specialized(arg: Any) -> Hashable:
+def build_key(kernel: Any, args: tuple) -> tuple:
+    """What a build of `kernel` specializes on of its positional arguments (`_specialized`); an integer the
+    kernel names in `do_not_specialize` (its `params` say which) by its width alone, as Triton compiles it."""
+    params = getattr(kernel, "params", ())
+    return tuple(_specialized(a, i < len(params) and params[i].do_not_specialize) for i, a in enumerate(args))
+
+
+def _specialized(arg: Any, fixed: bool = False) -> Hashable:
     """What a build specializes on of a runtime argument, as Triton does: a tensor's dtype and 16-byte alignment,
-    an integer's width and whether it is 1 or a multiple of 16, a float's type; a host-side tensor descriptor by
-    its element type and block shape alone (its shape and strides are runtime values, so launches on x of 2, 4
-    or 8 rows share a build). So the launches of every layer, which differ only in their pointers, start one
-    build. Constexprs and options, passed by keyword, count by value."""
+    an integer's width and whether it is 1 or a multiple of 16 (its width alone where `fixed`: a parameter not
+    specialized), a float's type; a host-side tensor descriptor by its element type and block shape alone (its
+    shape and strides are runtime values, so launches on x of 2, 4 or 8 rows share a build). So the launches of
+    every layer, which differ only in their pointers, start one build. Constexprs and options, passed by keyword,
+    count by value."""
+    if isinstance(arg, int) and not isinstance(arg, bool) and fixed:
+        return int, -(2**31) <= arg < 2**31
     if isinstance(arg, torch.Tensor):
         return arg.dtype, arg.data_ptr() % 16 == 0
     if isinstance(arg, (bool, str)) or arg is None:
