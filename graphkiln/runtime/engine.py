@@ -141,7 +141,8 @@ class Engine:
     def close(self) -> None:
         """Abort every request and give the KV cache, graphs and weights back to the device now (the
         engine is unusable after). Lazy imports inside torch leave reference cycles through the frames
-        that ran them, some of which hold this engine's weights: a garbage collection frees those.
+        that ran them, some of which hold this engine's weights or a view of its KV cache: a garbage collection
+        frees those.
         A capture running in the background finishes first; those not started are skipped."""
         self.preparation.stop()
         with self.lock():
@@ -152,10 +153,11 @@ class Engine:
         for seq in list(self.requests.values()):
             self.abort(seq)
         cuda = self.runner.device.type == "cuda"
-        weights = weakref.ref(next(self.runner.model.parameters()))
+        cache = self.runner.kv_cache
+        held = [weakref.ref(t) for t in (next(self.runner.model.parameters()), cache.keys, cache.values)]
         self.runner.release()
         self.pieces = None  # a background load's pieces job: its loader and what it loaded hold the model
-        if weights() is not None:  # still held: by such cycles, or by the caller
+        if any(ref() is not None for ref in held):  # still held: by such cycles, or by the caller
             collect_all()  # frozen ones too (gc_pauses.py)
         if cuda:
             torch.cuda.empty_cache()
