@@ -1,7 +1,7 @@
 """The builds ahead (kernels/launch.py) start one build per specialization: launches that differ only as every
 layer's do (pointers, floats), only in a descriptor's shape (x of 2 or 8 rows in one 16-row block) or only in an
-integer the kernel does not specialize on share one; a dtype, an alignment, an integer's class or a descriptor's block shape makes another. The builds themselves run on
-the GPU (tests/gpu/test_startup_gpu.py)."""
+integer the kernel does not specialize on share one; a dtype, an alignment, an integer's class or a descriptor's
+block shape makes another. The builds themselves run on the GPU (tests/gpu/test_startup_gpu.py)."""
 
 from __future__ import annotations
 
