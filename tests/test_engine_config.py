@@ -67,6 +67,23 @@ def test_dropping_an_llm_frees_its_engine_without_a_collection(artifact: Path) -
         gc.enable()
 
 
+def test_close_frees_a_kv_cache_a_reference_cycle_still_holds(artifact: Path) -> None:
+    """A cycle that holds a view of one layer's keys (as a closure that refers to itself would), and nothing of
+    the weights: `close` still collects it, so the cache goes at once."""
+    gc.disable()
+    try:
+        llm = graphkiln.load(artifact, **ENGINE)
+        llm.generate(["hello"], SamplingParams(max_tokens=2))
+        cycle: dict = {"view": llm.engine.runner.kv_cache.layer(0)[0]}
+        cycle["self"] = cycle
+        cache = weakref.ref(llm.engine.runner.kv_cache.keys)
+        del cycle
+        llm.close()
+        assert cache() is None
+    finally:
+        gc.enable()
+
+
 def test_close_and_with_free_the_engine_at_once(artifact: Path) -> None:
     with graphkiln.load(artifact, **ENGINE) as llm:
         stream = llm.generate_stream("hello", SamplingParams(max_tokens=8, ignore_eos=True))
