@@ -13,8 +13,7 @@ def product_launches(name: str, n: int, k: int, rows: int, block_scales: bool, a
     fallback, not torch._scaled_mm); its (label, tiles of the product kernel)."""
     import torch
 
-    from graphkiln.kernels.fp8_linear import FEW_ROWS, FP8, fp8_linear, gemv_tiling, quantize_rows
-    from graphkiln.kernels.fp8_mma import mma_tiling
+    from graphkiln.kernels.fp8_linear import FEW_ROWS, FP8, fp8_linear, quantize_rows
     from graphkiln.kernels.tma_products import fp8_tma, tma_takes, tma_tiling
 
     scale = torch.ones(-(-n // 128), -(-k // 128)) if block_scales else torch.ones(n)
@@ -25,13 +24,7 @@ def product_launches(name: str, n: int, k: int, rows: int, block_scales: bool, a
         block_m, block_n, block_k, splits, _, stages = tma_tiling(rows, n)
         return f"{label} tma", f"block_m={block_m} block_n={block_n} block_k={block_k} splits={splits} stages={stages}"
     fp8_linear(x, weight, scale)
-    if rows == 1:
-        block_n, block_k, splits, warps, stages = gemv_tiling(n, k)
-        return (label, f"block_n={block_n} block_k={block_k} splits={splits} stages={stages}",
-                block_n * block_k / (32 * warps))
-    block_m, block_n, block_k, splits, _, stages = mma_tiling(rows, n, k, 132, x_quantized=rows > FEW_ROWS,
-                                                              block_scales=block_scales)
-    return label, f"block_m={block_m} block_n={block_n} block_k={block_k} splits={splits} stages={stages}"
+    return _gemv_or_mma(label, n, k, rows, rows > FEW_ROWS, block_scales)
 
 
 def int8_launches(name: str, n: int, k: int, rows: int, scheme: str) -> tuple[str, str]:
@@ -40,20 +33,29 @@ def int8_launches(name: str, n: int, k: int, rows: int, scheme: str) -> tuple[st
     Above MMA_ROWS W8A8's product is torch._int_mm (cuBLAS): only the kernels around it are Triton's."""
     import torch
 
-    from graphkiln.kernels.fp8_linear import FEW_ROWS, gemv_tiling
-    from graphkiln.kernels.fp8_mma import mma_tiling
+    from graphkiln.kernels.fp8_linear import FEW_ROWS
     from graphkiln.kernels.int8_linear import int8_linear
 
     scale = torch.ones(n, -(-k // 128)) if scheme.endswith("groups") else torch.ones(n)
     int8_linear(torch.zeros(rows, k, dtype=torch.bfloat16), torch.zeros(n, k, dtype=torch.int8), scale,
                 quantize_input=scheme == "w8a8")
-    label = f"{name} int8 {scheme} m={rows}"
+    return _gemv_or_mma(f"{name} int8 {scheme} m={rows}", n, k, rows, scheme == "w8a8" and rows > FEW_ROWS)
+
+
+def _gemv_or_mma(label: str, n: int, k: int, rows: int, x_quantized: bool,
+                 block_scales: bool = False) -> tuple[str, str] | tuple[str, str, float]:
+    """The row for fp8_linear's and int8_linear's own kernels at `rows` rows of x and an N x K 8-bit weight: the
+    one-row GEMV's (label, tiles, weights a thread takes a loop step), or fp8_mma's (label, tiles) at more rows,
+    on x quantized before it where `x_quantized`."""
+    from graphkiln.kernels.fp8_linear import gemv_tiling
+    from graphkiln.kernels.fp8_mma import mma_tiling
+
     if rows == 1:
         block_n, block_k, splits, warps, stages = gemv_tiling(n, k)
         return (label, f"block_n={block_n} block_k={block_k} splits={splits} stages={stages}",
                 block_n * block_k / (32 * warps))
-    block_m, block_n, block_k, splits, _, stages = mma_tiling(rows, n, k, 132,
-                                                              x_quantized=scheme == "w8a8" and rows > FEW_ROWS)
+    block_m, block_n, block_k, splits, _, stages = mma_tiling(rows, n, k, 132, x_quantized=x_quantized,
+                                                              block_scales=block_scales)
     return label, f"block_m={block_m} block_n={block_n} block_k={block_k} splits={splits} stages={stages}"
 
 
