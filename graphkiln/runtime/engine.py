@@ -142,7 +142,8 @@ class Engine:
         """Abort every request and give the KV cache, graphs and weights back to the device now (the
         engine is unusable after). Lazy imports inside torch leave reference cycles through the frames
         that ran them, some of which hold this engine's weights or a view of its KV cache: a garbage collection
-        frees those.
+        frees those. On CUDA it always runs: a small buffer such a cycle holds (the attention backend's counters)
+        may lie in the tail of the allocator segment the KV cache took, and keeps all of it reserved.
         A capture running in the background finishes first; those not started are skipped."""
         self.preparation.stop()
         with self.lock():
@@ -157,7 +158,7 @@ class Engine:
         held = [weakref.ref(t) for t in (next(self.runner.model.parameters()), cache.keys, cache.values)]
         self.runner.release()
         self.pieces = None  # a background load's pieces job: its loader and what it loaded hold the model
-        if any(ref() is not None for ref in held):  # still held: by such cycles, or by the caller
+        if cuda or any(ref() is not None for ref in held):  # still held: by such cycles, or by the caller
             collect_all()  # frozen ones too (gc_pauses.py)
         if cuda:
             torch.cuda.empty_cache()
