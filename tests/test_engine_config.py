@@ -84,6 +84,26 @@ def test_close_frees_a_kv_cache_a_reference_cycle_still_holds(artifact: Path) ->
         gc.enable()
 
 
+def test_close_takes_the_attention_backends_buffers_from_whoever_still_holds_them(artifact: Path) -> None:
+    """Attention backends that outlive the engine (held here, as a reference cycle through a plan may hold them)
+    keep no buffer of their own after `close`: on CUDA the Triton backend's split counters may lie in the tail of
+    the allocator segment the KV cache's keys took and keep all of it reserved. Both halves of a LongPrefillBackend
+    give theirs back."""
+    pytest.importorskip("triton")
+    from graphkiln.runtime.attention.long_prefill import LongPrefillBackend
+    from graphkiln.runtime.attention.triton_backend import TritonBackend
+
+    llm = graphkiln.load(artifact, **ENGINE)
+    llm.engine.wait_ready()  # nothing in the background runs the backends swapped in below
+    runner = llm.engine.runner
+    halves = TritonBackend(runner.kv_cache), TritonBackend(runner.kv_cache)
+    runner.backend = LongPrefillBackend(*halves, min_work=2048)
+    counters = [weakref.ref(half._split_counters) for half in halves]
+    llm.close()
+    assert [ref() for ref in counters] == [None, None]
+    assert [half._split_counters.numel() for half in halves] == [0, 0]
+
+
 def test_close_and_with_free_the_engine_at_once(artifact: Path) -> None:
     with graphkiln.load(artifact, **ENGINE) as llm:
         stream = llm.generate_stream("hello", SamplingParams(max_tokens=8, ignore_eos=True))

@@ -4,6 +4,7 @@ driven through a torch stand-in for FlashInfer's wrappers (the real ones need a 
 from __future__ import annotations
 
 import sys
+import weakref
 
 import pytest
 import torch
@@ -177,6 +178,19 @@ def test_flashinfer_decode_buffers_grow_until_captured() -> None:
     wider = build_metadata([SequenceSlice(1, 100, tuple(range(8, 15))), SequenceSlice(1, 5, (4,))], 16, 2, CPU)
     with pytest.raises(CapacityError, match="captured graph holds 6"):
         backend.plan(wider)
+
+
+@pytest.mark.usefixtures("stand_in_flashinfer")
+def test_flashinfer_release_drops_its_workspace_and_the_wrappers_planned_into_it() -> None:
+    cache = KVCache(model_config(4, 2, 64), 64, 16, torch.float16, CPU)
+    backend = FlashInferBackend(cache, workspace_bytes=1 << 20)
+    backend.plan(build_metadata([SequenceSlice(1, 16, (3,)), SequenceSlice(1, 5, (4,))], 16, 2, CPU))
+    backend.plan(build_metadata([SequenceSlice(20, 40, (3, 4, 5))], 16, 20, CPU))
+    assert backend._decode and backend._prefill_wrappers
+    workspace = weakref.ref(backend._workspace)
+    backend.release()
+    assert workspace() is None and backend._workspace.numel() == 0
+    assert not backend._decode and not backend._prefill_wrappers
 
 
 @pytest.mark.usefixtures("stand_in_flashinfer")

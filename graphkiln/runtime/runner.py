@@ -116,6 +116,7 @@ class ModelRunner:
         self.decode_graphs = self.prefill_graphs = None
         self.release_eager_graphs()
         self.kv_cache.release()
+        self.backend.release()
         self.backend = self.forward = self.model = None
         if self.peers is not None:
             self.peers.close()

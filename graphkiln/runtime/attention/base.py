@@ -31,3 +31,8 @@ class AttentionBackend(Protocol):
     eager_prefill_work: int | None  # prefill steps of this much attention work or more run outside graphs
 
     def plan(self, meta: BatchMetadata) -> AttentionFn: ...
+
+    def release(self) -> None:
+        """Drop the device buffers it allocated for itself; the engine is closing and the backend unusable after.
+        Whatever still holds the backend (a plan kept by a reference cycle) then holds no device memory: a
+        small buffer left in the tail of the allocator segment the KV cache took would keep all of it reserved."""

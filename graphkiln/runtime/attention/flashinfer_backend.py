@@ -198,6 +198,12 @@ class FlashInferBackend:
         self._planned: torch.cuda.Event | None = None  # the last plan's copies from the pinned workspace
         self._heads_and_scale: tuple[int, float] | None = None  # learned from the first layer call
 
+    def release(self) -> None:
+        """The workspace and the wrappers that plan into it go (base.AttentionBackend.release)."""
+        self._decode.clear()
+        self._prefill_wrappers.clear()
+        self._workspace = self._workspace.new_empty(0)
+
     def plan(self, meta: BatchMetadata) -> AttentionFn:
         if meta.num_seqs == 0:
             return _zeros

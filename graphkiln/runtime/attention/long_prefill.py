@@ -45,6 +45,10 @@ class LongPrefillBackend:
         self.eager_prefill_work = min_work
         self.short, self.long = short, long
 
+    def release(self) -> None:
+        self.short.release()
+        self.long.release()
+
     def plan(self, meta: BatchMetadata) -> AttentionFn:
         return self.long.plan(meta) if meta.long_prefill else self.short.plan(meta)
 

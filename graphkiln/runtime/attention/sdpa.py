@@ -30,6 +30,9 @@ class SdpaBackend:
     def __init__(self, kv_cache: KVCache) -> None:
         self.kv_cache = kv_cache
 
+    def release(self) -> None:
+        """Nothing of its own on the device: torch's kernels allocate per call."""
+
     def plan(self, meta: BatchMetadata) -> AttentionFn:
         def run(layer: int, q, k, v, out, scale: float) -> None:
             self._run(meta, layer, q, k, v, out, scale)

@@ -211,6 +211,11 @@ class TritonBackend:
         # A batch's real rows come before its padding and each holds a block: one set per block will do.
         self._split_counters = torch.zeros(num_blocks * num_kv_heads, dtype=torch.int32, device=device)
 
+    def release(self) -> None:
+        """The split counters and the captured prefills' work tables go (base.AttentionBackend.release)."""
+        self._graph_work.clear()
+        self._split_counters = self._split_counters.new_empty(0)
+
     def plan(self, meta: BatchMetadata) -> AttentionFn:
         return self._plan_decode(meta) if meta.decode else self._plan_prefill(meta)
 
