@@ -104,6 +104,23 @@ def test_close_takes_the_attention_backends_buffers_from_whoever_still_holds_the
     assert [half._split_counters.numel() for half in halves] == [0, 0]
 
 
+def test_steps_leave_no_reference_cycles(artifact: Path) -> None:
+    """Prefill and decode steps free what they make by reference counting alone: a cycle made while a load keeps
+    collection off (its warm-up steps) would be frozen with whatever device memory it holds (gc_pauses.py)."""
+    llm = graphkiln.load(artifact, **ENGINE)
+    llm.engine.wait_ready()
+    prompts = ["hello", "a longer prompt than the first"]
+    llm.generate(prompts, SamplingParams(max_tokens=2))
+    gc.collect()
+    gc.disable()
+    try:
+        llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+        assert gc.collect() == 0
+    finally:
+        gc.enable()
+        llm.close()
+
+
 def test_close_and_with_free_the_engine_at_once(artifact: Path) -> None:
     with graphkiln.load(artifact, **ENGINE) as llm:
         stream = llm.generate_stream("hello", SamplingParams(max_tokens=8, ignore_eos=True))

@@ -4,6 +4,9 @@ before rope with the table and positions), and a model compiled with it computes
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from test_compiler import TOY
@@ -121,3 +124,25 @@ def test_triton_decode_plans_rotate_q_and_k_in_the_kernel_up_to_a_batch_of_eight
     assert [hasattr(plan(rows), "with_rope") for rows in (1, ROPE_IN_DECODE_ROWS, ROPE_IN_DECODE_ROWS + 1, 64)] == [
         True, True, False, False]
     assert not hasattr(plan(1, query_len=5), "with_rope")
+
+
+def test_triton_plans_go_with_their_step_without_a_collection():
+    """No plan is a reference cycle (`with_rope` beside the function that holds it): freed by its last reference,
+    not by a collection, which a load keeps off, freezing what is left (gc_pauses.py) with the backend and the
+    step's metadata it holds."""
+    pytest.importorskip("triton")
+    from graphkiln.runtime.attention.metadata import SequenceSlice, build_metadata, pad_decode
+    from graphkiln.runtime.attention.triton_backend import TritonBackend
+    from graphkiln.runtime.kv_cache import KVCache
+
+    backend = TritonBackend(KVCache(TOY, 16, 16, torch.float16, torch.device("cpu")))
+    metas = [build_metadata(pad_decode([SequenceSlice(1, 5, (1,))], rows), 16, rows, torch.device("cpu"))
+             for rows in (1, 64)]
+    metas.append(build_metadata([SequenceSlice(5, 5, (1,))], 16, 5, torch.device("cpu")))
+    gc.disable()
+    try:
+        for meta in metas:
+            plan = weakref.ref(backend.plan(meta))
+            assert plan() is None
+    finally:
+        gc.enable()

@@ -233,14 +233,20 @@ class TritonBackend:
         )
         tile_args = asdict(tiles)
 
-        def run(layer: int, q, k, v, out, scale: float, rope: tuple | None = None) -> None:
+        def decode(layer: int, q, k, v, out, scale: float, rope: tuple | None) -> None:
             k_cache, v_cache = self.kv_cache.layer(layer)
             self._decode(q, k, v, k_cache, v_cache, meta.seq_lens_t, meta.block_tables, meta.slot_mapping, out, scale,
                          self._split_counters, scales=self.kv_cache.layer_scales(layer), rope=rope, **tile_args)
 
+        def run(layer: int, q, k, v, out, scale: float) -> None:
+            decode(layer, q, k, v, out, scale, None)
+
         def with_rope(layer: int, q, k, v, out, scale: float, table, positions) -> None:
-            """graphkiln::rope_attention's call: q and k before the rotary embedding, which the kernel applies."""
-            run(layer, q, k, v, out, scale, (table, positions))
+            """graphkiln::rope_attention's call: q and k before the rotary embedding, which the kernel applies.
+            It calls `decode`, not `run`, which holds it: a plan is no reference cycle, freed with its step (a
+            cycle would wait for a collection, or, made while a load keeps collection off, stay for good, and
+            with it the backend and the step's metadata on the device)."""
+            decode(layer, q, k, v, out, scale, (table, positions))
 
         if meta.seq_lens_t.shape[0] <= ROPE_IN_DECODE_ROWS:
             run.with_rope = with_rope  # type: ignore[attr-defined]
