@@ -142,9 +142,9 @@ class Engine:
         """Abort every request and give the KV cache, graphs and weights back to the device now (the
         engine is unusable after). Lazy imports inside torch leave reference cycles through the frames
         that ran them, some of which hold this engine's weights or a view of its KV cache: a garbage collection
-        frees those. On CUDA it always runs: such cycles also hold buffers made along the way (a capture's
-        warm-up activations, the attention backend, whose own buffers `release` drops), and one small buffer in
-        the tail of an allocator segment keeps all of it reserved, the KV cache's included.
+        frees those. On CUDA it always runs: a cycle may hold buffers these checks do not see, and one small
+        buffer in the tail of an allocator segment keeps all of it reserved, the KV cache's included (the
+        attention backend's own buffers `release` drops either way).
         A capture running in the background finishes first; those not started are skipped."""
         self.preparation.stop()
         with self.lock():
