@@ -182,7 +182,7 @@ def sweep(fmt: str, x, rows: int, weights: list, calls: int) -> dict:
         from graphkiln.kernels.split_k import multiprocessors
 
         itemsize = x.element_size() if fmt == "bf16" else 1  # SWEEP_TMA's steps in bytes: as many for 16-bit
-        rule = tma_tiling(rows, n, shared_bytes(x.device), multiprocessors(x.device), itemsize)
+        rule = tma_tiling(rows, n, k, shared_bytes(x.device), multiprocessors(x.device), itemsize)
         tilings = [(rule[0], n_, k_ // itemsize, *rest) for n_, k_, *rest in SWEEP_TMA]
     else:
         rule, tilings = rule_tiles(fmt, rows, n, k, x.device), sweep_tilings(fmt, rows)

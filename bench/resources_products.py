@@ -21,7 +21,7 @@ def product_launches(name: str, n: int, k: int, rows: int, block_scales: bool, a
     label = f"{name} fp8 {'per block' if block_scales else 'per channel'} m={rows}"
     if arch >= 90 and not block_scales and tma_takes(rows, n, k):  # what tma_fits takes on CUDA
         fp8_tma(*quantize_rows(x), weight, scale, torch.bfloat16)
-        block_m, block_n, block_k, splits, _, stages = tma_tiling(rows, n)
+        block_m, block_n, block_k, splits, _, stages = tma_tiling(rows, n, k)
         return f"{label} tma", f"block_m={block_m} block_n={block_n} block_k={block_k} splits={splits} stages={stages}"
     fp8_linear(x, weight, scale)
     return _gemv_or_mma(label, n, k, rows, rows > FEW_ROWS, block_scales)
@@ -77,7 +77,7 @@ def bf16_launch(name: str, n: int, k: int, rows: int, arch: int) -> tuple | None
     if arch < 90 or not tma_takes(rows, n, k, itemsize=2):
         return None
     tma_product(x, weight)
-    block_m, block_n, block_k, _, _, stages = tma_tiling(rows, n, itemsize=2)
+    block_m, block_n, block_k, _, _, stages = tma_tiling(rows, n, k, itemsize=2)
     return f"{name} bf16 m={rows} tma", f"block_m={block_m} block_n={block_n} block_k={block_k} stages={stages}"
 
 

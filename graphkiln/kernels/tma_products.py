@@ -7,8 +7,8 @@ BLOCK_N weight rows over all of K. Each K step the copy engine brings a BLOCK_N 
 the BLOCK_M x BLOCK_K tile of x into shared memory, STAGES steps ahead, and the tensor cores read both from there:
 no thread computes an address or holds a tile in its registers on the way, which is where the pointer-fed kernel
 (fp8_mma.py) spends its issue slots and registers at these sizes. With the bytes in flight that deep, one
-program a slab streams its weight fast enough that the rule does not split K (no partials, no second pass over
-them); a split (split_k.py) is there for the sweeps.
+program a slab streams its weight fast enough that the rule splits K (split_k.py: partials and a second pass over
+them) only where the slabs leave most multiprocessors idle.
 
 `tma_product` runs the same kernel on 16-bit x and weights (no scales), steps of the same bytes: graphkiln::linear
 (models/linear.py) sends it the 16-bit products that `product_fits`, where it read the bench models' projections
@@ -40,6 +40,7 @@ ALIGN = 16  # bytes: what a descriptor's base address and row stride must be a m
 HOPPER_SHARED = 227 * 1024  # shared memory a program may take on an H100 or H200
 HOPPER_SMS = 132  # multiprocessors of an H100 or H200
 SHARED_RESERVE = 1024  # of it, left to the kernel's own barriers and scratch
+SPLIT_ROW_BYTES = 16384  # the shortest weight row whose K the rule splits where few slabs leave multiprocessors idle
 
 
 @triton.jit(do_not_specialize=["M", "STEPS"])  # one build for every row count up to BLOCK_M and every split
@@ -108,7 +109,7 @@ def tma_takes(m: int, n: int, k: int, shared: int = HOPPER_SHARED, sms: int = HO
     `tma_product`) to the kernel: 2 to TMA_ROWS rows, at least TMA_MIN_N weight rows (where it was measured
     faster), rows of a multiple of 16 bytes, and room for two steps of its tiles."""
     return (2 <= m <= TMA_ROWS and n >= TMA_MIN_N and k * itemsize % ALIGN == 0
-            and tma_tiling(m, n, shared, sms, itemsize)[5] >= 2)
+            and tma_tiling(m, n, k, shared, sms, itemsize)[5] >= 2)
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -138,19 +139,25 @@ def _takes_here(x: torch.Tensor, weight: torch.Tensor) -> bool:
                      weight.element_size())
 
 
-def tma_tiling(m: int, n: int, shared: int = HOPPER_SHARED, sms: int = HOPPER_SMS,
+def tma_tiling(m: int, n: int, k: int, shared: int = HOPPER_SHARED, sms: int = HOPPER_SMS,
                itemsize: int = 1, activated: bool = False) -> tuple[int, ...]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, splits, warps, stages) for m rows of x and n weight rows of `itemsize`-byte
-    elements: 64-row slabs of 256-byte steps, K not split (a split, split_k.py, is there for the sweeps: it
-    measured slower on every 8B-like projection). The stages follow the waves: where the slabs outnumber the `sms`
-    multiprocessors, as few stages (up to 4) as let two programs share one, so the last wave is half as long; where
-    they fit in one wave, up to 6, as deep as `shared` bytes hold (the sweeps' fastest on the 1B- and 8B-like
-    projections either way). `activated`: a slab's 64 gate rows bring their 64 up rows (n / 2 outputs)."""
-    block_m, block_n, block_k = max(16, triton.next_power_of_2(m)), 64, 256 // itemsize
+    """(BLOCK_M, BLOCK_N, BLOCK_K, splits, warps, stages) for m rows of x times n weight rows of k `itemsize`-byte
+    elements: 64-row slabs on 4 warps. The stages follow the waves: where the slabs outnumber the `sms`
+    multiprocessors, 256-byte steps and as few stages (up to 4) as let two programs share one, so the last wave is
+    half as long; where they fit in one wave, up to 6 steps of 256 bytes as deep as `shared` bytes hold, or at up
+    to 32 rows up to 4 of 512 bytes. Where so few slabs leave three quarters of the multiprocessors idle and a row
+    of the weight is 16 KiB or more, K is split in two (split_k.py). Each choice was the fastest of the sweeps on
+    the 1B- and 8B-like projections and measured faster in the whole models (README, "Quantized weights").
+    `activated`: a slab's 64 gate rows bring their 64 up rows (n / 2 outputs), K never split."""
+    block_m, block_n = max(16, triton.next_power_of_2(m)), 64
     slab_rows, slabs = (2 * block_n, triton.cdiv(n // 2, block_n)) if activated else (block_n, triton.cdiv(n, block_n))
-    room = (shared - SHARED_RESERVE) // ((block_m + slab_rows) * 256)  # steps one program's shared memory holds
-    stages = min(4, room // 2) if slabs > sms and room // 2 >= 3 else min(6, room)
-    return block_m, block_n, block_k, 1, 4, stages
+    room = (shared - SHARED_RESERVE) // ((block_m + slab_rows) * 256)  # 256-byte steps one program's memory holds
+    if slabs > sms:
+        return block_m, block_n, 256 // itemsize, 1, 4, min(4, room // 2) if room // 2 >= 3 else min(6, room)
+    splits = 2 if slabs * 4 <= sms and k * itemsize >= SPLIT_ROW_BYTES and not activated else 1
+    if m <= 32 and splits == 1:
+        return block_m, block_n, 512 // itemsize, 1, 4, min(4, room // 2)
+    return block_m, block_n, 256 // itemsize, splits, 4, min(6, room)
 
 
 def fp8_tma(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -178,7 +185,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scales: tuple[torch.Tensor, t
     m, k = x.shape
     n = weight.shape[0]
     block_m, block_n, block_k, splits, warps, stages = tiles or tma_tiling(
-        m, n, shared_bytes(x.device), multiprocessors(x.device), x.element_size(), activated)
+        m, n, k, shared_bytes(x.device), multiprocessors(x.device), x.element_size(), activated)
     splits, steps = k_steps(k, splits, block_k)
     if activated and (scales is not None or splits > 1 or n % 2):
         raise ValueError("the activated product takes an unscaled weight of an even row count, K unsplit")

@@ -212,7 +212,7 @@ def test_fp8_tma_is_the_float32_product_of_what_it_reads(shape, rows, static, sp
     else:
         xq, x_scale = quantize_rows(x)
     assert tma_kernels.tma_fits(xq, weight, scale) == (n >= tma_kernels.TMA_MIN_N)
-    tiles = tma_kernels.tma_tiling(rows, n)
+    tiles = tma_kernels.tma_tiling(rows, n, k)
     y = tma_kernels.fp8_tma(xq, x_scale, weight, scale, torch.bfloat16, (*tiles[:3], splits, *tiles[4:]))
     assert y.shape == (rows, n) and y.dtype == torch.bfloat16
     assert relative_error(y, (xq.float() * x_scale) @ reference_weight.t()) < 0.006
