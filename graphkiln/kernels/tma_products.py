@@ -155,7 +155,7 @@ def tma_tiling(m: int, n: int, k: int, shared: int = HOPPER_SHARED, sms: int = H
     if slabs > sms:
         return block_m, block_n, 256 // itemsize, 1, 4, min(4, room // 2) if room // 2 >= 3 else min(6, room)
     splits = 2 if slabs * 4 <= sms and k * itemsize >= SPLIT_ROW_BYTES and not activated else 1
-    if m <= 32 and splits == 1:
+    if m <= 32 and splits == 1:  # steps twice as wide: half as many fit
         return block_m, block_n, 512 // itemsize, 1, 4, min(4, room // 2)
     return block_m, block_n, 256 // itemsize, splits, 4, min(6, room)
 
