@@ -289,11 +289,13 @@ CASES = {  # name: (kernel, query dtype, q heads, kv heads, head_dim, lengths, s
     "rows-fp8-many-tiles": ("rows", torch.float16, 4, 2, 64, [230], 1, True),
     "rows-unsplit-short": ("rows", torch.float16, 8, 2, 64, [300, 96, 65, 1], 8, False, 3),  # 5, 1, 1, 1 splits
     "rows-fp8-unsplit-short": ("rows", torch.float16, 8, 2, 64, [200, 64], 16, True, 2),  # 7 splits, 1
+    "rows-merge-chunks-odd-group": ("rows", torch.float32, 6, 2, 64, [1000, 40], 32, False),  # merges of 32 splits
     "rows-rope-gqa4-splits": ("rows-rope", torch.float16, 8, 2, 64, [1, 17, 100, 33], 4, False),
     "rows-rope-padded-head-fp8": ("rows-rope", torch.float16, 8, 2, 48, [50, 16], 2, True),
     "rows-rope-fp32": ("rows-rope", torch.float32, 4, 1, 64, [65, 3], 2, False),  # the interpreter rounds bf16 off
     "blocks-gqa4-splits": ("blocks", torch.float16, 8, 2, 64, [1, 17, 100, 33], 4, False),
     "blocks-fp8": ("blocks", torch.float16, 8, 4, 64, [90, 1, 32], 2, True),
+    "blocks-merge-chunks-odd-group": ("blocks", torch.float16, 6, 2, 64, [700, 20], 24, False),
 }
 PREFILL_CASES = {  # name: (query dtype, q heads, kv heads, head_dim, (query_len, seq_len) each, block_m, fp8 cache
     # [, query heads a program])

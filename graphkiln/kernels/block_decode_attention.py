@@ -53,7 +53,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .decode_attention import merge_splits, new_row_state
+from .decode_attention import merge_chunk, merge_splits, new_row_state
 from .kv_format import MIN_TILE_SCALE, dot_query, fp8_scale, head_pad, lanes, to_fp8
 from .launch import launch
 from .pdl import pdl_on
@@ -114,9 +114,10 @@ def _block_decode_kernel(
     out_ptr, part_out, part_lse, counters, scale_log2, num_splits,
     stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
     stride_ot, stride_oh, stride_od, stride_cb, stride_ct, stride_ch, stride_bt,
-    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
-    HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
-    BLOCK_S: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    BLOCK_G: tl.constexpr, HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr, MERGE_CHUNK: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
+    PDL: tl.constexpr, STAGES: tl.constexpr,
 ):
     tile = tl.program_id(0)
     split = tl.program_id(1)
@@ -204,7 +205,7 @@ def _block_decode_kernel(
                     if head0 + h < NUM_KV_HEADS:
                         merge_splits(part_out, part_lse, out_row, (head0 + h) * GROUP,
                                      seq * NUM_HEADS + (head0 + h) * GROUP, num_splits, active, stride_oh, stride_od,
-                                     GROUP, HEAD_DIM, HEAD_PAD, BLOCK_S)
+                                     GROUP, GROUP_PAD, HEAD_DIM, HEAD_PAD, MERGE_CHUNK)
 
 
 def block_paged_decode(
@@ -240,7 +241,8 @@ def block_paged_decode(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEADS=heads, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, HEAD_PAD=padded,
-        BLOCK_S=triton.next_power_of_2(num_splits), PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        GROUP_PAD=triton.next_power_of_2(group), MERGE_CHUNK=merge_chunk(num_splits),
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FP8=scales is not None, PDL=launch_pdl, STAGES=num_stages, num_warps=num_warps, num_stages=num_stages,
         launch_pdl=launch_pdl,
     )

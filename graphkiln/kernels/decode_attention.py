@@ -88,21 +88,36 @@ def load_kv_tile(k_cache, v_cache, k_scales, v_scales, table_row, tile, end, las
 
 @triton.jit
 def merge_splits(part_out, part_lse, out_row, first_head, first_part, num_splits, active, stride_oh, stride_od,
-                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_S: tl.constexpr):
+                 GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+                 CHUNK: tl.constexpr):
     """Write the output of GROUP heads from `first_head` on: the `active` partials of each, weighted by
-    their log-sum-exps. Partials are read past L1, which other programs' stores do not update."""
-    splits = tl.arange(0, BLOCK_S)
-    used = splits < active
+    their log-sum-exps. The GROUP heads' partials load together, CHUNK splits at a time, so the merge waits
+    on one round trip a chunk rather than one a head: it is the end of the chain that every split step
+    waits on. Partials are read past L1, which other programs' stores do not update."""
+    g = tl.arange(0, GROUP_PAD)
+    splits = tl.arange(0, CHUNK)
     dims = tl.arange(0, HEAD_PAD)
-    for g in tl.static_range(GROUP):
-        part = (first_part + g) * num_splits + splits
+    first_of_head = (first_part + g)[:, None] * num_splits
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    total = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)
+    for chunk in range(0, active, CHUNK):
+        part = first_of_head + chunk + splits[None, :]
+        used = (g < GROUP)[:, None] & (chunk + splits < active)[None, :]
+        partial = tl.load(part_out + part[:, :, None] * HEAD_PAD + dims[None, None, :], mask=used[:, :, None],
+                          other=0.0, cache_modifier=".cg")
         lse = tl.load(part_lse + part, mask=used, other=float("-inf"), cache_modifier=".cg")
-        weight = tl.exp2(lse - tl.max(lse, 0))
-        partial = tl.load(part_out + part[:, None] * HEAD_PAD + dims[None, :], mask=used[:, None], other=0.0,
-                          cache_modifier=".cg")
-        result = tl.sum(partial * weight[:, None], 0) / tl.sum(weight, 0)
-        tl.store(out_row + (first_head + g) * stride_oh + dims * stride_od, result.to(out_row.dtype.element_ty),
-                 mask=lanes(dims, HEAD_DIM, HEAD_PAD))
+        m_new = tl.maximum(m, tl.max(lse, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # padded heads: no split, weight 0
+        alpha = tl.exp2(m - m_safe)
+        weight = tl.exp2(lse - m_safe[:, None])
+        total = total * alpha + tl.sum(weight, 1)
+        acc = acc * alpha[:, None] + tl.sum(partial * weight[:, :, None], 1)
+        m = m_new
+    result = acc / tl.where(g < GROUP, total, 1.0)[:, None]
+    mask = (g < GROUP)[:, None] & lanes(dims, HEAD_DIM, HEAD_PAD)[None, :]
+    tl.store(out_row + (first_head + g)[:, None] * stride_oh + dims[None, :] * stride_od,
+             result.to(out_row.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -164,8 +179,9 @@ def _decode_kernel(
     part_lse, counters, rope_table, positions, scale_log2, num_splits, unsplit_tiles,
     stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
     stride_ot, stride_oh, stride_od, stride_cb, stride_ct, stride_ch, stride_bt, stride_rope,
-    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr,
     PRECISION: tl.constexpr, FP8: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
@@ -254,7 +270,14 @@ def _decode_kernel(
             if tl.atomic_add(counter, 1) == active - 1:
                 tl.store(counter, 0)
                 merge_splits(part_out, part_lse, out_row, kv_head * GROUP, seq * NUM_HEADS + kv_head * GROUP,
-                             num_splits, active, stride_oh, stride_od, GROUP, HEAD_DIM, HEAD_PAD, BLOCK_S)
+                             num_splits, active, stride_oh, stride_od, GROUP, GROUP_PAD, HEAD_DIM, HEAD_PAD,
+                             MERGE_CHUNK)
+
+
+def merge_chunk(num_splits: int) -> int:
+    """Splits a merge loads at once (merge_splits): all of a short context's, at most 16, which holds a group's
+    partials in a few dozen registers a thread."""
+    return min(16, triton.next_power_of_2(num_splits))
 
 
 def paged_decode(
@@ -289,9 +312,10 @@ def paged_decode(
         counters, rope_table, positions, scale * 1.4426950408889634, num_splits, unsplit_tiles,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), rope_table.stride(0),
-        NUM_HEADS=num_heads, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
-        BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, HEAD_PAD=padded, BLOCK_N=block_n,
-        BLOCK_S=triton.next_power_of_2(num_splits), PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=triton.next_power_of_2(group),
+        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
+        HEAD_PAD=padded, BLOCK_N=block_n, MERGE_CHUNK=merge_chunk(num_splits),
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FP8=scales is not None, ROPE=rope is not None, PDL=launch_pdl,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=launch_pdl,
     )
