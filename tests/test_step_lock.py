@@ -49,11 +49,20 @@ def test_a_waiting_background_turn_comes_before_the_next_step() -> None:
 
 
 def test_reentrant_for_its_holder() -> None:
+    """A holder takes the lock again without waiting on itself (a lock that is not reentrant fails here, in a
+    thread given a second, rather than hanging the run)."""
     lock = StepLock()
-    with lock(), lock():
-        pass
-    with lock(background=True), lock():
-        pass
+    done = threading.Event()
+
+    def take_twice() -> None:
+        with lock(), lock():
+            pass
+        with lock(background=True), lock():
+            pass
+        done.set()
+
+    threading.Thread(target=take_twice, daemon=True).start()
+    assert done.wait(1.0), "the lock's holder waited on itself"
 
 
 def test_a_waiting_step_comes_before_the_next_background_turn() -> None:
