@@ -11,9 +11,9 @@ stores its partial result and log-sum-exp, then counts itself done on a per-(seq
 counter; the last one merges the partials, writes the output and resets the counter to zero for
 the next launch.
 
-With programmatic dependent launch (kernels/pdl.py) a program loads its first cached tile while the kernel before
-it (rope, or the qkv projection where this kernel rotates q and k itself) drains, and the next kernel may launch
-once every program began.
+With programmatic dependent launch (kernels/pdl.py) a program loads its first cached tile, the new row's slot and
+(rotating q and k itself) its position's cos and sin, none of which a kernel of the step writes, while the kernel
+before it (rope, or the qkv projection) drains, and the next kernel may launch once every program began.
 
 The step's new key and value (the context's last position) come from the projections, not the
 cache: split 0 of each (sequence, KV head) stores them into their slot, and the split that holds
@@ -121,14 +121,23 @@ def merge_splits(part_out, part_lse, out_row, first_head, first_part, num_splits
 
 
 @triton.jit
-def rotate_loaded(x, x_base, stride, dims, mask, cos, sin, HALF: tl.constexpr):
-    """x [..., HEAD_PAD] (loaded from x_base + dims * stride) rotated by its position's cos and sin [HEAD_PAD]:
+def load_halves(x_base, stride, dims, mask, HALF: tl.constexpr):
+    """x [..., HEAD_PAD] at x_base + dims * stride and its halves swapped (x[d + HALF] in the first half,
+    x[d - HALF] in the second): what `rotate` takes. Both loads are issued together, so the rotation waits on
+    one round trip, not two."""
+    x = tl.load(x_base + dims * stride, mask=mask, other=0.0)
+    swapped = tl.load(x_base + tl.where(dims < HALF, dims + HALF, dims - HALF) * stride, mask=mask, other=0.0)
+    return x, swapped
+
+
+@triton.jit
+def rotate(x, swapped, dims, cos, sin, HALF: tl.constexpr):
+    """x [..., HEAD_PAD] rotated by its position's cos and sin [HEAD_PAD] (`swapped` from load_halves):
     x * cos - x[d + HALF] * sin in the first half, x * cos + x[d - HALF] * sin in the second, in float32 and
     rounded once to x's dtype, as kernels/rope.py computes it."""
-    low = dims < HALF
-    swapped = tl.load(x_base + tl.where(low, dims + HALF, dims - HALF) * stride, mask=mask, other=0.0).to(tl.float32)
     x32 = x.to(tl.float32)
-    return tl.where(low, x32 * cos - swapped * sin, x32 * cos + swapped * sin).to(x.dtype)
+    swapped = swapped.to(tl.float32)
+    return tl.where(dims < HALF, x32 * cos - swapped * sin, x32 * cos + swapped * sin).to(x.dtype)
 
 
 @triton.jit
@@ -203,26 +212,31 @@ def _decode_kernel(
         cached, k, v, k_scale, v_scale = load_kv_tile(
             k_cache, v_cache, k_scales, v_scales, table_row, start, end, last, kv_head, stride_cb, stride_ct,
             stride_ch, BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_PAD, FP8)
-        if PDL:
-            gdc_wait()
-        h = tl.arange(0, BLOCK_H)
-        heads = kv_head * GROUP + h
-        head_mask = (h < GROUP)[:, None]
         dims = tl.arange(0, HEAD_PAD)
         dim_mask = lanes(dims, HEAD_DIM, HEAD_PAD)
-        out_mask = head_mask & dim_mask[None, :]
-        q_base = q_ptr + seq * stride_qt + heads[:, None] * stride_qh
-        k_base = k_ptr + seq * stride_kt + kv_head * stride_kh
-        q = tl.load(q_base + dims[None, :] * stride_qd, mask=out_mask, other=0.0)
-        k_new = tl.load(k_base + dims * stride_kd, mask=dim_mask, other=0.0)
-        v_new = tl.load(v_ptr + seq * stride_vt + kv_head * stride_vh + dims * stride_vd, mask=dim_mask, other=0.0)
-        if ROPE:  # cos then sin of this token's position, a row of the table
+        slot = tl.load(slot_mapping + seq).to(tl.int64)  # where the new key and value go (split 0 stores them)
+        cos = scale_log2  # placeholders without ROPE
+        sin = scale_log2
+        if ROPE:  # cos then sin of this token's position, a row of the static table; positions are a step's input
             rope_row = rope_table + tl.load(positions + seq).to(tl.int64) * stride_rope
             cos = tl.load(rope_row + dims, mask=dim_mask, other=0.0).to(tl.float32)
             sin = tl.load(rope_row + HEAD_DIM + dims, mask=dim_mask, other=0.0).to(tl.float32)
-            q = rotate_loaded(q, q_base, stride_qd, dims[None, :], out_mask, cos[None, :], sin[None, :],
-                              HEAD_DIM // 2)
-            k_new = rotate_loaded(k_new, k_base, stride_kd, dims, dim_mask, cos, sin, HEAD_DIM // 2)
+        if PDL:
+            gdc_wait()
+        # A load issued after a layout conversion's barrier waits for the loads before it: with ROPE the rotation
+        # uses q, k and their swapped halves together, so all five are issued before the first barrier.
+        h = tl.arange(0, BLOCK_H)
+        heads = kv_head * GROUP + h
+        head_mask = (h < GROUP)[:, None]
+        out_mask = head_mask & dim_mask[None, :]
+        q_base = q_ptr + seq * stride_qt + heads[:, None] * stride_qh
+        k_base = k_ptr + seq * stride_kt + kv_head * stride_kh
+        q, q_swapped = load_halves(q_base, stride_qd, dims[None, :], out_mask, HEAD_DIM // 2)
+        k_new, k_swapped = load_halves(k_base, stride_kd, dims, dim_mask, HEAD_DIM // 2)
+        v_new = tl.load(v_ptr + seq * stride_vt + kv_head * stride_vh + dims * stride_vd, mask=dim_mask, other=0.0)
+        if ROPE:
+            q = rotate(q, q_swapped, dims[None, :], cos[None, :], sin[None, :], HEAD_DIM // 2)
+            k_new = rotate(k_new, k_swapped, dims, cos, sin, HEAD_DIM // 2)
         k_new_scale = scale_log2  # placeholders without FP8
         v_new_scale = scale_log2
         q_unit = scale_log2
@@ -236,7 +250,6 @@ def _decode_kernel(
             k_new = k_new.to(k_cache.dtype.element_ty)
             v_new = v_new.to(v_cache.dtype.element_ty)
         if split == 0:
-            slot = tl.load(slot_mapping + seq).to(tl.int64)
             row = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
             dst = row + dims
             tl.store(k_cache + dst, k_new, mask=dim_mask)
