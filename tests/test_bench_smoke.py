@@ -43,6 +43,7 @@ def bench(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -
     return run
 
 
+@pytest.mark.timeout(600, method="thread")  # the run's watchdog takes SIGALRM, which the signal method also uses
 def test_main_run_smoke(bench: Bench, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from bench import run
 
