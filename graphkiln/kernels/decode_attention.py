@@ -23,7 +23,7 @@ is written, and the tiles reach the dots as loaded: putting the new row into a t
 in registers and converted its layout, which cost more registers than the rest of the loop.
 
 With `rope` (the table and positions of models/rope.py) q and the new key arrive as the projection wrote them and
-each program rotates its own as it loads them (rotate_loaded), as the rope kernel would have before it: that
+each program rotates its own as it loads them (load_halves, rotate), as the rope kernel would have before it: that
 kernel's launch, and its wait in the chain of launches, go (passes/rope_attention.py).
 
 Any head_dim up to 256 (tiles padded to a power of two) and an fp8 cache with per-row scales
