@@ -153,10 +153,12 @@ def occupancy(registers: int, warps: int, shared: int) -> int:
 
 
 def decode_launches(model: str, batch: int, max_context: int, variant: tuple[int, int, int, int] | None = None,
-                    fp8: bool = False, blocks: bool = False) -> tuple[str, str]:
+                    fp8: bool = False, blocks: bool = False, rope: bool = False,
+                    head_dim: int | None = None) -> tuple[str, str]:
     """The decode kernel's launch for `batch` sequences, planned for a table of `max_context` tokens, or at
     `variant` (splits, block_n, warps, stages); on an fp8 cache with its row scales if `fp8`; the block kernel
-    (by tensor-descriptor copies) if `blocks`. Its (label, tiles)."""
+    (by tensor-descriptor copies) if `blocks`; rotating q and k itself if `rope`; at `head_dim` in place of the
+    model's. Its (label, tiles)."""
     import torch
 
     from graphkiln.kernels.block_decode_attention import block_paged_decode
@@ -165,7 +167,7 @@ def decode_launches(model: str, batch: int, max_context: int, variant: tuple[int
     from graphkiln.runtime.attention.triton_backend import DecodeTiles, decode_tiles, padded_head_dim
 
     s = shape_of(model)
-    hq, hkv, d, block = s["num_attention_heads"], s["num_key_value_heads"], s["head_dim"], 16
+    hq, hkv, d, block = s["num_attention_heads"], s["num_key_value_heads"], head_dim or s["head_dim"], 16
     cache_dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
     blocks_count = batch * (max_context // block)
     q = torch.zeros(batch, hq, d, dtype=torch.bfloat16)
@@ -175,15 +177,18 @@ def decode_launches(model: str, batch: int, max_context: int, variant: tuple[int
     args = (q, k, k.clone(), cache, cache.clone(), torch.full((batch,), 200, dtype=torch.int32),
             torch.arange(blocks_count, dtype=torch.int32).view(batch, -1), torch.zeros(batch, dtype=torch.int64),
             torch.empty_like(q), d ** -0.5, torch.zeros(batch * hkv, dtype=torch.int32))
-    label = f"{'block ' if blocks else ''}decode b={batch}{' fp8 cache' if fp8 else ''}{' variant' if variant else ''}"
+    label = (f"{'block ' if blocks else ''}decode b={batch}{' fp8 cache' if fp8 else ''}{' rope' if rope else ''}"
+             f"{' variant' if variant else ''}")
     if blocks:
         plan = block_decode_tiles(batch, hkv, max_context, block, padded_head_dim(d), lane_bytes(cache_dtype), 132)
         block_paged_decode(*args, num_splits=plan.num_splits, heads=plan.heads, num_warps=plan.num_warps,
                            num_stages=plan.num_stages, scales=scales)
         return label, f"splits={plan.num_splits} heads={plan.heads} stages={plan.num_stages}"
-    tiles = DecodeTiles(*variant) if variant else decode_tiles(batch, hkv, max_context, d, cache_dtype.itemsize, 132)
+    planned = decode_tiles(batch, hkv, max_context, padded_head_dim(d), cache_dtype.itemsize, 132)
+    tiles = DecodeTiles(*variant) if variant else planned
+    positions = (torch.zeros(max_context, 2 * d), torch.zeros(batch, dtype=torch.int64)) if rope else None
     paged_decode(*args, num_splits=tiles.num_splits, block_n=tiles.block_n, num_warps=tiles.num_warps,
-                 num_stages=tiles.num_stages, scales=scales)
+                 num_stages=tiles.num_stages, scales=scales, rope=positions)
     return label, f"splits={tiles.num_splits} block_n={tiles.block_n} stages={tiles.num_stages}"
 
 
