@@ -187,8 +187,7 @@ def decode_launches(model: str, batch: int, max_context: int, variant: tuple[int
     planned = decode_tiles(batch, hkv, max_context, padded_head_dim(d), cache_dtype.itemsize, 132)
     tiles = DecodeTiles(*variant) if variant else planned
     positions = (torch.zeros(max_context, 2 * d), torch.zeros(batch, dtype=torch.int64)) if rope else None
-    paged_decode(*args, num_splits=tiles.num_splits, block_n=tiles.block_n, num_warps=tiles.num_warps,
-                 num_stages=tiles.num_stages, scales=scales, rope=positions)
+    paged_decode(*args, **asdict(tiles), scales=scales, rope=positions)
     return label, f"splits={tiles.num_splits} block_n={tiles.block_n} stages={tiles.num_stages}"
 
 

@@ -33,3 +33,18 @@ def test_rotating_decode_kernel_issues_its_loads_after_the_wait_before_any_barri
     first_barrier = to_first_dot.index("bar.sync")
     assert re.search(r"ld\.global", to_first_dot[:first_barrier])  # q, k and their halves
     assert not re.search(r"ld\.global", to_first_dot[first_barrier:])
+
+
+@pytest.mark.parametrize("model,batch", [("8b", 1), ("1b", 8)])
+def test_row_decode_kernel_asks_l2_for_its_later_tiles_before_the_wait(model, batch, monkeypatch):
+    """Up to PREFETCH_ROWS rows, a split's tiles after the first (its first is loaded before the wait) are asked
+    of L2 before the PDL wait and never after it; past that many rows, not at all."""
+    monkeypatch.setattr(decode_attention, "pdl_on", lambda device: True)
+    for rows, wanted in ((batch, True), (decode_attention.PREFETCH_ROWS + 1, False)):
+        with compiled_for(90) as built:
+            decode_launches(model, rows, 8192)
+        [(_, _, kernel)] = built
+        ptx = kernel.asm["ptx"]
+        wait = ptx.index("griddepcontrol.wait")
+        assert ("prefetch.global.L2" in ptx[:wait]) is wanted
+        assert "prefetch.global.L2" not in ptx[wait:]
