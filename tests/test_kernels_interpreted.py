@@ -56,8 +56,10 @@ def test_interpreted_prefill_matches_float32_causal_attention(results: dict, nam
 def test_interpreted_quantized_product_matches_float32(results: dict, name: str) -> None:
     assert results[name]["error"] < ERROR  # float16 output rounding
     assert results[name]["counters_zero"]  # the split counters left as the next product needs them
-    if name.startswith("half-tma-activated"):  # the activation in the epilogue as its own kernel computes it
-        assert results[name]["as_two_launches"]
+    if name.startswith("half-tma-activated"):  # the activation in the epilogue as its own kernel computes it:
+        # the interpreter's dots are NumPy matmuls, whose float32 sums follow the tile's shape and the CPU's BLAS
+        # kernels, so a gate or up product may round a unit apart between the two tilings (one of 300 did here)
+        assert results[name]["ulps_from_two_launches"] <= 1
 
 
 @pytest.mark.parametrize("name", NORM_CASES)
