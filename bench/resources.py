@@ -184,8 +184,8 @@ def decode_launches(model: str, batch: int, max_context: int, variant: tuple[int
         block_paged_decode(*args, num_splits=plan.num_splits, heads=plan.heads, num_warps=plan.num_warps,
                            num_stages=plan.num_stages, scales=scales)
         return label, f"splits={plan.num_splits} heads={plan.heads} stages={plan.num_stages}"
-    planned = decode_tiles(batch, hkv, max_context, padded_head_dim(d), cache_dtype.itemsize, 132)
-    tiles = DecodeTiles(*variant) if variant else planned
+    tiles = (DecodeTiles(*variant) if variant
+             else decode_tiles(batch, hkv, max_context, padded_head_dim(d), cache_dtype.itemsize, 132))
     positions = (torch.zeros(max_context, 2 * d), torch.zeros(batch, dtype=torch.int64)) if rope else None
     paged_decode(*args, **asdict(tiles), scales=scales, rope=positions)
     return label, f"splits={tiles.num_splits} block_n={tiles.block_n} stages={tiles.num_stages}"
