@@ -72,19 +72,27 @@ def load_row_scales(scales, rows, valid, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
+def tile_rows(table_row, tile, end, last, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_N: tl.constexpr,
+              BLOCK_SIZE: tl.constexpr):
+    """Which rows of the tile from `tile` on are cached positions (short of `end`, not `last`, which is the step's
+    new key and value: new_row_state), and their offsets (paged_rows)."""
+    pos = tile + tl.arange(0, BLOCK_N)
+    cached = (pos < end) & (pos != last)
+    return cached, paged_rows(table_row, pos, cached, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
+
+
+@triton.jit
 def load_kv_tile(k_cache, v_cache, k_scales, v_scales, table_row, tile, end, last, kv_head, stride_cb, stride_ct,
                  stride_ch, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                  HEAD_PAD: tl.constexpr, FP8: tl.constexpr):
-    """Which rows of the tile from `tile` on are cached positions (short of `end`, not `last`, which is the
-    step's new key and value: new_row_state), their keys and values (zeros elsewhere) and their fp8 scales
-    (unused placeholders without FP8)."""
-    pos = tile + tl.arange(0, BLOCK_N)
-    cached = (pos < end) & (pos != last)
-    rows = paged_rows(table_row, pos, cached, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
+    """Which rows of the tile from `tile` on are cached positions (tile_rows), their keys and values (zeros
+    elsewhere) and their fp8 scales (unused placeholders without FP8)."""
+    cached, rows = tile_rows(table_row, tile, end, last, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_N,
+                             BLOCK_SIZE)
     k = load_rows(k_cache, rows, cached, HEAD_DIM, HEAD_PAD)
     v = load_rows(v_cache, rows, cached, HEAD_DIM, HEAD_PAD)
-    k_scale = pos
-    v_scale = pos
+    k_scale = rows
+    v_scale = rows
     if FP8:
         k_scale = load_row_scales(k_scales, rows, cached, HEAD_DIM)
         v_scale = load_row_scales(v_scales, rows, cached, HEAD_DIM)
@@ -101,11 +109,9 @@ def prefetch_l2(ptrs):
 @triton.jit
 def prefetch_tile(k_cache, v_cache, table_row, tile, end, last, kv_head, stride_cb, stride_ct, stride_ch,
                   BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, LINE: tl.constexpr, LINES: tl.constexpr):
-    """Ask L2 for the keys and values of the tile from `tile` on (load_kv_tile's rows), LINES cache lines of LINE
+    """Ask L2 for the keys and values of the tile from `tile` on (tile_rows), LINES cache lines of LINE
     elements a row."""
-    pos = tile + tl.arange(0, BLOCK_N)
-    cached = (pos < end) & (pos != last)
-    rows = paged_rows(table_row, pos, cached, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
+    _, rows = tile_rows(table_row, tile, end, last, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_N, BLOCK_SIZE)
     lines = rows[:, None] + (tl.arange(0, LINES) * LINE)[None, :]
     prefetch_l2(k_cache + lines)
     prefetch_l2(v_cache + lines)
