@@ -13,9 +13,7 @@ the next launch.
 
 With programmatic dependent launch (kernels/pdl.py) a program loads its first cached tile, the new row's slot and
 (rotating q and k itself) its position's cos and sin, none of which a kernel of the step writes, while the kernel
-before it (rope, or the qkv projection) drains, and the next kernel may launch once every program began. In
-batches of up to PREFETCH_ROWS rows it also asks L2 for the next tiles of its split, as many as an unsplit
-sequence has after its first (a short context's second and third), which it loads only after the wait.
+before it (rope, or the qkv projection) drains, and the next kernel may launch once every program began.
 
 The step's new key and value (the context's last position) come from the projections, not the
 cache: split 0 of each (sequence, KV head) stores them into their slot, and the split that holds
@@ -44,9 +42,6 @@ from .kv_format import MIN_TILE_SCALE, dot_query, fp8_scale, head_pad, lanes, to
 from .launch import launch
 from .pdl import pdl_on
 
-PREFETCH_ROWS = 8  # decode batches of up to this many rows ask L2 for each split's next tiles before the PDL wait
-LINE_BYTES = 128
-
 
 @triton.jit
 def paged_rows(table_row, pos, valid, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE: tl.constexpr):
@@ -72,49 +67,23 @@ def load_row_scales(scales, rows, valid, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def tile_rows(table_row, tile, end, last, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_N: tl.constexpr,
-              BLOCK_SIZE: tl.constexpr):
-    """Which rows of the tile from `tile` on are cached positions (short of `end`, not `last`, which is the step's
-    new key and value: new_row_state), and their offsets (paged_rows)."""
-    pos = tile + tl.arange(0, BLOCK_N)
-    cached = (pos < end) & (pos != last)
-    return cached, paged_rows(table_row, pos, cached, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
-
-
-@triton.jit
 def load_kv_tile(k_cache, v_cache, k_scales, v_scales, table_row, tile, end, last, kv_head, stride_cb, stride_ct,
                  stride_ch, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                  HEAD_PAD: tl.constexpr, FP8: tl.constexpr):
-    """Which rows of the tile from `tile` on are cached positions (tile_rows), their keys and values (zeros
-    elsewhere) and their fp8 scales (unused placeholders without FP8)."""
-    cached, rows = tile_rows(table_row, tile, end, last, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_N,
-                             BLOCK_SIZE)
+    """Which rows of the tile from `tile` on are cached positions (short of `end`, not `last`, which is the
+    step's new key and value: new_row_state), their keys and values (zeros elsewhere) and their fp8 scales
+    (unused placeholders without FP8)."""
+    pos = tile + tl.arange(0, BLOCK_N)
+    cached = (pos < end) & (pos != last)
+    rows = paged_rows(table_row, pos, cached, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
     k = load_rows(k_cache, rows, cached, HEAD_DIM, HEAD_PAD)
     v = load_rows(v_cache, rows, cached, HEAD_DIM, HEAD_PAD)
-    k_scale = rows
-    v_scale = rows
+    k_scale = pos
+    v_scale = pos
     if FP8:
         k_scale = load_row_scales(k_scales, rows, cached, HEAD_DIM)
         v_scale = load_row_scales(v_scales, rows, cached, HEAD_DIM)
     return cached, k, v, k_scale, v_scale
-
-
-@triton.jit
-def prefetch_l2(ptrs):
-    """Ask L2 for the lines at `ptrs`: a hint, with no result and no wait."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
-def prefetch_tile(k_cache, v_cache, table_row, tile, end, last, kv_head, stride_cb, stride_ct, stride_ch,
-                  BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, LINE: tl.constexpr, LINES: tl.constexpr):
-    """Ask L2 for the keys and values of the tile from `tile` on (tile_rows), LINES cache lines of LINE
-    elements a row."""
-    _, rows = tile_rows(table_row, tile, end, last, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_N, BLOCK_SIZE)
-    lines = rows[:, None] + (tl.arange(0, LINES) * LINE)[None, :]
-    prefetch_l2(k_cache + lines)
-    prefetch_l2(v_cache + lines)
 
 
 @triton.jit
@@ -222,8 +191,7 @@ def _decode_kernel(
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     MERGE_CHUNK: tl.constexpr,
-    PRECISION: tl.constexpr, FP8: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-    LINE: tl.constexpr, LINES: tl.constexpr,
+    PRECISION: tl.constexpr, FP8: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
     split = tl.program_id(1)
@@ -253,10 +221,6 @@ def _decode_kernel(
             rope_row = rope_table + tl.load(positions + seq).to(tl.int64) * stride_rope
             cos = tl.load(rope_row + dims, mask=dim_mask, other=0.0).to(tl.float32)
             sin = tl.load(rope_row + HEAD_DIM + dims, mask=dim_mask, other=0.0).to(tl.float32)
-        if PREFETCH > 0:  # the split's next tiles, which load after the wait, into L2 meanwhile
-            for tile in range(start + BLOCK_N, tl.minimum(end, start + (PREFETCH + 1) * BLOCK_N), BLOCK_N):
-                prefetch_tile(k_cache, v_cache, table_row, tile, end, last, kv_head, stride_cb, stride_ct, stride_ch,
-                              BLOCK_N, BLOCK_SIZE, LINE, LINES)
         if PDL:
             gdc_wait()
         # A load issued after a layout conversion's barrier waits for the loads before it: with ROPE the rotation
@@ -351,7 +315,6 @@ def paged_decode(
     k_scales, v_scales = scales if scales is not None else (k_cache, v_cache)
     rope_table, positions = rope if rope is not None else (seq_lens, seq_lens)  # placeholders without ROPE
     launch_pdl = pdl_on(q.device)
-    line = LINE_BYTES // k_cache.element_size()  # elements in an L2 line
     part_out = part_lse = out
     if num_splits > 1:
         part_out = torch.empty((num_seqs, num_heads, num_splits, padded), dtype=torch.float32, device=q.device)
@@ -367,7 +330,5 @@ def paged_decode(
         HEAD_PAD=padded, BLOCK_N=block_n, MERGE_CHUNK=merge_chunk(num_splits),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FP8=scales is not None, ROPE=rope is not None, PDL=launch_pdl,
-        PREFETCH=unsplit_tiles - 1 if launch_pdl and num_seqs <= PREFETCH_ROWS else 0,
-        LINE=line, LINES=triton.next_power_of_2(triton.cdiv(head_dim, line)),
         num_warps=num_warps, num_stages=num_stages, launch_pdl=launch_pdl,
     )
