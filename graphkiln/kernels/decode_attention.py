@@ -46,7 +46,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from .kv_format import MIN_TILE_SCALE, dot_query, fp8_scale, head_pad, lanes, to_fp8
 from .launch import launch
 from .pdl import pdl_on
-from .split_merge import flagged_sizes, merge_chunk, merge_flagged, merge_splits, publish
+from .split_merge import flagged_sizes, merge_chunk, merge_splits, publish
 
 
 @triton.jit
@@ -255,9 +255,9 @@ def _decode_kernel(
             publish(part_out + part[:, None] * HEAD_PAD + dims[None, :], acc, tl.broadcast_to(head_mask, acc.shape))
             publish(part_lse + part, m_i + tl.log2(l_i), h < GROUP)
             if ticket == active - 1:
-                merge_flagged(part_out, part_lse, out_row, kv_head * GROUP, seq * NUM_HEADS + kv_head * GROUP,
-                              num_splits, active, stride_oh, stride_od, GROUP, GROUP_PAD, HEAD_DIM, HEAD_PAD,
-                              MERGE_CHUNK)
+                merge_splits(part_out, part_lse, out_row, kv_head * GROUP, seq * NUM_HEADS + kv_head * GROUP,
+                             num_splits, active, stride_oh, stride_od, GROUP, GROUP_PAD, HEAD_DIM, HEAD_PAD,
+                             MERGE_CHUNK, FLAGGED=True)
                 tl.store(counter, 0)
         else:
             part = (seq * NUM_HEADS + heads) * num_splits + split

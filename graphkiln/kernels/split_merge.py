@@ -2,9 +2,9 @@
 their weight total) and log-sum-exp, combined into one head's output by the program that finds the group complete.
 
 merge_splits reads partials stored as float32 by splits that then counted themselves done (the last to count
-merges). merge_flagged reads partials published as 32-bit words into buffers that hold EMPTY, the bits of a NaN
-that no arithmetic writes, between launches: each word is its own flag, so the merging program needs no count at
-the end. It loads a chunk until no word is EMPTY, then empties them for the next launch.
+merges), or, FLAGGED, partials published as 32-bit words into buffers that hold EMPTY, the bits of a NaN that no
+arithmetic writes, between launches: each word is its own flag, so the merging program needs no count at the end.
+It loads a chunk until no word is EMPTY, then empties them for the next launch (read_flagged).
 """
 
 from __future__ import annotations
@@ -19,11 +19,12 @@ from .kv_format import head_pad, lanes
 @triton.jit
 def merge_splits(part_out, part_lse, out_row, first_head, first_part, num_splits, active, stride_oh, stride_od,
                  GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
-                 CHUNK: tl.constexpr):
+                 CHUNK: tl.constexpr, FLAGGED: tl.constexpr = False):
     """Write the output of GROUP heads from `first_head` on: the `active` partials of each, weighted by
     their log-sum-exps. The GROUP heads' partials load together, CHUNK splits at a time, so the merge waits
     on one round trip a chunk rather than one a head: it is the end of the chain that every split step
-    waits on. Partials are read past L1, which other programs' stores do not update."""
+    waits on. Partials are read past L1, which other programs' stores do not update. FLAGGED: they are flagged
+    words (read_flagged)."""
     g = tl.arange(0, GROUP_PAD)
     splits = tl.arange(0, CHUNK)
     dims = tl.arange(0, HEAD_PAD)
@@ -34,9 +35,12 @@ def merge_splits(part_out, part_lse, out_row, first_head, first_part, num_splits
     for chunk in range(0, active, CHUNK):
         part = first_of_head + chunk + splits[None, :]
         used = (g < GROUP)[:, None] & (chunk + splits < active)[None, :]
-        partial = tl.load(part_out + part[:, :, None] * HEAD_PAD + dims[None, None, :], mask=used[:, :, None],
-                          other=0.0, cache_modifier=".cg")
-        lse = tl.load(part_lse + part, mask=used, other=float("-inf"), cache_modifier=".cg")
+        partials = part_out + part[:, :, None] * HEAD_PAD + dims[None, None, :]
+        if FLAGGED:
+            partial, lse = read_flagged(partials, part_lse + part, used, HEAD_PAD)
+        else:
+            partial = tl.load(partials, mask=used[:, :, None], other=0.0, cache_modifier=".cg")
+            lse = tl.load(part_lse + part, mask=used, other=float("-inf"), cache_modifier=".cg")
         m, total, acc = fold_partials(m, total, acc, partial, lse)
     store_merged(out_row, first_head, acc, total, stride_oh, stride_od, GROUP, GROUP_PAD, HEAD_DIM, HEAD_PAD)
 
@@ -84,34 +88,20 @@ def load_flagged(words, mask):
 
 
 @triton.jit
-def merge_flagged(part_words, lse_words, out_row, first_head, first_part, num_splits, active, stride_oh, stride_od,
-                  GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
-                  CHUNK: tl.constexpr):
-    """merge_splits over flagged partials: each chunk's words are loaded again until none is EMPTY; merged, they
-    are emptied, as the next launch needs them."""
-    g = tl.arange(0, GROUP_PAD)
-    splits = tl.arange(0, CHUNK)
-    dims = tl.arange(0, HEAD_PAD)
-    first_of_head = (first_part + g)[:, None] * num_splits
-    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    total = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)
-    for chunk in range(0, active, CHUNK):
-        part = first_of_head + chunk + splits[None, :]
-        used = (g < GROUP)[:, None] & (chunk + splits < active)[None, :]
-        used_dims = tl.broadcast_to(used[:, :, None], (GROUP_PAD, CHUNK, HEAD_PAD))
-        words = part_words + part[:, :, None] * HEAD_PAD + dims[None, None, :]
-        partial = tl.zeros([GROUP_PAD, CHUNK, HEAD_PAD], tl.float32)
-        lse = tl.zeros([GROUP_PAD, CHUNK], tl.float32)
-        waiting = 1
-        while waiting > 0:
-            partial, words_waiting = load_flagged(words, used_dims)
-            lse, lse_waiting = load_flagged(lse_words + part, used)
-            waiting = words_waiting + lse_waiting
-        tl.store(words, EMPTY, mask=used_dims)
-        tl.store(lse_words + part, EMPTY, mask=used)
-        m, total, acc = fold_partials(m, total, acc, partial, tl.where(used, lse, float("-inf")))
-    store_merged(out_row, first_head, acc, total, stride_oh, stride_od, GROUP, GROUP_PAD, HEAD_DIM, HEAD_PAD)
+def read_flagged(words, lse_words, used, HEAD_PAD: tl.constexpr):
+    """A chunk of flagged partials [G, C, HEAD_PAD] and log-sum-exps [G, C] (-inf where not `used`), loaded
+    again until no used word is EMPTY, then emptied, as the next launch needs them."""
+    used_dims = tl.broadcast_to(used[:, :, None], (used.shape[0], used.shape[1], HEAD_PAD))
+    partial = tl.zeros(used_dims.shape, tl.float32)
+    lse = tl.zeros(used.shape, tl.float32)
+    waiting = 1
+    while waiting > 0:
+        partial, words_waiting = load_flagged(words, used_dims)
+        lse, lse_waiting = load_flagged(lse_words, used)
+        waiting = words_waiting + lse_waiting
+    tl.store(words, EMPTY, mask=used_dims)
+    tl.store(lse_words, EMPTY, mask=used)
+    return partial, tl.where(used, lse, float("-inf"))
 
 
 def merge_chunk(num_splits: int) -> int:
