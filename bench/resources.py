@@ -164,8 +164,7 @@ def decode_launches(model: str, batch: int, max_context: int, variant: tuple[int
     from graphkiln.kernels.block_decode_attention import block_paged_decode
     from graphkiln.kernels.decode_attention import paged_decode
     from graphkiln.runtime.attention.block_decode import block_decode_tiles, lane_bytes
-    from graphkiln.kernels.split_merge import flagged_buffers, flagged_sizes
-    from graphkiln.runtime.attention.triton_backend import FLAGGED_ROWS, DecodeTiles, decode_tiles, padded_head_dim
+    from graphkiln.runtime.attention.triton_backend import DecodeTiles, decode_tiles, launch_flagged, padded_head_dim
 
     s = shape_of(model)
     hq, hkv, d, block = s["num_attention_heads"], s["num_key_value_heads"], head_dim or s["head_dim"], 16
@@ -188,9 +187,7 @@ def decode_launches(model: str, batch: int, max_context: int, variant: tuple[int
     tiles = (DecodeTiles(*variant) if variant
              else decode_tiles(batch, hkv, max_context, padded_head_dim(d), cache_dtype.itemsize, 132))
     positions = (torch.zeros(max_context, 2 * d), torch.zeros(batch, dtype=torch.int64)) if rope else None
-    flagged = None
-    if batch <= FLAGGED_ROWS:
-        flagged = flagged_buffers(flagged_sizes(batch, hq, tiles.num_splits, d), "cpu")
+    flagged = launch_flagged(batch, hq, tiles.num_splits, d, "cpu")
     paged_decode(*args, **asdict(tiles), scales=scales, rope=positions, flagged=flagged)
     merge = " flagged" if flagged and tiles.num_splits > 1 else ""
     return label, f"splits={tiles.num_splits} block_n={tiles.block_n} stages={tiles.num_stages}{merge}"

@@ -124,6 +124,17 @@ def decode_tiles(
     return DecodeTiles(splits, 32, 2 if row_bytes <= 256 else 4, 4 if row_bytes <= 256 else 2)
 
 
+def launch_flagged(rows: int, num_heads: int, num_splits: int, head_dim: int,
+                   device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Flagged words for one decode launch of `rows` rows, as the backend merges them (FLAGGED_ROWS rows at
+    most; None above): what a benchmark of a lone launch passes to time the engine's merge."""
+    if rows > FLAGGED_ROWS:
+        return None
+    from graphkiln.kernels.split_merge import flagged_buffers, flagged_sizes
+
+    return flagged_buffers(flagged_sizes(rows, num_heads, num_splits, head_dim), device)
+
+
 def prefill_tiles(max_query_len: int, head_dim: int, itemsize: int) -> PrefillTiles:
     """The fastest of the tilings the attention benchmark sweeps (README, "Attention at serving shapes"). In a 16-bit
     cache, held to 128 registers a thread so a multiprocessor holds one program more: 128-byte rows take 64-row
