@@ -159,13 +159,13 @@ def decode_kernel(h: Heads, kernel: str, num_seqs: int, max_context: int, k_cach
     """(the planned tiles, make_call(args, tiles, scales) -> the timed call) of a decode kernel, planned as the
     Triton backend plans it; the block kernel's cache descriptors are built in make_call, outside the timed
     call, as a captured graph keeps them."""
-    from graphkiln.kernels.decode_attention import paged_decode
-    from graphkiln.runtime.attention.triton_backend import decode_tiles, launch_flagged, padded_head_dim
+    from graphkiln.runtime.attention.triton_backend import decode_tiles, padded_head_dim
 
     if kernel == "rows":
+        from graphkiln.kernels.decode_attention import paged_decode
+
         def make_rows_call(args: tuple, tiles: dict, scales):
-            flagged = launch_flagged(num_seqs, h.hq, tiles["num_splits"], h.d, k_cache.device)
-            return lambda: paged_decode(*args, **tiles, scales=scales, flagged=flagged)
+            return lambda: paged_decode(*args, **tiles, scales=scales)
 
         return decode_tiles(num_seqs, h.hkv, max_context, h.d, k_cache.element_size(), num_sms), make_rows_call
     from graphkiln.kernels.block_decode_attention import block_paged_decode, cache_descriptor

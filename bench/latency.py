@@ -23,7 +23,6 @@ def decode_latency(h: Heads, shapes: str, num_sms: int, unsplit_tiles: tuple[int
     import torch
 
     from graphkiln.kernels.decode_attention import paged_decode
-    from graphkiln.runtime.attention.triton_backend import launch_flagged
 
     def busy() -> None:  # the device still busy when the replay is queued: its launch stays out of the time
         torch.cuda._sleep(100_000)
@@ -45,9 +44,7 @@ def decode_latency(h: Heads, shapes: str, num_sms: int, unsplit_tiles: tuple[int
         variants = [planned, *(replace(planned, unsplit_tiles=m) for m in unsplit_tiles),
                     replace(planned, num_splits=1)]
         for tiles in dict.fromkeys(variants):
-            flagged = launch_flagged(batch, h.hq, tiles.num_splits, h.d, h.device)
-            replay = in_graph(lambda t=tiles, f=flagged: paged_decode(*args, **asdict(t), scales=scales, flagged=f),
-                              h.device)
+            replay = in_graph(lambda t=tiles: paged_decode(*args, **asdict(t), scales=scales), h.device)
             times = {name: time_ms(replay, h.device, reps=50, before=lambda b=before: (b(), busy())).us
                      for name, before in (("cold_us", lambda: flush_l2(h.device)), ("inputs_in_l2_us", read_inputs),
                                           ("warm_us", lambda: None))}

@@ -158,13 +158,13 @@ def decode_launches(model: str, batch: int, max_context: int, variant: tuple[int
     """The decode kernel's launch for `batch` sequences, planned for a table of `max_context` tokens, or at
     `variant` (splits, block_n, warps, stages); on an fp8 cache with its row scales if `fp8`; the block kernel
     (by tensor-descriptor copies) if `blocks`; rotating q and k itself if `rope`; at `head_dim` in place of the
-    model's; merging by flags where the backend would. Its (label, tiles)."""
+    model's. Its (label, tiles)."""
     import torch
 
     from graphkiln.kernels.block_decode_attention import block_paged_decode
     from graphkiln.kernels.decode_attention import paged_decode
     from graphkiln.runtime.attention.block_decode import block_decode_tiles, lane_bytes
-    from graphkiln.runtime.attention.triton_backend import DecodeTiles, decode_tiles, launch_flagged, padded_head_dim
+    from graphkiln.runtime.attention.triton_backend import DecodeTiles, decode_tiles, padded_head_dim
 
     s = shape_of(model)
     hq, hkv, d, block = s["num_attention_heads"], s["num_key_value_heads"], head_dim or s["head_dim"], 16
@@ -187,10 +187,8 @@ def decode_launches(model: str, batch: int, max_context: int, variant: tuple[int
     tiles = (DecodeTiles(*variant) if variant
              else decode_tiles(batch, hkv, max_context, padded_head_dim(d), cache_dtype.itemsize, 132))
     positions = (torch.zeros(max_context, 2 * d), torch.zeros(batch, dtype=torch.int64)) if rope else None
-    flagged = launch_flagged(batch, hq, tiles.num_splits, d, "cpu")
-    paged_decode(*args, **asdict(tiles), scales=scales, rope=positions, flagged=flagged)
-    merge = " flagged" if flagged and tiles.num_splits > 1 else ""
-    return label, f"splits={tiles.num_splits} block_n={tiles.block_n} stages={tiles.num_stages}{merge}"
+    paged_decode(*args, **asdict(tiles), scales=scales, rope=positions)
+    return label, f"splits={tiles.num_splits} block_n={tiles.block_n} stages={tiles.num_stages}"
 
 
 def prefill_launches(model: str, tokens: int, variant: tuple[int, ...] | None = None) -> tuple[str, str]:

@@ -20,7 +20,6 @@ import triton.runtime.interpreter as interpreter
 
 from graphkiln.kernels.block_decode_attention import block_paged_decode
 from graphkiln.kernels.decode_attention import paged_decode
-from graphkiln.kernels.split_merge import EMPTY, flagged_buffers, flagged_sizes
 from graphkiln.kernels.fp8_linear import FEW_ROWS, fp8_linear, fp8_mlp, quantize_rows
 from graphkiln.kernels.gemv import gemv, silu_mul
 from graphkiln.kernels.int4_dp4a import int4_dp4a_gemv
@@ -110,8 +109,7 @@ def run_decode(kernel: str, dtype: torch.dtype, hq: int, hkv: int, d: int, lens:
     """One decode launch over sequences of `lens` tokens, the last of each the step's new row; the row kernel
     runs a sequence of at most `unsplit_tiles` tiles in one split. "rows-rope": the row kernel given q and k before
     the rotary embedding (strided views of one qk tensor, as the model's projection leaves them), which it applies;
-    the reference attends rope_reference's rotation of them, and the new key is stored rotated. "-flagged": the row
-    kernel merging its splits by flags, in buffers that must be EMPTY again after."""
+    the reference attends rope_reference's rotation of them, and the new key is stored rotated."""
     torch.manual_seed(seed)
     keys, values, scales, tables = random_cache(hkv, d, lens, dtype, fp8, seed)
     slots = torch.tensor([int(tables[i, (n - 1) // BLOCK]) * BLOCK + (n - 1) % BLOCK for i, n in enumerate(lens)])
@@ -120,14 +118,12 @@ def run_decode(kernel: str, dtype: torch.dtype, hq: int, hkv: int, d: int, lens:
     out = torch.full((len(lens), hq, d), float("nan"), dtype=dtype)
     counters = torch.zeros(keys.shape[0] * hkv, dtype=torch.int32)
     args = (q, k, v, keys, values, torch.tensor(lens, dtype=torch.int32), tables, slots, out, d**-0.5, counters)
-    rope = flagged = None
-    if "flagged" in kernel:
-        flagged = flagged_buffers(flagged_sizes(len(lens), hq, splits, d), "cpu")
-    if "rope" in kernel:
+    rope = None
+    if kernel == "rows-rope":
         rope = torch.randn(128, 2 * d), torch.tensor(lens) - 1  # any table: the kernel reads both halves of a row
     if kernel.startswith("rows"):
         paged_decode(*args, num_splits=splits, block_n=32, num_warps=4, num_stages=2, unsplit_tiles=unsplit_tiles,
-                     scales=scales, rope=rope, flagged=flagged)
+                     scales=scales, rope=rope)
     else:
         block_paged_decode(*args, num_splits=splits, heads=2, num_warps=4, num_stages=2, scales=scales)
     if rope is not None:
@@ -145,8 +141,7 @@ def run_decode(kernel: str, dtype: torch.dtype, hq: int, hkv: int, d: int, lens:
     if fp8:
         scale_error = ((scales[0].reshape(-1, hkv)[slots] - want_scale).abs().max() / want_scale.abs().max()).item()
     return {"error": max(errors), "new_key_equal": (written == want.float()).float().mean().item(),
-            "new_key_scale_error": scale_error, "counters_zero": not counters.any().item(),
-            "flagged_empty": flagged is None or all(bool((t == EMPTY.value).all()) for t in flagged)}
+            "new_key_scale_error": scale_error, "counters_zero": not counters.any().item()}
 
 
 def run_prefill(dtype: torch.dtype, hq: int, hkv: int, d: int, lens: list[tuple[int, int]], block_m: int,
@@ -304,10 +299,6 @@ CASES = {  # name: (kernel, query dtype, q heads, kv heads, head_dim, lengths, s
     "rows-rope-gqa4-splits": ("rows-rope", torch.float16, 8, 2, 64, [1, 17, 100, 33], 4, False),
     "rows-rope-padded-head-fp8": ("rows-rope", torch.float16, 8, 2, 48, [50, 16], 2, True),
     "rows-rope-fp32": ("rows-rope", torch.float32, 4, 1, 64, [65, 3], 2, False),  # the interpreter rounds bf16 off
-    "rows-flagged-gqa4-splits": ("rows-flagged", torch.float16, 8, 2, 64, [1, 17, 100, 33], 4, False),
-    "rows-flagged-merge-chunks-odd-group": ("rows-flagged", torch.float32, 6, 2, 64, [1000, 40], 32, False),
-    "rows-flagged-fp8-unsplit-short": ("rows-flagged", torch.float16, 8, 2, 64, [200, 64], 16, True, 2),
-    "rows-rope-flagged-padded-head-fp8": ("rows-rope-flagged", torch.float16, 8, 2, 48, [50, 16], 2, True),
     "blocks-gqa4-splits": ("blocks", torch.float16, 8, 2, 64, [1, 17, 100, 33], 4, False),
     "blocks-fp8": ("blocks", torch.float16, 8, 4, 64, [90, 1, 32], 2, True),
     "blocks-merge-chunks-odd-group": ("blocks", torch.float16, 6, 2, 64, [700, 20], 24, False),

@@ -45,7 +45,6 @@ def test_interpreted_decode_matches_float32_attention(results: dict, name: str) 
     assert case["new_key_equal"] == 1.0  # stored as the key itself, or in fp8 as torch rounds it
     assert case["new_key_scale_error"] < 1e-6
     assert case["counters_zero"]
-    assert case["flagged_empty"]  # a flagged merge empties the words it read
 
 
 @pytest.mark.parametrize("name", PREFILL_CASES)

@@ -53,11 +53,10 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .decode_attention import new_row_state
+from .decode_attention import merge_chunk, merge_splits, new_row_state
 from .kv_format import MIN_TILE_SCALE, dot_query, fp8_scale, head_pad, lanes, to_fp8
 from .launch import launch
 from .pdl import pdl_on
-from .split_merge import merge_chunk, merge_splits
 
 
 def cache_descriptor(cache: torch.Tensor, heads: int) -> TensorDescriptor:

@@ -11,11 +11,6 @@ stores its partial result and log-sum-exp, then counts itself done on a per-(seq
 counter; the last one merges the partials, writes the output and resets the counter to zero for
 the next launch.
 
-With `flagged` buffers (few-row batches) the count moves to the start: each split takes a ticket as it loads q,
-and publishes its partial into words that are EMPTY until written (split_merge.py). The split with the last
-ticket, whose group has then all begun, merges as soon as no word is EMPTY, empties them and resets the counter.
-The end of the chain waits on the partials' round trip alone, not a fence, a count and a load one after another.
-
 With programmatic dependent launch (kernels/pdl.py) a program loads its first cached tile, the new row's slot and
 (rotating q and k itself) its position's cos and sin, none of which a kernel of the step writes, while the kernel
 before it (rope, or the qkv projection) drains, and the next kernel may launch once every program began.
@@ -46,7 +41,6 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from .kv_format import MIN_TILE_SCALE, dot_query, fp8_scale, head_pad, lanes, to_fp8
 from .launch import launch
 from .pdl import pdl_on
-from .split_merge import flagged_sizes, merge_chunk, merge_splits, publish
 
 
 @triton.jit
@@ -90,6 +84,40 @@ def load_kv_tile(k_cache, v_cache, k_scales, v_scales, table_row, tile, end, las
         k_scale = load_row_scales(k_scales, rows, cached, HEAD_DIM)
         v_scale = load_row_scales(v_scales, rows, cached, HEAD_DIM)
     return cached, k, v, k_scale, v_scale
+
+
+@triton.jit
+def merge_splits(part_out, part_lse, out_row, first_head, first_part, num_splits, active, stride_oh, stride_od,
+                 GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+                 CHUNK: tl.constexpr):
+    """Write the output of GROUP heads from `first_head` on: the `active` partials of each, weighted by
+    their log-sum-exps. The GROUP heads' partials load together, CHUNK splits at a time, so the merge waits
+    on one round trip a chunk rather than one a head: it is the end of the chain that every split step
+    waits on. Partials are read past L1, which other programs' stores do not update."""
+    g = tl.arange(0, GROUP_PAD)
+    splits = tl.arange(0, CHUNK)
+    dims = tl.arange(0, HEAD_PAD)
+    first_of_head = (first_part + g)[:, None] * num_splits
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    total = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)
+    for chunk in range(0, active, CHUNK):
+        part = first_of_head + chunk + splits[None, :]
+        used = (g < GROUP)[:, None] & (chunk + splits < active)[None, :]
+        partial = tl.load(part_out + part[:, :, None] * HEAD_PAD + dims[None, None, :], mask=used[:, :, None],
+                          other=0.0, cache_modifier=".cg")
+        lse = tl.load(part_lse + part, mask=used, other=float("-inf"), cache_modifier=".cg")
+        m_new = tl.maximum(m, tl.max(lse, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # padded heads: no split, weight 0
+        alpha = tl.exp2(m - m_safe)
+        weight = tl.exp2(lse - m_safe[:, None])
+        total = total * alpha + tl.sum(weight, 1)
+        acc = acc * alpha[:, None] + tl.sum(partial * weight[:, :, None], 1)
+        m = m_new
+    result = acc / tl.where(g < GROUP, total, 1.0)[:, None]
+    mask = (g < GROUP)[:, None] & lanes(dims, HEAD_DIM, HEAD_PAD)[None, :]
+    tl.store(out_row + (first_head + g)[:, None] * stride_oh + dims[None, :] * stride_od,
+             result.to(out_row.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -163,7 +191,7 @@ def _decode_kernel(
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     MERGE_CHUNK: tl.constexpr,
-    PRECISION: tl.constexpr, FP8: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr, FLAGGED: tl.constexpr,
+    PRECISION: tl.constexpr, FP8: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
     split = tl.program_id(1)
@@ -206,10 +234,6 @@ def _decode_kernel(
         q, q_swapped = load_halves(q_base, stride_qd, dims[None, :], out_mask, HEAD_DIM // 2)
         k_new, k_swapped = load_halves(k_base, stride_kd, dims, dim_mask, HEAD_DIM // 2)
         v_new = tl.load(v_ptr + seq * stride_vt + kv_head * stride_vh + dims * stride_vd, mask=dim_mask, other=0.0)
-        counter = counters + seq * tl.num_programs(0) + kv_head
-        ticket = active
-        if FLAGGED:  # the group's last ticket merges: the others have begun, so waiting on them cannot deadlock
-            ticket = tl.atomic_add(counter, 1, mask=active > 1, sem="relaxed")
         if ROPE:
             q = rotate(q, q_swapped, dims[None, :], cos[None, :], sin[None, :], HEAD_DIM // 2)
             k_new = rotate(k_new, k_swapped, dims, cos, sin, HEAD_DIM // 2)
@@ -250,20 +274,12 @@ def _decode_kernel(
         if active == 1:
             tl.store(out_row + heads[:, None] * stride_oh + dims[None, :] * stride_od, acc.to(out_ptr.dtype.element_ty),
                      mask=out_mask)
-        elif FLAGGED:
-            part = (seq * NUM_HEADS + heads) * num_splits + split
-            publish(part_out + part[:, None] * HEAD_PAD + dims[None, :], acc, tl.broadcast_to(head_mask, acc.shape))
-            publish(part_lse + part, m_i + tl.log2(l_i), h < GROUP)
-            if ticket == active - 1:
-                merge_splits(part_out, part_lse, out_row, kv_head * GROUP, seq * NUM_HEADS + kv_head * GROUP,
-                             num_splits, active, stride_oh, stride_od, GROUP, GROUP_PAD, HEAD_DIM, HEAD_PAD,
-                             MERGE_CHUNK, FLAGGED=True)
-                tl.store(counter, 0)
         else:
             part = (seq * NUM_HEADS + heads) * num_splits + split
             tl.store(part_out + part[:, None] * HEAD_PAD + dims[None, :], acc, mask=head_mask)
             tl.store(part_lse + part, m_i + tl.log2(l_i), mask=h < GROUP)
             tl.debug_barrier()  # every thread's partial is stored before the count (acq_rel, GPU scope) releases it
+            counter = counters + seq * tl.num_programs(0) + kv_head
             if tl.atomic_add(counter, 1) == active - 1:
                 tl.store(counter, 0)
                 merge_splits(part_out, part_lse, out_row, kv_head * GROUP, seq * NUM_HEADS + kv_head * GROUP,
@@ -271,12 +287,18 @@ def _decode_kernel(
                              MERGE_CHUNK)
 
 
+def merge_chunk(num_splits: int) -> int:
+    """Splits a merge loads at once (merge_splits): all of a short context's, at most 16, which holds a group's
+    partials in a few dozen registers a thread."""
+    return min(16, triton.next_power_of_2(num_splits))
+
+
 def paged_decode(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     seq_lens: torch.Tensor, block_tables: torch.Tensor, slot_mapping: torch.Tensor, out: torch.Tensor, scale: float,
     counters: torch.Tensor, *, num_splits: int, block_n: int, num_warps: int, num_stages: int,
     unsplit_tiles: int = 1, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-    rope: tuple[torch.Tensor, torch.Tensor] | None = None, flagged: tuple[torch.Tensor, torch.Tensor] | None = None,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Store k[i], v[i] [Hkv, D] at slot_mapping[i], the last of seq_lens[i] positions of sequence i, and
     write to out[i] the attention of q[i] [Hq, D] over those positions. `counters` (int32 zeros, one
@@ -284,8 +306,7 @@ def paged_decode(
     A sequence takes at most `num_splits` splits of tiles of `block_n` rows, one if it has at most `unsplit_tiles`.
     An fp8 cache (contiguous) comes with `scales`, float32 [num_blocks, block_size, Hkv] for keys and values.
     `rope`: (table [P, 2D], cos then sin, unit stride; positions [num_seqs]): q and k not yet rotated, as
-    models/rope.py's rope would rotate them.
-    `flagged`: int32 words holding split_merge.EMPTY, as many as flagged_sizes, for a merge by flags (EMPTY after)."""
+    models/rope.py's rope would rotate them."""
     num_seqs = seq_lens.shape[0]
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[2]
@@ -295,12 +316,7 @@ def paged_decode(
     rope_table, positions = rope if rope is not None else (seq_lens, seq_lens)  # placeholders without ROPE
     launch_pdl = pdl_on(q.device)
     part_out = part_lse = out
-    if num_splits > 1 and flagged is not None:
-        if any(t.numel() < size for t, size in zip(flagged, flagged_sizes(num_seqs, num_heads, num_splits, head_dim))):
-            raise ValueError(f"flagged partial buffers of {[t.numel() for t in flagged]} words: too few for "
-                             f"{num_seqs} rows of {num_heads} heads in {num_splits} splits")
-        part_out, part_lse = flagged
-    elif num_splits > 1:
+    if num_splits > 1:
         part_out = torch.empty((num_seqs, num_heads, num_splits, padded), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
     launch(
@@ -313,6 +329,6 @@ def paged_decode(
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
         HEAD_PAD=padded, BLOCK_N=block_n, MERGE_CHUNK=merge_chunk(num_splits),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        FP8=scales is not None, ROPE=rope is not None, PDL=launch_pdl, FLAGGED=part_out.dtype == torch.int32,
+        FP8=scales is not None, ROPE=rope is not None, PDL=launch_pdl,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=launch_pdl,
     )

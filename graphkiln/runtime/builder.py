@@ -69,7 +69,7 @@ def build_engine(
     num_blocks = kv_cache_blocks(layers, kv_dtype, device, config)
     kv = allocate_kv_cache(layers, num_blocks, config.block_size, kv_dtype, device)
     log.info("KV cache: %d blocks of %d tokens, %.1f MiB", num_blocks, config.block_size, kv.nbytes / 2**20)
-    backend = select_backend(config.attention_backend, kv, config.decode_kernel, layers.num_heads)
+    backend = select_backend(config.attention_backend, kv, config.decode_kernel)
     allocator = BlockAllocator(num_blocks, config.block_size)
     compiling = compiled is not None or pieces is not None  # (pieces: served eagerly until they are in)
     padding = Padding(config.decode_batch_sizes, config.prefill_token_buckets) if compiling else None  # capture sizes

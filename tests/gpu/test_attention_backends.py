@@ -199,7 +199,7 @@ def _id(heads: tuple) -> str:
 def test_triton_decode(heads: tuple, case: str, record_property) -> None:
     lens, pad = DECODE[case]
     batch = make_batch(heads, [(1, s) for s in lens], pad, decode=True)
-    run_and_check(TritonBackend(batch.cache, num_heads=batch.num_heads), batch, record_property)
+    run_and_check(TritonBackend(batch.cache), batch, record_property)
 
 
 @pytest.mark.parametrize("case", PREFILL)
@@ -215,7 +215,7 @@ def test_triton_prefill(heads: tuple, case: str, record_property) -> None:
 def test_triton_decode_fp8_cache(heads: tuple, case: str, record_property) -> None:
     lens, pad = DECODE[case]
     batch = make_batch(heads, [(1, s) for s in lens], pad, decode=True, fp8=True)
-    run_and_check(TritonBackend(batch.cache, num_heads=batch.num_heads), batch, record_property)
+    run_and_check(TritonBackend(batch.cache), batch, record_property)
 
 
 @pytest.mark.parametrize("case", PREFILL)
@@ -298,8 +298,7 @@ def replay_lengths(num_seqs: int) -> tuple[list[int], list[int]]:
 def test_decode_replays_in_a_cuda_graph(backend: type, heads: tuple, num_seqs: int, record_property) -> None:
     lens_a, lens_b = replay_lengths(num_seqs)
     batch = make_batch(heads, [(1, s) for s in lens_a + lens_b], 0, decode=True)
-    made = backend(batch.cache, num_heads=batch.num_heads) if backend is TritonBackend else backend(batch.cache)
-    check_decode_replay(made, batch, lens_a, lens_b, record_property)
+    check_decode_replay(backend(batch.cache), batch, lens_a, lens_b, record_property)
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["model-dtype-cache", "fp8-cache"])
@@ -311,7 +310,7 @@ def test_triton_decode_replays_in_a_cuda_graph_at_any_head_size_and_fp8(
 ) -> None:
     lens_a, lens_b = replay_lengths(num_seqs)
     batch = make_batch(heads, [(1, s) for s in lens_a + lens_b], 0, decode=True, fp8=fp8)
-    check_decode_replay(TritonBackend(batch.cache, num_heads=batch.num_heads), batch, lens_a, lens_b, record_property)
+    check_decode_replay(TritonBackend(batch.cache), batch, lens_a, lens_b, record_property)
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["model-dtype-cache", "fp8-cache"])

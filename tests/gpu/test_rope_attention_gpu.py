@@ -11,7 +11,6 @@ pytest.importorskip("triton")
 from graphkiln import CompileConfig  # noqa: E402
 from graphkiln.compiler.compile import compile_module  # noqa: E402
 from graphkiln.kernels.decode_attention import paged_decode  # noqa: E402
-from graphkiln.kernels.split_merge import EMPTY, flagged_buffers, flagged_sizes  # noqa: E402
 from graphkiln.llm import resolve_model_dir  # noqa: E402
 from graphkiln.models import load_model  # noqa: E402
 from graphkiln.models.rope import rope  # noqa: E402
@@ -22,11 +21,9 @@ from tiny_engines import assert_compiled_agrees, engines  # noqa: E402
 BLOCK = 16
 
 
-def _decode(heads: tuple, lens: list[int], splits: int, fp8: bool, fused: bool,
-            flagged: bool = False) -> tuple[torch.Tensor, ...]:
+def _decode(heads: tuple, lens: list[int], splits: int, fp8: bool, fused: bool) -> tuple[torch.Tensor, ...]:
     """One decode launch on a fresh random cache (the same for both ways): the kernel given q and k before rope
-    (`fused`), or the rope kernel's rotation of them, its splits merged by flags if `flagged`; (out, the cache's
-    keys)."""
+    (`fused`), or the rope kernel's rotation of them; (out, the cache's keys)."""
     dtype, hq, hkv, d = heads
     gen = torch.Generator(device="cuda").manual_seed(len(lens) * d)
     blocks = [-(-n // BLOCK) for n in lens]
@@ -53,24 +50,20 @@ def _decode(heads: tuple, lens: list[int], splits: int, fp8: bool, fused: bool,
     q, k = qk.split([hq, hkv], dim=1)
     out = torch.full((len(lens), hq, d), float("nan"), dtype=dtype, device="cuda")
     counters = torch.zeros(keys.shape[0] * hkv, dtype=torch.int32, device="cuda")
-    words = flagged_buffers(flagged_sizes(len(lens), hq, splits, d), "cuda") if flagged else None
     paged_decode(q, k, v, keys, values, seq_lens, table, slots, out, d**-0.5, counters, num_splits=splits, block_n=32,
-                 num_warps=4, num_stages=2, scales=scales, rope=(rope_table, positions) if fused else None,
-                 flagged=words)
-    assert not counters.any() and (words is None or all(bool((w == EMPTY.value).all()) for w in words))
+                 num_warps=4, num_stages=2, scales=scales, rope=(rope_table, positions) if fused else None)
     return out, keys.view(torch.uint8) if fp8 else keys
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["model-dtype-cache", "fp8-cache"])
-@pytest.mark.parametrize("splits,flagged", [(1, False), (8, False), (8, True)], ids=["one", "counted", "flagged"])
+@pytest.mark.parametrize("splits", [1, 8])
 @pytest.mark.parametrize("heads", [(torch.bfloat16, 32, 8, 128), (torch.float16, 8, 2, 64), (torch.bfloat16, 8, 2, 48),
                                    (torch.bfloat16, 16, 4, 80)], ids=lambda h: f"{h[0]}-{h[1]}x{h[2]}x{h[3]}")
-def test_decode_kernel_rotating_q_and_k_matches_the_rope_kernel_first(heads, splits, flagged, fp8):
-    """The same attention output and stored keys as the rope kernel's rotation followed by the kernel (its splits
-    counted), up to the rotation's float32 rounding order (a fused multiply-add in one, not the other); with
-    `flagged` the rotating kernel's splits merge by flags, and its buffers and counters are left as they were."""
+def test_decode_kernel_rotating_q_and_k_matches_the_rope_kernel_first(heads, splits, fp8):
+    """The same attention output and stored keys as the rope kernel's rotation followed by the kernel, up to
+    the rotation's float32 rounding order (a fused multiply-add in one, not the other)."""
     lens = [1, 17, 300, 2049, 64]
-    got_out, got_keys = _decode(heads, lens, splits, fp8, fused=True, flagged=flagged)
+    got_out, got_keys = _decode(heads, lens, splits, fp8, fused=True)
     want_out, want_keys = _decode(heads, lens, splits, fp8, fused=False)
     assert not got_out.isnan().any()
     torch.testing.assert_close(got_out.float(), want_out.float(), rtol=0, atol=2e-2)

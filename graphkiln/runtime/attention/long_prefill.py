@@ -53,9 +53,8 @@ class LongPrefillBackend:
         return self.long.plan(meta) if meta.long_prefill else self.short.plan(meta)
 
 
-def triton_with_flashinfer(kv_cache: KVCache, decode_kernel: str, num_heads: int | None = None) -> LongPrefillBackend:
-    """The "triton+flashinfer" backend for this cache (`num_heads`: TritonBackend's), FlashInfer's prefill kernels
-    built (or loaded) already.
+def triton_with_flashinfer(kv_cache: KVCache, decode_kernel: str) -> LongPrefillBackend:
+    """The "triton+flashinfer" backend for this cache, FlashInfer's prefill kernels built (or loaded) already.
     Only where FlashInfer runs fa3: its fa2 kernels were slower than Triton's at every prefill measured."""
     from .flashinfer_backend import FlashInferBackend, prefill_kernels
     from .triton_backend import TritonBackend
@@ -69,4 +68,4 @@ def triton_with_flashinfer(kv_cache: KVCache, decode_kernel: str, num_heads: int
         )
     long = FlashInferBackend(kv_cache)
     long.build_prefill_kernels()
-    return LongPrefillBackend(TritonBackend(kv_cache, decode_kernel, num_heads), long, LONG_PREFILL_WORK)
+    return LongPrefillBackend(TritonBackend(kv_cache, decode_kernel), long, LONG_PREFILL_WORK)

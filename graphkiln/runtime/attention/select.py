@@ -52,10 +52,8 @@ def _auto(kv_cache: KVCache) -> str:
     return auto_backend(keys.device.type, keys.dtype, keys.shape[-1], flashinfer, triton)
 
 
-def select_backend(name: str, kv_cache: KVCache, decode_kernel: str = "auto",
-                   num_heads: int | None = None) -> AttentionBackend:
-    """The backend `name` means for this cache; `decode_kernel` "blocks" needs Triton (block_decode.py);
-    `num_heads`, the model's query heads, lets Triton's decode merge few rows' splits by flags."""
+def select_backend(name: str, kv_cache: KVCache, decode_kernel: str = "auto") -> AttentionBackend:
+    """The backend `name` means for this cache; `decode_kernel` "blocks" needs Triton (block_decode.py)."""
     if name not in ATTENTION_BACKENDS:
         raise ConfigError(f"attention backend {name!r} is unknown; use one of {ATTENTION_BACKENDS}")
     if name == "auto":
@@ -66,7 +64,7 @@ def select_backend(name: str, kv_cache: KVCache, decode_kernel: str = "auto",
     if name == LONG_PREFILL:
         from .long_prefill import triton_with_flashinfer
 
-        return triton_with_flashinfer(kv_cache, decode_kernel, num_heads)
+        return triton_with_flashinfer(kv_cache, decode_kernel)
     if name == "flashinfer":
         from .flashinfer_backend import FlashInferBackend
 
@@ -74,7 +72,7 @@ def select_backend(name: str, kv_cache: KVCache, decode_kernel: str = "auto",
     if name == "triton":
         from .triton_backend import TritonBackend
 
-        return TritonBackend(kv_cache, decode_kernel, num_heads)
+        return TritonBackend(kv_cache, decode_kernel)
     from .sdpa import SdpaBackend
 
     return SdpaBackend(kv_cache)

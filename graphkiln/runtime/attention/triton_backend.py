@@ -49,7 +49,6 @@ UNSPLIT_TILES = 3  # a sequence of at most this many tiles is not split at run t
 SHORT_TILE_SPLITS = 4  # a batch split this many ways or more takes short tiles (decode_tiles)
 MAX_SPLITS = 64
 ROPE_IN_DECODE_ROWS = 8  # decode batches of up to this many rows rotate q and k in the kernel (rope_attention)
-FLAGGED_ROWS = 8  # decode batches of up to this many rows merge their splits by flags (kernels/split_merge.py)
 MAX_HEAD_DIM = 256
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn)
 
@@ -124,17 +123,6 @@ def decode_tiles(
     return DecodeTiles(splits, 32, 2 if row_bytes <= 256 else 4, 4 if row_bytes <= 256 else 2)
 
 
-def launch_flagged(rows: int, num_heads: int, num_splits: int, head_dim: int,
-                   device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Flagged words for one decode launch of `rows` rows, as the backend merges them (FLAGGED_ROWS rows at
-    most; None above): what a benchmark of a lone launch passes to time the engine's merge."""
-    if rows > FLAGGED_ROWS:
-        return None
-    from graphkiln.kernels.split_merge import flagged_buffers, flagged_sizes
-
-    return flagged_buffers(flagged_sizes(rows, num_heads, num_splits, head_dim), device)
-
-
 def prefill_tiles(max_query_len: int, head_dim: int, itemsize: int) -> PrefillTiles:
     """The fastest of the tilings the attention benchmark sweeps (README, "Attention at serving shapes"). In a 16-bit
     cache, held to 128 registers a thread so a multiprocessor holds one program more: 128-byte rows take 64-row
@@ -197,14 +185,11 @@ class TritonBackend:
     prompt_lengths = (16, 32, 64)  # each query tile height (`prefill_tiles`) but 128: the warm-up's largest prefill
     eager_prefill_work = None
 
-    def __init__(self, kv_cache: KVCache, decode_kernel: str = "auto", num_heads: int | None = None) -> None:
-        """`num_heads`: the model's query heads (this rank's), which size the flagged merge's buffers; without
-        them every split decode merges by counting."""
+    def __init__(self, kv_cache: KVCache, decode_kernel: str = "auto") -> None:
         # triton is optional: import the kernels only when this backend is chosen.
         from graphkiln.kernels.kv_write import write_kv
         from graphkiln.kernels.decode_attention import paged_decode
         from graphkiln.kernels.prefill_attention import paged_prefill
-        from graphkiln.kernels.split_merge import flagged_buffers, flagged_sizes
 
         reason = unsupported(kv_cache.keys.dtype, kv_cache.keys.shape[-1])
         if reason:
@@ -225,22 +210,11 @@ class TritonBackend:
         # The decode kernels' split counters: zeros between launches, shared by every launch and layer.
         # A batch's real rows come before its padding and each holds a block: one set per block will do.
         self._split_counters = torch.zeros(num_blocks * num_kv_heads, dtype=torch.int32, device=device)
-        # The flagged merge's partials (EMPTY between launches, shared likewise), for the most splits any batch
-        # of up to FLAGGED_ROWS rows can be planned.
-        self._flagged: tuple[torch.Tensor, torch.Tensor] | None = None
-        if num_heads:
-            head_dim, itemsize = kv_cache.keys.shape[-1], kv_cache.keys.element_size()
-            sizes = max(flagged_sizes(rows, num_heads, decode_tiles(rows, num_kv_heads, MAX_SPLITS * MIN_SPLIT_TOKENS,
-                                                                    padded_head_dim(head_dim), itemsize,
-                                                                    self._num_sms).num_splits, head_dim)
-                        for rows in range(1, FLAGGED_ROWS + 1))
-            self._flagged = flagged_buffers(sizes, device)
 
     def release(self) -> None:
-        """The split counters, flagged words and captured prefills' work tables go (base.AttentionBackend.release)."""
+        """The split counters and the captured prefills' work tables go (base.AttentionBackend.release)."""
         self._graph_work.clear()
         self._split_counters = self._split_counters.new_empty(0)
-        self._flagged = None
 
     def plan(self, meta: BatchMetadata) -> AttentionFn:
         return self._plan_decode(meta) if meta.decode else self._plan_prefill(meta)
@@ -258,13 +232,11 @@ class TritonBackend:
             self._num_sms,
         )
         tile_args = asdict(tiles)
-        flagged = self._flagged if meta.seq_lens_t.shape[0] <= FLAGGED_ROWS else None
 
         def decode(layer: int, q, k, v, out, scale: float, rope: tuple | None) -> None:
             k_cache, v_cache = self.kv_cache.layer(layer)
             self._decode(q, k, v, k_cache, v_cache, meta.seq_lens_t, meta.block_tables, meta.slot_mapping, out, scale,
-                         self._split_counters, scales=self.kv_cache.layer_scales(layer), rope=rope, flagged=flagged,
-                         **tile_args)
+                         self._split_counters, scales=self.kv_cache.layer_scales(layer), rope=rope, **tile_args)
 
         def run(layer: int, q, k, v, out, scale: float) -> None:
             decode(layer, q, k, v, out, scale, None)
