@@ -272,9 +272,9 @@ def serving_sweep(h: Heads, shapes: str, copy_bw: float, num_sms: int, splits: t
     for batch, context in parse_shapes(shapes):
         planned = bench_decode(h, batch, context, copy_bw, num_sms)
         rows.append(dict(planned, planned=True))
-        variants = [DecodeTiles(s, n, w, st) for s in splits for n, w, st in SERVING_TILES
-                    if s * 32 <= context]  # splits down to 32 tokens: a lone sequence's latency, below the plan's floor
         plan = DecodeTiles(**{k: planned[k] for k in DecodeTiles.__dataclass_fields__})
+        variants = [DecodeTiles(s, n, w, st, plan.unsplit_tiles) for s in splits for n, w, st in SERVING_TILES
+                    if s * 32 <= context]  # splits down to 32 tokens: a lone sequence's latency, below the plan's floor
         variants += [replace(plan, unsplit_tiles=m) for m in unsplit_tiles if m != plan.unsplit_tiles]
         best = fitting(lambda t, b=batch, c=context: bench_decode(h, b, c, copy_bw, num_sms, t), variants)
         best.sort(key=lambda r: r["us"])

@@ -20,6 +20,8 @@ from graphkiln.runtime.attention.triton_backend import (
     MAX_SPLITS,
     MIN_SPLIT_TOKENS,
     DECODE_PROGRAMS_PER_SM,
+    FEW_ROWS,
+    UNSPLIT_TILES,
     DecodeTiles,
     PrefillTiles,
     decode_tiles,
@@ -58,14 +60,15 @@ def test_decode_tiles_examples() -> None:
     assert decode_tiles(16, 8, 4096, 64, 2, num_sms=132) == DecodeTiles(4, 64, 4, 2)
     assert decode_tiles(64, 8, 2048, 64, 2, num_sms=132) == DecodeTiles(1, 128, 4, 2)  # one split: long tiles
     assert decode_tiles(32, 8, 2048, 64, 2, num_sms=132) == DecodeTiles(2, 128, 4, 2)
-    assert decode_tiles(1, 8, 4096, 64, 2, num_sms=132) == DecodeTiles(32, 128, 4, 2)  # batch 1
+    assert decode_tiles(FEW_ROWS, 8, 8192, 128, 2, num_sms=132).unsplit_tiles == 1  # few rows: two tiles split
+    assert decode_tiles(FEW_ROWS + 1, 8, 8192, 128, 2, num_sms=132).unsplit_tiles == UNSPLIT_TILES
+    assert decode_tiles(1, 8, 4096, 64, 2, num_sms=132) == DecodeTiles(32, 128, 4, 2, 1)  # batch 1
     assert decode_tiles(1, 8, 4096, 128, 1, num_sms=132).block_n == 64  # an fp8 cache's 128-byte rows keep 64
     assert decode_tiles(4, 8, 4096, 128, 2, num_sms=132).block_n == 32  # 16 splits of a batch: short tiles
     assert decode_tiles(32, 8, 4096, 128, 2, num_sms=132).block_n == 128  # 2 splits: long ones
     assert decode_tiles(4, 8, 4096, 256, 2, num_sms=132).block_n == 32  # 512-byte rows: shorter tiles
-    assert decode_tiles(8, 8, 8192, 128, 2, num_sms=132) == DecodeTiles(8, 32, 2, 4)  # short splits of 256 bytes
-    assert decode_tiles(1, 8, 8192, 64, 2, num_sms=132).unsplit_tiles == 3  # up to 384 tokens in one split
-    assert decode_tiles(1, 8, 8192, 128, 2, num_sms=132) == DecodeTiles(64, 128, 4, 2)  # batch 1 keeps 128 rows
+    assert decode_tiles(8, 8, 8192, 128, 2, num_sms=132) == DecodeTiles(8, 32, 2, 4, 1)  # short splits of 256 bytes
+    assert decode_tiles(1, 8, 8192, 128, 2, num_sms=132) == DecodeTiles(64, 128, 4, 2, 1)  # batch 1 keeps 128 rows
     assert decode_tiles(8, 8, 8192, 128, 1, num_sms=132).block_n == 64  # an fp8 cache's 128-byte rows
     assert decode_tiles(8, 8, 8192, 64, 4, num_sms=132).block_n == 128  # float32's 256-byte rows keep theirs
 

@@ -45,7 +45,8 @@ from .metadata import BatchMetadata
 PROGRAMS_PER_SM = 2  # prefill programs resident per SM at the default tiles (shared-memory bound)
 DECODE_PROGRAMS_PER_SM = 4  # decode programs a grid wants per SM at most: the batched shapes measured fastest there
 MIN_SPLIT_TOKENS = 128  # a decode split never covers fewer tokens than this of the longest context
-UNSPLIT_TILES = 3  # a sequence of at most this many tiles is not split at run time, whatever the grid's splits
+UNSPLIT_TILES = 3  # over FEW_ROWS rows a sequence of at most this many tiles runs in one split, whatever the grid's
+FEW_ROWS = 8  # decode batches of up to this many rows split every context of two tiles or more (decode_tiles)
 SHORT_TILE_SPLITS = 4  # a batch split this many ways or more takes short tiles (decode_tiles)
 MAX_SPLITS = 64
 ROPE_IN_DECODE_ROWS = 8  # decode batches of up to this many rows rotate q and k in the kernel (rope_attention)
@@ -108,19 +109,22 @@ def decode_tiles(
 
     `max_context` is what the block table can hold (its width times the block size): a static
     quantity, so a captured graph keeps its grid whatever lengths a replay brings. The kernel splits each
-    sequence's own context, except one of at most UNSPLIT_TILES tiles, which runs in one split: up to three
-    tiles read one after the other took less than one-tile splits and their merge, while longer contexts were
-    fastest in one-tile splits (`python -m bench attention --latency`, README).
+    sequence's own context, except, in batches of more than FEW_ROWS rows, one of at most UNSPLIT_TILES tiles,
+    which runs in one split: a lone launch read up to three tiles one after the other in less time than one-tile
+    splits and their merge (`python -m bench attention --latency`, README). In a step of a few rows the PDL wait
+    lets each split's first tile load while the qkv product drains, and an unsplit context's second tile loads
+    only after it, so there every context of two tiles or more splits (README, "Attention at serving shapes").
     """
     wanted = DECODE_PROGRAMS_PER_SM * num_sms // (num_seqs * num_kv_heads)
     splits = max(1, min(wanted, _cdiv(max_context, MIN_SPLIT_TOKENS), MAX_SPLITS))
     row_bytes = head_dim * itemsize
     long_splits = num_seqs == 1 or splits < SHORT_TILE_SPLITS  # each split holds many tiles of the context
+    unsplit = 1 if num_seqs <= FEW_ROWS else UNSPLIT_TILES
     if row_bytes <= 128:
-        return DecodeTiles(splits, 128 if long_splits and itemsize == 2 else 64, 4, 2)
+        return DecodeTiles(splits, 128 if long_splits and itemsize == 2 else 64, 4, 2, unsplit)
     if row_bytes <= 256 and (long_splits or itemsize > 2):
-        return DecodeTiles(splits, 128, 4, 2)
-    return DecodeTiles(splits, 32, 2 if row_bytes <= 256 else 4, 4 if row_bytes <= 256 else 2)
+        return DecodeTiles(splits, 128, 4, 2, unsplit)
+    return DecodeTiles(splits, 32, 2 if row_bytes <= 256 else 4, 4 if row_bytes <= 256 else 2, unsplit)
 
 
 def prefill_tiles(max_query_len: int, head_dim: int, itemsize: int) -> PrefillTiles:
