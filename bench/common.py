@@ -56,15 +56,18 @@ def top2_gaps(outputs) -> list[list[float]]:
     return [[t.top[0][1] - t.top[1][1] for t in o.logprobs] for o in outputs]
 
 
-def git_commit(given: str | None = None) -> tuple[str, bool | None]:
-    """(commit, uncommitted changes?): `given` (a copy without .git), else git's answer, else 'unknown'."""
+def git_commit(given: str | None = None, repo: Path = REPO) -> tuple[str, bool | None]:
+    """(commit, uncommitted changes?): `given` (a copy without .git), else git's answer, else 'unknown'. A copy
+    inside another repository's work tree gets 'unknown', not that repository's commit."""
     if given:
         return given, None
     try:
-        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+        top = subprocess.run(["git", "-C", str(repo), "rev-parse", "--show-toplevel"], capture_output=True, text=True,
+                             timeout=10)
+        head = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               timeout=10)
-        if head.returncode == 0:
-            dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+        if head.returncode == 0 and Path(top.stdout.strip()).resolve() == repo.resolve():
+            dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
                                    capture_output=True, text=True, timeout=10)
             return head.stdout.strip(), bool(dirty.stdout.strip())
     except (OSError, subprocess.SubprocessError):

@@ -185,6 +185,25 @@ def test_serving_floors_take_the_faster_copy_rate(monkeypatch: pytest.MonkeyPatc
     assert (result["copy_gbs_start"], result["copy_gbs_end"]) == (pytest.approx(4000), pytest.approx(4400))
 
 
+def test_results_name_the_commit_of_their_own_repository_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A benchmark tree that is its repository's top level records its commit; a copy of it unpacked inside another
+    repository's work tree records 'unknown', not the other repository's commit."""
+    monkeypatch.syspath_prepend(str(REPO))
+    from bench.common import git_commit
+
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(tmp_path)]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (tmp_path / "f").write_text("x")
+    subprocess.run([*git, "add", "f"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "c"], check=True)
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+    assert git_commit(repo=tmp_path) == (head.stdout.strip(), False)
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    assert git_commit(repo=copy) == ("unknown", None)
+    assert git_commit("abc1234", repo=copy) == ("abc1234", None)
+
+
 def test_serving_decode_row_times_the_whole_batch_while_prompts_take_many_steps(artifact: Path,
                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """Prompts prefilled over many steps (8 of 600 tokens, 256 a step): the first requests decode meanwhile,
