@@ -62,14 +62,13 @@ def git_commit(given: str | None = None, repo: Path = REPO) -> tuple[str, bool |
     if given:
         return given, None
     try:
-        top = subprocess.run(["git", "-C", str(repo), "rev-parse", "--show-toplevel"], capture_output=True, text=True,
-                             timeout=10)
-        head = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              timeout=10)
-        if head.returncode == 0 and Path(top.stdout.strip()).resolve() == repo.resolve():
+        found = subprocess.run(["git", "-C", str(repo), "rev-parse", "--show-toplevel", "--short", "HEAD"],
+                               capture_output=True, text=True, timeout=10)
+        top_and_head = found.stdout.splitlines()
+        if found.returncode == 0 and len(top_and_head) == 2 and Path(top_and_head[0]).resolve() == repo.resolve():
             dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
                                    capture_output=True, text=True, timeout=10)
-            return head.stdout.strip(), bool(dirty.stdout.strip())
+            return top_and_head[1], bool(dirty.stdout.strip())
     except (OSError, subprocess.SubprocessError):
         pass
     return "unknown", None
