@@ -22,7 +22,7 @@ from graphkiln.kernels.block_decode_attention import block_paged_decode
 from graphkiln.kernels.decode_attention import paged_decode
 from graphkiln.kernels.fp8_linear import FEW_ROWS, fp8_linear, fp8_mlp, quantize_rows
 from graphkiln.kernels.gemv import gemv, silu_mul
-from graphkiln.kernels.int4_dp4a import int4_dp4a_gemv
+from graphkiln.kernels.int4_dp4a import int4_dp4a_gemv, x_words
 from graphkiln.kernels.int4_linear import int4_linear
 from graphkiln.kernels.int4_words import words
 from graphkiln.kernels.int8_linear import int8_linear
@@ -271,6 +271,24 @@ def run_norm(dtype: torch.dtype, rows: int, width: int, seed: int = 0) -> dict:
                                                and torch.equal(scale, want_scale))}
 
 
+def run_words(width: int, group: int, seed: int = 0) -> dict:
+    """The int4 words made by the kernel before the product, against the words kernel's own: of the SiLU-and-mul's
+    output, made from the gate/up row (gated), and of the RMSNorm's output, made by the norm; and the dp4a
+    product of each, against the product making its own words. Each pair must be equal, bit for bit."""
+    gen = torch.Generator().manual_seed(seed)
+    gate_up, x, residual = (torch.randn(1, n, generator=gen).to(torch.float16) for n in (2 * width, width, width))
+    weight = (1 + 0.1 * torch.randn(width, generator=gen)).to(torch.float16)
+    qweight, scales, zeros, _ = int4_weight(160, width, group, "cpu")
+    product = lambda x, **kw: int4_dp4a_gemv(x, words(qweight), scales, zeros, group, **kw)  # noqa: E731
+    *norm, xw, xs, xf = add_rms_norm(x, residual, weight, 1e-5, words_group=group)
+    same = lambda a, b: all(torch.equal(u, v) for u, v in zip(a, b))  # noqa: E731
+    return {"gated_words": same(x_words(gate_up, group, gated=True), x_words(silu_mul(gate_up), group)),
+            "gated_product": same([product(gate_up, gated=True)], [product(silu_mul(gate_up))]),
+            "norm_unchanged": same(norm, add_rms_norm(x, residual, weight, 1e-5)),
+            "norm_words": same((xw, xs, xf), x_words(norm[1], group)),
+            "norm_product": same([product(norm[1], words=(xw, xs, xf))], [product(norm[1])])}
+
+
 def run_rope(dtype: torch.dtype, tokens: int, heads: int, head_dim: int, seed: int = 0) -> dict:
     """The rope kernel on the query and key heads of a qkv product's output (a strided view, as the model passes
     them) at shuffled positions, against rope_reference: relative error and the fraction of outputs equal."""
@@ -343,6 +361,12 @@ NORM_CASES = {  # name: (dtype, rows, width); float16: the interpreter does not 
     "norm-fp16-2x1000": (torch.float16, 2, 1000),  # a width short of its power of two: masked lanes
 }
 
+WORDS_CASES = {  # name: (width, group)
+    "words-512-g128": (512, 128),
+    "words-1408-g128": (1408, 128),  # 11 groups in the norm's 16-group row: the last five not stored
+    "words-256-g32": (256, 32),
+}
+
 ROPE_CASES = {  # name: (dtype, tokens, heads, head_dim)
     "rope-fp16-40-heads-of-64": (torch.float16, 5, 40, 64),  # heads past one loop step of 32
     "rope-fp32-6-heads-of-80": (torch.float32, 3, 6, 80),  # a half of 40 lanes: masked to 64
@@ -356,5 +380,6 @@ if __name__ == "__main__":
     results |= {name: run_prefill(*case) for name, case in PREFILL_CASES.items()}
     results |= {name: run_product(*case) for name, case in PRODUCT_CASES.items()}
     results |= {name: run_norm(*case) for name, case in NORM_CASES.items()}
+    results |= {name: run_words(*case) for name, case in WORDS_CASES.items()}
     results |= {name: run_rope(*case) for name, case in ROPE_CASES.items()}
     print(json.dumps(results))

@@ -4,8 +4,9 @@ by Triton's interpreter in a fresh process (tests/interpreted_kernels.py) agains
 Speed, concurrency and the compiled code are the GPU tests' (tests/gpu/); this checks a kernel change before a
 GPU sees it: masks, the step's new row, the split merge and the cache write in decode; causal masks over cached
 prefixes and a work table shared by fewer programs in prefill; the fp8 and int4 weight products on every
-path their row count picks, x rounded as the kernels round it; the residual add and RMSNorm kernel; the
-rope kernel; and the Triton backend in a whole engine (tests/interpreted_engine.py).
+path their row count picks, x rounded as the kernels round it, and the int4 words their producers make; the
+residual add and RMSNorm kernel; the rope kernel; and the Triton backend in a whole engine
+(tests/interpreted_engine.py).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from interpreted_kernels import CASES, NORM_CASES, PREFILL_CASES, PRODUCT_CASES, ROPE_CASES  # noqa: E402
+from interpreted_kernels import CASES, NORM_CASES, PREFILL_CASES, PRODUCT_CASES, ROPE_CASES, WORDS_CASES  # noqa: E402
 
 HERE = Path(__file__).parent
 ERROR = 1e-3
@@ -71,6 +72,14 @@ def test_interpreted_add_rms_norm_matches_the_models_ops(results: dict, name: st
     assert case["error"] < 2e-3  # under one rounding of the half-precision output
     assert case["equal"] > 0.95
     assert case["quantized_as_quantize_rows"]  # what the fp8 products after the norm would have made of it
+
+
+@pytest.mark.parametrize("name", WORDS_CASES)
+def test_interpreted_int4_words_made_before_the_product_are_its_own(results: dict, name: str) -> None:
+    """The words kernel applying the SiLU-and-mul, and the RMSNorm writing its output's words, make what the
+    product would have made itself, and the product taking them computes the same outputs."""
+    assert results[name] == dict.fromkeys(("gated_words", "gated_product", "norm_unchanged", "norm_words",
+                                           "norm_product"), True)
 
 
 @pytest.mark.parametrize("name", ROPE_CASES)

@@ -32,9 +32,10 @@ from graphkiln.passes.pipeline import default_passes, passes_off
 from graphkiln.passes.symm_mem_all_reduce import SymmMemAllReduce, SymmMemAllReduceConfig
 
 DYNAMO_NAMES = ["silu_mul_epilogue", "attention_split"]
-OFF_BY_DEFAULT = ["add_rms_norm", "fp8_norm_quant", "rope_attention", "symm_mem_all_reduce"]  # in CPU compiles
-NAMES = ["silu_mul_epilogue", "fp8_mlp", "silu_mul_linear", "add_rms_norm", "fp8_norm_quant", "rope_attention",
-         "attention_split", "linear_op", "symm_mem_all_reduce"]
+OFF_BY_DEFAULT = ["add_rms_norm", "fp8_norm_quant", "int4_norm_words", "rope_attention",
+                  "symm_mem_all_reduce"]  # in CPU compiles
+NAMES = ["silu_mul_epilogue", "fp8_mlp", "silu_mul_linear", "add_rms_norm", "fp8_norm_quant", "int4_norm_words",
+         "rope_attention", "attention_split", "linear_op", "symm_mem_all_reduce"]
 
 
 def dynamo_graph(fn, *args) -> torch.fx.GraphModule:
@@ -140,8 +141,8 @@ def test_default_pipeline_matches_eager_and_reports_every_pass(toy):
     compiled, report = compile_module(toy, CompileConfig())
     eager_and_compiled_agree(toy, compiled)
     assert [(r.name, r.enabled) for r in report.passes] == [(n, n not in OFF_BY_DEFAULT) for n in NAMES]
-    epilogue, mlp, silu_mul, norm, norm_quant, rope, split, *_ = report.passes  # linear_op: in Inductor, on misses
-    assert norm.runs == norm_quant.runs == rope.runs == 0
+    epilogue, mlp, silu_mul, norm, norm_quant, norm_words, rope, split, *_ = report.passes  # linear_op: in Inductor
+    assert norm.runs == norm_quant.runs == norm_words.runs == rope.runs == 0
     assert (mlp.runs, mlp.matches) == (1, 0)  # a bf16 model
     # per layer: the gate/up linear, chunk, two getitems, silu and mul become one linear_silu_mul
     assert (epilogue.runs, epilogue.matches, epilogue.nodes_removed, epilogue.nodes_added) == (1, 2, 12, 2)
@@ -150,16 +151,16 @@ def test_default_pipeline_matches_eager_and_reports_every_pass(toy):
 
 
 def test_default_passes_depend_on_the_compile_device():
-    """add_rms_norm, fp8_norm_quant and rope_attention run by default in CUDA compiles only; symm_mem_all_reduce
-    only when named; disabled wins."""
+    """add_rms_norm, fp8_norm_quant, int4_norm_words and rope_attention run by default in CUDA compiles only;
+    symm_mem_all_reduce only when named; disabled wins."""
     passes = default_passes()
-    cuda_only = {"add_rms_norm", "fp8_norm_quant", "rope_attention"}
+    cuda_only = {"add_rms_norm", "fp8_norm_quant", "int4_norm_words", "rope_attention"}
     assert passes_off(passes, ()) == {*cuda_only, "symm_mem_all_reduce"}
     assert passes_off(passes, (), device="cuda") == {"symm_mem_all_reduce"}
-    assert passes_off(passes, (), ("add_rms_norm",)) == {"fp8_norm_quant", "rope_attention", "symm_mem_all_reduce"}
+    assert passes_off(passes, (), ("add_rms_norm",)) == cuda_only - {"add_rms_norm"} | {"symm_mem_all_reduce"}
     assert passes_off(passes, ("add_rms_norm",), device="cuda") == {"add_rms_norm", "symm_mem_all_reduce"}
     assert passes_off(passes, ("rope_attention",), device="cuda") == {"rope_attention", "symm_mem_all_reduce"}
-    assert passes_off(passes, (), ("rope_attention",)) == {"add_rms_norm", "fp8_norm_quant", "symm_mem_all_reduce"}
+    assert passes_off(passes, (), ("rope_attention",)) == cuda_only - {"rope_attention"} | {"symm_mem_all_reduce"}
     records = PassManager(default_passes(), device="cuda").records
     assert [n for n in NAMES if not records[n].enabled] == ["symm_mem_all_reduce"]
     assert PassManager(default_passes(), device="cuda").uuid() != PassManager(default_passes()).uuid()

@@ -61,12 +61,14 @@ def test_quantized_graph_calls_the_quantized_ops_and_the_linear_passes_leave_the
 ) -> None:
     out, report = compiled_quantized[scheme]
     pieces = "".join(p.read_text() for p in out.parent.joinpath(f"{scheme}-dumps").glob("*-split.submod_*.py"))
-    # 4 projections x 4 layers; fp8's gate/up and down projections are one graphkiln::fp8_mlp call a layer
-    assert pieces.count(f"graphkiln.{scheme}_linear") + 2 * pieces.count("graphkiln.fp8_mlp") >= 16
+    # 4 projections x 4 layers; fp8's gate/up and down projections are one graphkiln::fp8_mlp call a layer, int4's
+    # down projection of the SiLU-and-mul one graphkiln::int4_silu_mul_linear call
+    fused = 2 * pieces.count("graphkiln.fp8_mlp") + pieces.count("graphkiln.int4_silu_mul_linear")
+    assert pieces.count(f"graphkiln.{scheme}_linear") + fused >= 16
     assert "graphkiln.silu_mul_linear" not in pieces
     records = {r.name: r for r in report.passes}
     assert records["linear_op"].runs > 0 and records["linear_op"].matches == 0
-    assert records["silu_mul_linear"].runs == 1 and records["silu_mul_linear"].matches == 0
+    assert records["silu_mul_linear"].runs == 1 and records["silu_mul_linear"].matches == (4 if scheme == "int4" else 0)
     # fp8's and int8's gate/up products take their activation (4 layers); int4's are left as they are
     assert records["silu_mul_epilogue"].matches == (0 if scheme == "int4" else 4)
     assert records["fp8_mlp"].matches == (4 if scheme == "fp8" else 0)
@@ -90,6 +92,23 @@ def test_fp8_mlp_activation_in_its_product_scores_as_without_silu_mul_epilogue(
     default = graphkiln.load(quantized["fp8"], **ENGINE).score(ids)
     torch.testing.assert_close(default, without, rtol=2e-2, atol=2e-2)
     assert top1_agreement(default, without) == 1.0
+
+
+@pytest.mark.slow
+def test_int4_norm_words_takes_the_norms_before_int4_products_and_scores_as_the_default(
+    quantized: dict[str, Path], tmp_path: Path
+) -> None:
+    """Enabled with add_rms_norm, the norms feeding int4 products (as fp8_norm_quant's, 7 of the 8) become
+    add_rms_norm_int4 and their products int4_linear_words; the artifact scores a prompt as the default one."""
+    config = CompileConfig(quantization="int4", enabled_passes=("add_rms_norm", "int4_norm_words"))
+    _, report = graphkiln.compile_model(tiny_model_dir(), tmp_path / "int4", config, engine=SMALL_ENGINE)
+    records = {r.name: r for r in report.passes}
+    assert (records["add_rms_norm"].matches, records["int4_norm_words"].matches) == (8, 7)
+    ids = list(range(5, 133))
+    fused = graphkiln.load(tmp_path / "int4", **ENGINE).score(ids)
+    default = graphkiln.load(quantized["int4"], **ENGINE).score(ids)
+    torch.testing.assert_close(fused, default, rtol=2e-2, atol=2e-2)
+    assert top1_agreement(fused, default) == 1.0
 
 
 @pytest.mark.slow

@@ -12,7 +12,9 @@ give sum(q * f) over its inputs exactly, in int32: about two instructions a weig
 group's sum S and the sum F of its f give y_n += s_ng * xs_g * (S - z_ng * F).
 
 Both kernels launch with programmatic dependent launch (pdl.py): x_words waits for x's producer, the product
-starts loading its weight while x_words runs. K splits as split_k.py says. On the CPU (Triton's interpreter,
+starts loading its weight while x_words runs. x's producer may write the words itself instead (store_words: the
+RMSNorm, kernels/rms_norm.py), and x_words may apply the SiLU-and-mul to the row [gate | up] it loads
+(models/int4_fused.py): either way the step loses a launch. K splits as split_k.py says. On the CPU (Triton's interpreter,
 which runs no PTX) dp4a is computed with shifts and products.
 """
 
@@ -49,26 +51,42 @@ def _pack(bytes4):
 
 
 @triton.jit
-def _x_words_kernel(x_ptr, words_ptr, scales_ptr, sums_ptr, KW, G: tl.constexpr, PDL: tl.constexpr):
-    """Group g of x: its scale xs, the sum F of its fixed-point values, and its four words arrays' part."""
+def store_words(x, words_ptr, scales_ptr, sums_ptr, first_group, groups, KW, G: tl.constexpr, GROUPS: tl.constexpr):
+    """Groups first_group to first_group + GROUPS of x (x [GROUPS * G] float32; those from `groups` on are not
+    stored): each group's scale xs, the sum F of its fixed-point values, and its part of the four words arrays."""
+    x = tl.reshape(x, (GROUPS, G))
+    largest = tl.max(tl.abs(x), 1)
+    scale = tl.where(largest > 0, largest / FIXED, 1.0)
+    f = tl.floor(x / scale[:, None] + 0.5).to(tl.int32)
+    high_even, high_odd = tl.split(tl.reshape(f >> 8, (GROUPS * G // 8, 4, 2)))
+    low_even, low_odd = tl.split(tl.reshape(f & 255, (GROUPS * G // 8, 4, 2)))
+    g = first_group + tl.arange(0, GROUPS)
+    w = first_group * (G // 8) + tl.arange(0, GROUPS * G // 8)
+    stored = w < groups * (G // 8)
+    tl.store(words_ptr + w, _pack(high_even), mask=stored)
+    tl.store(words_ptr + KW + w, _pack(high_odd), mask=stored)
+    tl.store(words_ptr + 2 * KW + w, _pack(low_even), mask=stored)
+    tl.store(words_ptr + 3 * KW + w, _pack(low_odd), mask=stored)
+    tl.store(scales_ptr + g, scale, mask=g < groups)
+    tl.store(sums_ptr + g, tl.sum(f, 1).to(tl.float32), mask=g < groups)
+
+
+@triton.jit
+def _x_words_kernel(x_ptr, words_ptr, scales_ptr, sums_ptr, KW, G: tl.constexpr, GATED: tl.constexpr,
+                    PDL: tl.constexpr):
+    """Group g of x (store_words); with GATED, x is silu(gate) * up of the row [gate | up] (2K wide), rounded to
+    its dtype as the SiLU-and-mul kernel rounds it (kernels/gemv.py), which then needs no launch of its own."""
     if PDL:
         gdc_launch_dependents()
     g = tl.program_id(0)
     if PDL:  # x is the previous kernel's output
         gdc_wait()
-    x = tl.load(x_ptr + g * G + tl.arange(0, G)).to(tl.float32)
-    largest = tl.max(tl.abs(x), 0)
-    scale = tl.where(largest > 0, largest / FIXED, 1.0)
-    f = tl.floor(x / scale + 0.5).to(tl.int32)
-    high_even, high_odd = tl.split(tl.reshape(f >> 8, (G // 8, 4, 2)))
-    low_even, low_odd = tl.split(tl.reshape(f & 255, (G // 8, 4, 2)))
-    w = g * (G // 8) + tl.arange(0, G // 8)
-    tl.store(words_ptr + w, _pack(high_even))
-    tl.store(words_ptr + KW + w, _pack(high_odd))
-    tl.store(words_ptr + 2 * KW + w, _pack(low_even))
-    tl.store(words_ptr + 3 * KW + w, _pack(low_odd))
-    tl.store(scales_ptr + g, scale)
-    tl.store(sums_ptr + g, tl.sum(f, 0).to(tl.float32))
+    cols = g * G + tl.arange(0, G)
+    x = tl.load(x_ptr + cols).to(tl.float32)
+    if GATED:
+        up = tl.load(x_ptr + KW * 8 + cols).to(tl.float32)
+        x = (x * tl.sigmoid(x) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+    store_words(x, words_ptr, scales_ptr, sums_ptr, g, g + 1, KW, G, 1)
 
 
 @triton.jit
@@ -161,16 +179,16 @@ def _int4_dp4a_gemv_kernel(q_ptr, xw_ptr, xs_ptr, xf_ptr, s_ptr, z_ptr, y_ptr, p
     store_product(y_ptr, partials, counters, tl.sum(acc, axis=1), cols, col_mask, N, SPLIT)
 
 
-def x_words(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def x_words(x: torch.Tensor, group_size: int, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(words [4, K/8] int32, scales [K/G] float32, sums [K/G] float32) of one row x [1, K], as the module
-    docstring says."""
-    k = x.shape[1]
+    docstring says; `gated`: of silu(gate) * up for x = [gate | up] [1, 2K]."""
+    k = x.shape[1] // 2 if gated else x.shape[1]
     words = torch.empty(4, k // 8, dtype=torch.int32, device=x.device)
     scales = torch.empty(k // group_size, dtype=torch.float32, device=x.device)
     sums = torch.empty_like(scales)
     launch_pdl = pdl_on(x.device)
-    launch(_x_words_kernel, (k // group_size,), x, words, scales, sums, k // 8, G=group_size, PDL=launch_pdl,
-           num_warps=1, launch_pdl=launch_pdl)
+    launch(_x_words_kernel, (k // group_size,), x, words, scales, sums, k // 8, G=group_size, GATED=gated,
+           PDL=launch_pdl, num_warps=1, launch_pdl=launch_pdl)
     return words, scales, sums
 
 
@@ -194,10 +212,15 @@ def dp4a_tiling(n: int, k: int, group_size: int, sms: int = 132) -> tuple[int, i
 
 
 def int4_dp4a_gemv(x: torch.Tensor, qwords: torch.Tensor | None, scales: torch.Tensor, zeros: torch.Tensor,
-                   group_size: int, tiles: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+                   group_size: int, tiles: tuple[int, int, int, int, int] | None = None, gated: bool = False,
+                   words: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x [1, K] (bfloat16/float16) @ w^T -> [1, N] in x's dtype, the weight as the int32 words of
     int4_words.words, groups of MIN_GROUP or more; `tiles` defaults to `dp4a_tiling` (BLOCK_K a multiple of the
-    group size dividing K)."""
+    group size dividing K). `gated`: x is [gate | up] [1, 2K] and the product is of silu(gate) * up (x_words);
+    `words`: x_words of x, made by x's producer (kernels/rms_norm.py), which then needs no launch here."""
+    x = x if x.stride(1) == 1 else x.contiguous()
+    if gated:
+        gate_up, x = x, x[:, : x.shape[1] // 2]
     if qwords is None or qwords.dtype != torch.int32 or qwords.shape[1] * 8 != x.shape[1]:
         raise ConfigError("int4_dp4a_gemv takes the weight as int4_words.words gives it (int32 [N, K/8]); a qweight "
                           "whose rows do not start on 4-byte boundaries has no words")
@@ -206,7 +229,7 @@ def int4_dp4a_gemv(x: torch.Tensor, qwords: torch.Tensor | None, scales: torch.T
     if x.shape[0] != 1 or group_size < MIN_GROUP or k % block_k or block_k % group_size:
         raise ConfigError(f"int4_dp4a_gemv takes one row and K steps of whole groups of at least {MIN_GROUP}; got x "
                           f"of shape {tuple(x.shape)}, group_size {group_size}, BLOCK_K {block_k}")
-    xw, xs, xf = x_words(x if x.stride(1) == 1 else x.contiguous(), group_size)
+    xw, xs, xf = words or (x_words(gate_up, group_size, gated=True) if gated else x_words(x, group_size))
     splits, steps = k_steps(k, splits, block_k)
     grid = (triton.cdiv(n, block_n), 1, splits)
     y, partials, counters = product_buffers(1, n, grid, x.dtype, x.device)

@@ -32,9 +32,10 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from graphkiln.errors import ConfigError
 
-from .gemv import _k_mask
+from .gemv import _k_mask, silu_mul
 from .int4_dp4a import MIN_GROUP, int4_dp4a_gemv
-from .int4_words import MIN_DOT_GROUP, group_params, int4_dot, words
+from .int4_words import MIN_DOT_GROUP, group_params, int4_dot
+from .int4_words import words as words_of
 from .launch import launch
 from .pdl import pdl_on
 from .split_k import k_steps, multiprocessors, product_buffers, split_count, store_product
@@ -295,20 +296,34 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     return out
 
 
+def one_row_words(x: torch.Tensor, group_size: int) -> bool:
+    """Whether x's words (int4_dp4a.x_words) can serve a product of x at one row: the dp4a GEMV's row, groups and
+    K. A kernel writing x (kernels/rms_norm.py) writes them under this rule and int4_linear takes them under it."""
+    k = x.shape[1]
+    return x.shape[0] == 1 and group_size >= MIN_GROUP and k >= DP4A_SIDE and k % group_size == 0
+
+
 def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                 group_size: int, tinygemm_weight: torch.Tensor | None = None,
-                tinygemm_params: torch.Tensor | None = None) -> torch.Tensor:
+                tinygemm_params: torch.Tensor | None = None, gated: bool = False,
+                words: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x [M, K] (bfloat16/float16) @ w^T -> [M, N] in x's dtype, w = (q - zeros) * scales per group; the
-    tinygemm tensors, where given, are the same weight in tinygemm's layout."""
-    _check(x, qweight, scales, zeros, group_size)
+    tinygemm tensors, where given, are the same weight in tinygemm's layout. `gated`: x is [gate | up] [M, 2K] and
+    the product is of silu(gate) * up, rounded to x's dtype (at one row the dp4a GEMV's x_words applies it, else
+    the SiLU-and-mul kernel); `words`: x's words, already made (one_row_words), which the dp4a GEMV then takes."""
+    _check(x[:, : x.shape[1] // 2] if gated else x, qweight, scales, zeros, group_size)
     m = x.shape[0]
     if m == 0:
         return x.new_empty(0, qweight.shape[0])
     x = x if x.stride(1) == 1 else x.contiguous()
     scales, zeros = scales.contiguous(), zeros.contiguous()
-    qwords = words(qweight)
-    if m == 1 and qwords is not None and group_size >= MIN_GROUP and min(qwords.shape[0], x.shape[1]) >= DP4A_SIDE:
-        return int4_dp4a_gemv(x, qwords, scales, zeros, group_size)
+    qwords = words_of(qweight)
+    dp4a = (m == 1 and qwords is not None and group_size >= MIN_GROUP
+            and min(qwords.shape[0], 8 * qwords.shape[1]) >= DP4A_SIDE)
+    if gated and not dp4a:
+        x, gated = silu_mul(x), False
+    if dp4a:
+        return int4_dp4a_gemv(x, qwords, scales, zeros, group_size, gated=gated, words=words)
     if tinygemm_weight is not None and m <= TINYGEMM_ROWS and x.dtype == torch.bfloat16:
         return torch.ops.aten._weight_int4pack_mm(x.contiguous(), tinygemm_weight, group_size, tinygemm_params)
     if m == 1:

@@ -15,8 +15,7 @@ import torch
 from graphkiln.models.quantized_linear import fp8_linear, fp8_linear_silu_mul, fp8_mlp
 
 from .base import GraphPass
-from .silu_mul_epilogue import call_arguments
-from .silu_mul_linear import rewrite
+from .silu_mul_linear import call_arguments, rewrite
 
 PRODUCTS = (fp8_linear, fp8_linear.default)
 ACTIVATED = (fp8_linear_silu_mul, fp8_linear_silu_mul.default)

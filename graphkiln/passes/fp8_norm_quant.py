@@ -21,7 +21,7 @@ from graphkiln.models.quantized_linear import FP8, fp8_linear, fp8_mlp
 
 from .add_rms_norm import _value
 from .base import GraphPass
-from .silu_mul_epilogue import call_arguments
+from .silu_mul_linear import call_arguments
 
 NORMS = (add_rms_norm, add_rms_norm.default)
 PRODUCTS = {fp8_linear: fp8_linear_quantized.default, fp8_linear.default: fp8_linear_quantized.default,

@@ -16,6 +16,7 @@ from .attention_split import AttentionSplit
 from .base import Pass
 from .fp8_mlp import Fp8Mlp
 from .fp8_norm_quant import Fp8NormQuant
+from .int4_norm_words import Int4NormWords
 from .linear_op import LinearOp
 from .rope_attention import RopeAttention
 from .silu_mul_epilogue import SiluMulEpilogue
@@ -25,8 +26,8 @@ from .symm_mem_all_reduce import SymmMemAllReduce
 
 def default_passes(extra: Sequence[Pass] = ()) -> list[Pass]:
     """Built-in passes in pipeline order; `extra` Dynamo-graph passes run just before the split."""
-    return [SiluMulEpilogue(), Fp8Mlp(), SiluMulLinear(), AddRmsNorm(), Fp8NormQuant(), RopeAttention(), *extra,
-            AttentionSplit(), LinearOp(), SymmMemAllReduce()]
+    return [SiluMulEpilogue(), Fp8Mlp(), SiluMulLinear(), AddRmsNorm(), Fp8NormQuant(), Int4NormWords(),
+            RopeAttention(), *extra, AttentionSplit(), LinearOp(), SymmMemAllReduce()]
 
 
 def check_disabled(passes: Sequence[Pass], disabled: Iterable[str], field: str = "disabled_passes") -> frozenset[str]:

@@ -20,18 +20,11 @@ from graphkiln.models.linear import linear_silu_mul
 from graphkiln.models.quantized_linear import fp8_linear, fp8_linear_silu_mul
 
 from .base import GraphPass
-from .silu_mul_linear import LINEARS, gated_input, rewrite
+from .silu_mul_linear import LINEARS, call_arguments, gated_input, rewrite
 
 ACTIVATED = {op: activated.default for product, activated in ((fp8_linear, fp8_linear_silu_mul),
                                                                 (int8_linear, int8_linear_silu_mul))
              for op in (product, product.default)}  # a quantized product -> the same with its activation
-
-
-def call_arguments(node: torch.fx.Node) -> tuple:
-    """A custom op call's arguments in schema order, however they were passed."""
-    op = node.target.default if isinstance(node.target, torch._ops.OpOverloadPacket) else node.target
-    given = node.args
-    return (*given, *(node.kwargs.get(a.name, a.default_value) for a in op._schema.arguments[len(given):]))
 
 
 def _activated_call(product: torch.fx.Node) -> tuple | None:

@@ -4,7 +4,9 @@ A Dynamo-graph pass. It matches `linear(silu(a) * b, w[, bias])` where a and b a
 of one `chunk(2, dim=-1)`, and calls the op on the chunked tensor instead (plus the bias, if
 any). At one row on CUDA the op computes the activation inside its GEMV as the weight streams
 by, so a decode step at batch 1 loses the SiLU-and-mul launch of every layer; at more rows it
-is one Triton SiLU-and-mul launch and cuBLAS, as Inductor's fused kernel and mm were.
+is one Triton SiLU-and-mul launch and cuBLAS, as Inductor's fused kernel and mm were. Likewise
+`graphkiln::int4_linear(silu(a) * b, ...)` becomes graphkiln::int4_silu_mul_linear (models/int4_fused.py), whose
+one-row product applies the activation as it writes its input's words: one launch fewer a layer there too.
 """
 
 from __future__ import annotations
@@ -18,10 +20,14 @@ import torch.nn.functional as F
 import graphkiln.models.linear  # noqa: F401  (registers graphkiln::silu_mul_linear)
 
 from graphkiln.compat import TORCH_LINEAR
+from graphkiln.models.int4_fused import int4_silu_mul_linear
+from graphkiln.models.quantized_linear import int4_linear
 
 from .base import GraphPass
 
 SILU_MUL_LINEAR = torch.ops.graphkiln.silu_mul_linear.default
+INT4_SILU_MUL_LINEAR = int4_silu_mul_linear.default
+INT4_LINEARS = (int4_linear, int4_linear.default)
 LINEARS = (TORCH_LINEAR, F.linear)
 MULS = (operator.mul, torch.mul)
 
@@ -56,6 +62,13 @@ def gated_input(mul) -> torch.fx.Node | None:
             if source is not None and _half(up, 1) is source:
                 return source
     return None
+
+
+def call_arguments(node: torch.fx.Node) -> tuple:
+    """A custom op call's arguments in schema order, however they were passed."""
+    op = node.target.default if isinstance(node.target, torch._ops.OpOverloadPacket) else node.target
+    given = node.args
+    return (*given, *(node.kwargs.get(a.name, a.default_value) for a in op._schema.arguments[len(given):]))
 
 
 def replace(graph: torch.fx.Graph, node: torch.fx.Node, target, args: tuple, bias=None) -> None:
@@ -97,9 +110,14 @@ def erase_unused(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
 
 
 def _gated_down_call(node: torch.fx.Node) -> tuple | None:
-    """(op, args, bias) of silu_mul_linear for `node`, when it is a linear of a gated input."""
-    if node.op != "call_function" or node.target not in LINEARS:
+    """(op, args, bias) of silu_mul_linear or int4_silu_mul_linear for `node`, when it is a linear or an int4
+    product of a gated input."""
+    if node.op != "call_function" or node.target not in (*LINEARS, *INT4_LINEARS):
         return None
+    if node.target in INT4_LINEARS:
+        x, *weights = call_arguments(node)
+        gate_up = gated_input(x)
+        return None if gate_up is None else (INT4_SILU_MUL_LINEAR, (gate_up, *weights), None)
     x, weight, *rest = node.args
     gate_up = gated_input(x)
     if gate_up is None:
