@@ -68,7 +68,7 @@ def test_decode_tiles_examples() -> None:
     assert decode_tiles(32, 8, 4096, 128, 2, num_sms=132).block_n == 128  # 2 splits: long ones
     assert decode_tiles(4, 8, 4096, 256, 2, num_sms=132).block_n == 32  # 512-byte rows: shorter tiles
     assert decode_tiles(8, 8, 8192, 128, 2, num_sms=132) == DecodeTiles(8, 32, 2, 4, 1)  # short splits of 256 bytes
-    assert decode_tiles(1, 8, 8192, 128, 2, num_sms=132) == DecodeTiles(64, 128, 4, 2, 1)  # batch 1 keeps 128 rows
+    assert decode_tiles(1, 8, 8192, 128, 2, num_sms=132) == DecodeTiles(64, 64, 4, 2, 1)  # batch 1: 64 rows
     assert decode_tiles(8, 8, 8192, 128, 1, num_sms=132).block_n == 64  # an fp8 cache's 128-byte rows
     assert decode_tiles(8, 8, 8192, 64, 4, num_sms=132).block_n == 128  # float32's 256-byte rows keep theirs
 

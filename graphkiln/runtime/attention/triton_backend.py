@@ -101,9 +101,11 @@ def decode_tiles(
     """Split each (sequence, KV head) into as many splits as keep the grid within DECODE_PROGRAMS_PER_SM
     programs an SM (at least one split), but never below MIN_SPLIT_TOKENS a split. Where each split holds many
     tiles (batch 1, or fewer than SHORT_TILE_SPLITS splits) 128-row tiles of up to 256 bytes give the loop
-    enough to pipeline; where a batch is split SHORT_TILE_SPLITS ways or more, a split holds few such tiles, so
-    rows of up to 128 bytes take 64-row tiles and 256-byte rows of 16-bit elements 32-row ones, 2 warps and 4
-    stages deep; wider rows take 32-row tiles. Tilings not measured keep those they were tested with (an fp8
+    enough to pipeline, except that one row's 256-byte rows of 16-bit elements take 64-row tiles: a short context
+    then runs in twice the splits, each loading its tile before the PDL wait, and a long one in two tiles a split
+    where it had one, both faster in whole steps (README). Where a batch is split SHORT_TILE_SPLITS ways or more, a
+    split holds few such tiles, so rows of up to 128 bytes take 64-row tiles and 256-byte rows of 16-bit elements
+    32-row ones, 2 warps and 4 stages deep; wider rows take 32-row tiles. Tilings not measured keep those they were tested with (an fp8
     cache's 128-byte rows 64 rows, a float32 cache's 256-byte rows 128). The sweeps behind each choice
     (`python -m bench attention --serving-sweep`) are in README, "Attention at serving shapes".
 
@@ -123,7 +125,8 @@ def decode_tiles(
     if row_bytes <= 128:
         return DecodeTiles(splits, 128 if long_splits and itemsize == 2 else 64, 4, 2, unsplit)
     if row_bytes <= 256 and (long_splits or itemsize > 2):
-        return DecodeTiles(splits, 128, 4, 2, unsplit)
+        one_row_halves = num_seqs == 1 and row_bytes == 256 and itemsize == 2
+        return DecodeTiles(splits, 64 if one_row_halves else 128, 4, 2, unsplit)
     return DecodeTiles(splits, 32, 2 if row_bytes <= 256 else 4, 4 if row_bytes <= 256 else 2, unsplit)
 
 
