@@ -95,36 +95,21 @@ def test_fp8_mlp_activation_in_its_product_scores_as_without_silu_mul_epilogue(
 
 
 @pytest.mark.slow
-def test_int4_norm_words_takes_the_norms_before_int4_products_and_scores_as_the_default(
-    quantized: dict[str, Path], tmp_path: Path
+@pytest.mark.parametrize("scheme,fusion", [("fp8", "fp8_norm_quant"), ("int4", "int4_norm_words")])
+def test_norm_fusions_take_the_norms_before_quantized_products_and_score_as_the_default(
+    quantized: dict[str, Path], tmp_path: Path, scheme: str, fusion: str
 ) -> None:
-    """Enabled with add_rms_norm, the norms feeding int4 products (as fp8_norm_quant's, 7 of the 8) become
-    add_rms_norm_int4 and their products int4_linear_words; the artifact scores a prompt as the default one."""
-    config = CompileConfig(quantization="int4", enabled_passes=("add_rms_norm", "int4_norm_words"))
-    _, report = graphkiln.compile_model(tiny_model_dir(), tmp_path / "int4", config, engine=SMALL_ENGINE)
+    """Enabled with add_rms_norm, the norms feeding fp8 (int4) products (each layer's post-attention norm before the
+    MLP, the input norms of layers 2-4 before q/k/v; not the final norm before the bf16 LM head) quantize their
+    output for them (write its words); the artifact scores a prompt as the default one (add_rms_norm off on the
+    CPU, Inductor's norm)."""
+    config = CompileConfig(quantization=scheme, enabled_passes=("add_rms_norm", fusion))
+    _, report = graphkiln.compile_model(tiny_model_dir(), tmp_path / scheme, config, engine=SMALL_ENGINE)
     records = {r.name: r for r in report.passes}
-    assert (records["add_rms_norm"].matches, records["int4_norm_words"].matches) == (8, 7)
+    assert (records["add_rms_norm"].matches, records[fusion].matches) == (8, 7)
     ids = list(range(5, 133))
-    fused = graphkiln.load(tmp_path / "int4", **ENGINE).score(ids)
-    default = graphkiln.load(quantized["int4"], **ENGINE).score(ids)
-    torch.testing.assert_close(fused, default, rtol=2e-2, atol=2e-2)
-    assert top1_agreement(fused, default) == 1.0
-
-
-@pytest.mark.slow
-def test_fp8_norm_quant_takes_the_norms_before_fp8_products_and_scores_as_the_default(
-    quantized: dict[str, Path], tmp_path: Path
-) -> None:
-    """Enabled with add_rms_norm, the norms feeding fp8 products (each layer's post-attention norm before fp8_mlp,
-    the input norms of layers 2-4 before q/k/v; not the final norm before the bf16 LM head) quantize their output
-    for them; the artifact scores a prompt as the default one (add_rms_norm off on the CPU, Inductor's norm)."""
-    config = CompileConfig(quantization="fp8", enabled_passes=("add_rms_norm", "fp8_norm_quant"))
-    _, report = graphkiln.compile_model(tiny_model_dir(), tmp_path / "fp8", config, engine=SMALL_ENGINE)
-    records = {r.name: r for r in report.passes}
-    assert (records["add_rms_norm"].matches, records["fp8_norm_quant"].matches) == (8, 7)
-    ids = list(range(5, 133))
-    fused = graphkiln.load(tmp_path / "fp8", **ENGINE).score(ids)
-    default = graphkiln.load(quantized["fp8"], **ENGINE).score(ids)
+    fused = graphkiln.load(tmp_path / scheme, **ENGINE).score(ids)
+    default = graphkiln.load(quantized[scheme], **ENGINE).score(ids)
     torch.testing.assert_close(fused, default, rtol=2e-2, atol=2e-2)
     assert top1_agreement(fused, default) == 1.0
 

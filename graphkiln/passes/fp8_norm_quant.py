@@ -11,19 +11,16 @@ rows the norm wrote instead of launching its own quantization; the numbers are t
 
 from __future__ import annotations
 
-import operator
-
 import torch
 
-from graphkiln.models.norm import add_rms_norm
 from graphkiln.models.norm_fp8 import add_rms_norm_fp8, fp8_linear_quantized, fp8_mlp_quantized
 from graphkiln.models.quantized_linear import FP8, fp8_linear, fp8_mlp
 
 from .add_rms_norm import _value
 from .base import GraphPass
+from .norm_fusion import norm_outputs, replace_norm
 from .silu_mul_linear import call_arguments
 
-NORMS = (add_rms_norm, add_rms_norm.default)
 PRODUCTS = {fp8_linear: fp8_linear_quantized.default, fp8_linear.default: fp8_linear_quantized.default,
             fp8_mlp: fp8_mlp_quantized.default, fp8_mlp.default: fp8_mlp_quantized.default}
 
@@ -40,47 +37,19 @@ def _weights(user: torch.fx.Node, normed: torch.fx.Node) -> tuple | None:
     return (weight, weight_scale, *rest)
 
 
-def _normed_output(pair: torch.fx.Node) -> torch.fx.Node | None:
-    """The getitem node of `pair`'s second output (the norm), where every user of `pair` is a getitem."""
-    items = [u for u in pair.users if u.op == "call_function" and u.target is operator.getitem]
-    if len(items) != len(pair.users):
-        return None
-    return next((u for u in items if u.args[1] == 1), None)
-
-
 class Fp8NormQuant(GraphPass):
     name = "fp8_norm_quant"
     default_devices = ("cuda",)  # after add_rms_norm, which runs in CUDA compiles
 
     def __call__(self, gm: torch.fx.GraphModule) -> int:
-        graph, matches = gm.graph, 0
-        for pair in list(graph.nodes):
-            if pair.op != "call_function" or pair.target not in NORMS:
-                continue
-            normed = _normed_output(pair)
-            out = _value(normed) if normed is not None else None
-            if out is None or not normed.users:
-                continue
+        matches = 0
+        for pair, normed, out in norm_outputs(gm.graph):
             weights = {user: _weights(user, normed) for user in normed.users}
             if any(w is None for w in weights.values()):
                 continue
-            with graph.inserting_after(pair):
-                fused = graph.call_function(add_rms_norm_fp8.default, pair.args, pair.kwargs)
-            q_value, scale_value = out.new_empty(out.shape, dtype=FP8), out.new_empty(out.shape[0], 1,
-                                                                                     dtype=torch.float32)
-            fused.meta["example_value"] = (*pair.meta["example_value"], q_value, scale_value)
-            with graph.inserting_after(fused):
-                scale = graph.call_function(operator.getitem, (fused, 3))
-                q = graph.call_function(operator.getitem, (fused, 2))
-            q.meta["example_value"], scale.meta["example_value"] = q_value, scale_value
-            for user, rest in weights.items():
-                with graph.inserting_before(user):
-                    call = graph.call_function(PRODUCTS[user.target], (normed, q, scale, *rest))
-                call.meta = dict(user.meta)
-                user.replace_all_uses_with(call)
-                graph.erase_node(user)
-            pair.replace_all_uses_with(fused)
-            graph.erase_node(pair)
+            extras = (out.new_empty(out.shape, dtype=FP8), out.new_empty(out.shape[0], 1, dtype=torch.float32))
+            products = {user: (PRODUCTS[user.target], rest) for user, rest in weights.items()}
+            replace_norm(gm.graph, pair, normed, add_rms_norm_fp8.default, call_arguments(pair), extras, products)
             matches += 1
         gm.recompile()
         return matches
