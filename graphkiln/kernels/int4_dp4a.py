@@ -14,8 +14,8 @@ group's sum S and the sum F of its f give y_n += s_ng * xs_g * (S - z_ng * F).
 Both kernels launch with programmatic dependent launch (pdl.py): x_words waits for x's producer, the product
 starts loading its weight while x_words runs. x's producer may write the words itself instead (store_words: the
 RMSNorm, kernels/rms_norm.py), and x_words may apply the SiLU-and-mul to the row [gate | up] it loads
-(models/int4_fused.py): either way the step loses a launch. K splits as split_k.py says. On the CPU (Triton's interpreter,
-which runs no PTX) dp4a is computed with shifts and products.
+(models/int4_fused.py): either way the step loses a launch. K splits as split_k.py says. On the CPU (Triton's
+interpreter, which runs no PTX) dp4a is computed with shifts and products.
 """
 
 from __future__ import annotations

@@ -105,9 +105,9 @@ def decode_tiles(
     then runs in twice the splits, each loading its tile before the PDL wait, and a long one in two tiles a split
     where it had one, both faster in whole steps (README). Where a batch is split SHORT_TILE_SPLITS ways or more, a
     split holds few such tiles, so rows of up to 128 bytes take 64-row tiles and 256-byte rows of 16-bit elements
-    32-row ones, 2 warps and 4 stages deep; wider rows take 32-row tiles. Tilings not measured keep those they were tested with (an fp8
-    cache's 128-byte rows 64 rows, a float32 cache's 256-byte rows 128). The sweeps behind each choice
-    (`python -m bench attention --serving-sweep`) are in README, "Attention at serving shapes".
+    32-row ones, 2 warps and 4 stages deep; wider rows take 32-row tiles. Tilings not measured keep those they were
+    tested with (an fp8 cache's 128-byte rows 64 rows, a float32 cache's 256-byte rows 128). The sweeps behind each
+    choice (`python -m bench attention --serving-sweep`) are in README, "Attention at serving shapes".
 
     `max_context` is what the block table can hold (its width times the block size): a static
     quantity, so a captured graph keeps its grid whatever lengths a replay brings. The kernel splits each
