@@ -311,15 +311,15 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     tinygemm tensors, where given, are the same weight in tinygemm's layout. `gated`: x is [gate | up] [M, 2K] and
     the product is of silu(gate) * up, rounded to x's dtype (at one row the dp4a GEMV's x_words applies it, else
     the SiLU-and-mul kernel); `words`: x's words, already made (one_row_words), which the dp4a GEMV then takes."""
-    _check(x[:, : x.shape[1] // 2] if gated else x, qweight, scales, zeros, group_size)
+    inputs = x[:, : x.shape[1] // 2] if gated else x  # the product's own x: gate_up's first half, gated
+    _check(inputs, qweight, scales, zeros, group_size)
     m = x.shape[0]
     if m == 0:
         return x.new_empty(0, qweight.shape[0])
     x = x if x.stride(1) == 1 else x.contiguous()
     scales, zeros = scales.contiguous(), zeros.contiguous()
     qwords = words_of(qweight)
-    dp4a = (m == 1 and qwords is not None and group_size >= MIN_GROUP
-            and min(qwords.shape[0], 8 * qwords.shape[1]) >= DP4A_SIDE)
+    dp4a = qwords is not None and qwords.shape[0] >= DP4A_SIDE and one_row_words(inputs, group_size)
     if gated and not dp4a:
         x, gated = silu_mul(x), False
     if dp4a:

@@ -48,8 +48,8 @@ int4_silu_mul_linear = define(
 )
 
 
-def _words_shape(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Empty words [4, K/8] int32, scales and sums [K/G] float32 for x [M, K]."""
+def empty_words(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Empty words [4, K/8] int32, scales and sums [K/G] float32 for x [M, K] (fake or real)."""
     k = x.shape[1]
     return (x.new_empty(4, k // 8, dtype=torch.int32), x.new_empty(k // group_size, dtype=torch.float32),
             x.new_empty(k // group_size, dtype=torch.float32))
@@ -75,11 +75,11 @@ def _add_rms_norm_int4(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 
         total, out = _add_rms_norm(x, residual, weight, eps)
         return total, out, *x_words(out, group_size)
-    return (*_add_rms_norm(x, residual, weight, eps), *_words_shape(x, group_size))
+    return (*_add_rms_norm(x, residual, weight, eps), *empty_words(x, group_size))
 
 
 def _add_rms_norm_int4_shape(x, residual, weight, eps, group_size) -> tuple[torch.Tensor, ...]:
-    return x.new_empty(x.shape), x.new_empty(x.shape), *_words_shape(x, group_size)
+    return x.new_empty(x.shape), x.new_empty(x.shape), *empty_words(x, group_size)
 
 
 add_rms_norm_int4 = define(

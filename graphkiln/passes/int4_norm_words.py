@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from graphkiln.models.int4_fused import add_rms_norm_int4, int4_linear_words
+from graphkiln.models.int4_fused import add_rms_norm_int4, empty_words, int4_linear_words
 from graphkiln.models.quantized_linear import int4_linear
 
 from .base import GraphPass
@@ -42,8 +42,7 @@ class Int4NormWords(GraphPass):
             width = out.shape[-1]
             if group_size is None or width % group_size or width % 8:
                 continue
-            extras = (out.new_empty(4, width // 8, dtype=torch.int32),
-                      *(out.new_empty(width // group_size, dtype=torch.float32) for _ in range(2)))
+            extras = empty_words(out, group_size)
             products = {user: (int4_linear_words.default, call_arguments(user)[1:]) for user in normed.users}
             replace_norm(gm.graph, pair, normed, add_rms_norm_int4.default, (*call_arguments(pair), group_size),
                          extras, products)
