@@ -31,6 +31,9 @@ SMALL_CONFIG_ARGS = ("--device", "cpu", "--dtype", "float32", "--decode-batch-si
 PROMPTS: list = ["hi", "The kiln is hot and the tokens flow through every layer", list(range(5, 45))]
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 ENGINE = {"kv_cache_tokens": 2048}  # keeps every engine in these tests small
+# A load whose steps all run the compiled pieces: a background load (the default) serves with the model itself
+# until they are in, so a test comparing what an artifact computes right after `load` would compare the eager model.
+COMPILED = {**ENGINE, "capture": "blocking"}
 
 SUBPROCESS_TIMEOUT_S = 300
 RESULT_PREFIX = "RESULT-JSON "

@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 import graphkiln
 from artifact_helpers import (
+    COMPILED,
     ENGINE,
     PROMPTS,
     SMALL_CONFIG,
@@ -114,7 +115,7 @@ def test_stale_artifact_recompiles_on_request(art: Path, eager_tokens: list[list
     set_torch_version(art)
     with pytest.raises(ArtifactError, match="torch"):
         graphkiln.load(art, **ENGINE)
-    llm = graphkiln.load(art, on_mismatch="recompile", **ENGINE)
+    llm = graphkiln.load(art, on_mismatch="recompile", **COMPILED)
     assert llm.manifest["environment"]["torch"] != "0.0"
     assert json.loads((art / "manifest.json").read_text())["environment"]["torch"] != "0.0"  # rewritten on disk
     assert llm.manifest["engine"]["decode_batch_sizes"] == list(SMALL_ENGINE.decode_batch_sizes)
@@ -189,7 +190,7 @@ def test_concurrent_compiles_of_one_out(tmp_path: Path, eager_tokens: list[list[
         line = single_error_line(err)
         assert line.startswith("error: ") and "already exists" in line, line
     assert not temp_folders(out)
-    llm = graphkiln.load(out, **ENGINE)
+    llm = graphkiln.load(out, **COMPILED)
     assert greedy_tokens(llm, PROMPTS[:1]) == eager_tokens[:1]
 
 
@@ -205,5 +206,5 @@ def test_specialized_artifact_loads(tmp_path: Path, eager_tokens: list[list[int]
     for key in unique:
         assert {p.name for p in (out / "pieces" / key).iterdir()} == {"dynamic.bin", "1.bin", "16.bin"}
     assert report.counters.specialized_compiles == 2 * len(unique)
-    llm = graphkiln.load(out, **ENGINE)
+    llm = graphkiln.load(out, **COMPILED)
     assert greedy_tokens(llm, PROMPTS[:2]) == eager_tokens[:2]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import graphkiln
-from artifact_helpers import compile_error, greedy_tokens
+from artifact_helpers import COMPILED, compile_error, greedy_tokens
 from hub_helpers import HUB_REPO, use_hub_env
 from graphkiln.errors import ModelFileError
 from graphkiln.llm import is_hub_id, resolve_model_dir
@@ -62,5 +62,5 @@ def test_the_compile_cache_compiles_once_keyed_on_the_model_s_content(
         with pytest.raises(RuntimeError, match="compiled"):
             graphkiln.cached_artifact(moved, graphkiln.CompileConfig(disabled_passes=("silu_mul_epilogue",)))
         assert compiles and compiles[0].parent == hub_artifact.parent and compiles[0] != hub_artifact
-        with graphkiln.load(hub_artifact, kv_cache_tokens=2048) as from_hub, graphkiln.load(artifact) as tiny:
+        with graphkiln.load(hub_artifact, **COMPILED) as from_hub, graphkiln.load(artifact, **COMPILED) as tiny:
             assert greedy_tokens(from_hub) == greedy_tokens(tiny)

@@ -17,7 +17,7 @@ from transformers import LlamaForCausalLM
 
 import graphkiln
 from graphkiln import cli
-from artifact_helpers import ENGINE, RESULT_PREFIX, SMALL_ENGINE, run_python_json
+from artifact_helpers import COMPILED, ENGINE, RESULT_PREFIX, SMALL_ENGINE, run_python_json
 from graphkiln.compiler.artifacts import QUANTIZED_FILE
 from graphkiln.errors import UnsupportedModelError, WeightMismatchError
 from graphkiln.models import kernel_loads
@@ -273,10 +273,10 @@ def test_int4_checkpoint_compiles_into_an_artifact_that_reads_it_as_it_is(
     assert quant["description"] == "int4, asymmetric groups of 32 in act-order, weight-only (compressed-tensors checkpoint)"
     assert quant["file"] is None and QUANTIZED_FILE not in manifest["files"]
     assert quant["layers"]["model.layers.1.mlp.down_proj"] == "int4, asymmetric, groups of 32 in act-order, weight-only"
-    compiled = graphkiln.load(tmp_path / "art", **ENGINE).score(ids)
+    compiled = graphkiln.load(tmp_path / "art", **COMPILED).score(ids)
     assert relative_error(compiled, graphkiln.LLM.eager(path, **ENGINE).score(ids)) < 1e-4
     code = f"""import json, sys, graphkiln
-logits = graphkiln.load({str(tmp_path / "art")!r}, kv_cache_tokens=2048).score({ids!r})
+logits = graphkiln.load({str(tmp_path / "art")!r}, **{COMPILED!r}).score({ids!r})
 print("{RESULT_PREFIX}" + json.dumps({{"logits": logits.tolist(), "imported": [m for m in ("compressed_tensors", "transformers") if m in sys.modules]}}))
 """
     fresh = run_python_json(code)

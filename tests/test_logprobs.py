@@ -24,7 +24,7 @@ PARAMS = [
 def llm(request: pytest.FixtureRequest, artifact: Path) -> LLM:
     if request.param == "eager":
         return LLM.eager("tiny", kv_cache_tokens=1024)
-    return graphkiln.load(artifact, kv_cache_tokens=1024)
+    return graphkiln.load(artifact, kv_cache_tokens=1024, capture="blocking")
 
 
 def assert_matches_reference(llm: LLM, out: RequestOutput, n: int) -> None:

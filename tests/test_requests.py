@@ -33,7 +33,7 @@ def any_llm(request: pytest.FixtureRequest, artifact: Path) -> LLM:
     """The eager tiny model, and its compiled artifact (same weights, padded batches, compiled pieces)."""
     if request.param == "eager":
         return LLM.eager("tiny", kv_cache_tokens=1024)
-    return graphkiln.load(artifact, kv_cache_tokens=1024)
+    return graphkiln.load(artifact, kv_cache_tokens=1024, capture="blocking")
 
 
 def fault_in_sampler(

@@ -35,7 +35,7 @@ PLAIN_CONVERSATION = [CONVERSATION[0], {"role": "user", "content": "What does op
 @pytest.fixture(scope="module")
 def offline(artifact: Path) -> LLM:
     """The same artifact and engine options as the server, in this process: what the server must equal."""
-    return graphkiln.load(artifact, kv_cache_tokens=8192)
+    return graphkiln.load(artifact, kv_cache_tokens=8192, capture="blocking")
 
 
 @dataclass

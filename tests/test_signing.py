@@ -14,6 +14,7 @@ import pytest
 
 import graphkiln
 from artifact_helpers import (
+    COMPILED,
     ENGINE,
     PROMPTS,
     SMALL_CONFIG,
@@ -80,7 +81,7 @@ def test_signed_artifact_loads_with_its_public_key(
 ) -> None:
     files = ["graph.json", "manifest.json", "manifest.sig", "tokenizer.json"]
     assert sorted(p.name for p in signed.iterdir() if p.is_file()) == files
-    llm = graphkiln.load(signed, trusted_keys=[keys[1]], **ENGINE)
+    llm = graphkiln.load(signed, trusted_keys=[keys[1]], **COMPILED)
     assert greedy_tokens(llm, PROMPTS[:1]) == eager_tokens[:1]
     graphkiln.load(signed, trusted_keys=[keys[1].read_bytes()], **ENGINE)  # a key given as PEM bytes
     graphkiln.load(signed, **ENGINE)  # without trusted keys the signature is not needed

@@ -29,7 +29,7 @@ SCORE = "score this prompt while streams are open"
 def llm(request: pytest.FixtureRequest, artifact: Path) -> LLM:
     if request.param == "eager":
         return LLM.eager("tiny", kv_cache_tokens=1024)
-    return graphkiln.load(artifact, kv_cache_tokens=1024)
+    return graphkiln.load(artifact, kv_cache_tokens=1024, capture="blocking")
 
 
 def take(stream: Iterator[StreamDelta], n: int) -> list[StreamDelta]:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 import graphkiln
-from artifact_helpers import ENGINE, SMALL_CONFIG_ARGS, SMALL_ENGINE, popen, run, subprocess_env
+from artifact_helpers import COMPILED, ENGINE, SMALL_CONFIG_ARGS, SMALL_ENGINE, popen, run, subprocess_env
 from graphkiln import CompileConfig, SamplingParams, cli
 from graphkiln.compat import fake_process_group
 from graphkiln.compiler.capture import capture
@@ -96,7 +96,7 @@ def test_two_ranks_match_one_rank(family: str, hf_checkpoint, tmp_path: Path) ->
         return
     manifest, _ = graphkiln.compile_model(checkpoint.path, tmp_path / "art", TP, engine=SMALL_ENGINE)
     assert manifest["config"]["tensor_parallel_size"] == 2
-    with graphkiln.load(tmp_path / "art", **ENGINE) as llm:
+    with graphkiln.load(tmp_path / "art", **COMPILED) as llm:
         check_against(llm, checkpoint, logits, tokens)
         assert set(llm.engine.runner.peers.pids) == {1}
     assert not dist.is_initialized()

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import graphkiln
-from artifact_helpers import ENGINE, SMALL_ENGINE
+from artifact_helpers import COMPILED, ENGINE, SMALL_ENGINE
 from graphkiln import CompileConfig
 from graphkiln.compiler.artifacts import QUANTIZED_FILE, quantized_file
 from graphkiln.errors import UnsupportedModelError
@@ -164,8 +164,8 @@ def test_compile_time_quantization_on_two_ranks(
     two = CompileConfig(quantization=scheme, tensor_parallel_size=2)
     manifest, _ = graphkiln.compile_model(ckpt.path, tmp_path / "two", two, engine=SMALL_ENGINE)
     assert {QUANTIZED_FILE, quantized_file(1)} <= set(manifest["files"])
-    one = graphkiln.load(tmp_path / "one", **ENGINE).score(ids)
-    with graphkiln.load(tmp_path / "two", **ENGINE) as llm:
+    one = graphkiln.load(tmp_path / "one", **COMPILED).score(ids)
+    with graphkiln.load(tmp_path / "two", **COMPILED) as llm:
         logits = llm.score(ids)
     if scheme == "int4":
         torch.testing.assert_close(logits, one, atol=1e-4, rtol=0)
