@@ -274,7 +274,8 @@ def run_norm(dtype: torch.dtype, rows: int, width: int, seed: int = 0) -> dict:
 def run_words(width: int, group: int, seed: int = 0) -> dict:
     """The int4 words made by the kernel before the product, against the words kernel's own: of the SiLU-and-mul's
     output, made from the gate/up row (gated), and of the RMSNorm's output, made by the norm; and the dp4a
-    product of each, against the product making its own words. Each pair must be equal, bit for bit."""
+    product of each, against the product making its own words. Each pair must be equal, bit for bit, and the norm's
+    five outputs tensors of their own (the op returning them may not return aliases)."""
     gen = torch.Generator().manual_seed(seed)
     gate_up, x, residual = (torch.randn(1, n, generator=gen).to(torch.float16) for n in (2 * width, width, width))
     weight = (1 + 0.1 * torch.randn(width, generator=gen)).to(torch.float16)
@@ -286,6 +287,7 @@ def run_words(width: int, group: int, seed: int = 0) -> dict:
             "gated_product": same([product(gate_up, gated=True)], [product(silu_mul(gate_up))]),
             "norm_unchanged": same(norm, add_rms_norm(x, residual, weight, 1e-5)),
             "norm_words": same((xw, xs, xf), x_words(norm[1], group)),
+            "norm_outputs_apart": len({t.untyped_storage().data_ptr() for t in (*norm, xw, xs, xf)}) == 5,
             "norm_product": same([product(norm[1], words=(xw, xs, xf))], [product(norm[1])])}
 
 

@@ -179,13 +179,19 @@ def _int4_dp4a_gemv_kernel(q_ptr, xw_ptr, xs_ptr, xf_ptr, s_ptr, z_ptr, y_ptr, p
     store_product(y_ptr, partials, counters, tl.sum(acc, axis=1), cols, col_mask, N, SPLIT)
 
 
+def words_buffers(k: int, group_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Empty words [4, K/8] int32, scales and sums [K/G] float32, each a tensor of its own: the ops returning them
+    (models/int4_fused.py) may not return outputs that alias one another."""
+    return (torch.empty(4, k // 8, dtype=torch.int32, device=device),
+            torch.empty(k // group_size, dtype=torch.float32, device=device),
+            torch.empty(k // group_size, dtype=torch.float32, device=device))
+
+
 def x_words(x: torch.Tensor, group_size: int, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(words [4, K/8] int32, scales [K/G] float32, sums [K/G] float32) of one row x [1, K], as the module
     docstring says; `gated`: of silu(gate) * up for x = [gate | up] [1, 2K]."""
     k = x.shape[1] // 2 if gated else x.shape[1]
-    words = torch.empty(4, k // 8, dtype=torch.int32, device=x.device)
-    scales = torch.empty(k // group_size, dtype=torch.float32, device=x.device)
-    sums = torch.empty_like(scales)
+    words, scales, sums = words_buffers(k, group_size, x.device)
     launch_pdl = pdl_on(x.device)
     launch(_x_words_kernel, (k // group_size,), x, words, scales, sums, k // 8, G=group_size, GATED=gated,
            PDL=launch_pdl, num_warps=1, launch_pdl=launch_pdl)

@@ -20,7 +20,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .fp8_linear import quantize_group
-from .int4_dp4a import MIN_GROUP, store_words
+from .int4_dp4a import MIN_GROUP, store_words, words_buffers
 from .launch import launch
 from .pdl import pdl_on
 
@@ -76,10 +76,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     out = torch.empty_like(x)
     q = torch.empty(rows, width, dtype=torch.float8_e4m3fn, device=x.device) if quantize else out
     scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device) if quantize else out
-    words = (out, out, out)
-    if words_group:
-        groups = torch.empty(2, width // words_group, dtype=torch.float32, device=x.device)
-        words = (torch.empty(4, width // 8, dtype=torch.int32, device=x.device), groups[0], groups[1])
+    words = words_buffers(width, words_group, x.device) if words_group else (out, out, out)
     if rows:
         launch_pdl = pdl_on(x.device)
         launch(_add_rms_norm_kernel, (rows,), x, residual, weight, total, out, q, scale, *words, width, x.stride(0),
