@@ -242,7 +242,7 @@ def test_llama_1b_shaped_quality_against_bf16_over_64_prompts(scheme, tmp_path):
         out = tmp_path / name
         graphkiln.compile_model(tmp_path / "model", out, CompileConfig(device="cuda", dtype="bfloat16",
                                                                        quantization=quantization))
-        llms[name] = graphkiln.load(out, kv_cache_tokens=8192)
+        llms[name] = graphkiln.load(out, kv_cache_tokens=8192, capture="blocking")
     gen = torch.Generator().manual_seed(1)
     errors, agree, total = [], 0, 0
     for _ in range(64):

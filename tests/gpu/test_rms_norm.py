@@ -1,13 +1,14 @@
 """graphkiln::add_rms_norm on CUDA: the Triton kernel against the model's own ops, inside a CUDA graph, and the
 add_rms_norm pass in a compiled tiny engine; the kernel's fp8 output (add_rms_norm_fp8) against quantize_rows, and
-the fp8 products taking it against those quantizing their input themselves."""
+the fp8 products taking it against those quantizing their input themselves (whole engines with and without the
+fusion: test_fusion_engines_gpu.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from graphkiln import CompileConfig, SamplingParams
+from graphkiln import CompileConfig
 from graphkiln.compiler.compile import compile_module
 from graphkiln.llm import resolve_model_dir
 from graphkiln.models import load_model
@@ -96,25 +97,3 @@ def test_fp8_products_given_the_quantized_rows_equal_those_quantizing_them(rows)
     assert torch.equal(fp8_linear_quantized(x, q, scale, w, s), fp8_linear(x, w, s, None))
     assert torch.equal(fp8_mlp_quantized(x, q, scale, gate_up, gate_up_s, down, down_s),
                        fp8_mlp(x, gate_up, gate_up_s, None, down, down_s))
-
-
-def test_fp8_engine_scores_and_decodes_as_without_fp8_norm_quant(tmp_path):
-    """The tiny model compiled in fp8 on CUDA, where fp8_norm_quant is on by default, against the same compile
-    with it off: its norms before fp8 products taken, the same logits bit for bit over a 128-token prompt and the
-    same greedy tokens, with CUDA graphs, for prompts decoded one at a time and six together."""
-    import graphkiln
-
-    artifacts = {}
-    for name, disabled in (("fused", ()), ("apart", ("fp8_norm_quant",))):
-        config = CompileConfig(device="cuda", dtype="bfloat16", quantization="fp8", disabled_passes=disabled)
-        _, report = graphkiln.compile_model("tiny", tmp_path / name, config)
-        artifacts[name] = {r.name: r for r in report.passes}["fp8_norm_quant"].matches
-    assert artifacts["fused"] > 0 and artifacts["apart"] == 0
-    llms = {name: graphkiln.load(tmp_path / name, kv_cache_tokens=8192) for name in artifacts}
-    ids = list(range(100, 228))
-    assert torch.equal(llms["fused"].score(ids), llms["apart"].score(ids))
-    prompts = [[5 + i] * (1 + 3 * i) for i in range(6)]
-    params = SamplingParams(max_tokens=16, ignore_eos=True)
-    for batch in (prompts[:1], prompts):
-        tokens = {name: [o.token_ids for o in llm.generate(batch, params)] for name, llm in llms.items()}
-        assert tokens["fused"] == tokens["apart"]
