@@ -183,10 +183,11 @@ API_KEY = "test-key-0123"
 
 @pytest.fixture(scope="session")
 def server(artifact: Path) -> Iterator:
-    """`graphkiln serve` on the session's artifact (an API key, a 64 KiB body limit): every HTTP test's server."""
+    """`graphkiln serve` on the session's artifact (an API key, a 64 KiB body limit): every HTTP test's server. It
+    prepares before it serves (`--capture blocking`), so that its answers are the compiled pieces', as `offline`'s."""
     from serve_helpers import serve_process
 
-    args = ("--kv-cache-tokens", "8192", "--max-body-bytes", "65536", "--api-key", API_KEY)
+    args = ("--kv-cache-tokens", "8192", "--max-body-bytes", "65536", "--api-key", API_KEY, "--capture", "blocking")
     with serve_process(str(artifact), *args, api_key=API_KEY) as running:
         yield running
 
