@@ -104,7 +104,8 @@ def hf_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> CheckpointFactory
     """Factory: hf_checkpoint(family, max_shard_size=None, **config_overrides) -> Checkpoint, cached per session.
 
     Weights come from a fixed seed, so checkpoints differing only in non-weight fields
-    (eos_token_id, sharding) hold identical tensors.
+    (eos_token_id, sharding) hold identical tensors. Biases and norm weights are drawn too (transformers
+    initializes them to 0 and 1, which would hide a bias not loaded or two norms swapped).
     """
     built: dict[str, Checkpoint] = {}
 
@@ -116,6 +117,12 @@ def hf_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> CheckpointFactory
             with torch.random.fork_rng():
                 torch.manual_seed(0)
                 model = model_cls(config).eval()
+                with torch.no_grad():
+                    for name, p in model.named_parameters():
+                        if name.endswith(".bias"):
+                            p.copy_(0.1 * torch.randn_like(p))
+                        elif name.endswith("norm.weight"):
+                            p.copy_(1 + 0.1 * torch.randn_like(p))
             path = tmp_path_factory.mktemp(family)
             model.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
             built[key] = Checkpoint(path, model)
