@@ -108,7 +108,7 @@ def test_a_checkpoint_of_any_head_size_serves_with_auto(head_dim, tmp_path):
     net = load_model(tmp_path, "cuda", "bfloat16")
     compiled, _ = compile_module(net, CompileConfig(device="cuda", dtype="bfloat16"))
     serving = EngineConfig(decode_batch_sizes=DECODE_SIZES, prefill_token_buckets=PREFILL_SIZES, kv_cache_tokens=8192)
-    graphed = LLM(build_engine(net, compiled, serving), None)
+    graphed = LLM(build_engine(net, compiled, serving.replace(capture="blocking")), None)  # its graphs from the first
     plain = LLM(build_engine(net, compiled, serving.replace(cuda_graphs=False)), None)
     assert graphed.stats().attention_backend == "triton"
     prompts = uneven_prompts(1024, 6)
@@ -116,6 +116,7 @@ def test_a_checkpoint_of_any_head_size_serves_with_auto(head_dim, tmp_path):
     assert [o.token_ids for o in graphed.generate(prompts, params)] == [
         o.token_ids for o in plain.generate(prompts, params)
     ]
+    assert sum(graphed.stats().graphs["decode"].replays.values()) > 0
     ids = list(range(10, 70))
     sdpa = LLM(build_engine(net, None, EngineConfig(kv_cache_tokens=8192, attention_backend="sdpa")), None)
     with torch.no_grad():

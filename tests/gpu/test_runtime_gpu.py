@@ -149,9 +149,11 @@ def test_batch_beyond_largest_bucket_runs_without_graph(tiny_fp32):
     eager, _, graphed = tiny_fp32
     prompts = uneven_prompts(4096, DECODE_SIZES[-1] + 3)
     params = SamplingParams(max_tokens=4, ignore_eos=True)
+    before = graphed.stats().steps_without_graph.get("decode", 0)
     assert [o.token_ids for o in graphed.generate(prompts, params)] == [
         o.token_ids for o in eager.generate(prompts, params)
     ]
+    assert graphed.stats().steps_without_graph.get("decode", 0) > before
 
 
 def test_launching_a_step_never_waits_for_the_device(tiny_fp32, monkeypatch):
