@@ -2,8 +2,7 @@
 pack-quantized W8A16, per channel or in groups of 128), compressed by the compressed-tensors library's own
 compressors, and as AutoGPTQ / GPTQModel write 8-bit GPTQ (packed here with shifts, as their packers do),
 from a float32 transformers model; and the float32 model of the dequantized weights they are checked
-against, its inputs rounded to int8 as graphkiln's reference path rounds them (per token, or by the static
-scale)."""
+against, its inputs rounded to int8 (per token, or by the static scale) here, apart from graphkiln's own rounding."""
 
 from __future__ import annotations
 
@@ -13,11 +12,19 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from graphkiln.models.int8_linear import quantize_activations_int8
 from quant_helpers import input_amax, model_tensors, projections, save_checkpoint, shared_scale, start_checkpoint
 
 INT8_MAX = 127.0
 GROUP = 128
+
+
+def rounded_to_int8(x: torch.Tensor, static: torch.Tensor | None) -> torch.Tensor:
+    """x through symmetric int8 and back, as W8A8 kernels round a projection's input: by the checkpoint's static
+    scale, or per token by amax / 127; to the nearest level, clamped to +-127."""
+    x32 = x.float()
+    scale = static.float() if static is not None else x32.abs().amax(-1, keepdim=True) / INT8_MAX
+    scale = scale.clamp(min=torch.finfo(torch.float32).tiny)
+    return ((x32 / scale).round().clamp(-INT8_MAX, INT8_MAX) * scale).to(x.dtype)
 
 
 def _int_args(strategy: str, dynamic: bool = False) -> dict:
@@ -107,7 +114,7 @@ def write_int8_checkpoint(source: Path, model: PreTrainedModel, out: Path, activ
                 static = shared_scale(input_scales, name)
             if activations in ("dynamic", "static"):
                 module.register_forward_pre_hook(
-                    lambda m, args, static=static: (quantize_activations_int8(args[0], static).to(args[0].dtype),))
+                    lambda m, args, static=static: (rounded_to_int8(args[0], static),))
             module.weight.copy_(dequantized)
     save_checkpoint(model, tensors, out)
     return reference

@@ -207,4 +207,5 @@ def test_specialized_artifact_loads(tmp_path: Path, eager_tokens: list[list[int]
         assert {p.name for p in (out / "pieces" / key).iterdir()} == {"dynamic.bin", "1.bin", "16.bin"}
     assert report.counters.specialized_compiles == 2 * len(unique)
     llm = graphkiln.load(out, **COMPILED)
+    assert greedy_tokens(llm, PROMPTS[:1]) == eager_tokens[:1]  # prefill in 16 rows, decode at 1: the two sizes'
     assert greedy_tokens(llm, PROMPTS[:2]) == eager_tokens[:2]

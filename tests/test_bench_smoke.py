@@ -220,16 +220,16 @@ def test_serving_decode_row_times_the_whole_batch_while_prompts_take_many_steps(
 
 
 def test_tp_decode_study_smoke(bench: Bench, tmp_path: Path) -> None:
-    """`python -m bench tp-decode --smoke`: the tiny shapes on 2 gloo ranks, decode and prefill timed, tokens and
-    logits compared; the symm_mem_all_reduce row is skipped on the CPU, saying why."""
-    bench("tp-decode", "--smoke", "--configs", "tp2,tp2-symm-mem", "--batches", "1", "--prefill", "16", "--out",
+    """`python -m bench tp-decode --smoke`: the tiny shapes on 2 gloo ranks, decode and prefill timed, their greedy
+    tokens those of one rank; the symm_mem_all_reduce row is skipped on the CPU, saying why."""
+    bench("tp-decode", "--smoke", "--configs", "tp2,tp2-symm-mem,tp1", "--batches", "1", "--prefill", "16", "--out",
           str(tmp_path))
     rows = json.loads((tmp_path / "tp-decode.json").read_text())["rows"]
     assert rows["tp2-symm-mem"] == {"config": "tp2-symm-mem", "skipped": "needs CUDA and 2 GPUs"}
-    tp2 = rows["tp2"]
+    tp2, tp1 = rows["tp2"], rows["tp1"]
     assert tp2["ranks"] == 2 and tp2["decode_ms_b1"] > 0 and tp2["prefill_ms_16"] > 0 and tp2["x_floor_b1"] > 0
-    assert tp2["token_agreement"] == 1.0 and tp2["max_logit_diff"] == 0.0 and len(tp2["tokens"]) == 4
-    assert tp2["divergence_gaps"] == [] and all(len(g) == 32 and min(g) >= 0 for g in tp2["top2_gaps"])
+    assert len(tp2["tokens"]) == 4 and all(len(g) == 32 and min(g) >= 0 for g in tp2["top2_gaps"])
+    assert tp1["ranks"] == 1 and tp1["tokens"] == tp2["tokens"]  # the study compares only 2-rank rows
 
 
 def test_tp_parity_study_smoke(bench: Bench, tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import graphkiln
-from artifact_helpers import ENGINE, SMALL_ENGINE, run_python_json
+from artifact_helpers import COMPILED, ENGINE, SMALL_ENGINE, run_python_json
 from graphkiln import EngineConfig, SamplingParams
 from graphkiln.errors import CapacityError, ConfigError, RequestError
 
@@ -25,12 +25,20 @@ def test_load_takes_the_recorded_engine_defaults_and_overrides_them(artifact: Pa
     assert given.kv_cache_blocks == 1024 // 32 + 1 and given.config.decode_batch_sizes == EngineConfig().decode_batch_sizes
 
 
-def test_load_pads_to_the_decode_sizes_it_was_given(artifact: Path) -> None:
-    """Without graphs (the CPU) a compiled engine pads to the capture sizes a GPU would replay."""
-    llm = graphkiln.load(artifact, decode_batch_sizes=(8,), **ENGINE)
+def test_load_pads_to_the_decode_sizes_it_was_given(artifact: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without graphs (the CPU) a compiled engine pads to the capture sizes a GPU would replay: three rows' decode
+    steps run the compiled pieces on 8."""
+    llm = graphkiln.load(artifact, decode_batch_sizes=(8,), **COMPILED)
+    runner, steps = llm.engine.runner, []
+    run = runner._run
+
+    def recorded(padded, input_ids, num_tokens, long_prefill):
+        steps.append((num_tokens, padded.num_tokens))
+        return run(padded, input_ids, num_tokens, long_prefill)
+
+    monkeypatch.setattr(runner, "_run", recorded)
     llm.generate(["a", "b", "c"], SamplingParams(max_tokens=3, ignore_eos=True))
-    stats = llm.stats()
-    assert stats.steps_without_graph["decode"] >= 2 and not stats.graphs
+    assert steps.count((3, 8)) == 2 and not llm.stats().graphs
 
 
 def test_unknown_engine_option_is_a_config_error(artifact: Path) -> None:

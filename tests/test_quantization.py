@@ -134,7 +134,9 @@ def test_int4_linear_matches_float32() -> None:
     w = torch.randn(40, 256, generator=gen)
     qweight, scales, zeros = quantize_int4(w, 64)
     x = torch.randn(3, 256, generator=gen)
-    want = x @ dequantize_int4(qweight, scales, zeros, 64).t()
+    levels = torch.stack((qweight & 15, qweight >> 4), dim=-1).flatten(-2).float()  # two 4-bit levels a byte
+    per_input = lambda t: t.float().repeat_interleave(64, dim=-1)  # noqa: E731  (a group's value at each input)
+    want = x @ ((levels - per_input(zeros)) * per_input(scales)).t()
     torch.testing.assert_close(int4_linear(x, qweight, scales, zeros, 64), want)
     assert relative_error(want, x @ w.t()) < 0.1
 

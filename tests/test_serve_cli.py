@@ -26,11 +26,12 @@ pytestmark = pytest.mark.slow
 def test_serve_a_hub_id_with_compile(hub_artifact: Path, hub_env: dict, artifact: Path) -> None:
     """`serve org/name --compile` serves the cached artifact under the hub id's name; GRAPHKILN_API_KEY guards it."""
     env = {**hub_env, "GRAPHKILN_API_KEY": "from-env"}
-    with serve_process(HUB_REPO, "--compile", "--kv-cache-tokens", "2048", env=env, api_key="from-env") as server:
+    args = (HUB_REPO, "--compile", "--kv-cache-tokens", "2048", "--capture", "blocking")  # answers of compiled pieces
+    with serve_process(*args, env=env, api_key="from-env") as server:
         assert [m.id for m in server.client().models.list().data] == [HUB_REPO]
         got = server.client().completions.create(model=HUB_REPO, prompt="If the file", max_tokens=8, temperature=0)
         assert httpx.get(server.url + "/v1/models", timeout=10).status_code == 401
-    with graphkiln.load(artifact) as llm:
+    with graphkiln.load(artifact, capture="blocking") as llm:
         assert got.choices[0].text == llm.generate("If the file", SamplingParams(max_tokens=8))[0].text
     assert not [line for line in server.log if "inductor" in line]  # found in the cache: nothing compiled
 

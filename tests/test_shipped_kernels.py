@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import graphkiln
-from artifact_helpers import ENGINE, GREEDY, SMALL_CONFIG, SMALL_ENGINE, greedy_tokens, temp_folders
+from artifact_helpers import COMPILED, ENGINE, GREEDY, PROMPTS, SMALL_CONFIG, SMALL_ENGINE, greedy_tokens, temp_folders
 from graphkiln.compiler.artifact_dir import write_artifact
 from graphkiln.errors import ArtifactError
 from graphkiln.kernels.shipped import TRITON_KERNELS, install_shipped_kernels
@@ -61,7 +61,9 @@ def test_a_cache_that_cannot_be_written_is_one_warning(tmp_path: Path, caplog: p
     assert len(caplog.records) == 1 and str(shipped) in caplog.records[0].getMessage()
 
 
-def test_files_finish_adds_are_sealed_into_the_manifest_and_checked_at_load(tmp_path: Path) -> None:
+def test_files_finish_adds_are_sealed_into_the_manifest_and_checked_at_load(
+    tmp_path: Path, eager_tokens: list[list[int]]
+) -> None:
     """`write_artifact(finish=...)` runs on the complete artifact before it is sealed (here: loads it, as the
     serving-kernel builds do, and ships an entry): the entry's files are listed with their sha256, the stage's
     seconds recorded, the load's lock file beside the temporary folder removed; the artifact serves as one
@@ -82,8 +84,8 @@ def test_files_finish_adds_are_sealed_into_the_manifest_and_checked_at_load(tmp_
     assert report.timings["serving_kernels"] == manifest["timings"]["serving_kernels"] == 1.5
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [".tiny.lock"]
     assert not temp_folders(out)
-    with graphkiln.load(out, **ENGINE) as llm:
-        assert greedy_tokens(llm, ["hi"])[0]
+    with graphkiln.load(out, **COMPILED) as llm:
+        assert greedy_tokens(llm, PROMPTS[:1]) == eager_tokens[:1]
     (out / TRITON_KERNELS / ENTRY / "_decode_kernel.cubin").write_text("\x7fELF other")
     with pytest.raises(ArtifactError, match="_decode_kernel.cubin"):
         graphkiln.load(out, **ENGINE)

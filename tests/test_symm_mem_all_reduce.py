@@ -145,7 +145,7 @@ def test_the_default_compile_keeps_nccl_all_reduces(tmp_path: Path) -> None:
     assert not record.enabled and record.runs == 0
     assert NAME not in [p["name"] for p in manifest["passes"]] and not manifest["config"]["enabled_passes"]
     assert codes and all("one_shot_all_reduce" not in code and "= empty_strided_p2p(" not in code for code in codes)
-    assert sum("_c10d_functional.all_reduce" in code for code in codes) >= 2  # the dynamic and the specialized
+    assert all("_c10d_functional.all_reduce" in code for code in codes)  # the dynamic pieces and the specialized
 
 
 def test_multicast_stays_off(monkeypatch: pytest.MonkeyPatch) -> None:
