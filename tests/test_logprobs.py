@@ -42,8 +42,8 @@ def assert_matches_reference(llm: LLM, out: RequestOutput, n: int) -> None:
 
 
 def test_logprobs_n_against_the_reference_alone_and_batched(llm: LLM) -> None:
-    """Alone, each request runs its own sampling mode (greedy rows with logprobs run "sample"); batched,
-    all run the "filter" mode at the widest N and each request gets its own N."""
+    """Alone and batched (one sampling mode for the batch, at its widest N: test_sampler.py checks which), each
+    request's tokens the same and its own N entries against the reference."""
     alone = [llm.generate(prompt, params)[0] for prompt, params in zip(PROMPTS, PARAMS)]
     batched = llm.generate(PROMPTS, PARAMS)
     for one, many, params in zip(alone, batched, PARAMS):

@@ -132,6 +132,7 @@ def test_stop_strings_and_stop_token_ids(server: Server, offline: LLM, stream: b
     greedy = SamplingParams(max_tokens=24, ignore_eos=True)
     base = offline.generate("If the file", greedy)[0]
     stop = base.text[12:17]  # inside the text, across a token boundary
+    assert not any(stop in offline.decode([token]) for token in base.token_ids)
     cut = base.text.index(stop)
     through = next(k for k in range(1, len(base.token_ids) + 1) if stop in offline.decode(base.token_ids[:k]))
     [got], _ = create(server, False, stream, prompt="If the file", max_tokens=24, temperature=0, stop=[stop, "@@"],
