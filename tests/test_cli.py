@@ -289,8 +289,12 @@ def test_generate_logprobs_stop_token_and_ignore_eos(compiled: tuple[Path, dict,
     assert "logprobs" not in stopped
 
 
-def test_generate_with_the_fp8_kv_cache(compiled: tuple[Path, dict, str], capsys: pytest.CaptureFixture[str]) -> None:
+def test_generate_with_the_fp8_kv_cache(compiled: tuple[Path, dict, str], capsys: pytest.CaptureFixture[str],
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    load, loaded = graphkiln.load, []
+    monkeypatch.setattr(graphkiln, "load", lambda *args, **kwargs: loaded.append(load(*args, **kwargs)) or loaded[-1])
     assert "finish" in _generate(capsys, compiled[0], "--max-tokens", "2", "--kv-cache-dtype", "fp8_e4m3")
+    assert [llm.stats().config.kv_cache_dtype for llm in loaded] == ["fp8_e4m3"]  # the engine that answered
     with pytest.raises(SystemExit) as info:
         cli.main(["generate", str(compiled[0]), "--prompt", "hi", "--kv-cache-dtype", "fp8"])
     assert info.value.code == 2
