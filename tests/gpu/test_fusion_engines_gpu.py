@@ -22,21 +22,15 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def _model(scheme: str, tmp_path: Path) -> Path:
-    """fp8: the tiny model. int4: a 2-layer model of Llama-3.2-1B's widths with random weights and the tiny model's
-    tokenizer, whose one-row products take the dp4a GEMV's words (the tiny model's 256-wide rows are too narrow)."""
+    """fp8: the tiny model. int4: the bench's Llama-3.2-1B-like model cut to 2 layers (random weights), with the tiny
+    model's vocabulary and tokenizer, whose one-row products take the dp4a GEMV's words (the tiny model's 256-wide
+    rows are too narrow)."""
     if scheme == "fp8":
         return tiny_model_dir()
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from bench.models import build_hf_model, shape_of
 
-    config = LlamaConfig(hidden_size=2048, intermediate_size=4096, num_hidden_layers=2, num_attention_heads=32,
-                         num_key_value_heads=8, vocab_size=4096, max_position_embeddings=4096,
-                         tie_word_embeddings=True)  # fmt: skip
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.02)
-    model.save_pretrained(tmp_path / "model")
+    build_hf_model(dict(shape_of("1b", 4096, 2), vocab_size=4096), "cuda", torch.bfloat16).save_pretrained(
+        tmp_path / "model")
     for name in TOKENIZER_FILES:
         shutil.copy(tiny_model_dir() / name, tmp_path / "model" / name)
     return tmp_path / "model"
