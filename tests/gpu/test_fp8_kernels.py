@@ -13,10 +13,11 @@ from graphkiln.kernels import fp8_linear as fp8_kernels  # noqa: E402
 from graphkiln.kernels import fp8_mma as mma_kernels  # noqa: E402
 from graphkiln.kernels import tma_products as tma_kernels  # noqa: E402
 from graphkiln.kernels.fp8_linear import (  # noqa: E402
-    FP8, MMA_ROWS, fp8_linear, quantize_rows, quantize_static, scaled_mm_fits,
+    FEW_ROWS, FP8, MMA_ROWS, fp8_linear, quantize_rows, quantize_static, scaled_mm_fits,
 )
 from graphkiln.kernels.gemv import silu_mul  # noqa: E402
 from graphkiln.kernels.split_k import multiprocessors  # noqa: E402
+from graphkiln.kernels.tma_products import tma_fits  # noqa: E402
 from kernel_weights import (  # noqa: E402
     MODEL_SHAPES, ROWS, SPLITS, activation, fp8_weight, relative_error, with_splits,
 )
@@ -137,45 +138,72 @@ def test_fp8_mma_on_quantized_rows_is_the_float32_product_of_what_it_reads(shape
     assert relative_error(y, (xq.float() * per_element) @ reference_weight.t()) < 0.006
 
 
+GATE_UP_SHAPES = {"8b-gate_up": (28672, 4096), "1b-gate_up": (16384, 2048), "tiny": (200, 1160)}
+
+
 @pytest.mark.parametrize("splits", SPLITS)
 @pytest.mark.parametrize("blocks", [False, True], ids=["per-channel", "block"])
 @pytest.mark.parametrize("rows", [1, 8, 33])
-@pytest.mark.parametrize("shape", {"8b-gate_up": (28672, 4096), "1b-gate_up": (16384, 2048), "tiny": (200, 1160)}
-                         .values(), ids=["8b-gate_up", "1b-gate_up", "tiny"])
-def test_activated_fp8_linear_is_the_silu_mul_kernel_on_its_product(shape, rows, blocks, splits):
-    """The gate and up projections with their activation: at one row the GEMV's epilogue (one split of K), or
-    its product summed over the splits and then the SiLU-and-mul kernel; at more rows that kernel on the
-    product. Either way it equals, bit for bit, the SiLU-and-mul kernel on the ungated product at the same
-    tiles, and the float32 reference within fp8's step."""
+@pytest.mark.parametrize("shape", GATE_UP_SHAPES.values(), ids=GATE_UP_SHAPES.keys())
+def test_activated_fp8_linear_matches_float32(shape, rows, blocks, splits):
+    """The gate and up projections with their activation (at one row with every split of K) within fp8's step
+    of silu(gate) * up of the float32 products."""
     n, k = shape
     weight, scale, reference_weight = fp8_weight(n, k, blocks)
     x = activation(rows, k)
     if rows == 1:
         tiles = with_splits(fp8_kernels.gemv_tiling(n, k, multiprocessors(x.device)), splits, False)
         y = fp8_kernels.fp8_gemv(x, weight, scale, tiles=tiles, activated=True)
-        product = fp8_kernels.fp8_gemv(x, weight, scale, tiles=tiles)
     else:
         y = fp8_linear(x, weight, scale, activated=True)
-        product = fp8_linear(x, weight, scale)
     assert y.shape == (rows, n // 2) and y.dtype == torch.bfloat16
-    assert torch.equal(y, silu_mul(product))
     gate, up = (x.float() @ reference_weight.t()).chunk(2, dim=-1)
     assert relative_error(y, torch.nn.functional.silu(gate) * up) < (0.005 if rows == 1 else 0.05)
 
 
 @pytest.mark.parametrize("blocks", [False, True], ids=["per-channel", "block"])
-@pytest.mark.parametrize("rows", [1, 16, 17, 33, 64, 65, 300])
+@pytest.mark.parametrize("shape", GATE_UP_SHAPES.values(), ids=GATE_UP_SHAPES.keys())
+def test_one_row_activation_epilogue_is_the_silu_mul_kernel_on_its_product(shape, blocks):
+    """Unsplit, the one-row GEMV applies the activation in its epilogue (not the SiLU-and-mul kernel after it):
+    bit for bit what that kernel makes of the ungated product at the same tiles."""
+    n, k = shape
+    weight, scale, _ = fp8_weight(n, k, blocks)
+    x = activation(1, k)
+    tiles = with_splits(fp8_kernels.gemv_tiling(n, k, multiprocessors(x.device)), 1, False)
+    product = fp8_kernels.fp8_gemv(x, weight, scale, tiles=tiles)
+    launched = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fp8_kernels, "silu_mul", lambda y: launched.append(y) or silu_mul(y))
+        y = fp8_kernels.fp8_gemv(x, weight, scale, tiles=tiles, activated=True)
+    assert not launched and torch.equal(y, silu_mul(product))
+
+
+@pytest.mark.parametrize("blocks", [False, True], ids=["per-channel", "block"])
+@pytest.mark.parametrize("rows", [16, 17, 33, 64, 65, 300])
 @pytest.mark.parametrize("shape", {"8b": (4096, 14336), "1b": (2048, 8192), "tiny": (200, 1160)}.values(),
                          ids=["8b", "1b", "tiny"])
-def test_fp8_mlp_is_its_two_products_bit_for_bit(shape, rows, blocks):
-    """The MLP op (its down product's quantization applying the SiLU-and-mul as it loads, past FEW_ROWS rows)
-    equals the activated gate/up product and the down product launched apart, at every row count's path, and the
-    float32 MLP within fp8's steps."""
+def test_fp8_mlp_is_its_two_products_bit_for_bit(shape, rows, blocks, monkeypatch):
+    """The MLP op, where its down product's quantization applies the SiLU-and-mul as it loads (past FEW_ROWS
+    rows, or from 2 where both products take fp8_tma), equals the activated gate/up product and the down product
+    launched apart bit for bit, and the float32 MLP within fp8's steps. Elsewhere the op launches them apart."""
     hidden, inner = shape
     gate_up, gate_up_scale, gate_up_reference = fp8_weight(2 * inner, hidden, blocks)
     down, down_scale, down_reference = fp8_weight(hidden, inner, blocks)
     x = activation(rows, hidden)
+    if rows <= FEW_ROWS and not (tma_fits(x, gate_up, gate_up_scale) and tma_fits(x, down, down_scale)):
+        pytest.skip("up to FEW_ROWS rows, off fp8_tma, the op launches the two products apart")
+    if rows > MMA_ROWS and not scaled_mm_fits(x, down, blocks):
+        pytest.skip("this torch's _scaled_mm takes no block scales: the op launches the two products apart")
+    activated = []
+
+    def quantize_rows_recorded(*args, **kwargs):
+        activated.append(kwargs.get("activated", False))
+        return quantize_rows(*args, **kwargs)
+
+    monkeypatch.setattr(fp8_kernels, "quantize_rows", quantize_rows_recorded)
     y = fp8_kernels.fp8_mlp(x, gate_up, gate_up_scale, None, down, down_scale)
+    assert activated.count(True) == 1
+    monkeypatch.undo()
     apart = fp8_linear(fp8_linear(x, gate_up, gate_up_scale, activated=True), down, down_scale)
     assert y.shape == (rows, hidden) and torch.equal(y, apart)
     gate, up = (x.float() @ gate_up_reference.t()).chunk(2, dim=-1)

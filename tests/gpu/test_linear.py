@@ -4,7 +4,7 @@ rows of wide weights on sm90+, and what falls back to cuBLAS."""
 import pytest
 import torch
 
-from graphkiln.models.linear import linear, product, silu_mul_linear, uses_gemv
+from graphkiln.models.linear import linear, silu_mul_linear, uses_gemv
 
 SHAPES = [  # (N, K): the bench models' projections, then ragged sizes that leave partial slabs and K steps
     (3072, 2048), (2048, 8192), (16384, 2048), (128256, 2048), (6144, 4096), (4096, 14336),
@@ -77,13 +77,14 @@ def test_silu_mul_linear_matches_float32(shape, rows):
     torch.testing.assert_close(y.float(), expected, rtol=2e-2, atol=2e-2)
 
 
+GATE_UP_SHAPES = [(16384, 2048), (28672, 4096), (74, 100)]
+
+
 @pytest.mark.parametrize("rows", [1, 3, 64])
-@pytest.mark.parametrize("shape", [(16384, 2048), (28672, 4096), (74, 100)], ids=lambda s: f"n{s[0]}-k{s[1]}")
-def test_linear_silu_mul_is_the_activation_of_the_product(shape, rows):
-    """One row: the GEMV pairs gate row j with up row I + j in a program and applies the activation to its own
-    outputs, so it equals, bit for bit, the SiLU-and-mul kernel on the product of the GEMV at the same tiling
-    (the same K steps, so the same float32 sums); more rows: the product `product` picks, then that kernel."""
-    from graphkiln.kernels.gemv import gemv, silu_mul, tiling
+@pytest.mark.parametrize("shape", GATE_UP_SHAPES, ids=lambda s: f"n{s[0]}-k{s[1]}")
+def test_linear_silu_mul_matches_float32(shape, rows):
+    """The gate and up projections with their activation, at one row (the GEMV's epilogue) and more (the product
+    `product` picks, then the SiLU-and-mul kernel), against silu(gate) * up of the float32 product."""
     from graphkiln.models.linear import linear_silu_mul
 
     n, k = shape
@@ -92,7 +93,20 @@ def test_linear_silu_mul_is_the_activation_of_the_product(shape, rows):
     weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * k**-0.5
     y = linear_silu_mul(x, weight)
     assert y.shape == (rows, n // 2) and y.dtype == torch.bfloat16
-    projected = gemv(x, weight, tiles=tiling(n, k, activated=True)) if rows == 1 else product(x, weight)
-    assert torch.equal(y, silu_mul(projected))
     gate, up = (x.float() @ weight.float().t()).chunk(2, dim=-1)
     torch.testing.assert_close(y.float(), torch.nn.functional.silu(gate) * up, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("shape", GATE_UP_SHAPES, ids=lambda s: f"n{s[0]}-k{s[1]}")
+def test_one_row_linear_silu_mul_is_the_activation_of_the_gemv(shape):
+    """One row: the GEMV pairs gate row j with up row I + j in a program and applies the activation to its own
+    outputs, so it equals, bit for bit, the SiLU-and-mul kernel on the product of the GEMV at the same tiling
+    (the same K steps, so the same float32 sums)."""
+    from graphkiln.kernels.gemv import gemv, silu_mul, tiling
+    from graphkiln.models.linear import linear_silu_mul
+
+    n, k = shape
+    gen = torch.Generator(device="cuda").manual_seed(n + k)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+    weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * k**-0.5
+    assert torch.equal(linear_silu_mul(x, weight), silu_mul(gemv(x, weight, tiles=tiling(n, k, activated=True))))

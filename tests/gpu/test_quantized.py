@@ -220,7 +220,13 @@ def test_prequantized_checkpoint_compiles_and_loads_fresh_with_zero_compiles(lay
         assert result["tinygemm"] == [True] * 8
 
 
-@pytest.mark.parametrize("scheme", ["fp8", "int8", "int4"])
+# (largest relative error, least top-1 agreement) of each format against bf16 on the model below: about twice
+# the error and the disagreement measured on the H200 (fp8 0.025 / 0.94, int8 0.008 / 0.98, int4 0.068 / 0.84 in
+# bench/results' test reports). The random weights leave close logits, so top-1 moves more than the error.
+QUALITY_BOUNDS = {"fp8": (0.05, 0.88), "int8": (0.02, 0.95), "int4": (0.12, 0.7)}
+
+
+@pytest.mark.parametrize("scheme", QUALITY_BOUNDS)
 def test_llama_1b_shaped_quality_against_bf16_over_64_prompts(scheme, tmp_path):
     """Issue 23's quality measure on a 2-layer Llama-3.2-1B-shaped model with random weights: logits of the
     quantized artifact against the bf16 one, relative error and top-1 agreement over 64 prompts (recorded)."""
@@ -255,4 +261,5 @@ def test_llama_1b_shaped_quality_against_bf16_over_64_prompts(scheme, tmp_path):
         llm.close()
     result = {"mean_relative_error": sum(errors) / len(errors), "max_relative_error": max(errors), "top1": agree / total}
     record(f"quantized_{scheme}_1b_2layer_vs_bf16_64_prompts", result)
-    assert result["max_relative_error"] < (0.1 if scheme == "fp8" else 0.25), result
+    max_error, min_top1 = QUALITY_BOUNDS[scheme]
+    assert result["max_relative_error"] < max_error and result["top1"] >= min_top1, result
