@@ -60,6 +60,7 @@ def test_in_one_process_too(artifact: Path, tmp_path: Path, eager_tokens: list[l
     own = marker.read_text()
     assert own.startswith("loaded\n")
     clean = graphkiln.load(artifact, **ENGINE)
+    assert clean.wait_compiled()  # raises what kept its pieces out: an engine serving eagerly would pass below
     clean.wait_ready()
     assert greedy_tokens(clean) == eager_tokens
     assert marker.read_text() == own  # neither loaded again nor called for the clean one

@@ -84,12 +84,14 @@ def test_caches_the_block_kernel_reads(dtype, head_dim, block_size, reason) -> N
 
 def test_the_fp8_cache_is_planned_at_the_lanes_of_a_16_bit_cache() -> None:
     """Its tiles are converted to the query's dtype in registers: the heads a program (the accumulators) and
-    warps of a bf16 cache of the same heads, not twice the heads for its half bytes."""
+    warps of a bf16 cache of the same heads, not the twice as many heads a plan by its 1-byte elements would give
+    from 64 lanes on."""
     assert lane_bytes(torch.float8_e4m3fn) == 2
     assert [lane_bytes(d) for d in (torch.bfloat16, torch.float16, torch.float32)] == [2, 2, 4]
-    for padded in (16, 64, 128, 256):
-        fp8 = block_decode_tiles(64, 8, 2048, 16, padded, lane_bytes(torch.float8_e4m3fn), 132)
-        assert fp8 == block_decode_tiles(64, 8, 2048, 16, padded, 2, 132)
+    for padded, heads in ((64, 4), (128, 2), (256, 1)):
+        by_lanes = block_decode_tiles(64, 8, 2048, 16, padded, lane_bytes(torch.float8_e4m3fn), 132)
+        by_elements = block_decode_tiles(64, 8, 2048, 16, padded, torch.float8_e4m3fn.itemsize, 132)
+        assert (by_lanes.heads, by_elements.heads) == (heads, 2 * heads), padded
 
 
 def test_a_cache_not_contiguous_across_blocks_is_not_read_by_blocks() -> None:

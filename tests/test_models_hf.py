@@ -49,7 +49,7 @@ def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
 
 def assert_greedy_matches(llm: LLM, ckpt: Checkpoint, prompts: list[list[int]]) -> None:
     outs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
-    for prompt, out in zip(prompts, outs):
+    for prompt, out in zip(prompts, outs, strict=True):
         assert out.prompt_token_ids == prompt
         assert out.token_ids == ckpt.reference_greedy(prompt, NEW_TOKENS), f"prompt of length {len(prompt)}"
 

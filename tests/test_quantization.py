@@ -62,6 +62,9 @@ def test_int4_quantizer_keeps_every_weight_within_half_a_step() -> None:
     back = dequantize_int4(qweight, scales, zeros, 128)
     step = scales.repeat_interleave(128, 1)
     assert ((back - w).abs() <= step / 2 + 1e-6).all()
+    groups = w.unflatten(-1, (2, 128))
+    span = groups.amax(-1).clamp(min=0) - groups.amin(-1).clamp(max=0)  # each group's range, widened to hold 0
+    assert torch.allclose(scales[span > 0], span[span > 0] / 15)  # the range spans all 16 levels
     assert torch.equal(back[0, :128], torch.zeros(128))
     assert zeros.eq(zeros.round()).all() and zeros.min() >= 0 and zeros.max() <= 15
 
@@ -96,10 +99,19 @@ def test_fp8_quantizer_rounds_each_weight_to_three_mantissa_bits() -> None:
     torch.testing.assert_close(back.abs().amax(-1), w.abs().amax(-1))  # each row's largest maps to 448 exactly
 
 
+def _scaled_weight(weight: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """The fp8 weight in float32 times its scales, expanded here rather than by dequantize_fp8 (under test): one
+    per output row [N], or one per 128 x 128 block [ceil(N/128), ceil(K/128)]."""
+    n, k = weight.shape
+    if w_scale.dim() == 2:
+        return weight.float() * w_scale.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+    return weight.float() * w_scale.reshape(-1, 1)
+
+
 def _fp8_reference(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
-    """x rounded through fp8 with the given (broadcast) scale, times the dequantized weight, in float32."""
+    """x rounded through fp8 with the given (broadcast) scale, times the scaled weight, in float32."""
     xq = (x / x_scale).clamp(-448, 448).to(FP8).float() * x_scale
-    return xq @ dequantize_fp8(weight, w_scale).t()
+    return xq @ _scaled_weight(weight, w_scale).t()
 
 
 @pytest.mark.parametrize("rows", [1, 8, 33])
@@ -112,7 +124,7 @@ def test_fp8_linear_per_channel_matches_float32_with_per_token_activations(rows:
     xb = x.to(torch.bfloat16).float()
     want = _fp8_reference(xb, weight, w_scale, xb.abs().amax(-1, keepdim=True) / 448)
     torch.testing.assert_close(y.float(), want, rtol=2**-7, atol=1e-5 * want.abs().max().item())
-    exact = xb @ dequantize_fp8(weight, w_scale).t()
+    exact = xb @ _scaled_weight(weight, w_scale).t()
     assert 0 < relative_error(y.float(), exact) < 0.05  # the activations were rounded, not much
 
 
