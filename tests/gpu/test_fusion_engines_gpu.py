@@ -15,10 +15,10 @@ import torch
 import graphkiln
 from graphkiln import CompileConfig, SamplingParams
 from graphkiln.models.tiny import tiny_model_dir
+from graphkiln.models.tokenizer import tokenizer_files
 
 # Each scheme's fusions: the passes that compile them in, and what their engines must take to run them.
 FUSIONS = {"fp8": ("fp8_norm_quant",), "int4": ("int4_norm_words", "silu_mul_linear")}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 def _model(scheme: str, tmp_path: Path) -> Path:
@@ -31,8 +31,8 @@ def _model(scheme: str, tmp_path: Path) -> Path:
 
     build_hf_model(dict(shape_of("1b", 4096, 2), vocab_size=4096), "cuda", torch.bfloat16).save_pretrained(
         tmp_path / "model")
-    for name in TOKENIZER_FILES:
-        shutil.copy(tiny_model_dir() / name, tmp_path / "model" / name)
+    for path in tokenizer_files(tiny_model_dir()):
+        shutil.copy(path, tmp_path / "model" / path.name)
     return tmp_path / "model"
 
 

@@ -16,7 +16,7 @@ from graphkiln.kernels.split_k import MIN_SPLIT_K, PARTIAL_SHARE, RESIDENT, k_st
 from graphkiln.kernels.int4_dp4a import dp4a_tiling  # noqa: E402
 from graphkiln.kernels.int4_words import dot_tiling  # noqa: E402
 from kernel_weights import (  # noqa: E402
-    MODEL_SHAPES, activation, captured, fp8_weight, int4_weight, relative_error, tinygemm,
+    MODEL_SHAPES, activation, captured, fp8_weight, int4_weight, relative_error, tinygemm, with_splits,
 )
 
 
@@ -86,7 +86,7 @@ def test_one_row_byte_gemv_replays_in_a_cuda_graph(splits):
     """The int4 byte GEMV (int4_linear's one-row kernel for weights without words) with and without K split."""
     n, k = 6144, 4096
     qweight, scales, zeros, reference = int4_weight(n, k)
-    tiles = (*int4_kernels.gemv_tiling(n, k)[:2], splits, *int4_kernels.gemv_tiling(n, k)[3:])
+    tiles = with_splits(int4_kernels.gemv_tiling(n, k), splits, False)
 
     def fn(x):
         return int4_kernels.int4_gemv(x, qweight, scales, zeros, 128, tiles=tiles)
