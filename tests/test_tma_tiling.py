@@ -12,6 +12,8 @@ from graphkiln.kernels.tma_products import (  # noqa: E402
     HOPPER_SHARED,
     HOPPER_SMS,
     SHARED_RESERVE,
+    TMA_MIN_N,
+    TMA_ROWS,
     tma_takes,
     tma_tiling,
 )
@@ -32,6 +34,16 @@ def test_every_tiling_fits_a_programs_shared_memory(shape, rows, itemsize):
     assert 2 <= stages <= 6 and splits in (1, 2)
     assert (block_m + block_n) * block_k * itemsize * stages <= HOPPER_SHARED - SHARED_RESERVE
     assert tma_takes(rows, n, k, itemsize=itemsize)
+
+
+@pytest.mark.parametrize("itemsize", [1, 2], ids=["fp8", "bf16"])
+def test_one_row_a_row_past_the_tile_and_narrow_weights_are_not_taken(itemsize):
+    """cuBLAS (or the GEMV) keeps one row, 65 rows and weights of fewer than TMA_MIN_N rows: 16-bit products of
+    65-128 rows in a 128-row tile measured slower on the 8B-like model (README, "bf16 products fed by TMA")."""
+    assert tma_takes(TMA_ROWS, 4096, 4096, itemsize=itemsize)
+    assert not tma_takes(TMA_ROWS + 1, 4096, 4096, itemsize=itemsize)
+    assert not tma_takes(1, 4096, 4096, itemsize=itemsize)
+    assert not tma_takes(8, TMA_MIN_N - 64, 4096, itemsize=itemsize)
 
 
 @pytest.mark.parametrize("itemsize", [1, 2], ids=["fp8", "bf16"])
