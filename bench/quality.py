@@ -4,9 +4,10 @@ model's, and the trained `tiny` model's held-out perplexity per format (`python 
     python -m bench quantized --quality --model 1b|8b --out $OUT [--layers N]
 
 The bench's random-weight model (bench/models.py) is compiled in this process once unquantized and
-once per format (fp8, int8, int4), all four loaded at once. Each of PROMPTS random prompts of
-PROMPT_TOKENS tokens is scored (`LLM.score`) by every engine; per format: the relative L2 error
-of its logits against the unquantized ones (median and worst prompt) and top-1 agreement (the
+once per format (fp8, int8, int4); the unquantized engine stays loaded while the others are loaded one at a
+time beside it, so two copies of the model at most are in memory (the 8B-like one fits an 80 GB GPU). Each
+of PROMPTS random prompts of PROMPT_TOKENS tokens is scored (`LLM.score`) by both; per format: the relative
+L2 error of its logits against the unquantized ones (median and worst prompt) and top-1 agreement (the
 fraction of positions whose argmax matches). Then the `tiny` model, compiled the same way, gives
 its held-out perplexity per format (the documents tools/train_tiny.py held out). Beside the formats,
 `fp8-rounded`: the unquantized engine on a copy of the checkpoint whose projection weights were
@@ -27,11 +28,13 @@ import json
 import math
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from .common import REPO, Study, log, random_prompts
 from .models import save_model
 from .report import markdown_table, text_table
+from .rows import free_memory
 
 FORMATS = ("fp8", "int8", "int4")
 VARIANTS = (*FORMATS, "fp8-rounded", "fp8-kv-cache")  # compared with the unquantized engine
@@ -110,39 +113,47 @@ def fp8_rounded_copy(model_dir: Path, out: Path) -> Path:
     return out
 
 
-def engines(model_dir: Path, study: Study, work: Path) -> dict:
-    """'unquantized', every format, 'fp8-rounded' and 'fp8-kv-cache', compiled and loaded."""
-    out = {}
-    for fmt in (None, *FORMATS):
-        out[fmt or "unquantized"] = compiled_engine(model_dir, study, fmt)
-        log(f"{model_dir.name}: {fmt or 'unquantized'} compiled and loaded")
-    rounded = fp8_rounded_copy(model_dir, work / f"{model_dir.name}-fp8-rounded")
-    out["fp8-rounded"] = compiled_engine(rounded, study, None)
-    out["fp8-kv-cache"] = compiled_engine(model_dir, study, None, kv_cache_dtype="fp8_e4m3")
-    log(f"{model_dir.name}: fp8-rounded and fp8-kv-cache compiled and loaded")
-    return out
+def variant_engine(name: str, model_dir: Path, study: Study, work: Path):
+    """The engine of one of 'unquantized', FORMATS, 'fp8-rounded' and 'fp8-kv-cache' on the model, compiled and
+    loaded."""
+    if name == "fp8-rounded":
+        llm = compiled_engine(fp8_rounded_copy(model_dir, work / f"{model_dir.name}-fp8-rounded"), study, None)
+    elif name == "fp8-kv-cache":
+        llm = compiled_engine(model_dir, study, None, kv_cache_dtype="fp8_e4m3")
+    else:
+        llm = compiled_engine(model_dir, study, None if name == "unquantized" else name)
+    log(f"{model_dir.name}: {name} compiled and loaded")
+    return llm
 
 
-def logit_quality(llms: dict, prompts: list[list[int]]) -> dict:
-    """Per format: relative L2 error of its logits against the unquantized ones (median, worst prompt) and
-    the fraction of positions whose argmax agrees."""
-    errors: dict[str, list[float]] = {fmt: [] for fmt in VARIANTS}
-    agree = dict.fromkeys(VARIANTS, 0)
+def each_variant(model_dir: Path, study: Study, work: Path, visit: Callable) -> None:
+    """visit(name, llm, unquantized_llm) for 'unquantized' and then every variant, each variant loaded beside the
+    unquantized engine and closed before the next."""
+    reference = variant_engine("unquantized", model_dir, study, work)
+    try:
+        visit("unquantized", reference, reference)
+        for name in VARIANTS:
+            llm = variant_engine(name, model_dir, study, work)
+            try:
+                visit(name, llm, reference)
+            finally:
+                llm.close()
+                free_memory(study.device)
+    finally:
+        reference.close()
+        free_memory(study.device)
+
+
+def logit_quality(llm, reference, prompts: list[list[int]]) -> dict:
+    """The relative L2 error of llm's logits against the reference's (median, worst prompt) and the fraction of
+    positions whose argmax agrees."""
+    errors, agree = [], 0
     for ids in prompts:
-        ref = llms["unquantized"].score(ids)
-        for fmt in VARIANTS:
-            ours = llms[fmt].score(ids)
-            errors[fmt].append(((ours - ref).norm() / ref.norm()).item())
-            agree[fmt] += int((ours.argmax(-1) == ref.argmax(-1)).sum())
-    positions = sum(map(len, prompts))
-    return {fmt: {"median_relative_l2": statistics.median(errors[fmt]), "worst_relative_l2": max(errors[fmt]),
-                  "top1_agreement": agree[fmt] / positions} for fmt in VARIANTS}
-
-
-def close_all(llms: dict) -> None:
-    for llm in llms.values():
-        llm.close()
-    llms.clear()
+        ref, ours = reference.score(ids), llm.score(ids)
+        errors.append(((ours - ref).norm() / ref.norm()).item())
+        agree += int((ours.argmax(-1) == ref.argmax(-1)).sum())
+    return {"median_relative_l2": statistics.median(errors), "worst_relative_l2": max(errors),
+            "top1_agreement": agree / sum(map(len, prompts))}
 
 
 def to_markdown(results: dict) -> str:
@@ -169,19 +180,26 @@ def main(a: argparse.Namespace) -> int:
     windows = held_out_windows()[:SMOKE_WINDOWS] if study.smoke else held_out_windows()
     results: dict = {"model": "tiny" if study.smoke else study.model, "dtype": study.dtype_name, "prompts": count,
                      "prompt_tokens": length, "held_out_tokens": sum(len(w) - 1 for w in windows)}
+    logits, perplexities = {}, {}
+
+    def score(name: str, llm, reference) -> None:
+        if name != "unquantized":
+            logits[name] = logit_quality(llm, reference, prompts)
+        if study.smoke:  # the logits' model is the tiny one
+            perplexities[name] = perplexity(llm, windows)
+
     with study.scratch() as work:
         model_dir = tiny_model_dir() if study.smoke else save_model(study.model, work / study.model, study.device,
                                                                      study.dtype, study.layers)
-        llms = engines(model_dir, study, work)
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
         prompts = random_prompts(count, length, vocab, seed=0)
-        results["logits"] = logit_quality(llms, prompts)
+        each_variant(model_dir, study, work, score)
+        results["logits"] = logits
         study.save(results, study.model)  # a run stopped in the perplexity part keeps the logits
         if not study.smoke:
-            close_all(llms)
-            llms = engines(tiny_model_dir(), study, work)
-        results["perplexity"] = {name: perplexity(llm, windows) for name, llm in llms.items()}
-        close_all(llms)
+            each_variant(tiny_model_dir(), study, work,
+                         lambda name, llm, reference: perplexities.__setitem__(name, perplexity(llm, windows)))
+        results["perplexity"] = perplexities
     rows = [{"format": fmt, **results["logits"][fmt], "perplexity": results["perplexity"][fmt]} for fmt in VARIANTS]
     print(text_table(rows, ["format", "median_relative_l2", "worst_relative_l2", "top1_agreement", "perplexity"]))
     path = study.save(results, study.model)
