@@ -109,9 +109,9 @@ def _module(name: str):
 def ptxas_usage(kernel, arch: int) -> tuple[int, int]:
     """(registers a thread, bytes of local-memory stack, which is where registers spill) of a compiled kernel,
     from `ptxas -v`."""
-    import triton
+    from triton.backends.nvidia.compiler import get_ptxas
 
-    ptxas = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"))[0]
+    ptxas = get_ptxas(arch).path  # the one Triton assembles this target with (not always bin/ptxas)
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(kernel.asm["ptx"])
         f.flush()
