@@ -94,6 +94,14 @@ def test_filter_top_p_keeps_smallest_prefix_reaching_p(top_p: float, kept: set[i
     assert torch.equal(filtered[list(kept)], probs.log()[list(kept)])
 
 
+@pytest.mark.parametrize("top_p", [1e-46, 1e-45, 1e-30])
+def test_filter_keeps_the_most_likely_token_at_any_positive_top_p(top_p: float) -> None:
+    """1e-46 is 0 in float32: the prefix test alone would drop every token and the draw would fall on id 0."""
+    probs = torch.tensor([0.3, 0.1, 0.4, 0.2])
+    filtered = filter_row(probs.log(), top_k=0, top_p=top_p)
+    assert filtered.isfinite().nonzero().flatten().tolist() == [2]
+
+
 def test_filter_rows_each_row_its_own_top_k_and_top_p() -> None:
     gen = torch.Generator().manual_seed(1)
     logits = 3 * torch.randn(20, 30, generator=gen)

@@ -124,13 +124,14 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
 
 
 def filter_rows(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask to -inf what each row's top-k, then top-p (smallest prefix of probability >= p), excludes."""
+    """Mask to -inf what each row's top-k, then top-p (smallest prefix of probability >= p), excludes; the most
+    likely token always stays (a top_p that is 0 in float32 would otherwise exclude every token)."""
     vocab = logits.shape[-1]
     ordered, order = logits.sort(-1, descending=True)
     ranks = torch.arange(vocab, device=logits.device)
     keep = ranks < torch.where(top_k > 0, top_k, vocab)[:, None]
     probs = ordered.masked_fill(~keep, float("-inf")).softmax(-1)
-    keep &= probs.cumsum(-1) - probs < top_p[:, None]
+    keep &= (probs.cumsum(-1) - probs < top_p[:, None]) | (ranks == 0)
     drop = torch.empty_like(keep).scatter_(1, order, ~keep)
     return logits.masked_fill(drop, float("-inf"))
 
