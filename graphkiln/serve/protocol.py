@@ -88,6 +88,9 @@ class GenerationRequest(BaseModel):
                                param=name)  # fmt: skip
         if self.logit_bias:
             raise APIError(400, "logit_bias: graphkiln serve has no logit bias; leave it out", param="logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options applies to streamed responses only; set stream to true or leave it "
+                                "out", param="stream_options")  # fmt: skip
 
     def sampling(self, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
         """The engine's SamplingParams of choice `choice`: a seed gives choice i the seed + i, so choices differ
