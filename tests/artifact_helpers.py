@@ -77,7 +77,8 @@ def run_python_json(code: str, timeout: float = SUBPROCESS_TIMEOUT_S) -> dict:
 
 
 def temp_folders(out: Path) -> list[Path]:
-    """The hidden temporary folders a compile of `out` writes beside it."""
+    """The hidden temporary folders a compile of `out` writes beside it (and the files that mark them as its own),
+    or folders of such a name."""
     return sorted(out.parent.glob(f".{out.name}.tmp-*"))
 
 

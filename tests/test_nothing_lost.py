@@ -77,6 +77,28 @@ def test_an_artifact_holding_someone_elses_file_is_not_replaced(
     assert snapshot(out) == before
 
 
+def test_an_artifact_holding_someone_elses_empty_folder_is_not_replaced(
+    artifact: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = Path(shutil.copytree(artifact, tmp_path / "art"))
+    (out / "pieces" / "to-sort").mkdir()
+    line = compile_error(capsys, "tiny", "-o", out, "--force")
+    assert "holds pieces/to-sort, which is not part of the artifact" in line, line
+    assert (out / "pieces" / "to-sort").is_dir()
+
+
+def test_folders_named_like_its_temporary_ones_are_not_removed(tmp_path: Path) -> None:
+    """A compile removes the temporary folders an earlier one left only where its mark says they are its own."""
+    out = tmp_path / "out"
+    mine, empty = tmp_path / ".out.tmp-mydata", tmp_path / ".out.tmp-123-abc"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine\n")
+    empty.mkdir()
+    graphkiln.compile_model("tiny", out, SMALL_CONFIG)
+    assert (mine / "notes.txt").read_text() == "mine\n" and empty.is_dir()
+    assert temp_folders(out) == [empty, mine]
+
+
 @pytest.mark.parametrize("content", ["artifact", "signed-artifact", "empty"])
 def test_without_force_an_artifact_or_empty_folder_suggests_force(
     artifact: Path, tmp_path: Path, content: str, capsys: pytest.CaptureFixture[str]
@@ -158,6 +180,12 @@ def test_a_dump_is_replaced_only_while_it_holds_just_its_own_files(tmp_path: Pat
         with Dump(root):
             pass
     assert snapshot(root) == before
+    (root / "my-notes.md").unlink()
+    (root / "drafts").mkdir()
+    with pytest.raises(ConfigError, match=r"holds drafts, which no earlier dump wrote"):
+        with Dump(root):
+            pass
+    assert (root / "drafts").is_dir()
 
 
 @pytest.mark.parametrize("where", ["same", "dump-inside-out", "out-inside-dump"])

@@ -106,9 +106,30 @@ def _unwritable(out: Path, e: OSError) -> ArtifactError:
     return ArtifactError(f"{out}: cannot write the artifact ({where}: {e.strerror}); pick a writable folder for -o")
 
 
+def _owned(tmp: Path) -> Path:
+    """The empty file beside a temporary folder graphkiln made for OUT: only a folder with one is ever removed."""
+    return tmp.with_name(f"{tmp.name}.graphkiln")
+
+
+def _temporary(out: Path, kind: str) -> Path:
+    """A new folder beside OUT, marked as graphkiln's (`_owned`) so that a later compile may remove it if this
+    one dies before it does."""
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-{kind}"))
+    _owned(tmp).touch()
+    return tmp
+
+
+def _remove(tmp: Path) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)
+    _owned(tmp).unlink(missing_ok=True)
+
+
 def _remove_stale(out: Path) -> None:
+    """Temporary folders an earlier compile of OUT left behind (killed before it removed them); a folder of that
+    name without graphkiln's mark is someone else's and stays."""
     for stale in out.parent.glob(f".{out.name}.tmp-*"):
-        shutil.rmtree(stale, ignore_errors=True)
+        if stale.is_dir() and not stale.is_symlink() and _owned(stale).is_file():
+            _remove(stale)
 
 
 def _relation(a: Path, b: Path) -> str | None:
@@ -190,7 +211,7 @@ def write_artifact(
         _claim(out, force)
         _remove_stale(out)
         try:
-            tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-{os.getpid()}-"))
+            tmp = _temporary(out, f"{os.getpid()}-")
         except OSError as e:
             raise _unwritable(out, e) from e
         try:
@@ -207,8 +228,9 @@ def write_artifact(
             _claim(out, force)  # again: the compile took a while, and OUT is replaced only if it is still ours
             _replace(tmp, out)
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            _remove(tmp)
             raise
+        _owned(tmp).unlink()
     return manifest, report
 
 
@@ -315,9 +337,9 @@ def _ship_cpu_kernels(cache: Path, shipped: Path) -> None:
 
 def _replace(tmp: Path, out: Path) -> None:
     if out.exists():
-        trash = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-old-"))
+        trash = _temporary(out, "old-")
         os.rename(out, trash / "old")
         os.rename(tmp, out)
-        shutil.rmtree(trash, ignore_errors=True)
+        _remove(trash)
     else:
         os.rename(tmp, out)

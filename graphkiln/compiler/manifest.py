@@ -20,7 +20,7 @@ import hashlib
 import json
 import platform
 from collections.abc import Sequence
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from graphkiln.errors import ArtifactError
 from graphkiln.version import __version__
@@ -169,9 +169,11 @@ def foreign_content(root: Path) -> str | None:
             and isinstance(manifest.get("files"), dict)):
         return f"its {MANIFEST} is not a graphkiln manifest"
     ours = set(manifest["files"]) | {MANIFEST, SIGNATURE}
+    folders = {str(parent) for name in ours for parent in PurePosixPath(name).parents}
     for p in sorted(root.rglob("*")):
-        if (p.is_symlink() or not p.is_dir()) and str(p.relative_to(root)) not in ours:
-            return f"it holds {p.relative_to(root)}, which is not part of the artifact"
+        rel = str(p.relative_to(root))
+        if rel not in (folders if p.is_dir() and not p.is_symlink() else ours):
+            return f"it holds {rel}, which is not part of the artifact"
     return None
 
 

@@ -20,7 +20,7 @@ import json
 import re
 import shutil
 from collections.abc import Iterable, Iterator, Mapping
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from urllib.parse import quote
 
 import torch
@@ -75,9 +75,11 @@ def _foreign_content(root: Path) -> str | None:
     if not isinstance(marker, dict) or marker.get("format") != MARKER_FORMAT or not isinstance(marker.get("files"), list):
         return f"holds no {MARKER} marker of an earlier dump"
     ours = {str(name) for name in marker["files"]} | {MARKER}
+    folders = {str(parent) for name in ours for parent in PurePosixPath(name).parents}
     for path in sorted(root.rglob("*")):
-        if (path.is_symlink() or not path.is_dir()) and str(path.relative_to(root)) not in ours:
-            return f"holds {path.relative_to(root)}, which no earlier dump wrote"
+        rel = str(path.relative_to(root))
+        if rel not in (folders if path.is_dir() and not path.is_symlink() else ours):
+            return f"holds {rel}, which no earlier dump wrote"
     return None
 
 
