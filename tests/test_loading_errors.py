@@ -85,6 +85,26 @@ def test_sharded_index_lists_missing_shard(hf_checkpoint: CheckpointFactory, tmp
         LLM.eager(model_dir)
 
 
+@pytest.mark.parametrize("weight_map", [[], "model.safetensors", {"lm_head.weight": 5}], ids=["list", "string", "int"])
+def test_sharded_index_whose_weight_map_is_not_names_to_files(
+    hf_checkpoint: CheckpointFactory, tmp_path: Path, weight_map: object
+) -> None:
+    model_dir = Path(shutil.copytree(hf_checkpoint("llama", max_shard_size="100KB").path, tmp_path / "model"))
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(ModelFileError, match=r"index\.json: 'weight_map' must map each tensor name to a file name"):
+        LLM.eager(model_dir)
+
+
+def test_integer_tensor_for_a_float_parameter(model_dir: Path) -> None:
+    """The same bytes relabelled as integers of their width: read as values, they would be weights wrong by
+    orders of magnitude, silently."""
+    name = "model.layers.0.input_layernorm.weight"
+    integer = {2: torch.int16, 4: torch.int32}[load_file(model_dir / "model.safetensors")[name].element_size()]
+    edit_weights(model_dir, lambda t: t.update({name: t[name].view(integer)}))
+    with pytest.raises(WeightMismatchError, match=re.escape(f"tensor {name!r} is stored as {integer}")):
+        LLM.eager(model_dir)
+
+
 def test_weight_shape_disagrees_with_config(model_dir: Path) -> None:
     edit_config(model_dir, intermediate_size=192)
     with pytest.raises(WeightMismatchError, match=r"'model\.layers\.\d+\.mlp\.(gate|up|down)_proj\.weight' has shape"):

@@ -89,6 +89,8 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ModelFileError(f"{index}: unreadable index ({e}); it needs a 'weight_map' object") from e
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise ModelFileError(f"{index}: 'weight_map' must map each tensor name to a file name; download it again")
         files = {name: model_dir / fname for name, fname in weight_map.items()}
         for path in sorted(set(files.values())):
             if not path.is_file():
@@ -351,5 +353,10 @@ def _destination(model: CausalLM, cfg: ModelConfig, entry: TensorEntry, part: Pa
         raise WeightMismatchError(
             f"{entry.path}: tensor {entry.name!r} has shape {tuple(shape)} but config.json implies "
             f"{tuple(dest.shape)}; the checkpoint and config.json disagree"
+        )
+    if dest.is_floating_point() and not entry.dtype.is_floating_point:
+        raise WeightMismatchError(
+            f"{entry.path}: tensor {entry.name!r} is stored as {entry.dtype}, but the parameter it fills holds "
+            "floating-point values; the file is damaged or mislabelled: download it again"
         )
     return dest
