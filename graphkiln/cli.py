@@ -185,7 +185,11 @@ def _inspect_checkpoint(model_dir: Path, as_json: bool) -> int:
     from graphkiln.models.loader import DTYPES, empty_model, weight_files
     from graphkiln.models.quantized_layers import layer_schemes
 
-    stored = json.loads((model_dir / "config.json").read_text())
+    try:  # only for its dtype: empty_model reads it again and names what is wrong with it
+        stored = json.loads((model_dir / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        stored = None
+    stored = stored if isinstance(stored, dict) else {}
     dtype = stored.get("dtype") or stored.get("torch_dtype")
     model = empty_model(model_dir, device="meta", dtype=dtype if dtype in DTYPES else "bfloat16")
     scheme = model.weight_source.scheme

@@ -59,6 +59,31 @@ def test_config_not_json(model_dir: Path) -> None:
         LLM.eager(model_dir)
 
 
+@pytest.mark.parametrize(
+    "fields, error, words",
+    [({"num_attention_heads": 0}, UnsupportedModelError, "ZeroDivisionError"),
+     ({"rms_norm_eps": "abc"}, UnsupportedModelError, "rms_norm_eps"),
+     ({"vocab_size": -5}, ModelFileError, "field 'vocab_size' is -5; it must be a positive integer"),
+     ({"num_hidden_layers": 0}, ModelFileError, "field 'num_hidden_layers' is 0"),
+     ({"rope_parameters": {"rope_type": "default", "rope_theta": "x"}}, ModelFileError, "rope_theta is 'x'")],
+    ids=["heads-0", "eps-string", "vocab-negative", "layers-0", "rope-theta-string"],
+)
+def test_config_field_of_the_wrong_type_or_value(model_dir: Path, fields: dict, error: type, words: str) -> None:
+    edit_config(model_dir, **fields)
+    with pytest.raises(error, match=re.escape(str(model_dir / "config.json")) + ".*" + re.escape(words)):
+        LLM.eager(model_dir)
+
+
+@pytest.mark.parametrize("text", ["", "[]"], ids=["empty", "list"])
+def test_inspect_of_an_unreadable_config_is_one_error_line(
+    model_dir: Path, text: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (model_dir / "config.json").write_text(text)
+    assert cli.main(["inspect", str(model_dir)]) == 2
+    line = single_error_line(capsys.readouterr().err)
+    assert line.startswith(f"error: {model_dir / 'config.json'}: "), line
+
+
 def test_missing_directory(tmp_path: Path) -> None:
     with pytest.raises(ModelFileError, match=re.escape(str(tmp_path / "nowhere"))):
         LLM.eager(tmp_path / "nowhere")

@@ -65,6 +65,7 @@ class ModelConfig:
 
 def read_hf_config(model_dir: Path):
     """Load config.json through transformers' own config classes."""
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
     path = model_dir / "config.json"
@@ -75,8 +76,20 @@ def read_hf_config(model_dir: Path):
         return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelFileError(f"{path}: not valid JSON ({e}); restore the file") from e
-    except (ValueError, KeyError, TypeError) as e:
-        raise UnsupportedModelError(f"{path}: transformers cannot read it: {e}") from e
+    except (ValueError, KeyError, TypeError, ArithmeticError, StrictDataclassError) as e:  # a field's type or value
+        raise UnsupportedModelError(f"{path}: transformers cannot read it: {type(e).__name__}: {e}") from e
+
+
+def _check_sizes(hf, where: Path) -> None:
+    """The sizes the model's shapes are made of are positive integers, and the rope base a positive number."""
+    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "max_position_embeddings"):
+        value = getattr(hf, field, None)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ModelFileError(f"{where}: field {field!r} is {value!r}; it must be a positive integer")
+    theta = dict(getattr(hf, "rope_parameters", None) or {}).get("rope_theta")
+    if theta is not None and (not isinstance(theta, (int, float)) or isinstance(theta, bool) or not theta > 0):
+        raise ModelFileError(f"{where}: rope_theta is {theta!r}; it must be a positive number")
 
 
 def model_config_from_hf(hf, source: Path) -> ModelConfig:
@@ -93,6 +106,7 @@ def model_config_from_hf(hf, source: Path) -> ModelConfig:
     act = getattr(hf, "hidden_act", "silu")
     if act != "silu":
         raise UnsupportedModelError(f"{where}: field 'hidden_act' is {act!r}; only 'silu' is supported")
+    _check_sizes(hf, where)
     rope = dict(getattr(hf, "rope_parameters", None) or {})
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
