@@ -35,7 +35,7 @@ from artifact_helpers import (
 from graphkiln.compiler.artifact_load import check_artifact
 from graphkiln.compiler.graph_file import read_graph
 from graphkiln.compiler.manifest import FORMAT_VERSION
-from graphkiln.errors import ArtifactError
+from graphkiln.errors import ArtifactError, ConfigError
 from graphkiln.models.tiny import tiny_model_dir
 
 pytestmark = pytest.mark.slow
@@ -247,6 +247,11 @@ def test_other_dtype_is_refused(artifact: Path) -> None:
 def test_other_device_is_refused(artifact: Path) -> None:
     with pytest.raises(ArtifactError, match=r"compiled for device 'cpu', asked for 'cuda'"):
         graphkiln.load(artifact, device="cuda", **ENGINE)
+
+
+def test_a_device_torch_does_not_know_is_a_config_error(artifact: Path) -> None:
+    with pytest.raises(ConfigError, match=r"device 'tpu' is not a torch device .*; use 'cpu' or 'cuda'"):
+        graphkiln.load(artifact, device="tpu", **ENGINE)
 
 
 def test_same_device_and_dtype_are_accepted(artifact: Path) -> None:
