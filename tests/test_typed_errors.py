@@ -3,6 +3,7 @@ exit 2, naming the file, field or value and what to do."""
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -12,7 +13,9 @@ import pytest
 import torch
 
 import graphkiln
-from artifact_helpers import ENGINE, compile_error, edit_manifest, flip_piece_byte_and_rehash, single_error_line
+from artifact_helpers import (
+    ENGINE, compile_error, edit_manifest, flip_piece_byte_and_rehash, single_error_line, temp_folders,
+)
 from graphkiln import CompileConfig, cli
 from graphkiln.errors import ArtifactError, ConfigError, ModelFileError
 from graphkiln.models.tiny import tiny_model_dir
@@ -45,6 +48,23 @@ def test_out_on_a_file_system_that_refuses_writes(capsys: pytest.CaptureFixture[
     out = Path("/sys/graphkiln-out")
     line = compile_error(capsys, "tiny", "-o", out)
     assert line.startswith(f"error: {out}: cannot write the artifact (") and "pick a writable folder" in line, line
+
+
+def test_a_disk_filling_while_the_pieces_are_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The write of the compiled pieces fails as a full disk fails it (ENOSPC, injected: CI cannot mount a small
+    file system): one error line, and neither OUT nor a temporary folder is left."""
+    from graphkiln.compiler import artifact_dir
+
+    def full(compiled, out: Path) -> dict:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(out / "pieces"))
+
+    monkeypatch.setattr(artifact_dir, "save_compiled", full)
+    out = tmp_path / "out"
+    line = compile_error(capsys, "tiny", "-o", out)
+    assert line.startswith(f"error: {out}: the disk filled while the artifact was written (") and "free space" in line
+    assert not out.exists() and not temp_folders(out)
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")

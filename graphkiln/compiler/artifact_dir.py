@@ -10,6 +10,7 @@ hidden `.OUT.tmp-*` folders of earlier compiles.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -104,6 +105,11 @@ def _lock_holder(out: Path) -> str:
 def _unwritable(out: Path, e: OSError) -> ArtifactError:
     where = e.filename or out.parent
     return ArtifactError(f"{out}: cannot write the artifact ({where}: {e.strerror}); pick a writable folder for -o")
+
+
+def _no_space(out: Path, e: OSError) -> ArtifactError:
+    return ArtifactError(f"{out}: the disk filled while the artifact was written ({e.filename or out.parent}: "
+                         f"{e.strerror}); nothing was kept: free space there or pick another folder for -o")
 
 
 def _owned(tmp: Path) -> Path:
@@ -227,8 +233,10 @@ def write_artifact(
                 sign(tmp, sign_key)
             _claim(out, force)  # again: the compile took a while, and OUT is replaced only if it is still ours
             _replace(tmp, out)
-        except BaseException:
+        except BaseException as e:
             _remove(tmp)
+            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise _no_space(out, e) from e
             raise
         _owned(tmp).unlink()
     return manifest, report
