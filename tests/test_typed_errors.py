@@ -14,7 +14,7 @@ import torch
 
 import graphkiln
 from artifact_helpers import (
-    ENGINE, compile_error, edit_manifest, flip_piece_byte_and_rehash, single_error_line, temp_folders,
+    ENGINE, compile_error, edit_manifest, flip_piece_byte_and_rehash, rehash, single_error_line, temp_folders,
 )
 from graphkiln import CompileConfig, cli
 from graphkiln.errors import ArtifactError, ConfigError, ModelFileError
@@ -82,6 +82,14 @@ def test_corrupt_piece_with_its_sha256_fixed_up_is_named(art: Path, capsys: pyte
     code, out, err = generate_cli(capsys, art)  # the engine served eagerly; the CLI still fails on the artifact
     assert code == 2 and out == "" and "Traceback" not in err
     assert err.splitlines()[-1].startswith(f"error: {piece}: Inductor cannot load this piece")
+
+
+def test_corrupt_tokenizer_snapshot_with_its_sha256_fixed_up_is_named(art: Path) -> None:
+    snapshot = art / "tokenizer.json"
+    snapshot.write_text(snapshot.read_text()[: len(snapshot.read_text()) // 2])
+    rehash(art, snapshot)
+    with pytest.raises(ArtifactError, match=re.escape(f"{snapshot}: the tokenizer snapshot cannot be read (")):
+        graphkiln.load(art, **ENGINE)
 
 
 @pytest.mark.parametrize(

@@ -254,5 +254,8 @@ def _read_pieces(out: Path, manifest: dict, model: CausalLM, clock: Stopwatch,
 def read_tokenizer(manifest: dict, out: Path, model_dir: Path) -> Tokenizer | None:
     """The artifact's tokenizer snapshot where it keeps one, else the model directory's tokenizer."""
     if manifest["model"].get("tokenizer") == "snapshot":
-        return Tokenizer.from_snapshot(model_dir, out / TOKENIZER_FILE)
+        try:
+            return Tokenizer.from_snapshot(model_dir, out / TOKENIZER_FILE)
+        except Exception as e:  # noqa: BLE001 (the tokenizers library raises plain Exceptions)
+            raise ArtifactError(f"{out / TOKENIZER_FILE}: the tokenizer snapshot cannot be read ({e}); {FIX}") from e
     return Tokenizer.from_dir(model_dir)
