@@ -41,6 +41,27 @@ def test_load_pads_to_the_decode_sizes_it_was_given(artifact: Path, monkeypatch:
     assert steps.count((3, 8)) == 2 and not llm.stats().graphs
 
 
+def test_sizes_no_step_can_reach_are_neither_padded_to_nor_called_first(
+    artifact: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode size past max_num_seqs and a prefill bucket past max_num_batched_tokens: padding a step (or a first
+    call) to them would allocate for a billion rows; the steps run at their own sizes and give the same tokens."""
+    huge = 10**9
+    want = graphkiln.load(artifact, **COMPILED).generate(["a", "b", "c"], SamplingParams(max_tokens=3, temperature=0))
+    llm = graphkiln.load(artifact, decode_batch_sizes=(huge,), prefill_token_buckets=(huge,), **COMPILED)
+    runner, steps = llm.engine.runner, []
+    run = runner._run
+
+    def recorded(padded, input_ids, num_tokens, long_prefill):
+        steps.append((num_tokens, padded.num_tokens))
+        return run(padded, input_ids, num_tokens, long_prefill)
+
+    monkeypatch.setattr(runner, "_run", recorded)
+    got = llm.generate(["a", "b", "c"], SamplingParams(max_tokens=3, temperature=0))
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert steps and all(tokens == padded for tokens, padded in steps)
+
+
 def test_unknown_engine_option_is_a_config_error(artifact: Path) -> None:
     with pytest.raises(ConfigError, match="unknown engine option kv_cache_size"):
         graphkiln.load(artifact, kv_cache_size=10)

@@ -72,7 +72,7 @@ def build_engine(
     backend = select_backend(config.attention_backend, kv, config.decode_kernel)
     allocator = BlockAllocator(num_blocks, config.block_size)
     compiling = compiled is not None or pieces is not None  # (pieces: served eagerly until they are in)
-    padding = Padding(config.decode_batch_sizes, config.prefill_token_buckets) if compiling else None  # capture sizes
+    padding = Padding(*config.reachable_sizes()) if compiling else None  # capture sizes
     runner = ModelRunner(model, kv, backend, padding=padding, peers=peers)
     max_blocks = -(-max_context // config.block_size)
     use = partial(_use_compiled, runner, config, max_blocks, allocator.capacity)
@@ -131,7 +131,7 @@ def _first_called(pieces: Callable[[], CompiledModel], runner: ModelRunner, size
 
 
 def _decode_sizes(config: EngineConfig, capacity: int) -> tuple[int, ...]:
-    return tuple(s for s in config.decode_batch_sizes if s <= min(config.max_num_seqs, capacity))
+    return tuple(s for s in config.reachable_sizes()[0] if s <= capacity)
 
 
 def _eager_graphs(runner: ModelRunner, config: EngineConfig, max_blocks: int, capacity: int
@@ -159,7 +159,7 @@ def _eager_graphs(runner: ModelRunner, config: EngineConfig, max_blocks: int, ca
 
 
 def _prefill_sizes(config: EngineConfig) -> tuple[int, ...]:
-    return tuple(s for s in config.prefill_token_buckets if s <= config.max_num_batched_tokens)
+    return config.reachable_sizes()[1]
 
 
 def _use_compiled(runner: ModelRunner, config: EngineConfig, max_blocks: int, capacity: int,

@@ -114,6 +114,12 @@ class EngineConfig:
                 f"EngineConfig.max_seq_len={self.max_seq_len} exceeds kv_cache_tokens={self.kv_cache_tokens}"
             )
 
+    def reachable_sizes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The decode batch sizes and prefill token buckets a step can reach (at most max_num_seqs sequences and
+        max_num_batched_tokens tokens): the others are never captured, padded to or called first."""
+        return (tuple(s for s in self.decode_batch_sizes if s <= self.max_num_seqs),
+                tuple(s for s in self.prefill_token_buckets if s <= self.max_num_batched_tokens))
+
     def replace(self, **options) -> EngineConfig:
         """A copy with `options` changed; an unknown name is a ConfigError listing the known ones."""
         known = {f.name for f in dataclasses.fields(self)}

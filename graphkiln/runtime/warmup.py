@@ -47,7 +47,8 @@ def warmup_jobs(runner: ModelRunner, decode_sizes: tuple[int, ...], prefill_size
 
 def first_call_sizes(config: EngineConfig) -> tuple[tuple[int, ...], int]:
     """The decode batch sizes and the prefill token count of an engine's first calls (`first_calls`)."""
-    return config.decode_batch_sizes[:2], max(config.prefill_token_buckets[0], FIRST_PROMPT_TOKENS)
+    decode, prefill = config.reachable_sizes()
+    return decode[:2], min(max(prefill[:1] + (FIRST_PROMPT_TOKENS,)), config.max_num_batched_tokens)
 
 
 def first_calls(runner: ModelRunner, decode_sizes: tuple[int, ...], prefill_size: int, max_blocks: int,
