@@ -25,10 +25,8 @@ def test_load_takes_the_recorded_engine_defaults_and_overrides_them(artifact: Pa
     assert given.kv_cache_blocks == 1024 // 32 + 1 and given.config.decode_batch_sizes == EngineConfig().decode_batch_sizes
 
 
-def test_load_pads_to_the_decode_sizes_it_was_given(artifact: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without graphs (the CPU) a compiled engine pads to the capture sizes a GPU would replay: three rows' decode
-    steps run the compiled pieces on 8."""
-    llm = graphkiln.load(artifact, decode_batch_sizes=(8,), **COMPILED)
+def recorded_steps(llm: graphkiln.LLM, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """(tokens, tokens padded to) of each forward the engine's runner makes from now on."""
     runner, steps = llm.engine.runner, []
     run = runner._run
 
@@ -37,6 +35,14 @@ def test_load_pads_to_the_decode_sizes_it_was_given(artifact: Path, monkeypatch:
         return run(padded, input_ids, num_tokens, long_prefill)
 
     monkeypatch.setattr(runner, "_run", recorded)
+    return steps
+
+
+def test_load_pads_to_the_decode_sizes_it_was_given(artifact: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without graphs (the CPU) a compiled engine pads to the capture sizes a GPU would replay: three rows' decode
+    steps run the compiled pieces on 8."""
+    llm = graphkiln.load(artifact, decode_batch_sizes=(8,), **COMPILED)
+    steps = recorded_steps(llm, monkeypatch)
     llm.generate(["a", "b", "c"], SamplingParams(max_tokens=3, ignore_eos=True))
     assert steps.count((3, 8)) == 2 and not llm.stats().graphs
 
@@ -49,14 +55,7 @@ def test_sizes_no_step_can_reach_are_neither_padded_to_nor_called_first(
     huge = 10**9
     want = graphkiln.load(artifact, **COMPILED).generate(["a", "b", "c"], SamplingParams(max_tokens=3, temperature=0))
     llm = graphkiln.load(artifact, decode_batch_sizes=(huge,), prefill_token_buckets=(huge,), **COMPILED)
-    runner, steps = llm.engine.runner, []
-    run = runner._run
-
-    def recorded(padded, input_ids, num_tokens, long_prefill):
-        steps.append((num_tokens, padded.num_tokens))
-        return run(padded, input_ids, num_tokens, long_prefill)
-
-    monkeypatch.setattr(runner, "_run", recorded)
+    steps = recorded_steps(llm, monkeypatch)
     got = llm.generate(["a", "b", "c"], SamplingParams(max_tokens=3, temperature=0))
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert steps and all(tokens == padded for tokens, padded in steps)
