@@ -20,9 +20,10 @@ import hashlib
 import json
 import platform
 from collections.abc import Sequence
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 from graphkiln.errors import ArtifactError
+from graphkiln.listed import first_unlisted
 from graphkiln.version import __version__
 
 FORMAT_VERSION = 4  # 4: the graph as JSON (graph.json); 3: serving defaults in "engine", fields_sha256 seals
@@ -168,13 +169,8 @@ def foreign_content(root: Path) -> str | None:
             and isinstance(manifest.get("environment"), dict) and "graphkiln" in manifest["environment"]
             and isinstance(manifest.get("files"), dict)):
         return f"its {MANIFEST} is not a graphkiln manifest"
-    ours = set(manifest["files"]) | {MANIFEST, SIGNATURE}
-    folders = {str(parent) for name in ours for parent in PurePosixPath(name).parents}
-    for p in sorted(root.rglob("*")):
-        rel = str(p.relative_to(root))
-        if rel not in (folders if p.is_dir() and not p.is_symlink() else ours):
-            return f"it holds {rel}, which is not part of the artifact"
-    return None
+    unlisted = first_unlisted(root, [*manifest["files"], MANIFEST, SIGNATURE])
+    return None if unlisted is None else f"it holds {unlisted}, which is not part of the artifact"
 
 
 def check_environment(manifest: dict, device: str) -> None:

@@ -20,12 +20,13 @@ import json
 import re
 import shutil
 from collections.abc import Iterable, Iterator, Mapping
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from urllib.parse import quote
 
 import torch
 
 from graphkiln.errors import ConfigError
+from graphkiln.listed import first_unlisted
 
 from .attention_split import summary
 
@@ -74,13 +75,8 @@ def _foreign_content(root: Path) -> str | None:
         marker = None
     if not isinstance(marker, dict) or marker.get("format") != MARKER_FORMAT or not isinstance(marker.get("files"), list):
         return f"holds no {MARKER} marker of an earlier dump"
-    ours = {str(name) for name in marker["files"]} | {MARKER}
-    folders = {str(parent) for name in ours for parent in PurePosixPath(name).parents}
-    for path in sorted(root.rglob("*")):
-        rel = str(path.relative_to(root))
-        if rel not in (folders if path.is_dir() and not path.is_symlink() else ours):
-            return f"holds {rel}, which no earlier dump wrote"
-    return None
+    unlisted = first_unlisted(root, [*(str(name) for name in marker["files"]), MARKER])
+    return None if unlisted is None else f"holds {unlisted}, which no earlier dump wrote"
 
 
 def _readable(graph: torch.fx.GraphModule | torch.fx.Graph) -> str:
