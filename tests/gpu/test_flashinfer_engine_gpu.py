@@ -13,6 +13,7 @@ from graphkiln import CompileConfig, SamplingParams
 from graphkiln.runtime.attention import long_prefill
 from graphkiln.runtime.attention.flashinfer_backend import flashinfer_importable
 from greedy_helpers import assert_greedy_agrees
+from tiny_engines import save_random_llama
 
 pytestmark = pytest.mark.skipif(not flashinfer_importable(), reason="flashinfer is not installed")
 VOCAB = 32000
@@ -38,20 +39,10 @@ class Transformers:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """A two-layer Llama of 64-wide heads (4 query heads a KV head) in bf16, saved, and transformers' copy of it."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        hidden_size=1024, intermediate_size=2048, num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=4,
-        vocab_size=VOCAB, max_position_embeddings=4096, tie_word_embeddings=True,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.02)
     path = tmp_path_factory.mktemp("llama2layer64")
-    model.save_pretrained(path)
+    model = save_random_llama(path, hidden_size=1024, intermediate_size=2048, num_hidden_layers=2,
+                              num_attention_heads=16, num_key_value_heads=4, vocab_size=VOCAB,
+                              max_position_embeddings=4096, tie_word_embeddings=True)  # fmt: skip
     return path, Transformers(model)
 
 

@@ -16,7 +16,9 @@ from graphkiln.compiler.compile import compile_module
 from graphkiln.errors import ConfigError
 from graphkiln.models import load_model
 from graphkiln.runtime.builder import build_engine
-from tiny_engines import DECODE_SIZES, PREFILL_SIZES, compile_tiny, engines, record, uneven_prompts
+from tiny_engines import (
+    DECODE_SIZES, PREFILL_SIZES, compile_tiny, engines, record, save_random_llama, uneven_prompts,
+)  # fmt: skip
 
 FP8 = dict(kv_cache_dtype="fp8_e4m3")
 
@@ -94,17 +96,10 @@ def test_a_checkpoint_of_any_head_size_serves_with_auto(head_dim, tmp_path):
     """head_dim 48 and 80: 'auto' serves the checkpoint with Triton (FlashInfer takes 64, 128, 256), its
     graphs replay what the plain compiled engine computes, and the logits match the SDPA reference engine
     and transformers."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
-                         num_key_value_heads=2, head_dim=head_dim, vocab_size=1024, max_position_embeddings=1024,
-                         bos_token_id=None, eos_token_id=None, pad_token_id=None)  # fmt: skip
-    torch.manual_seed(head_dim)
-    model = LlamaForCausalLM(config).float()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.05)
-    model.save_pretrained(tmp_path)
+    model = save_random_llama(tmp_path, std=0.05, seed=head_dim, device="cpu", dtype=torch.float32, hidden_size=512,
+                              intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                              head_dim=head_dim, vocab_size=1024, max_position_embeddings=1024, bos_token_id=None,
+                              eos_token_id=None, pad_token_id=None)  # fmt: skip
     net = load_model(tmp_path, "cuda", "bfloat16")
     compiled, _ = compile_module(net, CompileConfig(device="cuda", dtype="bfloat16"))
     serving = EngineConfig(decode_batch_sizes=DECODE_SIZES, prefill_token_buckets=PREFILL_SIZES, kv_cache_tokens=8192)

@@ -18,6 +18,7 @@ from greedy_helpers import assert_greedy_agrees
 from int4_checkpoint_helpers import write_int4_checkpoint
 from int8_checkpoint_helpers import write_int8_checkpoint
 from quant_helpers import write_fp8_checkpoint
+from tiny_engines import LLAMA_1B_2LAYER, save_random_llama
 
 FP8 = torch.float8_e4m3fn
 ROWS = [1, 8, 128, 1024]
@@ -230,19 +231,7 @@ QUALITY_BOUNDS = {"fp8": (0.05, 0.88), "int8": (0.02, 0.95), "int4": (0.12, 0.7)
 def test_llama_1b_shaped_quality_against_bf16_over_64_prompts(scheme, tmp_path):
     """Issue 23's quality measure on a 2-layer Llama-3.2-1B-shaped model with random weights: logits of the
     quantized artifact against the bf16 one, relative error and top-1 agreement over 64 prompts (recorded)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=2, num_attention_heads=32,
-                         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=4096,
-                         tie_word_embeddings=True)  # fmt: skip
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.02)
-    model.save_pretrained(tmp_path / "model")
-    del model
+    save_random_llama(tmp_path / "model", **LLAMA_1B_2LAYER)
     llms = {}
     for name, quantization in (("bf16", None), (scheme, scheme)):
         out = tmp_path / name

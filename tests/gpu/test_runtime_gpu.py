@@ -15,7 +15,8 @@ from graphkiln.compiler.counters import torch_compile_events
 from graphkiln.runtime.sampler import MODES
 from greedy_helpers import assert_greedy_agrees
 from tiny_engines import (
-    DECODE_SIZES, PREFILL_SIZES, assert_logprobs_agree, compile_tiny, engines, record, uneven_prompts,
+    DECODE_SIZES, LLAMA_1B_2LAYER, PREFILL_SIZES, assert_logprobs_agree, compile_tiny, engines, record,
+    save_random_llama, uneven_prompts,
 )  # fmt: skip
 
 
@@ -199,20 +200,8 @@ def test_tiny_bfloat16_logits_close_and_graph_modes_identical():
 
 @pytest.fixture(scope="module")
 def llama_2layer(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        hidden_size=2048, intermediate_size=8192, num_hidden_layers=2, num_attention_heads=32,
-        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=4096, tie_word_embeddings=True,
-    )  # fmt: skip
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.02)
     path = tmp_path_factory.mktemp("llama2layer")
-    model.save_pretrained(path)
-    del model
+    save_random_llama(path, **LLAMA_1B_2LAYER)
     return path
 
 

@@ -1,5 +1,5 @@
-"""The GPU tests' tiny engines: the tiny model compiled on CUDA, engines of it in each mode, prompts, and the
-report file the tests' measurements go to."""
+"""The GPU tests' tiny engines: the tiny model compiled on CUDA, engines of it in each mode, random Llama
+checkpoints, prompts, and the report file the tests' measurements go to."""
 
 from __future__ import annotations
 
@@ -35,6 +35,28 @@ def compile_tiny(dtype: str):
     compiled, report = compile_module(net, CompileConfig(device="cuda", dtype=dtype))
     record(f"compile_timings_{model_dir.name}_{dtype}", report.timings)
     return net, compiled, Tokenizer.from_dir(model_dir)
+
+
+def save_random_llama(path, *, std: float = 0.02, seed: int = 0, device: str = "cuda", dtype=torch.bfloat16,
+                      **config):
+    """A LlamaForCausalLM of `config` (LlamaConfig's fields) with every parameter drawn from N(0, std) after
+    `seed`, built on `device` in `dtype` and saved to `path`; returned for the tests that compare with it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = LlamaForCausalLM(LlamaConfig(**config)).to(dtype).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, std)
+    model.save_pretrained(path)
+    return model
+
+
+# Llama-3.2-1B's widths and vocabulary in two layers.
+LLAMA_1B_2LAYER = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=2, num_attention_heads=32,
+                       num_key_value_heads=8, vocab_size=128256, max_position_embeddings=4096,
+                       tie_word_embeddings=True)  # fmt: skip
 
 
 def engines(parts, **options):
