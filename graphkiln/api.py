@@ -22,7 +22,7 @@ from graphkiln.compiler.artifact_dir import write_artifact
 from graphkiln.compiler.artifact_load import check_artifact, read_artifact, read_tokenizer, read_weights
 from graphkiln.compiler.compile import CompileReport, Progress
 from graphkiln.compiler.config import CompileConfig
-from graphkiln.compiler.manifest import MANIFEST, REWRITE, read_manifest
+from graphkiln.compiler.manifest import MANIFEST, REWRITE, read_manifest, recorded_source
 from graphkiln.compiler.signing import KeySource, load_private_key, load_public_keys
 from graphkiln.errors import ArtifactError, ConfigError, ModelFileError
 from graphkiln.llm import LLM, is_hub_id, resolve_model_dir
@@ -176,7 +176,7 @@ def load(
     out = Path(out)
     manifest = read_manifest(out, keys)
     serving = (engine or recorded_engine(manifest, out)).replace(**options)
-    source = model if model is not None else manifest["model"]["source"]
+    source = model if model is not None else recorded_source(manifest, out)
     model_dir = resolve_model_dir(source)
     if model is None and not model_dir.is_dir():
         raise ModelFileError(

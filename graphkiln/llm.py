@@ -73,6 +73,8 @@ class StreamDelta:
 def resolve_model_dir(model: str | Path) -> Path:
     """'tiny', a model directory, or a Hugging Face hub id (a string `org/name` naming no directory here),
     found in the hub's local cache: graphkiln never downloads."""
+    if not isinstance(model, (str, Path)) or not str(model):
+        raise ConfigError(f"model={model!r}; give 'tiny', a model directory (str or Path) or a hub id 'org/name'")
     if str(model) == TINY_NAME:
         return tiny_model_dir()
     return hub_snapshot(model) if is_hub_id(model) else Path(model)

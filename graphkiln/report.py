@@ -158,7 +158,7 @@ def format_manifest(m: dict, root: Path) -> str:
         f"format        {m['format_version']}",
         f"built with    graphkiln {env['graphkiln']}, torch {env['torch']}, triton {env['triton']}, python {env['python']}",
         f"device        {env['device']['type']} {env['device']['name']} ({env['device']['capability']})",
-        f"model         {model['source']} ({model['architecture']}), config sha256 {model['config_sha256'][:12]}",
+        f"model         {model.get('source')} ({model['architecture']}), config sha256 {model['config_sha256'][:12]}",
         "weights       " + ", ".join(f"{w['file']} ({w['size'] / 2**20:.1f} MiB)" for w in model["weights"]),
         f"tokenizer     {TOKENIZER_KINDS[model.get('tokenizer')]}",
         f"dtype         {cfg['dtype']}",

@@ -112,6 +112,29 @@ def test_hand_edited_manifest_field_is_named(art: Path, field: str, edit, capsys
     assert code == 2 and re.match("error: " + pattern, single_error_line(err))
 
 
+@pytest.mark.parametrize("source", [None, 123, ""], ids=["removed", "a-number", "empty"])
+def test_a_model_source_that_names_no_directory(art: Path, source, capsys: pytest.CaptureFixture[str]) -> None:
+    """model.source is left out of the seal (a user may point it at moved weights), so it is checked as read:
+    an error naming the field and how to say where the weights are, which then loads; inspect still shows the rest."""
+    edit_manifest(art, lambda m: m["model"].pop("source") if source is None else m["model"].update(source=source))
+    with pytest.raises(ArtifactError, match=r"model\.source is .*graphkiln\.load\(OUT, model=DIR\)"):
+        graphkiln.load(art, **ENGINE)
+    code, out, err = generate_cli(capsys, art)
+    assert code == 2 and single_error_line(err).startswith(f"error: {art / 'manifest.json'}: model.source is ")
+    code, out, err = generate_cli(capsys, art, "--model", tiny_model_dir())
+    assert code == 0 and out.startswith("'hi' -> "), err
+    assert cli.main(["inspect", str(art)]) == 0
+    assert f"model         {source if source is not None else None} (" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("model", [123, "", ["tiny"]])
+def test_a_model_that_is_not_a_path(art: Path, model) -> None:
+    with pytest.raises(ConfigError, match=re.escape(f"model={model!r}; give 'tiny', a model directory")):
+        graphkiln.load(art, model=model, **ENGINE)
+    with pytest.raises(ConfigError, match=re.escape(f"model={model!r}")):
+        graphkiln.LLM.eager(model)
+
+
 def test_moved_weights_point_to_model(art: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The weights moved after compiling: the error says where they were and how to say where they are."""
     moved = Path(shutil.copytree(tiny_model_dir(), tmp_path / "new-home"))

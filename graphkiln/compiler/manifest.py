@@ -154,6 +154,18 @@ def read_manifest(root: Path, trusted_keys: Sequence = ()) -> dict:
     return manifest
 
 
+def recorded_source(manifest: dict, root: Path) -> str:
+    """model.source: where the weights were at compile time. Left out of the seal so that a user may point it
+    at weights that moved, so read_manifest cannot vouch for it."""
+    source = manifest["model"].get("source")
+    if not isinstance(source, str) or not source:
+        raise ArtifactError(
+            f"{root / MANIFEST}: model.source is {source!r}, not a model directory; set it to the directory the "
+            "weights are in, or load with graphkiln.load(OUT, model=DIR) or `graphkiln generate OUT --model DIR`"
+        )
+    return source
+
+
 def foreign_content(root: Path) -> str | None:
     """None when `root` is a graphkiln artifact (of any format version) holding only the files its manifest
     lists, or an empty folder; else why not. Only such a folder may be replaced (`--force`)."""
