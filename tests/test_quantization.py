@@ -304,3 +304,36 @@ def test_block_fp8_refuses_fused_projections_that_split_a_block(
     write_fp8_checkpoint(ckpt.path, ckpt.model, tmp_path / "fp8", "block")
     with pytest.raises(UnsupportedModelError, match=r"fused projections of sizes \(128, 64, 64\)"):
         load_model(tmp_path / "fp8")
+
+
+Q_PROJ = "model.layers.0.self_attn.q_proj"
+CORRUPT_FP8 = {  # (layout, activations, tensor, how it is corrupted, what the error says)
+    "input-scale-of-dynamic": ("compressed-tensors", "dynamic", "input_scale", lambda t: torch.tensor([0.01]),
+                               "no place for a 'input_scale' tensor"),
+    "e5m2-weight": ("compressed-tensors", "dynamic", "weight", lambda t: t.float().to(torch.float8_e5m2),
+                    "dtype torch.float8_e5m2, the checkpoint's quantization_config needs torch.float8_e4m3fn"),
+    "integer-scales": ("compressed-tensors", "dynamic", "weight_scale", lambda t: t.to(torch.int32),
+                       "dtype torch.int32, but the format stores floating-point scales"),
+    "integer-block-scales": ("block", "dynamic", "weight_scale_inv", lambda t: t.to(torch.int32),
+                             "dtype torch.int32, but the format stores floating-point scales"),
+    "negative-scale": ("compressed-tensors", "dynamic", "weight_scale", lambda t: -t, r"scales are >= 0"),
+    "zero-input-scale": ("compressed-tensors", "static", "input_scale", lambda t: t * 0, r"scales are > 0"),
+}
+
+
+@pytest.mark.parametrize("case", CORRUPT_FP8)
+def test_a_corrupt_fp8_tensor_is_named(llama: Checkpoint, hf_checkpoint: CheckpointFactory,
+                                       random_ids: Callable[..., list[int]], tmp_path: Path, case: str) -> None:
+    """One tensor of a pre-quantized checkpoint changed as no writer of its format would: an error naming the
+    tensor, never a crash in torch or logits from scales the format cannot hold."""
+    layout, activations, kind, corrupt, says = CORRUPT_FP8[case]
+    ckpt = hf_checkpoint("qwen3", **QWEN3_BLOCKS) if layout == "block" else llama
+    write_fp8_checkpoint(ckpt.path, ckpt.model, tmp_path / "fp8", layout, "block" if layout == "block" else "channel",
+                         activations, random_ids(48))
+    path = tmp_path / "fp8" / "model.safetensors"
+    tensors = load_file(str(path))
+    name = f"{Q_PROJ}.{kind}"
+    tensors[name] = corrupt(tensors.get(name, tensors[f"{Q_PROJ}.weight"]))
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    with pytest.raises(WeightMismatchError, match=rf"{path}: tensor '{name}'.*{says}"):
+        load_model(tmp_path / "fp8")

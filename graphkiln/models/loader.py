@@ -35,7 +35,7 @@ from .quantized_layers import (
     reset_before_fill,
     sort_int4_columns,
 )
-from .quantized_linear import FP8, QuantizedLinear
+from .quantized_linear import QuantizedLinear
 from .quantized_shards import quantized_slice, sliced_shape
 from .rope import rope_cache
 from .sharding import Part, Shard, checkpoint_part, held_by_rank0_only, local_config
@@ -301,17 +301,22 @@ def _magnitudes(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Each floating-point tensor's sum of magnitudes in float32, finite unless the tensor holds NaN or Inf (or the
     sum overflows): one launch for all but the fp8 ones (a sum each would be a launch each), which torch cannot
     reduce, so those one at a time as float32."""
-    out = [t.float().abs().sum() if t.dtype == FP8 else None for t in tensors]
-    plain = [i for i, t in enumerate(tensors) if t.dtype != FP8]
+    out = [t.float().abs().sum() if _one_byte_float(t) else None for t in tensors]
+    plain = [i for i, t in enumerate(tensors) if not _one_byte_float(t)]
     if plain:  # _foreach_norm refuses an empty list
         for i, total in zip(plain, torch._foreach_norm([tensors[i] for i in plain], 1, dtype=torch.float32)):
             out[i] = total
     return out
 
 
+def _one_byte_float(tensor: torch.Tensor) -> bool:
+    """Any float8 dtype (e4m3, e5m2, ...): a checkpoint may hold one its format does not name."""
+    return tensor.is_floating_point() and tensor.element_size() == 1
+
+
 def _numeric(tensor: torch.Tensor) -> torch.Tensor:
     """fp8 tensors, which torch cannot sum or test for NaN, as float32."""
-    return tensor.float() if tensor.dtype == FP8 else tensor
+    return tensor.float() if _one_byte_float(tensor) else tensor
 
 
 def _check_finite(sums: list[tuple[TensorEntry, torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> None:

@@ -160,7 +160,8 @@ def fill_quantized(module: QuantizedLinear, kind: str, index: int | None, tensor
         int4_checkpoints.fill_int4(module, kind, index, tensor, where)
     elif isinstance(module, Int8Linear) and int8_checkpoints.reads(module, kind):
         int8_checkpoints.fill_int8(module, kind, part, tensor, where)
-    elif kind == "input_scale":
+    elif kind == "input_scale" and module.input_scale is not None:
+        _check_scales(tensor, where, zero=False)
         _check_shape(tensor.reshape(-1), (1,), where)
         module.input_scale.copy_(torch.maximum(module.input_scale, tensor.float().reshape(1)))
     elif kind == "weight":
@@ -172,9 +173,11 @@ def fill_quantized(module: QuantizedLinear, kind: str, index: int | None, tensor
         dest.copy_(tensor)
     elif isinstance(module, BlockFp8Linear) and kind == module.scale_name:
         dest = getattr(module, kind).split([-(-p // BLOCK) for p in module.parts])[part]
+        _check_scales(tensor, where)
         _check_shape(tensor, dest.shape, where)
         dest.copy_(tensor)
     elif kind == "weight_scale" and not isinstance(module, BlockFp8Linear):
+        _check_scales(tensor, where)
         dest = module.weight_scale.split(module.parts)[part]
         values = tensor.float().reshape(-1)
         if values.numel() == 1:
@@ -183,6 +186,17 @@ def fill_quantized(module: QuantizedLinear, kind: str, index: int | None, tensor
         dest.copy_(values)
     else:
         raise WeightMismatchError(f"{where}: no place for a {kind!r} tensor in a {type(module).__name__}")
+
+
+def _check_scales(tensor: torch.Tensor, where: str, zero: bool = True) -> None:
+    """fp8 scales are positive floats; a weight scale may be 0 (a row of zeros), an activation scale, which
+    divides, may not."""
+    if not tensor.is_floating_point():
+        raise WeightMismatchError(f"{where}: dtype {tensor.dtype}, but the format stores floating-point scales")
+    low = tensor.float().min() if tensor.numel() else None
+    if low is not None and (low < 0 or (not zero and low == 0)):
+        raise WeightMismatchError(f"{where}: holds the scale {low.item():g}, but scales are {'>= 0' if zero else '> 0'}; "
+                                  "the checkpoint is corrupt, download or save it again")
 
 
 def _check_shape(tensor: torch.Tensor, shape, where: str) -> None:
