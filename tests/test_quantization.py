@@ -337,3 +337,25 @@ def test_a_corrupt_fp8_tensor_is_named(llama: Checkpoint, hf_checkpoint: Checkpo
     save_file(tensors, str(path), metadata={"format": "pt"})
     with pytest.raises(WeightMismatchError, match=rf"{path}: tensor '{name}'.*{says}"):
         load_model(tmp_path / "fp8")
+
+
+MALFORMED_QC = {
+    "a-list": ([1], r"config.json: field 'quantization_config' is \[1\]; it must be an object"),
+    "groups-a-list": ({**compressed_tensors_config("channel", "dynamic"), "config_groups": [1]},
+                      r"config_groups \[1\] \(an object of named groups\) is not supported"),
+    "ignored-numbers": ({**autofp8_config("dynamic"), "ignored_layers": [1]},
+                        r"ignored_layers \[1\] \(a list of module names\) is not supported"),
+    "ignore-a-string": ({**modelopt_config("tensor"), "ignore": "lm_head"},
+                        r"ignore 'lm_head' \(a list of module names\) is not supported"),
+    "blocks-flat": ({"quant_method": "gptq", "bits": 4, "group_size": 128, "modules_in_block_to_quantize": ["q_proj"]},
+                    r"modules_in_block_to_quantize \['q_proj'\] \(a list of lists of module names\)"),
+    "not-convert-numbers": ({"quant_method": "awq", "bits": 4, "group_size": 128, "modules_to_not_convert": [1]},
+                            r"modules_to_not_convert \[1\] \(a list of module names\)"),
+}
+
+
+@pytest.mark.parametrize("case", MALFORMED_QC)
+def test_quantization_config_fields_of_the_wrong_type_are_named(llama: Checkpoint, tmp_path: Path, case: str) -> None:
+    qc, says = MALFORMED_QC[case]
+    with pytest.raises(UnsupportedModelError, match=says):
+        load_model(with_quantization_config(llama.path, tmp_path / case, qc))

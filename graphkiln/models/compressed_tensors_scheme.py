@@ -32,6 +32,8 @@ def compressed_tensors_scheme(qc: dict, path: Path, num_layers: int) -> QuantSch
             f"{path}: a compressed-tensors checkpoint; reading it needs the compressed-tensors package: "
             "pip install 'graphkiln[quant]'"
         ) from None
+    if not isinstance(qc.get("config_groups") or {}, dict):
+        raise unsupported(path, f"config_groups {qc['config_groups']!r} (an object of named groups)")
     qc, numbered = _without_numbered_groups(qc)
     try:
         config = QuantizationConfig.model_validate(qc)

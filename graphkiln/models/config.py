@@ -72,11 +72,14 @@ def read_hf_config(model_dir: Path):
     if not path.is_file():
         raise ModelFileError(f"{path}: missing; a Hugging Face model directory needs config.json")
     try:
-        json.loads(path.read_text())
+        raw = json.loads(path.read_text())
+        qc = raw.get("quantization_config") if isinstance(raw, dict) else None
+        if qc is not None and not isinstance(qc, dict):
+            raise UnsupportedModelError(f"{path}: field 'quantization_config' is {qc!r}; it must be an object")
         return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelFileError(f"{path}: not valid JSON ({e}); restore the file") from e
-    except (ValueError, KeyError, TypeError, ArithmeticError, StrictDataclassError) as e:  # a field's type or value
+    except (ValueError, KeyError, TypeError, AttributeError, ArithmeticError, StrictDataclassError) as e:  # a field
         raise UnsupportedModelError(f"{path}: transformers cannot read it: {type(e).__name__}: {e}") from e
 
 

@@ -135,6 +135,16 @@ def unsupported(path: Path, what: str) -> UnsupportedModelError:
     )
 
 
+def _names(qc: dict, field: str, path: Path, nested: bool = False) -> list:
+    """quantization_config's list of module names `field` (of lists of names if `nested`), [] when absent."""
+    value = qc.get(field) or []
+    ok = isinstance(value, list) and all(
+        isinstance(v, list) and all(isinstance(n, str) for n in v) if nested else isinstance(v, str) for v in value)
+    if not ok:
+        raise unsupported(path, f"{field} {value!r} (a list of {'lists of ' * nested}module names)")
+    return value
+
+
 def _fp8_scheme(qc: dict, path: Path) -> QuantScheme:
     """quant_method "fp8": 128 x 128 blocks (Qwen3's fp8, transformers' fine-grained fp8) or, without
     weight_block_size, AutoFP8's per-tensor weight scales; its dynamic activations are quantized per token
@@ -145,7 +155,7 @@ def _fp8_scheme(qc: dict, path: Path) -> QuantScheme:
     if block is None:
         if activations not in ("static", "dynamic"):
             raise unsupported(path, f"fp8 with activation_scheme {activations!r}")
-        skipped = [m for m in qc.get("ignored_layers") or [] if m.rsplit(".", 1)[-1] in PROJECTIONS]
+        skipped = [m for m in _names(qc, "ignored_layers", path) if m.rsplit(".", 1)[-1] in PROJECTIONS]
         if skipped:
             raise unsupported(path, f"fp8 leaving projections unquantized (ignored_layers {skipped[:3]!r})")
         return QuantScheme("fp8", "tensor", activations, "fp8")
@@ -204,7 +214,7 @@ def _modelopt_scheme(qc: dict, path: Path, num_layers: int) -> QuantScheme:
     schemes = {"FP8": ("tensor", "static"), "FP8_PER_CHANNEL_PER_TOKEN": ("channel", "dynamic")}
     if algo not in schemes:
         raise unsupported(path, f"ModelOpt quant_algo {qc.get('quant_algo')!r}")
-    excluded = qc.get("ignore", qc.get("exclude_modules")) or []
+    excluded = _names(qc, "ignore" if "ignore" in qc else "exclude_modules", path)
     kept = [p for p in excluded if any(fnmatch(m, p) or p in m for m in projection_modules(num_layers))]
     if kept:
         raise unsupported(path, f"ModelOpt leaving projections unquantized (excluded {kept[:3]!r})")
@@ -233,8 +243,8 @@ def _gptq_scheme(qc: dict, path: Path) -> QuantScheme:
         raise unsupported(path, "a quantized lm_head")
     if qc.get("dynamic"):
         raise unsupported(path, f"GPTQ per-module overrides (dynamic: {qc['dynamic']!r})")
-    if qc.get("modules_in_block_to_quantize"):
-        named = {m.rsplit(".", 1)[-1] for ms in qc["modules_in_block_to_quantize"] for m in ms}
+    if blocks := _names(qc, "modules_in_block_to_quantize", path, nested=True):
+        named = {m.rsplit(".", 1)[-1] for ms in blocks for m in ms}
         if not set(PROJECTIONS) <= named:
             raise unsupported(path, f"GPTQ leaving {sorted(set(PROJECTIONS) - named)} unquantized")
     if bits == 8:
@@ -269,7 +279,7 @@ def _awq_scheme(qc: dict, path: Path) -> QuantScheme:
         raise unsupported(path, f"AWQ version {version!r} (graphkiln reads the gemm layout)")
     if not qc.get("zero_point", True):
         raise unsupported(path, "AWQ without zero points")
-    kept = [m for m in qc.get("modules_to_not_convert") or [] if any(m in p or p in m for p in PROJECTIONS)]
+    kept = [m for m in _names(qc, "modules_to_not_convert", path) if any(m in p or p in m for p in PROJECTIONS)]
     if kept:
         raise unsupported(path, f"AWQ leaving projections unquantized (modules_to_not_convert {kept!r})")
     group = check_int4_group(qc.get("group_size", qc.get("q_group_size")), path, "AWQ")
