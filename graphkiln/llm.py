@@ -6,13 +6,14 @@ import dataclasses
 import operator
 import re
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import torch
 
+from graphkiln.chat import template_messages
 from graphkiln.compiler.compile import CompileReport, compile_module
 from graphkiln.compiler.config import CompileConfig
 from graphkiln.errors import ConfigError, ModelFileError, RequestError, RequestFailedError
@@ -276,10 +277,13 @@ class LLM:
     def chat(
         self, conversations: Sequence[dict] | Sequence[Sequence[dict]], params: SamplingParams | None = None
     ) -> list[RequestOutput]:
-        """Generate replies to conversations ([{"role": ..., "content": ...}, ...]) with the tokenizer's chat template."""
-        if conversations and isinstance(conversations[0], dict):
-            conversations = [conversations]
-        prompts = [self.tokenizer.chat_template_ids(list(c)) if self.tokenizer else None for c in conversations]
+        """Generate replies to conversations ([{"role": ..., "content": ...}, ...]) with the tokenizer's chat template;
+        messages are checked and their text parts joined as `graphkiln serve` does (graphkiln/chat.py)."""
+        if conversations and isinstance(conversations[0], Mapping):
+            conversations = [template_messages(conversations)]
+        else:
+            conversations = [template_messages(c, f"conversations.{i}") for i, c in enumerate(conversations)]
+        prompts = [self.tokenizer.chat_template_ids(c) if self.tokenizer else None for c in conversations]
         if any(p is None for p in prompts):
             raise RequestError("this model's tokenizer has no chat template; use generate() with plain prompts")
         return self.generate(prompts, params)

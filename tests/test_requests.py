@@ -144,6 +144,40 @@ def test_prompt_ids_that_are_not_ints(llm: LLM, prompt: list) -> None:
     assert_idle(llm)
 
 
+def test_chat_joins_text_parts_as_serve_does(llm: LLM) -> None:
+    """Content given as text parts is their text in the prompt, not their Python repr."""
+    parts = [{"type": "text", "text": "If the "}, {"type": "text", "text": "file"}]
+    [got] = llm.chat([{"role": "user", "content": parts, "name": "ann"}], SamplingParams(max_tokens=1))
+    [want] = llm.chat([{"role": "user", "content": "If the file", "name": "ann"}], SamplingParams(max_tokens=1))
+    assert got.prompt_token_ids == want.prompt_token_ids
+    assert "If the file" in llm.decode(got.prompt_token_ids)
+
+
+BAD_CONVERSATIONS = {  # id: (conversations, words the RequestError must hold)
+    "no-role": ([{"content": "x"}], ["messages.0.role: missing", "system, user, assistant, developer, tool"]),
+    "empty-role": ([{"role": "", "content": "x"}], ["messages.0.role: '' is not a role", "developer"]),
+    "unknown-role": ([{"role": "user", "content": "x"}, {"role": "wizard", "content": "hi"}],
+                     ["messages.1.role: 'wizard' is not a role"]),
+    "no-content": ([{"role": "user"}], ["messages.0.content: missing", "text parts"]),
+    "null-content": ([{"role": "assistant", "content": None}], ["messages.0.content: missing"]),
+    "tool-calls": ([{"role": "assistant", "content": "x", "tool_calls": []}],
+                   ["messages.0.tool_calls: unknown field", "role, content, name"]),
+    "image-part": ([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}],
+                   ["messages.0.content.0=", "text parts"]),
+    "second-conversation": ([[{"role": "user", "content": "x"}], [{"role": "user", "content": 5}]],
+                            ["conversations.1.0.content=5"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("bad", list(BAD_CONVERSATIONS), ids=list(BAD_CONVERSATIONS))
+def test_chat_refuses_malformed_messages_by_name(llm: LLM, bad: str) -> None:
+    conversations, words = BAD_CONVERSATIONS[bad]
+    with pytest.raises(RequestError) as caught:
+        llm.chat(conversations, GREEDY)
+    assert all(word in str(caught.value) for word in words), str(caught.value)
+    assert_idle(llm)
+
+
 def bad_request_past_its_third_token(rows: SamplingTensors) -> bool:
     return any(seed == BAD_SEED and step >= 3 for seed, step in zip(rows.seed.tolist(), rows.step.tolist()))
 

@@ -112,7 +112,8 @@ def test_chat_equals_llm_chat(server: Server, offline: LLM, stream: bool) -> Non
     """The model's chat template (text parts joined), greedy, with logprobs."""
     choices, usage = create(server, True, stream, messages=CONVERSATION, max_tokens=16, temperature=0, logprobs=True,
                             top_logprobs=2, extra_body={"return_token_ids": True})  # fmt: skip
-    want = offline.chat(PLAIN_CONVERSATION, SamplingParams(max_tokens=16, logprobs=2))[0]
+    want = offline.chat(CONVERSATION, SamplingParams(max_tokens=16, logprobs=2))[0]
+    assert want.prompt_token_ids == offline.chat(PLAIN_CONVERSATION, SamplingParams(max_tokens=1))[0].prompt_token_ids
     assert len(choices) == 1 and want.text
     assert_equal(choices[0], want)
     assert (usage.prompt_tokens, usage.completion_tokens) == (len(want.prompt_token_ids), len(want.token_ids))
@@ -237,6 +238,13 @@ BAD_INPUTS = [  # (route, body, status, field, words the message must hold)
     ("completions", {"prompt": "x", "bogus": 1}, 400, "bogus", "unknown field"),
     ("chat/completions", {"messages": []}, 400, "messages", "at least 1"),
     ("chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "messages", "messages.0.content"),
+    ("chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages", "messages.0.role",
+     "system, user, assistant, developer, tool"),
+    ("chat/completions", {"messages": [{"role": "", "content": "hi"}]}, 400, "messages", "messages.0.role"),
+    ("chat/completions", {"messages": [{"content": "hi"}]}, 400, "messages", "messages.0.role: missing"),
+    ("chat/completions", {"messages": [{"role": "user"}]}, 400, "messages", "messages.0.content: missing"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi", "tool_calls": []}]}, 400, "messages",
+     "messages.0.tool_calls: unknown field", "role, content, name"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400, "top_logprobs",
      "logprobs=true"),
     ("completions", {"prompt": "x" * 70_000}, 413, None, "65536 bytes"),

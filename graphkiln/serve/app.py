@@ -127,14 +127,14 @@ class Service:
 
     async def chat(self, request: Request) -> Response:
         req = parse(ChatCompletionRequest, await _body(request, self.config.max_body_bytes))
+        conversation = req.conversation()
         self._check(req)
         logprobs = req.num_logprobs
-        conversation = [m.as_template_input() for m in req.messages]
         tokenizer = self.llm.tokenizer
         try:
             template = tokenizer and tokenizer.chat_template_ids
             ids = template and await asyncio.get_running_loop().run_in_executor(self._templates, template, conversation)
-        except Exception as e:  # the template refused the conversation (its own checks, an unknown role)
+        except Exception as e:  # the template refused the conversation (its own checks: the order of roles, ...)
             raise APIError(400, f"messages: the chat template refused them ({type(e).__name__}: {e})",
                            param="messages") from e  # fmt: skip
         if not ids:

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from graphkiln.chat import template_messages
 from graphkiln.errors import RequestError
 from graphkiln.runtime.sampling_params import INT64_END, MAX_LOGPROBS, SamplingParams
 
@@ -137,29 +138,18 @@ class CompletionRequest(GenerationRequest):
                                 "leave it out", param="best_of")  # fmt: skip
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    type: Literal["text"]
-    text: str
-
-
-class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    role: str
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-
-    def as_template_input(self) -> dict:
-        parts = self.content if isinstance(self.content, list) else [self.content or ""]
-        text = "".join(p if isinstance(p, str) else p.text for p in parts)
-        return {"role": self.role, "content": text} | ({"name": self.name} if self.name else {})
-
-
 class ChatCompletionRequest(GenerationRequest):
-    messages: Annotated[list[Message], Field(min_length=1)]
+    messages: Annotated[list[Any], Field(min_length=1)]  # checked by conversation(), as LLM.chat checks them
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+    def conversation(self) -> list[dict]:
+        """The messages as the chat template takes them, or a 400 naming the message and field at fault."""
+        try:
+            return template_messages(self.messages)
+        except RequestError as e:
+            raise APIError(400, str(e), param="messages") from e
 
     @property
     def max_new_tokens(self) -> int | None:
