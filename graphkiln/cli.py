@@ -53,6 +53,13 @@ def _count(low: int):
     return parse
 
 
+def _given(text: str) -> str:
+    """A flag's value that must not be empty (an empty --api-key would turn authentication off)."""
+    if not text:
+        raise argparse.ArgumentTypeError("is empty; give a value, or leave the flag out")
+    return text
+
+
 def _compile_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("model", help="Hugging Face model directory, hub id (org/name) in the local Hugging Face "
                                       "cache, or 'tiny' for the built-in model")  # fmt: skip
@@ -234,6 +241,9 @@ def run_serve(args) -> int:
         raise ConfigError(f"graphkiln serve needs {', '.join(missing)}; pip install 'graphkiln[serve]'")
     if args.compile and args.trusted_key:
         raise ConfigError("--trusted-key checks a signed artifact; --compile makes an unsigned one: use one of them")
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    if api_key == "":
+        raise ConfigError(f"{API_KEY_ENV} is set but empty; give a key, or unset it for none")
     from graphkiln.compiler.manifest import MANIFEST
     from graphkiln.models.switch_interval import serve_switch_interval
     from graphkiln.serve.app import ServerConfig
@@ -250,7 +260,7 @@ def run_serve(args) -> int:
         source = args.model if args.compile else llm.manifest["model"]["source"]
         config = ServerConfig(
             model_name=args.served_model_name or _model_name(source),
-            api_key=args.api_key or os.environ.get(API_KEY_ENV),
+            api_key=api_key,
             max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes,
         )  # fmt: skip
         serve(llm, config, sock, args.log_level, switch_interval)
@@ -320,9 +330,9 @@ def _serve_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=_count(0), default=8000, help="port (default 8000; 0: any free one, printed)")
-    parser.add_argument("--api-key", default=None, metavar="KEY",
+    parser.add_argument("--api-key", type=_given, default=None, metavar="KEY",
                         help=f"require Authorization: Bearer KEY on every route but /health (default: ${API_KEY_ENV})")
-    parser.add_argument("--served-model-name", default=None, metavar="NAME",
+    parser.add_argument("--served-model-name", type=_given, default=None, metavar="NAME",
                         help="the model name clients send (default: 'tiny', the hub id, or the model folder's name)")
     parser.add_argument("--max-queued-requests", type=_count(0), default=256, metavar="N",
                         help="requests admitted beyond --max-num-seqs before new ones get 503 (default 256)")

@@ -55,11 +55,22 @@ def test_a_port_in_use_is_said_before_the_model_loads(artifact: Path, capsys, mo
     assert f"cannot listen on 127.0.0.1:{port}" in line and "--port" in line
 
 
-def test_serve_refuses_a_negative_port_in_one_line(tmp_path: Path, capsys) -> None:
+@pytest.mark.parametrize("flags, words", [
+    (["--port", "-1"], "--port: '-1' is not an integer >= 0"),
+    (["--api-key="], "--api-key: is empty"),  # not a server without authentication
+    (["--served-model-name="], "--served-model-name: is empty"),
+], ids=["negative-port", "empty-api-key", "empty-model-name"])  # fmt: skip
+def test_serve_refuses_bad_flag_values_in_one_line(flags: list[str], words: str, tmp_path: Path, capsys) -> None:
     with pytest.raises(SystemExit) as info:  # argparse's usage errors exit by themselves
-        cli.main(["serve", str(tmp_path), "--port", "-1"])
+        cli.main(["serve", str(tmp_path), *flags])
     assert info.value.code == 2
-    assert "--port: '-1' is not an integer >= 0" in single_error_line(capsys.readouterr().err)
+    assert words in single_error_line(capsys.readouterr().err)
+
+
+def test_an_empty_api_key_variable_is_refused_in_one_line(tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("GRAPHKILN_API_KEY", "")
+    assert cli.main(["serve", str(tmp_path)]) == 2
+    assert "GRAPHKILN_API_KEY is set but empty" in single_error_line(capsys.readouterr().err)
 
 
 def test_serve_without_its_extra_names_the_install_command(tmp_path: Path, capsys, monkeypatch) -> None:
