@@ -40,14 +40,16 @@ def _sizes(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
 
 
-def _count(low: int):
+def _count(low: int, high: int | None = None):
+    """An argparse type: an integer >= low (and <= high, when given)."""
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             value = None
-        if value is None or value < low:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= {low}")
+        if value is None or value < low or (high is not None and value > high):
+            bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer {bounds}")
         return value
 
     return parse
@@ -329,7 +331,8 @@ def _serve_parser(parser: argparse.ArgumentParser) -> None:
                         help="with --compile: quantize the decoder's linear layers (see compile-model --help)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default 127.0.0.1: this machine only)")
-    parser.add_argument("--port", type=_count(0), default=8000, help="port (default 8000; 0: any free one, printed)")
+    parser.add_argument("--port", type=_count(0, 65535), default=8000,
+                        help="port (default 8000; 0: any free one, printed)")
     parser.add_argument("--api-key", type=_given, default=None, metavar="KEY",
                         help=f"require Authorization: Bearer KEY on every route but /health (default: ${API_KEY_ENV})")
     parser.add_argument("--served-model-name", type=_given, default=None, metavar="NAME",

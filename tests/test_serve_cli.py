@@ -56,10 +56,11 @@ def test_a_port_in_use_is_said_before_the_model_loads(artifact: Path, capsys, mo
 
 
 @pytest.mark.parametrize("flags, words", [
-    (["--port", "-1"], "--port: '-1' is not an integer >= 0"),
+    (["--port", "-1"], "--port: '-1' is not an integer in [0, 65535]"),
+    (["--port", "70000"], "--port: '70000' is not an integer in [0, 65535]"),
     (["--api-key="], "--api-key: is empty"),  # not a server without authentication
     (["--served-model-name="], "--served-model-name: is empty"),
-], ids=["negative-port", "empty-api-key", "empty-model-name"])  # fmt: skip
+], ids=["negative-port", "port-past-65535", "empty-api-key", "empty-model-name"])  # fmt: skip
 def test_serve_refuses_bad_flag_values_in_one_line(flags: list[str], words: str, tmp_path: Path, capsys) -> None:
     with pytest.raises(SystemExit) as info:  # argparse's usage errors exit by themselves
         cli.main(["serve", str(tmp_path), *flags])
