@@ -74,6 +74,8 @@ def assert_idle(llm: LLM) -> None:
         ("temperature", "0.7"),
         ("temperature", True),
         ("temperature", float("inf")),
+        pytest.param("temperature", 10**400, id="temperature-past-float"),
+        pytest.param("top_p", 10**400, id="top_p-past-float"),
         ("top_p", "0.9"),
         ("top_p", False),
         ("max_tokens", "8"),

@@ -25,9 +25,13 @@ def _int(name: str, value, low: int, high: int, hint: str) -> int:
 
 
 def _real(name: str, value, ok: Callable[[float], bool], hint: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, Real) or not ok(float(value)):
+    try:
+        number = None if isinstance(value, bool) or not isinstance(value, Real) else float(value)
+    except (OverflowError, ValueError):  # an int or Fraction past float's range
+        number = None
+    if number is None or not ok(number):
         raise RequestError(f"SamplingParams.{name}={value!r}; {hint}")
-    return float(value)
+    return number
 
 
 @dataclass(frozen=True)
