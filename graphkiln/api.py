@@ -30,7 +30,7 @@ from graphkiln.models.fingerprint import model_fingerprint
 from graphkiln.models.sharding import Shard
 from graphkiln.runtime.builder import build_engine
 from graphkiln.runtime.capture_pause import captures_paused
-from graphkiln.runtime.config import EngineConfig
+from graphkiln.runtime.config import EngineConfig, engine_config
 from graphkiln.runtime.gc_pauses import collections_deferred
 from graphkiln.runtime.stats import LoadStats
 from graphkiln.runtime.warmup import first_call_sizes, sampler_ahead
@@ -69,7 +69,7 @@ def compile_model(
     key = load_private_key(sign_key) if sign_key is not None else None
     model_dir = resolve_model_dir(model)
     source = str(model) if str(model) == "tiny" or is_hub_id(model) else str(model_dir.resolve())
-    defaults = (engine or EngineConfig()).to_dict()
+    defaults = engine_config(engine).to_dict()
     if config.device == "cuda":  # before Inductor's first kernel: the serving kernels below, and a server's, alike
         pin_triton_environment()
     serving = build_kernels and config.device == "cuda" and config.tensor_parallel_size == 1
@@ -175,7 +175,7 @@ def load(
     keys = load_public_keys(trusted_keys) if trusted_keys is not None else ()
     out = Path(out)
     manifest = read_manifest(out, keys)
-    serving = (engine or recorded_engine(manifest, out)).replace(**options)
+    serving = engine_config(recorded_engine(manifest, out) if engine is None else engine, **options)
     source = model if model is not None else recorded_source(manifest, out)
     model_dir = resolve_model_dir(source)
     if model is None and not model_dir.is_dir():

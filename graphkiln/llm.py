@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from graphkiln.chat import template_messages
+from graphkiln.checks import is_int
 from graphkiln.compiler.compile import CompileReport, compile_module
 from graphkiln.compiler.config import CompileConfig
 from graphkiln.errors import ConfigError, ModelFileError, RequestError, RequestFailedError
@@ -127,6 +128,9 @@ class LLM:
         """The eager reference engine: no compile, SDPA attention unless `attention_backend` says otherwise.
         What compiled engines are checked against. `options` override fields of `engine` (EngineConfig).
         `tensor_parallel_size` > 1 splits the model over that many processes (started here, as `load` does)."""
+        if not is_int(tensor_parallel_size) or tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size={tensor_parallel_size!r}: give an int >= 1 (1: this process "
+                              "alone)")  # fmt: skip
         config = engine_config(engine, **options)
         model_dir = resolve_model_dir(model)
         device = resolve_device(device)

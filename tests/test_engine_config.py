@@ -66,6 +66,21 @@ def test_unknown_engine_option_is_a_config_error(artifact: Path) -> None:
         graphkiln.load(artifact, kv_cache_size=10)
 
 
+@pytest.mark.parametrize("engine", [{"max_num_seqs": 2}, 5], ids=["dict", "int"])
+def test_an_engine_that_is_not_an_engine_config_is_a_config_error(artifact: Path, tmp_path: Path, engine) -> None:
+    for build in (lambda: graphkiln.load(artifact, engine=engine), lambda: graphkiln.LLM.eager("tiny", engine=engine),
+                  lambda: graphkiln.LLM.compile("tiny", engine=engine),
+                  lambda: graphkiln.compile_model("tiny", tmp_path / "out", engine=engine)):  # fmt: skip
+        with pytest.raises(ConfigError, match=r"engine=.*: give an EngineConfig, or its fields as keyword arguments"):
+            build()
+
+
+@pytest.mark.parametrize("size", ["2", 0, 1.0, True], ids=["str", "zero", "float", "bool"])
+def test_a_tensor_parallel_size_that_is_not_a_positive_int_is_a_config_error(size) -> None:
+    with pytest.raises(ConfigError, match=rf"tensor_parallel_size={size!r}: give an int >= 1"):
+        graphkiln.LLM.eager("tiny", tensor_parallel_size=size)
+
+
 def test_a_kv_cache_that_cannot_fit_names_its_size() -> None:
     with pytest.raises(CapacityError, match=r"kv_cache_tokens=1000000000000 needs .* GiB of KV cache .*lower kv_cache_tokens"):
         graphkiln.LLM.eager("tiny", kv_cache_tokens=10**12)

@@ -139,4 +139,7 @@ class EngineConfig:
 
 def engine_config(base: EngineConfig | None = None, **options) -> EngineConfig:
     """`base` (default: EngineConfig()) with `options` applied: the one way callers build an engine's config."""
+    if base is not None and not isinstance(base, EngineConfig):
+        raise ConfigError(f"engine={base!r:.80}: give an EngineConfig, or its fields as keyword arguments "
+                          "(max_num_seqs=8, ...)")  # fmt: skip
     return (base or EngineConfig()).replace(**options)
