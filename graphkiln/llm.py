@@ -6,7 +6,7 @@ import dataclasses
 import operator
 import re
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -231,10 +231,7 @@ class LLM:
         A request that fails inside an engine step (a device or runtime fault) does not stop the others:
         once they have finished, RequestFailedError names the failed ones, with every output on its
         `outputs` (the failed ones with finish_reason "error"). An interrupt aborts this call's requests."""
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        if any(isinstance(p, int) for p in prompts):
-            raise RequestError("prompts must be strings or lists of token ids; wrap a single token-id prompt in a list")
+        prompts = _prompt_list(prompts)
         params_list = _broadcast(params, len(prompts))
         encoded = [self.encode(p) for p in prompts]
         seqs = []
@@ -283,11 +280,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate replies to conversations ([{"role": ..., "content": ...}, ...]) with the tokenizer's chat template;
         messages are checked and their text parts joined as `graphkiln serve` does (graphkiln/chat.py)."""
-        if conversations and isinstance(conversations[0], Mapping):
-            conversations = [template_messages(conversations)]
-        else:
-            conversations = [template_messages(c, f"conversations.{i}") for i, c in enumerate(conversations)]
-        prompts = [self.tokenizer.chat_template_ids(c) if self.tokenizer else None for c in conversations]
+        prompts = [self.tokenizer.chat_template_ids(c) if self.tokenizer else None for c in _chats(conversations)]
         if any(p is None for p in prompts):
             raise RequestError("this model's tokenizer has no chat template; use generate() with plain prompts")
         return self.generate(prompts, params)
@@ -325,6 +318,30 @@ def _failure(failed: list[tuple[str, Request]], outputs: list[RequestOutput] | N
     )
     error.__cause__ = cause
     return error
+
+
+def _prompt_list(prompts) -> list:
+    """`generate`'s prompts as a list: one string is one prompt."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, (bytes, Mapping)) or not isinstance(prompts, Iterable):
+        raise RequestError(f"prompts={prompts!r:.80}: give a string (one prompt) or a list of prompts, each a string "
+                           "or a list of token ids")  # fmt: skip
+    prompts = list(prompts)
+    if any(isinstance(p, int) for p in prompts):
+        raise RequestError("prompts must be strings or lists of token ids; wrap a single token-id prompt in a list")
+    return prompts
+
+
+def _chats(conversations) -> list[list[dict]]:
+    """`chat`'s conversations, each checked and normalised for its chat template: one conversation is a list of
+    message dicts."""
+    if isinstance(conversations, (str, bytes, Mapping)) or not isinstance(conversations, Sequence):
+        raise RequestError(f"conversations={conversations!r:.80}: give a conversation (a list of messages, each a "
+                           "dict with role and content) or a list of conversations")  # fmt: skip
+    if conversations and isinstance(conversations[0], Mapping):
+        return [template_messages(conversations)]
+    return [template_messages(c, f"conversations.{i}") for i, c in enumerate(conversations)]
 
 
 def _broadcast(params, n: int) -> list[SamplingParams]:

@@ -146,6 +146,13 @@ def test_prompt_ids_that_are_not_ints(llm: LLM, prompt: list) -> None:
     assert_idle(llm)
 
 
+@pytest.mark.parametrize("prompts", [None, 5, b"If the file"], ids=["none", "int", "bytes"])
+def test_prompts_that_are_neither_a_prompt_nor_a_list_of_them(llm: LLM, prompts) -> None:
+    with pytest.raises(RequestError, match=r"prompts=.*: give a string \(one prompt\) or a list of prompts"):
+        llm.generate(prompts, GREEDY)
+    assert_idle(llm)
+
+
 def test_chat_joins_text_parts_as_serve_does(llm: LLM) -> None:
     """Content given as text parts is their text in the prompt, not their Python repr."""
     parts = [{"type": "text", "text": "If the "}, {"type": "text", "text": "file"}]
@@ -168,6 +175,9 @@ BAD_CONVERSATIONS = {  # id: (conversations, words the RequestError must hold)
                    ["messages.0.content.0=", "text parts"]),
     "second-conversation": ([[{"role": "user", "content": "x"}], [{"role": "user", "content": 5}]],
                             ["conversations.1.0.content=5"]),
+    "none": (None, ["conversations=None", "a list of conversations"]),
+    "string": ("hello", ["conversations='hello'", "a list of conversations"]),
+    "ints": ([1, 2], ["conversations.0=1", "a list of messages"]),
 }  # fmt: skip
 
 
