@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -190,7 +190,23 @@ def parse(model: type[BaseModel], body: bytes) -> Any:
             where = ".".join(str(x) for x in os.path.commonprefix([x["loc"] for x in [error, *union]]))
             message = "not a value this field takes; see the OpenAI API reference"
         if error["type"] == "extra_forbidden":
-            message = f"unknown field; graphkiln serve takes {', '.join(sorted(model.model_fields))}"
+            holder = ".".join(str(x) for x in error["loc"][:-1]) or "graphkiln serve"
+            message = f"unknown field; {holder} takes {', '.join(sorted(_model_at(model, error['loc']).model_fields))}"
         elif error["type"] != "missing":
             message = f"{message} (got {error['input']!r:.80})"
         raise APIError(400, f"{where}: {message}", param=field) from None
+
+
+def _model_at(model: type[BaseModel], loc: tuple) -> type[BaseModel]:
+    """The model (`model` or one nested in it, such as StreamOptions) that holds the field at `loc`."""
+    for key in loc[:-1]:
+        if isinstance(key, str):  # (an int indexes a list of the same model)
+            model = _model_in(model.model_fields[key].annotation)
+    return model
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The model a field's annotation names (StreamOptions | None: StreamOptions), or None."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next(filter(None, map(_model_in, get_args(annotation))), None)
