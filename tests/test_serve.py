@@ -225,7 +225,7 @@ BAD_INPUTS = [  # (route, body, status, field, words the message must hold)
     ("completions", {"prompt": "x", "max_tokens": "16"}, 400, "max_tokens", "valid integer"),
     ("completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs", "21"),
     ("completions", {"prompt": "x", "seed": 2**63}, 400, "seed", "less than"),
-    ("completions", {"prompt": "x", "seed": 2**63 - 1, "n": 2}, 400, "seed", "2**63"),
+    ("completions", {"prompt": "x", "seed": 2**63 - 1, "n": 2}, 400, "seed", "seed + n - 1", "below 2**63"),
     ("completions", {"prompt": [5, 99999]}, 400, "prompt", "outside the vocabulary"),
     ("completions", {"prompt": [[5], []]}, 400, "prompt", "token ids"),
     ("completions", {"prompt": "x", "stop_token_ids": [99999]}, 400, "stop_token_ids", "outside the vocabulary"),

@@ -97,6 +97,9 @@ class GenerationRequest(BaseModel):
         """The engine's SamplingParams of choice `choice`: a seed gives choice i the seed + i, so choices differ
         and each one is what `LLM.generate` gives with that seed."""
         seed = None if self.seed is None else self.seed + choice
+        if seed is not None and seed >= INT64_END:
+            raise APIError(400, f"seed={self.seed} with n={self.choices}: choice i samples with seed + i, so "
+                                "seed + n - 1 must stay below 2**63; lower seed or n", param="seed")  # fmt: skip
         try:
             return SamplingParams(
                 max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
