@@ -101,6 +101,11 @@ def test_sampling_params_reject_wrong_types_and_ranges(field: str, value) -> Non
     assert "give" in str(caught.value)  # and what to do
 
 
+def test_a_top_k_out_of_range_is_refused_with_the_range() -> None:
+    with pytest.raises(RequestError, match=r"top_k=1180591620717411303424; give an int in \[0, 2\*\*63\); 0 disables"):
+        SamplingParams(top_k=2**70)
+
+
 def test_sampling_params_normalize_numbers() -> None:
     params = SamplingParams(max_tokens=np.int64(4), temperature=1, top_k=np.int32(3), seed=np.uint8(7),
                             stop_token_ids=[np.int64(5)])  # fmt: skip

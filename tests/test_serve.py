@@ -220,6 +220,7 @@ BAD_INPUTS = [  # (route, body, status, field, words the message must hold)
     ("completions", {"prompt": "x", "temperature": -0.5}, 400, "temperature", "greater than or equal to 0"),
     ("completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p", "1.5"),
     ("completions", {"prompt": "x", "top_k": -2}, 400, "top_k", "-2"),
+    ("completions", {"prompt": "x", "top_k": 2**70}, 400, "top_k", "less than 9223372036854775808"),
     ("completions", {"prompt": "x", "n": 0}, 400, "n", "greater than or equal to 1"),
     ("completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "greater than or equal to 1"),
     ("completions", {"prompt": "x", "max_tokens": "16"}, 400, "max_tokens", "valid integer"),

@@ -56,7 +56,7 @@ class SamplingParams:
             "max_tokens": _int("max_tokens", self.max_tokens, 1, INT64_END, "give an int >= 1"),
             "temperature": _real("temperature", self.temperature, lambda t: 0 <= t < math.inf,
                                  "give a finite real number >= 0 (0 is greedy)"),
-            "top_k": _int("top_k", self.top_k, 0, INT64_END, "give 0 to disable the filter, or an int >= 1"),
+            "top_k": _int("top_k", self.top_k, 0, INT64_END, "give an int in [0, 2**63); 0 disables the filter"),
             "top_p": _real("top_p", self.top_p, lambda p: 0 < p <= 1,
                            "give a real number in (0, 1]; 1 disables the filter"),
             "seed": None if self.seed is None else _int("seed", self.seed, 0, INT64_END,

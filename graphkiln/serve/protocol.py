@@ -55,7 +55,7 @@ class GenerationRequest(BaseModel):
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0)] | None = None  # None: 1, as in the OpenAI API
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None  # -1 and 0: off
+    top_k: Annotated[int, Field(ge=-1, lt=INT64_END)] | None = None  # -1 and 0: off
     n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
     seed: Annotated[int, Field(ge=0, lt=INT64_END)] | None = None
     stop: Any = Field(None, validate_default=True)  # a list of strings once validated
