@@ -86,6 +86,14 @@ def test_a_kv_cache_that_cannot_fit_names_its_size() -> None:
         graphkiln.LLM.eager("tiny", kv_cache_tokens=10**12)
 
 
+@pytest.mark.parametrize("block_size", [2**15, 2**40], ids=["past-the-cache", "past-memory"])
+def test_a_block_larger_than_the_default_kv_cache_names_block_size(artifact: Path, block_size: int) -> None:
+    """It used to be blamed on kv_cache_tokens (the cache's bytes, rounded up to one block) or on the cache's
+    block count."""
+    with pytest.raises(ConfigError, match=rf"block_size={block_size} exceeds the 16384 tokens .*lower block_size"):
+        graphkiln.load(artifact, block_size=block_size)
+
+
 def test_errors_import_neither_the_compiler_nor_dynamo() -> None:
     result = run_python_json(
         "import json, sys\n"

@@ -107,7 +107,7 @@ class EngineConfig:
         if blocks < 1:
             raise ConfigError(
                 f"EngineConfig.kv_cache_tokens={self.kv_cache_tokens} is smaller than one block of "
-                f"{self.block_size} tokens; raise it"
+                f"{self.block_size} tokens; raise it, or lower block_size"
             )
         if self.max_seq_len is not None and self.max_seq_len > self.kv_cache_tokens:
             raise ConfigError(

@@ -66,7 +66,8 @@ def kv_cache_blocks(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, 
                 raise CapacityError(
                     f"no room for a KV cache on {device}: {holders}, and gpu_memory_fraction="
                     f"{config.gpu_memory_fraction} leaves {_gib(max(usable, 0))} for it; close other engines "
-                    "(llm.close()) or processes, raise gpu_memory_fraction, or set kv_cache_tokens"
+                    "(llm.close()) or processes, raise gpu_memory_fraction, or set kv_cache_tokens (one block of "
+                    f"block_size={block} tokens takes {_gib(block * per_token)})"
                 )
         elif (tokens // block + 1) * block * per_token > free:
             raise CapacityError(
@@ -75,6 +76,9 @@ def kv_cache_blocks(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, 
             )
     else:
         tokens = tokens or DEFAULT_CPU_KV_TOKENS
+        if tokens < block:  # (an explicit kv_cache_tokens below one block is EngineConfig's error)
+            raise ConfigError(f"block_size={block} exceeds the {tokens} tokens of the CPU's default KV cache; lower "
+                              "block_size (16 is usual), or set kv_cache_tokens")  # fmt: skip
         need = (tokens // block + 1) * block * per_token
         available = _host_available_bytes()
         if available is not None and need > available:
