@@ -185,6 +185,8 @@ def main(a: argparse.Namespace) -> int:
     def score(name: str, llm, reference) -> None:
         if name != "unquantized":
             logits[name] = logit_quality(llm, reference, prompts)
+            log(f"{name}: {logits[name]}")
+            study.save({**results, "logits": logits}, study.model)  # a run stopped later keeps what it measured
         if study.smoke:  # the logits' model is the tiny one
             perplexities[name] = perplexity(llm, windows)
 
@@ -195,7 +197,6 @@ def main(a: argparse.Namespace) -> int:
         prompts = random_prompts(count, length, vocab, seed=0)
         each_variant(model_dir, study, work, score)
         results["logits"] = logits
-        study.save(results, study.model)  # a run stopped in the perplexity part keeps the logits
         if not study.smoke:
             each_variant(tiny_model_dir(), study, work,
                          lambda name, llm, reference: perplexities.__setitem__(name, perplexity(llm, windows)))
