@@ -195,8 +195,9 @@ def _check_scales(tensor: torch.Tensor, where: str, zero: bool = True) -> None:
         raise WeightMismatchError(f"{where}: dtype {tensor.dtype}, but the format stores floating-point scales")
     low = tensor.float().min() if tensor.numel() else None
     if low is not None and (low < 0 or (not zero and low == 0)):
-        raise WeightMismatchError(f"{where}: holds the scale {low.item():g}, but scales are {'>= 0' if zero else '> 0'}; "
-                                  "the checkpoint is corrupt, download or save it again")
+        bound = ">= 0" if zero else "> 0"
+        raise WeightMismatchError(f"{where}: holds the scale {low.item():g}, but scales are {bound}; the checkpoint "
+                                  "is corrupt, download or save it again")
 
 
 def _check_shape(tensor: torch.Tensor, shape, where: str) -> None:
