@@ -1,7 +1,7 @@
 """graphkiln deletes or replaces only what it wrote: `--force` replaces a graphkiln artifact (or an empty
 folder), never a project folder, the working directory or the model directory; a dump folder is emptied
-only when graphkiln's marker lists every file in it; -o and --dump-dir stay apart. Every refusal is one
-line, exit 2, naming the path and why, before anything is written.
+only when graphkiln's marker lists every file in it; -o and --dump-dir stay apart, and out of other
+artifacts. Every refusal is one line, exit 2, naming the path and why, before anything is written.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 import graphkiln
 from artifact_helpers import SMALL_CONFIG, compile_error, temp_folders
 from graphkiln import CompileConfig
+from graphkiln.compiler.manifest import foreign_content
 from graphkiln.errors import ArtifactError, ConfigError
 from graphkiln.models.tiny import tiny_model_dir
 from graphkiln.passes.dump import INDEX, MARKER, Dump
@@ -134,6 +135,24 @@ def test_out_apart_from_the_model_directory(
     line = compile_error(capsys, model, "-o", out, "--force")
     assert line.startswith(f"error: -o {out} {relation} the model directory {model}; "), line
     assert snapshot(model) == before and not (model / "compiled").exists()
+
+
+@pytest.mark.parametrize("flag, where, relation", [
+    ("-o", "pieces/inner", "is inside"), ("--dump-dir", "pieces/dumps", "is inside"), ("--dump-dir", "", "is"),
+], ids=["out-inside", "dump-inside", "dump-is"])  # fmt: skip
+def test_nothing_is_written_inside_another_artifact(
+    artifact: Path, tmp_path: Path, flag: str, where: str, relation: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Its load refuses any file its manifest does not list (a lock file, a dump), and --force would then refuse
+    to replace it."""
+    outer = Path(shutil.copytree(artifact, tmp_path / "outer"))
+    before = snapshot(outer)
+    target = outer / where if where else outer
+    args = ("-o", target) if flag == "-o" else ("-o", tmp_path / "out", "--dump-dir", target)
+    line = compile_error(capsys, "tiny", *args)
+    assert line.startswith(f"error: {flag} {target} {relation} the graphkiln artifact {outer}, "), line
+    assert snapshot(outer) == before and foreign_content(outer) is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["outer"]
 
 
 def test_a_lock_file_graphkiln_did_not_write_keeps_its_bytes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

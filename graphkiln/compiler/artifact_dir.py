@@ -48,6 +48,7 @@ from .manifest import (
     environment,
     file_hashes,
     foreign_content,
+    holds_artifact,
     seal,
 )
 from .signing import sign
@@ -153,16 +154,29 @@ def check_device(device: str) -> None:
         raise ConfigError(f"CompileConfig.device='cuda' but this torch {torch.__version__} {build}; use --device cpu")
 
 
+def _enclosing_artifact(folder: Path) -> Path | None:
+    """The graphkiln artifact that `folder` is or lies inside, if any (`folder` resolved)."""
+    return next((f for f in (folder, *folder.parents) if holds_artifact(f)), None)
+
+
 def check_paths(out: Path, model_dir: Path, config: CompileConfig) -> None:
     """OUT stays apart from the model directory and the dump folder (replacing one must never touch the
-    other), and the dump folder is new, empty or an earlier dump."""
+    other), neither lies inside another artifact (whose load would refuse the files written there), and the
+    dump folder is new, empty or an earlier dump."""
     model_dir = model_dir.resolve()
     if relation := _relation(out, model_dir):
         raise ConfigError(f"-o {out} {relation} the model directory {model_dir}; write the artifact to its own folder")
+    if artifact := _enclosing_artifact(out.parent):
+        raise ConfigError(f"-o {out} is inside the graphkiln artifact {artifact}, whose load would refuse the files "
+                          "written there; write the artifact to a folder outside it")
     if config.dump_dir:
         dump = Path(config.dump_dir).resolve()
         if relation := _relation(dump, out):
             raise ConfigError(f"--dump-dir {dump} {relation} -o {out}; keep the dumps and the artifact apart")
+        if artifact := _enclosing_artifact(dump):
+            relation = "is" if artifact == dump else "is inside"
+            raise ConfigError(f"--dump-dir {dump} {relation} the graphkiln artifact {artifact}, whose load would "
+                              "refuse the files written there; pick a folder outside it")
         check_dump_dir(dump)
 
 

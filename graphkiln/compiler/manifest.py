@@ -177,12 +177,25 @@ def foreign_content(root: Path) -> str | None:
         manifest = json.loads((root / MANIFEST).read_bytes())
     except (OSError, ValueError):
         return f"it holds no readable {MANIFEST}, so it is not a graphkiln artifact"
-    if not (isinstance(manifest, dict) and isinstance(manifest.get("format_version"), int)
-            and isinstance(manifest.get("environment"), dict) and "graphkiln" in manifest["environment"]
-            and isinstance(manifest.get("files"), dict)):
+    if not _graphkiln_fields(manifest):
         return f"its {MANIFEST} is not a graphkiln manifest"
     unlisted = first_unlisted(root, [*manifest["files"], MANIFEST, SIGNATURE])
     return None if unlisted is None else f"it holds {unlisted}, which is not part of the artifact"
+
+
+def _graphkiln_fields(manifest: object) -> bool:
+    """Whether a parsed manifest.json has the fields graphkiln writes in every format version."""
+    return (isinstance(manifest, dict) and isinstance(manifest.get("format_version"), int)
+            and isinstance(manifest.get("environment"), dict) and "graphkiln" in manifest["environment"]
+            and isinstance(manifest.get("files"), dict))
+
+
+def holds_artifact(root: Path) -> bool:
+    """Whether `root` holds a graphkiln manifest.json: an artifact, whose load refuses any file it does not list."""
+    try:
+        return _graphkiln_fields(json.loads((root / MANIFEST).read_bytes()))
+    except (OSError, ValueError):
+        return False
 
 
 def check_environment(manifest: dict, device: str) -> None:
