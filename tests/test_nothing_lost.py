@@ -207,6 +207,26 @@ def test_a_dump_is_replaced_only_while_it_holds_just_its_own_files(tmp_path: Pat
     assert (root / "drafts").is_dir()
 
 
+def test_a_link_to_a_dump_stands_for_that_dump(tmp_path: Path) -> None:
+    """The dump a link points at is emptied and written again, the link kept; a link to a folder that is not a
+    dump is refused, and what it points at kept."""
+    root, link = tmp_path / "dump", tmp_path / "dump-link"
+    with Dump(root) as dump:
+        dump.write("01-pass.before.py", "x = 1\n", "a graph")
+    link.symlink_to(root)
+    with Dump(link) as dump:
+        dump.write("02-other.after.py", "y = 2\n", "another graph")
+    assert link.is_symlink() and sorted(p.name for p in root.iterdir()) == [MARKER, "02-other.after.py", INDEX]
+    docs, docs_link = tmp_path / "docs", tmp_path / "docs-link"
+    docs.mkdir()
+    (docs / "guide.md").write_text("mine\n")
+    docs_link.symlink_to(docs)
+    with pytest.raises(ConfigError, match=re.escape(f"dump_dir={str(docs)!r} is not empty and holds no {MARKER}")):
+        with Dump(docs_link):
+            pass
+    assert snapshot(docs) == {"guide.md": b"mine\n"}
+
+
 @pytest.mark.parametrize("where", ["same", "dump-inside-out", "out-inside-dump"])
 def test_dump_dir_apart_from_out(tmp_path: Path, where: str, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "out"

@@ -10,7 +10,8 @@ Inductor's output code for every compiled piece and size, and `passes.md`, the p
 Markdown viewer follows.
 
 A dump folder is emptied for the next dump only if graphkiln wrote it: `.graphkiln-dump`, written
-last, records every file of the dump, and a folder holding anything else is left alone.
+last, records every file of the dump, and a folder holding anything else is left alone. A symbolic link
+stands for the folder it points at: that folder is checked, emptied and written, and the link kept.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ class Dump:
     """Writes the files of one dump folder and keeps their one-line descriptions for index.md."""
 
     def __init__(self, root: str | Path) -> None:
-        self.root = Path(root)
+        self.root = Path(root).resolve()  # a link to an earlier dump: that dump is checked, emptied and written
         self.entries: list[tuple[str, str]] = []
         self.compiling_piece: tuple[str, str] | None = None  # (piece, variant) while Inductor compiles it
 
