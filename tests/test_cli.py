@@ -190,6 +190,23 @@ def test_bad_sizes_exit_2(flag: str, value: str, message: str, tmp_path: Path, c
     assert not out.exists() and not temp_folders(out)
 
 
+@pytest.mark.parametrize("flags, size, bound", [
+    (("--specialize-sizes", "16,99999999999"), 99999999999, 2048),
+    (("--specialize-sizes", "16,128", "--max-num-batched-tokens", "64"), 128, 64),
+], ids=["huge", "above-the-recorded-bound"])  # fmt: skip
+def test_a_specialized_size_no_step_reaches_exits_2(
+    flags: tuple[str, ...], size: int, bound: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A step holds at most max_num_batched_tokens tokens: a larger size's compile would never be called (and a huge
+    one failed inside torch's allocator)."""
+    out = tmp_path / "out"
+    assert cli.compile_model_main(["tiny", "-o", str(out), *flags, *SMALL_CONFIG_ARGS]) == 2
+    line = single_error_line(capsys.readouterr().err)
+    assert line.startswith(f"error: CompileConfig.specialize_sizes holds {size}, more tokens than a step holds "
+                           f"(EngineConfig.max_num_batched_tokens={bound}); "), line
+    assert not out.exists() and not temp_folders(out)
+
+
 def test_sizes_that_are_not_integers_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         cli.compile_model_main(["tiny", "-o", str(tmp_path / "out"), "--decode-batch-sizes", "1,two"])

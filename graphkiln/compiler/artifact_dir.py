@@ -159,6 +159,16 @@ def _enclosing_artifact(folder: Path) -> Path | None:
     return next((f for f in (folder, *folder.parents) if holds_artifact(f)), None)
 
 
+def check_specialize_sizes(sizes: tuple[int, ...], engine_defaults: dict) -> None:
+    """No specialized size above the tokens a step holds (the recorded EngineConfig.max_num_batched_tokens): no
+    call would ever use its compile, which runs on real inputs of that many tokens (a huge one fails in torch)."""
+    bound = engine_defaults["max_num_batched_tokens"]
+    if too_large := [s for s in sizes if s > bound]:
+        raise ConfigError(f"CompileConfig.specialize_sizes holds {too_large[0]}, more tokens than a step holds "
+                          f"(EngineConfig.max_num_batched_tokens={bound}); drop it, or raise max_num_batched_tokens "
+                          "(--max-num-batched-tokens) to it")
+
+
 def check_paths(out: Path, model_dir: Path, config: CompileConfig) -> None:
     """OUT stays apart from the model directory and the dump folder (replacing one must never touch the
     other), neither lies inside another artifact (whose load would refuse the files written there), and the
@@ -212,14 +222,16 @@ def write_artifact(
     signed and renamed into place: the files it adds under TRITON_KERNELS are listed in the manifest, and the
     stage seconds it returns are added to the report's timings.
 
-    The model directory (config.json, weight file headers, quantization), the device, the paths, the pass names
-    and, for dumps, depyf are checked before anything is locked, created or reported as progress.
+    The model directory (config.json, weight file headers, quantization), the device, the specialized sizes, the
+    paths, the pass names and, for dumps, depyf are checked before anything is locked, created or reported as
+    progress.
     `force` replaces an existing artifact (or an empty folder), nothing else. `sign_key` signs the
     manifest.
     """
     out = out.resolve()
     fingerprint = model_fingerprint(model_dir)
     check_device(config.device)
+    check_specialize_sizes(config.specialize_sizes, engine_defaults)
     # an unsupported, conflicting or sharded scheme, before anything is written
     check_tensor_parallel(model_scheme(model_dir, config.quantization), config.tensor_parallel_size)
     check_paths(out, model_dir, config)
