@@ -272,11 +272,17 @@ def run_serve(args) -> int:
 
 
 def _serving_llm(args):
-    """The artifact OUT loaded; with --compile, MODEL compiled into graphkiln's cache first (once)."""
+    """The artifact OUT loaded (--device and --dtype, when given, must be those it was compiled for); with
+    --compile, MODEL compiled into graphkiln's cache first (once)."""
     import graphkiln
+    from graphkiln.errors import ConfigError
 
     if not args.compile:
-        return graphkiln.load(args.model, model=args.weights, trusted_keys=args.trusted_key, **_engine_options(args))
+        if args.quantization:
+            raise ConfigError(f"--quantization {args.quantization} needs --compile: {args.model} is compiled already; "
+                              f"serve the model with --compile, or compile it with --quantization {args.quantization}")
+        return graphkiln.load(args.model, model=args.weights, device=args.device, dtype=args.dtype,
+                              trusted_keys=args.trusted_key, **_engine_options(args))
     progress = report.ProgressDisplay()
     try:
         out = graphkiln.cached_artifact(args.model, _config(args), progress=progress)
@@ -324,9 +330,11 @@ def _serve_parser(parser: argparse.ArgumentParser) -> None:
                         help="OUT is a model: compile it into graphkiln's cache on first start "
                              "(GRAPHKILN_CACHE_DIR, default ~/.cache/graphkiln), and load it from there after")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
-                        help="with --compile; default: cuda if available")
+                        help="with --compile, the device to compile for (default: cuda if available); without, "
+                             "an artifact compiled for another is refused")
     parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
-                        help="with --compile; default: bfloat16 on cuda, float32 on cpu")
+                        help="with --compile, the dtype to compile in (default: bfloat16 on cuda, float32 on cpu); "
+                             "without, an artifact compiled in another is refused")
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                         help="with --compile: quantize the decoder's linear layers (see compile-model --help)")
     parser.add_argument("--host", default="127.0.0.1",

@@ -46,6 +46,21 @@ def test_serve_refuses_bad_arguments_in_one_line(argv: list[str], words: list[st
     assert all(word in line for word in words), line
 
 
+@pytest.mark.parametrize("flags, words", [
+    (("--quantization", "int4"), ["--quantization int4 needs --compile", "compiled already"]),
+    (("--dtype", "bfloat16"), ["compiled for dtype 'float32', asked for 'bfloat16'"]),
+    (("--device", "cuda"), ["compiled for device 'cpu', asked for 'cuda'"]),
+], ids=["quantization", "dtype", "device"])  # fmt: skip
+def test_compile_options_on_an_artifact_are_refused_or_checked(
+    artifact: Path, flags: tuple[str, ...], words: list[str], capsys
+) -> None:
+    """Without --compile the artifact is served as it was compiled: an option that would change that is never
+    silently dropped."""
+    assert cli.main(["serve", str(artifact), "--port", "0", *flags]) == 2
+    line = single_error_line(capsys.readouterr().err)
+    assert all(word in line for word in words), line
+
+
 def test_a_port_in_use_is_said_before_the_model_loads(artifact: Path, capsys, monkeypatch) -> None:
     monkeypatch.setattr(graphkiln, "load", lambda *a, **k: pytest.fail("loaded before binding"))
     with socket.create_server(("127.0.0.1", 0)) as taken:
