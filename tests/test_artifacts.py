@@ -34,7 +34,7 @@ from artifact_helpers import (
 )
 from graphkiln.compiler.artifact_load import check_artifact
 from graphkiln.compiler.graph_file import read_graph
-from graphkiln.compiler.manifest import FORMAT_VERSION
+from graphkiln.compiler.manifest import FORMAT_VERSION, foreign_content
 from graphkiln.errors import ArtifactError, ConfigError
 from graphkiln.models.tiny import tiny_model_dir
 
@@ -181,6 +181,10 @@ def _delete_manifest(art: Path) -> None:
     (art / "manifest.json").unlink()
 
 
+def _another_tools_manifest(art: Path) -> None:
+    (art / "manifest.json").write_text(json.dumps({"name": "project", "version": "1.0"}))
+
+
 def _delete_graph(art: Path) -> None:
     (art / "graph.json").unlink()
 
@@ -210,9 +214,7 @@ CORRUPTIONS = {
     "manifest-torch-version": (set_torch_version, r"torch is '0\.0' but this process has '.+'"),
     "manifest-python-version": (_set_python_version, r"python is '2\.7\.18' but this process has"),
     "manifest-device": (_set_device_name, r"device is .*'NEON'.* but this process has"),
-    "manifest-not-json": (_flip_manifest_byte, r"{art}/manifest\.json: not valid JSON"),
     "format-version-99": (_format_99, rf"{{art}}/manifest\.json: format_version 99, this graphkiln reads {FORMAT_VERSION}"),
-    "manifest-missing": (_delete_manifest, r"{art}/manifest\.json: missing"),
     "graph-missing": (_delete_graph, r"{art}/graph\.json: listed in manifest\.json but missing"),
 }
 PIECE_CORRUPTIONS = {
@@ -229,6 +231,25 @@ def test_corrupt_artifact_is_refused(art: Path, case: str) -> None:
     with pytest.raises(ArtifactError, match=pattern.replace("{art}", re.escape(str(art)))) as info:
         graphkiln.load(art, **ENGINE)
     assert "recompile" in str(info.value)  # says what to do
+
+
+# What leaves a folder no graphkiln artifact at all: --force would refuse to replace it, so no message suggests it.
+NOT_ARTIFACTS = {
+    "manifest-missing": (_delete_manifest, r"{art}: not a graphkiln artifact \(it holds no manifest\.json\)"),
+    "manifest-not-json": (_flip_manifest_byte, r"{art}/manifest\.json: not valid JSON \(.*\), so {art} is not a "),
+    "another-tools-manifest": (_another_tools_manifest,
+                               r"{art}/manifest\.json: not a graphkiln manifest \(no format_version\), so {art} "),
+}
+
+
+@pytest.mark.parametrize("case", list(NOT_ARTIFACTS))
+def test_a_folder_that_is_no_artifact_is_refused_without_the_force_hint(art: Path, case: str) -> None:
+    edit, pattern = NOT_ARTIFACTS[case]
+    edit(art)
+    with pytest.raises(ArtifactError, match=pattern.replace("{art}", re.escape(str(art)))) as info:
+        graphkiln.load(art, **ENGINE)
+    assert "--force" not in str(info.value) and "compile-model MODEL -o OUT" in str(info.value)
+    assert foreign_content(art) is not None  # --force would refuse it
 
 
 @pytest.mark.parametrize("case", list(PIECE_CORRUPTIONS))

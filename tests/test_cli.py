@@ -289,6 +289,24 @@ def test_generate_missing_artifact_exits_2(tmp_path: Path, capsys: pytest.Captur
     assert "no such artifact directory" in single_error_line(capsys.readouterr().err)
 
 
+@pytest.mark.parametrize("command", ["generate", "inspect"])
+def test_a_folder_that_is_no_artifact_says_so(command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Not "recompile with --force": --force refuses a folder that is not an artifact."""
+    (tmp_path / "notes.txt").write_text("mine\n")
+    assert cli.main([command, str(tmp_path), *(["--prompt", "hi"] if command == "generate" else [])]) == 2
+    line = single_error_line(capsys.readouterr().err)
+    assert line == (f"error: {tmp_path}: not a graphkiln artifact (it holds no manifest.json); compile one into a "
+                    "new folder with `compile-model MODEL -o OUT`")
+
+
+def test_generate_on_a_model_directory_says_to_compile_it(capsys: pytest.CaptureFixture[str]) -> None:
+    model = tiny_model_dir()
+    assert cli.main(["generate", str(model), "--prompt", "hi"]) == 2
+    line = single_error_line(capsys.readouterr().err)
+    assert line.startswith(f"error: {model}: a model directory (config.json), not a graphkiln artifact (no "
+                           f"manifest.json); compile it first with `compile-model {model} -o OUT`, or "), line
+
+
 def _generate(capsys: pytest.CaptureFixture[str], artifact: Path, *flags: str) -> str:
     argv = ["generate", str(artifact), "--prompt", "hi", "--kv-cache-tokens", "2048", *flags]
     assert cli.main(argv) == 0, capsys.readouterr().err

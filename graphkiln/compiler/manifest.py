@@ -32,6 +32,7 @@ SIGNATURE = "manifest.sig"  # an Ed25519 signature over manifest.json's bytes (s
 SIGNATURE_BYTES = 64
 FIX = "recompile with `compile-model ... --force`, or load with on_mismatch='recompile'"
 REWRITE = "recompile with `compile-model ... --force`"
+NEW = "compile one into a new folder with `compile-model MODEL -o OUT`"  # for a folder --force would refuse
 SECTIONS = {
     "environment": dict,
     "model": dict,
@@ -134,7 +135,7 @@ def read_manifest(root: Path, trusted_keys: Sequence = ()) -> dict:
     if not root.is_dir():
         raise ArtifactError(f"{root}: no such artifact directory; create it with `compile-model MODEL -o {root}`")
     if not path.is_file():
-        raise ArtifactError(f"{path}: missing, so {root} is not a complete artifact; {REWRITE}")
+        raise ArtifactError(_not_an_artifact(root))
     data = path.read_bytes()
     if trusted_keys:
         from .signing import verify
@@ -143,8 +144,10 @@ def read_manifest(root: Path, trusted_keys: Sequence = ()) -> dict:
     try:
         manifest = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ArtifactError(f"{path}: not valid JSON ({e}); {REWRITE}") from e
-    version = manifest.get("format_version") if isinstance(manifest, dict) else None
+        raise ArtifactError(f"{path}: not valid JSON ({e}), so {root} is not a graphkiln artifact; {NEW}") from e
+    if lacks := _lacks(manifest):
+        raise ArtifactError(f"{path}: not a graphkiln manifest ({lacks}), so {root} is not a graphkiln artifact; {NEW}")
+    version = manifest["format_version"]
     if version != FORMAT_VERSION:
         raise ArtifactError(f"{path}: format_version {version!r}, this graphkiln reads {FORMAT_VERSION}; {REWRITE}")
     for section, kind in SECTIONS.items():
@@ -166,6 +169,14 @@ def recorded_source(manifest: dict, root: Path) -> str:
     return source
 
 
+def _not_an_artifact(root: Path) -> str:
+    """Why a folder without manifest.json is no artifact, and what to do (not --force: it would refuse the folder)."""
+    if (root / "config.json").is_file():
+        return (f"{root}: a model directory (config.json), not a graphkiln artifact (no {MANIFEST}); compile it first "
+                f"with `compile-model {root} -o OUT`, or run it uncompiled with graphkiln.LLM.eager({str(root)!r})")
+    return f"{root}: not a graphkiln artifact (it holds no {MANIFEST}); {NEW}"
+
+
 def foreign_content(root: Path) -> str | None:
     """None when `root` is a graphkiln artifact (of any format version) holding only the files its manifest
     lists, or an empty folder; else why not. Only such a folder may be replaced (`--force`)."""
@@ -177,23 +188,27 @@ def foreign_content(root: Path) -> str | None:
         manifest = json.loads((root / MANIFEST).read_bytes())
     except (OSError, ValueError):
         return f"it holds no readable {MANIFEST}, so it is not a graphkiln artifact"
-    if not _graphkiln_fields(manifest):
+    if _lacks(manifest):
         return f"its {MANIFEST} is not a graphkiln manifest"
     unlisted = first_unlisted(root, [*manifest["files"], MANIFEST, SIGNATURE])
     return None if unlisted is None else f"it holds {unlisted}, which is not part of the artifact"
 
 
-def _graphkiln_fields(manifest: object) -> bool:
-    """Whether a parsed manifest.json has the fields graphkiln writes in every format version."""
-    return (isinstance(manifest, dict) and isinstance(manifest.get("format_version"), int)
-            and isinstance(manifest.get("environment"), dict) and "graphkiln" in manifest["environment"]
-            and isinstance(manifest.get("files"), dict))
+def _lacks(manifest: object) -> str | None:
+    """What a parsed manifest.json lacks of the fields graphkiln writes in every format version; None: nothing."""
+    if not isinstance(manifest, dict):
+        return "it is not a JSON object"
+    environment = manifest.get("environment")
+    fields = {"format_version": isinstance(manifest.get("format_version"), int),
+              "environment.graphkiln": isinstance(environment, dict) and "graphkiln" in environment,
+              "files": isinstance(manifest.get("files"), dict)}
+    return next((f"no {name}" for name, present in fields.items() if not present), None)
 
 
 def holds_artifact(root: Path) -> bool:
     """Whether `root` holds a graphkiln manifest.json: an artifact, whose load refuses any file it does not list."""
     try:
-        return _graphkiln_fields(json.loads((root / MANIFEST).read_bytes()))
+        return _lacks(json.loads((root / MANIFEST).read_bytes())) is None
     except (OSError, ValueError):
         return False
 
