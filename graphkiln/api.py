@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import shutil
 import time
 from collections.abc import Sequence
@@ -134,12 +135,25 @@ def cached_artifact(
     key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
     out = cache_root() / "artifacts" / key
     if not (out / MANIFEST).is_file():
+        _writable_cache(out.parent)
         try:
             compile_model(model, out, config, progress=progress, build_kernels=False)  # (the caller loads it next)
         except ArtifactError:
             if not (out / MANIFEST).is_file():  # not another process's compile of the same key, finished first
                 raise
     return out
+
+
+def _writable_cache(folder: Path) -> None:
+    """Make the cache's artifact folder, or name the setting to change (a failed compile would name -o)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        problem = None if os.access(folder, os.W_OK | os.X_OK) else "not writable"
+    except OSError as e:
+        problem = e.strerror
+    if problem:
+        raise ConfigError(f"{folder}: graphkiln's compile cache cannot be written there ({problem}); set "
+                          "GRAPHKILN_CACHE_DIR to a writable folder")
 
 
 def load(

@@ -1,5 +1,5 @@
 """Values kept in graphkiln's cache while their files stay as they are (cache_dir.py), and Triton's hash of its
-own sources kept that way (compat.warm_triton; where Triton is installed)."""
+own sources kept that way (compat.warm_triton; where Triton is installed); a compile cache that cannot be written."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
+import graphkiln
 from graphkiln.cache_dir import kept_while_unchanged
+from graphkiln.errors import ConfigError
 
 
 @pytest.fixture
@@ -97,3 +99,16 @@ def test_a_folder_that_cannot_be_walked_means_computing(folder: Path) -> None:
     compute = Counting()
     assert kept_while_unchanged("k", folder, compute) == "value-1"
     assert kept_while_unchanged("k", folder, compute) == "value-2"
+
+
+def test_a_compile_cache_that_cannot_be_written_names_graphkiln_cache_dir(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """`serve MODEL --compile` with GRAPHKILN_CACHE_DIR a file: the setting to change is named, before any compile
+    (whose error would say to pick another folder for -o, which serve does not take)."""
+    cache = tmp_path / "cache"
+    cache.write_text("not a folder\n")
+    monkeypatch.setenv("GRAPHKILN_CACHE_DIR", str(cache))
+    with pytest.raises(ConfigError, match="set GRAPHKILN_CACHE_DIR to a writable folder") as info:
+        graphkiln.cached_artifact("tiny")
+    assert str(info.value).startswith(f"{cache / 'artifacts'}: graphkiln's compile cache cannot be written there")
+    assert cache.read_text() == "not a folder\n"
