@@ -342,9 +342,23 @@ HISTORY_HEADER = ["date", "commit", "device", "model", "decode b=1", "b=8", "b=3
                   "4096", "start warm s", "cold s", "÷ floor b=1", "run"]
 
 
+def read_results(path: Path) -> dict:
+    """A result JSON of `python -m bench run`; one missing, unreadable or not such JSON ends the command in one
+    line naming it."""
+    try:
+        results = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise SystemExit(f"{path}: {e.strerror}; give a result JSON of `python -m bench run`") from None
+    except ValueError as e:  # (not UTF-8, or not JSON)
+        raise SystemExit(f"{path}: not JSON ({e}); give a result JSON of `python -m bench run`") from None
+    if not isinstance(results, dict):
+        raise SystemExit(f"{path}: not a result JSON of `python -m bench run` (no object at its top)")
+    return results
+
+
 def history_rows(path: Path) -> list[list[str]]:
     """One HISTORY.md row per model of a result JSON: graphkiln compiled's figures (ms; start in s)."""
-    results = json.loads(Path(path).read_text())
+    results = read_results(path)
     meta = results.get("meta") or {}
     add_ratios(results)
     run = Path(path).stem.removeprefix(f"{meta.get('date')}-{device_slug(meta)}-")  # "run10-1b"
@@ -372,7 +386,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(a: argparse.Namespace) -> int:
     paths = list(a.json)
     if a.latest:
-        found = sorted((p for p in a.latest.glob("*.json") if "models" in json.loads(p.read_text())),
+        found = sorted((p for p in a.latest.glob("*.json") if "models" in read_results(p)),
                        key=lambda p: (p.stat().st_mtime, p.name))
         if not found:
             raise SystemExit(f"no main-run result JSON in {a.latest}")
@@ -383,7 +397,7 @@ def main(a: argparse.Namespace) -> int:
         print("\n".join(markdown_table(HISTORY_HEADER, [r for p in paths for r in history_rows(p)])))
         return 0
     for path in paths:
-        results = json.loads(path.read_text())
+        results = read_results(path)
         add_ratios(results)
         md = to_markdown(results)
         if a.write:

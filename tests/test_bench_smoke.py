@@ -170,6 +170,25 @@ def test_serving_study_smoke(bench: Bench, tmp_path: Path) -> None:
     assert result["copy_gbs"] == max(result["copy_gbs_start"], result["copy_gbs_end"])
 
 
+@pytest.mark.parametrize("content, words", [
+    (None, "No such file or directory"), ("# notes\n", "not JSON ("), ("[1, 2]", "no object at its top"),
+], ids=["missing", "not-json", "not-an-object"])  # fmt: skip
+def test_a_report_of_a_file_that_is_no_result_json_is_one_line(
+    content: str | None, words: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(REPO))
+    from bench.__main__ import main
+
+    path = tmp_path / "run.json"
+    if content is not None:
+        path.write_text(content)
+    for argv in (["report", str(path)], ["report", "--history", str(path)]):
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        message = str(info.value.code)
+        assert message.startswith(f"{path}: ") and words in message and "\n" not in message, message
+
+
 def test_serving_floors_take_the_faster_copy_rate(monkeypatch: pytest.MonkeyPatch) -> None:
     """A copy rate measured after the rows 10% above the one before lowers every floor by 10%; a slower one
     leaves them."""
