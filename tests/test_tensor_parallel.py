@@ -266,6 +266,20 @@ def test_a_rank_dying_while_the_group_meets_is_named_and_the_group_ended(llama: 
     assert not dist.is_initialized()
 
 
+def test_a_rank_that_cannot_be_started_shows_why(llama: Checkpoint, monkeypatch) -> None:
+    """The process of rank 1 fails to start (no process can be made): that error reaches the caller, not one from
+    cleaning up a process that never ran, and no process group is left."""
+    from multiprocessing.context import SpawnProcess
+
+    def refused(self) -> None:
+        raise OSError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(SpawnProcess, "start", refused)
+    with pytest.raises(OSError, match="Resource temporarily unavailable"):
+        parallel_engine(2, "cpu", partial(_rank1_exits, llama.path), graphkiln.EngineConfig(**ENGINE))
+    assert not dist.is_initialized()
+
+
 def test_rank_failing_to_start_is_named(llama: Checkpoint) -> None:
     """A program read from stdin cannot be spawned again (the child re-runs the parent's main file): the
     parent says so at once instead of waiting for the group's timeout."""

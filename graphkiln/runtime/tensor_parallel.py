@@ -328,7 +328,8 @@ def start_group(size: int, device: str, load_rank: LoadRank, config: EngineConfi
         # the error to show is that rank's exit, not the connection it closed.
         died = _started_rank_died(processes) if isinstance(error, RuntimeError) else None
         for process in processes.values():
-            process.terminate()
+            if process.pid is not None:  # (one whose start raised was never started)
+                process.terminate()
         if dist.is_initialized():  # the next load in this process starts a group of its own
             dist.destroy_process_group()
         shutil.rmtree(store_dir, ignore_errors=True)
