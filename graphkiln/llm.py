@@ -207,7 +207,8 @@ class LLM:
 
     @property
     def max_context(self) -> int:
-        """The longest sequence (prompt plus output) this engine serves."""
+        """The longest sequence (prompt plus output) this engine serves; a prompt of exactly this many tokens still
+        gets its one token, which the KV cache never holds."""
         return self.engine.scheduler.max_context
 
     def encode(self, prompt: Prompt) -> list[int]:
