@@ -126,6 +126,20 @@ def write_json(path: Path, data: dict) -> Path:
     return path
 
 
+def read_results(path: Path) -> dict:
+    """A result JSON of `python -m bench run`; one missing, unreadable or not such JSON ends the command in one
+    line naming it."""
+    try:
+        results = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise SystemExit(f"{path}: {e.strerror}; give a result JSON of `python -m bench run`") from None
+    except ValueError as e:  # (not UTF-8, or not JSON)
+        raise SystemExit(f"{path}: not JSON ({e}); give a result JSON of `python -m bench run`") from None
+    if not isinstance(results, dict):
+        raise SystemExit(f"{path}: not a result JSON of `python -m bench run` (no object at its top)")
+    return results
+
+
 # The studies' shared arguments and settings.
 
 

@@ -11,12 +11,11 @@ Standard library only (matplotlib for the plot, optional).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
 
-from .common import device_slug
+from .common import device_slug, read_results
 from .models import DESCRIPTIONS
 
 ROWS = {  # JSON row name -> label, in table order
@@ -340,20 +339,6 @@ def plot(results: dict, path: Path) -> bool:
 
 HISTORY_HEADER = ["date", "commit", "device", "model", "decode b=1", "b=8", "b=32", "b=64", "prefill 128", "1024",
                   "4096", "start warm s", "cold s", "÷ floor b=1", "run"]
-
-
-def read_results(path: Path) -> dict:
-    """A result JSON of `python -m bench run`; one missing, unreadable or not such JSON ends the command in one
-    line naming it."""
-    try:
-        results = json.loads(Path(path).read_text())
-    except OSError as e:
-        raise SystemExit(f"{path}: {e.strerror}; give a result JSON of `python -m bench run`") from None
-    except ValueError as e:  # (not UTF-8, or not JSON)
-        raise SystemExit(f"{path}: not JSON ({e}); give a result JSON of `python -m bench run`") from None
-    if not isinstance(results, dict):
-        raise SystemExit(f"{path}: not a result JSON of `python -m bench run` (no object at its top)")
-    return results
 
 
 def history_rows(path: Path) -> list[list[str]]:
