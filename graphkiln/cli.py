@@ -259,9 +259,8 @@ def run_serve(args) -> int:
     sock = bind(args.host, args.port)  # before the model loads: a port in use is said at once
     try:
         llm = _serving_llm(args)
-        source = args.model if args.compile else llm.manifest["model"]["source"]
         config = ServerConfig(
-            model_name=args.served_model_name or _model_name(source),
+            model_name=args.served_model_name or _model_name(_served_source(args, llm.manifest)),
             api_key=api_key,
             max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes,
         )  # fmt: skip
@@ -289,6 +288,20 @@ def _serving_llm(args):
     finally:
         progress.close()
     return graphkiln.load(out, model=args.model, on_mismatch="recompile", **_engine_options(args))
+
+
+def _served_source(args, manifest: dict) -> str:
+    """What the served model is named after: MODEL with --compile, else the folder it was compiled from, or the
+    --model DIR that load took in place of a model.source that names none."""
+    from graphkiln.compiler.manifest import recorded_source
+    from graphkiln.errors import ArtifactError
+
+    if args.compile:
+        return args.model
+    try:
+        return recorded_source(manifest, Path(args.model))
+    except ArtifactError:
+        return str(args.weights)  # (load refuses such an artifact without --model)
 
 
 def _model_name(source: str) -> str:

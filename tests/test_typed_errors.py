@@ -127,6 +127,20 @@ def test_a_model_source_that_names_no_directory(art: Path, source, capsys: pytes
     assert f"model         {source if source is not None else None} (" in capsys.readouterr().out
 
 
+def test_serve_names_a_model_whose_source_is_gone_after_its_model_dir(art: Path, monkeypatch) -> None:
+    """`serve OUT --model DIR` on an artifact whose model.source names no directory: the model served is DIR's,
+    and so is its name."""
+    from graphkiln.serve import server
+
+    edit_manifest(art, lambda m: m["model"].pop("source"))
+    served = []
+    monkeypatch.setattr(server, "serve", lambda llm, config, *args: served.append((llm, config)))
+    assert cli.main(["serve", str(art), "--model", str(tiny_model_dir()), "--port", "0"]) == 0
+    llm, config = served[0]
+    llm.close()
+    assert config.model_name == tiny_model_dir().name
+
+
 @pytest.mark.parametrize("model", [123, "", ["tiny"]])
 def test_a_model_that_is_not_a_path(art: Path, model) -> None:
     with pytest.raises(ConfigError, match=re.escape(f"model={model!r}; give 'tiny', a model directory")):
