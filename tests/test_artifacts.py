@@ -224,13 +224,18 @@ PIECE_CORRUPTIONS = {
 }
 
 
-@pytest.mark.parametrize("case", list(CORRUPTIONS))
-def test_corrupt_artifact_is_refused(art: Path, case: str) -> None:
-    edit, pattern = CORRUPTIONS[case]
+def _load_refused(art: Path, edit, pattern: str) -> str:
+    """`edit` the artifact, then the message of the ArtifactError its load raises, which matches `pattern` ({art}:
+    the artifact's path)."""
     edit(art)
     with pytest.raises(ArtifactError, match=pattern.replace("{art}", re.escape(str(art)))) as info:
         graphkiln.load(art, **ENGINE)
-    assert "recompile" in str(info.value)  # says what to do
+    return str(info.value)
+
+
+@pytest.mark.parametrize("case", list(CORRUPTIONS))
+def test_corrupt_artifact_is_refused(art: Path, case: str) -> None:
+    assert "recompile" in _load_refused(art, *CORRUPTIONS[case])  # says what to do
 
 
 # What leaves a folder no graphkiln artifact at all: --force would refuse to replace it, so no message suggests it.
@@ -244,11 +249,8 @@ NOT_ARTIFACTS = {
 
 @pytest.mark.parametrize("case", list(NOT_ARTIFACTS))
 def test_a_folder_that_is_no_artifact_is_refused_without_the_force_hint(art: Path, case: str) -> None:
-    edit, pattern = NOT_ARTIFACTS[case]
-    edit(art)
-    with pytest.raises(ArtifactError, match=pattern.replace("{art}", re.escape(str(art)))) as info:
-        graphkiln.load(art, **ENGINE)
-    assert "--force" not in str(info.value) and "compile-model MODEL -o OUT" in str(info.value)
+    message = _load_refused(art, *NOT_ARTIFACTS[case])
+    assert "--force" not in message and "compile-model MODEL -o OUT" in message
     assert foreign_content(art) is not None  # --force would refuse it
 
 
