@@ -10,6 +10,16 @@ def is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def torch_device(device):
+    """`device` as a torch.device, or a ConfigError naming it (torch imported here only: this module stays light)."""
+    import torch
+
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ConfigError(f"device {device!r} is not a torch device ({e}); use 'cpu' or 'cuda'") from None
+
+
 def check_sizes(field: str, sizes: tuple[int, ...], allow_empty: bool = False) -> None:
     """Capture or compile sizes: positive integers, strictly increasing."""
     if not sizes and not allow_empty:

@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from graphkiln.compat import import_inductor
-from graphkiln.errors import ArtifactError, ConfigError
+from graphkiln.checks import torch_device
+from graphkiln.errors import ArtifactError
 from graphkiln.kernels.shipped import TRITON_KERNELS
 from graphkiln.models import resolve_dtype
 from graphkiln.models.config import ModelConfig
@@ -39,13 +40,6 @@ from .manifest import FIX, MANIFEST, REWRITE, check_environment, check_files, re
 log = logging.getLogger(__name__)
 
 
-def _device_type(device: str) -> str:
-    try:
-        return torch.device(device).type
-    except (RuntimeError, TypeError) as e:
-        raise ConfigError(f"device {device!r} is not a torch device ({e}); use 'cpu' or 'cuda'") from None
-
-
 def check_artifact(
     out: Path, model_dir: Path, device: str | None = None, dtype: str | None = None, trusted_keys: Sequence = (),
     unread: frozenset[str] = frozenset(),
@@ -55,7 +49,7 @@ def check_artifact(
     read (the other tensor-parallel ranks' quantized weights), whose presence alone is checked."""
     manifest = read_manifest(out, trusted_keys)
     config = manifest["config"]
-    if device is not None and _device_type(device) != config["device"]:
+    if device is not None and torch_device(device).type != config["device"]:
         raise ArtifactError(f"{out}: compiled for device {config['device']!r}, asked for {device!r}; {FIX}")
     if dtype is not None and resolve_dtype(dtype) != resolve_dtype(config["dtype"]):
         raise ArtifactError(f"{out}: compiled for dtype {config['dtype']!r}, asked for {dtype!r}; {FIX}")

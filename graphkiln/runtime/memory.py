@@ -10,6 +10,7 @@ import os
 
 import torch
 
+from graphkiln.checks import torch_device
 from graphkiln.errors import CapacityError, ConfigError
 from graphkiln.models.config import ModelConfig
 
@@ -20,10 +21,7 @@ GIB = 2**30
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ConfigError(f"device {device!r} is not a torch device ({e}); use 'cpu' or 'cuda'") from e
+    dev = torch_device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device {device!r} asked for, but this machine has no CUDA device; use device='cpu'")
     if dev.type not in ("cpu", "cuda"):
