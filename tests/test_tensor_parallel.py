@@ -33,6 +33,7 @@ from graphkiln.models import load_model
 from graphkiln.models.sharding import Shard
 from graphkiln.passes.manager import PassManager
 from graphkiln.passes.pipeline import default_passes
+from graphkiln.runtime.runner import ModelRunner
 from graphkiln.runtime.tensor_parallel import parallel_engine, shared_gpus
 
 if TYPE_CHECKING:
@@ -167,6 +168,29 @@ def test_dead_rank_fails_the_parent_naming_it(llama: Checkpoint) -> None:
         llm.generate([[1, 2, 3]], GREEDY)
     llm.close()
     assert not dist.is_initialized()
+
+
+def test_interrupt_inside_a_step_ends_the_group(llama: Checkpoint, monkeypatch) -> None:
+    """Ctrl-C while rank 0 is inside a step (its ids sent, rank 1 in the step's collectives): the interrupt
+    reaches the caller, and the next request is told the group stopped rather than waiting on rank 1."""
+    llm = graphkiln.LLM.eager(llama.path, tensor_parallel_size=2, **ENGINE)
+    rank_1 = llm.engine.runner.peers.processes[1]
+    run_step, calls = ModelRunner._run, iter(range(100))
+
+    def interrupted(*args, **kwargs):
+        if next(calls) == 2:
+            raise KeyboardInterrupt
+        return run_step(*args, **kwargs)
+
+    monkeypatch.setattr(ModelRunner, "_run", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([prompts(llama.vocab_size)[1]], GREEDY)
+    start = time.monotonic()
+    with pytest.raises(RankFailedError, match="a step was interrupted on tensor-parallel rank 0 .KeyboardInterrupt"):
+        llm.generate([[1, 2, 3]], GREEDY)
+    assert time.monotonic() - start < DEAD_RANK_LIMIT_S
+    llm.close()
+    assert not dist.is_initialized() and rank_1.exitcode is not None
 
 
 def test_more_ranks_than_gpus_is_a_config_error() -> None:

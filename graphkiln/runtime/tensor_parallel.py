@@ -83,17 +83,20 @@ class Peers:
     @contextlib.contextmanager
     def watch(self, what: str = "a step") -> Iterator[None]:
         """Around one step (or preparation job): any failure inside it ends the group (the others would wait
-        in a collective)."""
+        in a collective). An interrupt (KeyboardInterrupt) ends it too, since the others may be inside the
+        step's collectives: it propagates, and the next request gets the RankFailedError."""
         if self.failure is not None:
             raise self.failure
         try:
             yield
-        except Exception as error:
+        except BaseException as error:
             self.failure = self._failure(error, what)
             self._stop()
-            raise self.failure from error
+            if isinstance(error, Exception):
+                raise self.failure from error
+            raise
 
-    def _failure(self, error: Exception, what: str) -> RankFailedError:
+    def _failure(self, error: BaseException, what: str) -> RankFailedError:
         if (dead := _dead_rank(self.processes)) is not None:
             rank, process = dead
             return RankFailedError(
@@ -101,8 +104,9 @@ class Peers:
                 f"{what} ({type(error).__name__}: {error}); the group of {self.size} ranks stopped: load the "
                 "model again"
             )
+        failed = "failed" if isinstance(error, Exception) else "was interrupted"
         return RankFailedError(
-            f"{what} failed on tensor-parallel rank 0 ({type(error).__name__}: {error}); the group of {self.size} "
+            f"{what} {failed} on tensor-parallel rank 0 ({type(error).__name__}: {error}); the group of {self.size} "
             "ranks stopped: load the model again"
         )
 
