@@ -65,6 +65,35 @@ def test_reentrant_for_its_holder() -> None:
     assert done.wait(1.0), "the lock's holder waited on itself"
 
 
+class InterruptedOnce(threading.Condition):
+    """A condition whose first `with` raises KeyboardInterrupt as it ends, as Python does with a Ctrl-C that
+    came while its holder was inside: the interrupt lands after the lock was taken, before its taker returns."""
+
+    armed = True
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        if self.armed:
+            self.armed = False
+            raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_an_interrupt_as_the_lock_is_taken_lets_it_go(background: bool) -> None:
+    lock = StepLock()
+    lock._cond = InterruptedOnce()
+    with pytest.raises(KeyboardInterrupt), lock(background):
+        pytest.fail("the block ran although taking the lock was interrupted")
+    taken = threading.Event()
+
+    def take() -> None:
+        with lock():
+            taken.set()
+
+    threading.Thread(target=take, daemon=True).start()
+    assert taken.wait(1.0), "the interrupted taker kept the lock"
+
+
 def test_a_waiting_step_comes_before_the_next_background_turn() -> None:
     """Background turns back to back (a preparation's jobs) let a waiting step in after the current one."""
     lock = StepLock()

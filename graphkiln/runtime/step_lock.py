@@ -30,6 +30,15 @@ class StepWaits:
         return StepWaits(self.count + 1, self.total_s + seconds, max(self.longest_s, seconds))
 
 
+class _Held:
+    """Whether one acquisition took the lock (so its release lets it go)."""
+
+    __slots__ = ("taken",)
+
+    def __init__(self) -> None:
+        self.taken = False
+
+
 class StepLock:
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -44,18 +53,24 @@ class StepLock:
 
     @contextlib.contextmanager
     def __call__(self, background: bool = False) -> Iterator[float]:
-        """Hold the lock for the block; the block gets the seconds it waited for it (0.0 if it was free)."""
-        waited = self._acquire(background)
-        try:
-            yield waited
-        finally:
-            self._release()
+        """Hold the lock for the block; the block gets the seconds it waited for it (0.0 if it was free).
 
-    def _acquire(self, background: bool) -> float:
+        An interrupt (KeyboardInterrupt) at any point lets go of exactly what was taken: `held` is set in the
+        same run of plain assignments that takes the lock, with no call between them where Python could raise
+        the interrupt."""
+        held = _Held()
+        try:
+            yield self._acquire(background, held)
+        finally:
+            if held.taken:
+                self._release()
+
+    def _acquire(self, background: bool, held: _Held) -> float:
         me = threading.get_ident()
         with self._cond:
             if self._owner == me:
                 self._depth += 1
+                held.taken = True
                 return 0.0
             if background:
                 self._background_waiting += 1
@@ -74,12 +89,14 @@ class StepLock:
                     self._background_waiting -= 1
                 else:
                     self._steps_waiting -= 1
+            now = time.perf_counter()
             self._owner, self._depth, self._background = me, 1, background
+            held.taken = True
             if not background:
                 self._step_turn = False
                 self._steps += 1
-                self._step_since = time.perf_counter()
-            return time.perf_counter() - asked if waited else 0.0
+                self._step_since = now
+            return now - asked if waited else 0.0
 
     def _release(self) -> None:
         with self._cond:
