@@ -157,9 +157,9 @@ def test_a_jobs_imports_give_way_to_a_late_step_and_only_to_it(tmp_path: Path, m
         holder.start()
         assert held.wait(10)
         time.sleep(age_s)
-        threading.Timer(release_after_s, release.set).start()
         (tmp_path / f"{name}.py").write_text("VALUE = 1\n")  # outside: writing it is a checkpoint too
         with late_steps_first(lock) as finder:
+            threading.Timer(release_after_s, release.set).start()  # just before: a busy machine keeps the order
             seconds = _timed_import(name)
         holder.join()
         return seconds, finder.waits
