@@ -78,13 +78,14 @@ def summing_jobs(before_collective: bool | None) -> list[SummingJob | BuildingJo
 
 
 def _follow_summing_jobs(store_path: str, before_collective: bool | None, timeout_s: float) -> None:
-    from graphkiln.runtime.tensor_parallel import _init_groups, _joining_key, _receive
+    from graphkiln.runtime.lockstep import receive
+    from graphkiln.runtime.tensor_parallel import _init_groups, _joining_key
 
     store = dist.FileStore(store_path, 2)
     store.set(_joining_key(1), "1")
     control = _init_groups(1, 2, store, "cpu", timeout_s)
     preparation = Preparation(summing_jobs(before_collective), StepLock(), torch.device("cpu"), Lockstep(control))
-    while (message := _receive(control)) is not None:
+    while (message := receive(control)) is not None:
         preparation.run_one(message.kind, message.key)
     dist.destroy_process_group()
 
@@ -103,7 +104,7 @@ def summing_group(tmp_path: Path, before_collective: bool | None,
     worker.start()
     _wait_for_ranks(store, {1: worker}, 60)
     control = _init_groups(0, 2, store, "cpu", timeout_s)
-    peers = Peers(2, control, {1: worker}, None)
+    peers = Peers(2, control, {1: worker}, None, timeout_s)
     jobs = summing_jobs(before_collective)
     preparation = Preparation(jobs, StepLock(), torch.device("cpu"), Lockstep(control, peers))
     preparation.start()

@@ -193,6 +193,30 @@ def test_interrupt_inside_a_step_ends_the_group(llama: Checkpoint, monkeypatch) 
     assert not dist.is_initialized() and rank_1.exitcode is not None
 
 
+def test_a_stopped_rank_fails_the_next_step_and_close_ends_it(llama: Checkpoint) -> None:
+    """A rank that is alive but takes no message (stopped, hung) holds rank 0 for at most the collective
+    timeout: the step fails naming why, and closing ends the group, the stopped rank too."""
+    llm = graphkiln.LLM.eager(llama.path, tensor_parallel_size=2, collective_timeout_s=2, **ENGINE)
+    rank_1 = llm.engine.runner.peers.processes[1]
+    os.kill(rank_1.pid, signal.SIGSTOP)
+    start = time.monotonic()
+    with pytest.raises(RankFailedError, match=r"did not take rank 0's next message within 2 s .* stopped or hung"):
+        llm.generate([[1, 2, 3]], GREEDY)
+    assert time.monotonic() - start < DEAD_RANK_LIMIT_S
+    llm.close()
+    assert not dist.is_initialized() and rank_1.exitcode == -signal.SIGKILL
+
+
+def test_closing_with_a_stopped_rank_returns(llama: Checkpoint) -> None:
+    llm = graphkiln.LLM.eager(llama.path, tensor_parallel_size=2, collective_timeout_s=2, **ENGINE)
+    rank_1 = llm.engine.runner.peers.processes[1]
+    os.kill(rank_1.pid, signal.SIGSTOP)
+    start = time.monotonic()
+    llm.close()
+    assert time.monotonic() - start < DEAD_RANK_LIMIT_S
+    assert not dist.is_initialized() and rank_1.exitcode == -signal.SIGKILL
+
+
 def test_more_ranks_than_gpus_is_a_config_error() -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has GPUs")

@@ -28,9 +28,11 @@ Step carries rank 0's choice and readiness is agreed on after every job.
 
 from __future__ import annotations
 
+import pickle
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -40,6 +42,26 @@ from .sampler import SamplingBatch
 
 if TYPE_CHECKING:
     from .tensor_parallel import Peers
+
+
+def send(message: Any, control: dist.ProcessGroup, timeout_s: float) -> None:
+    """Rank 0: one message to every other rank on the control group. The others wait for the next message
+    without a time limit (a server may idle for days), but rank 0 waits at most `timeout_s` for them to take
+    it: a rank that is stopped or hung fails the send (RuntimeError) instead of holding rank 0 forever."""
+    data = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8)
+    size = torch.tensor([data.numel()], dtype=torch.int64)
+    sends = [dist.broadcast(tensor, src=0, group=control, async_op=True) for tensor in (size, data)]
+    for sent in sends:
+        sent.wait(timedelta(seconds=timeout_s))
+
+
+def receive(control: dist.ProcessGroup) -> Any:
+    """Another rank: the next message rank 0 sends (`send`), however long it takes to come."""
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.broadcast(size, src=0, group=control)
+    data = torch.empty(int(size), dtype=torch.uint8)
+    dist.broadcast(data, src=0, group=control)
+    return pickle.loads(data.numpy().tobytes())
 
 
 @dataclass(frozen=True)
@@ -120,7 +142,7 @@ class Lockstep:
     def announce(self, kind: str, key: str) -> None:
         if self.peers is not None:
             with self.peers.watch(f"preparing {kind} bucket {key}"):
-                dist.broadcast_object_list([Prepare(kind, key)], src=0, group=self.control)
+                self.peers.send(Prepare(kind, key))
 
     def agree(self, report: RankReport, kind: str, key: str, device: torch.device) -> tuple[RankReport, ...]:
         """Every rank's report of the job; after a failure, also checks that the world group is still in step."""

@@ -6,8 +6,8 @@ process is already a rank: rank 0 returns to serve, the others follow until rank
 
 Each rank loads its own shard (and the compiled pieces) and builds an engine of its own with the
 KV cache rank 0 sized. Every step, rank 0 sends the batch, the rows it wants logits of and the
-graph it replays to the others (on a gloo control group that waits without a timeout, so an idle
-server keeps its workers), then the input ids on the world group, and all ranks run the same
+graph it replays to the others (on a gloo control group where they wait without a timeout, so an idle
+server keeps its workers, while rank 0 waits at most the collective timeout for them to take it), then the input ids on the world group, and all ranks run the same
 forward or graph, whose collectives meet inside the compiled code. Rank 0 drives the preparation
 (warm-ups, graph captures) the same way, job by job, once every rank has built its engine
 (lockstep.py). The world group's collectives time out after `EngineConfig.collective_timeout_s`;
@@ -41,7 +41,7 @@ from graphkiln.models.transformer import CausalLM
 
 from .config import EngineConfig
 from .engine import Engine
-from .lockstep import Lockstep, Prepare, Step
+from .lockstep import Lockstep, Prepare, Step, receive, send
 
 log = logging.getLogger("graphkiln.runtime")
 
@@ -62,9 +62,10 @@ class Peers:
     RankFailedError naming the rank that died. Closing tells the others to stop and ends the group."""
 
     def __init__(self, size: int, control: dist.ProcessGroup, processes: dict[int, multiprocessing.process.BaseProcess],
-                 store_dir: str | None) -> None:  # fmt: skip
+                 store_dir: str | None, timeout_s: float) -> None:  # fmt: skip
         self.size = size
         self.control = control
+        self.timeout_s = timeout_s  # EngineConfig.collective_timeout_s: how long the others may take a message
         self.processes = processes
         self.store_dir = store_dir
         self.failure: RankFailedError | None = None
@@ -75,9 +76,21 @@ class Peers:
         """The process id of every rank this process started (none under torchrun)."""
         return {rank: p.pid for rank, p in self.processes.items()}
 
+    def send(self, message: Step | Prepare | EngineConfig | None) -> None:
+        """One message to the other ranks (None: stop), which they take within `timeout_s` or it raises."""
+        try:
+            send(message, self.control, self.timeout_s)
+        except RuntimeError as error:
+            if _dead_rank(self.processes) is not None:
+                raise
+            raise RankFailedError(
+                f"the other tensor-parallel ranks did not take rank 0's next message within {self.timeout_s:g} s "
+                f"(EngineConfig.collective_timeout_s; {error}): a rank is stopped or hung"
+            ) from error
+
     def publish(self, step: Step, input_ids: torch.Tensor) -> None:
         """Send one step, then its `step.ids` input ids, to the other ranks."""
-        dist.broadcast_object_list([step], src=0, group=self.control)
+        self.send(step)
         dist.broadcast(input_ids, src=0)
 
     @contextlib.contextmanager
@@ -104,6 +117,8 @@ class Peers:
                 f"{what} ({type(error).__name__}: {error}); the group of {self.size} ranks stopped: load the "
                 "model again"
             )
+        if isinstance(error, RankFailedError):
+            return error
         failed = "failed" if isinstance(error, Exception) else "was interrupted"
         return RankFailedError(
             f"{what} {failed} on tensor-parallel rank 0 ({type(error).__name__}: {error}); the group of {self.size} "
@@ -116,6 +131,9 @@ class Peers:
                 process.terminate()
         for process in self.processes.values():
             process.join(DEATH_GRACE_S)
+            if process.exitcode is None:  # a stopped process takes no SIGTERM
+                process.kill()
+                process.join(DEATH_GRACE_S)
         self._end_group()
 
     def close(self) -> None:
@@ -125,8 +143,8 @@ class Peers:
         self.closed = True
         if self.failure is None:
             try:
-                dist.broadcast_object_list([None], src=0, group=self.control)
-            except Exception as error:  # a rank died while idle: it stops either way
+                self.send(None)
+            except Exception as error:  # a rank died (or stopped) while idle: it is stopped either way
                 log.warning("tensor-parallel ranks did not all take the stop message: %r", error)
             for process in self.processes.values():
                 process.join(DEATH_GRACE_S)
@@ -216,19 +234,13 @@ def _wait_for_ranks(
         time.sleep(0.02)
 
 
-def _receive(control: dist.ProcessGroup):
-    message = [None]
-    dist.broadcast_object_list(message, src=0, group=control)
-    return message[0]
-
-
 def follow(shard: Shard, load_rank: LoadRank, control: dist.ProcessGroup) -> None:
     """A rank other than 0: load this rank's model, build its engine as rank 0 sized it, and run every step
     and preparation job rank 0 sends until it sends None."""
     from .builder import build_engine
 
     net, compiled = load_rank(shard)
-    config: EngineConfig | None = _receive(control)
+    config: EngineConfig | None = receive(control)
     if config is None:  # rank 0 failed before its engine was built
         return
     engine = build_engine(net, compiled, config, lockstep=Lockstep(control))
@@ -247,7 +259,7 @@ def follow(shard: Shard, load_rank: LoadRank, control: dist.ProcessGroup) -> Non
 
 def _next_message(control: dist.ProcessGroup) -> Step | Prepare | None:
     try:
-        return _receive(control)
+        return receive(control)
     except Exception as error:
         raise RankFailedError(f"rank 0 is gone: waiting for its next step failed ({error})") from None
 
@@ -293,7 +305,7 @@ class Group:
     def ready(self, config: EngineConfig) -> None:
         """After rank 0 built its engine: the others build theirs with `config`; returns once all have."""
         with self.peers.watch():
-            dist.broadcast_object_list([config], src=0, group=self.peers.control)
+            self.peers.send(config)
             dist.barrier(group=self.peers.control)
 
 
@@ -340,7 +352,7 @@ def start_group(size: int, device: str, load_rank: LoadRank, config: EngineConfi
         if died is not None:
             raise died from error
         raise
-    return Group(Shard(0, size), Peers(size, control, processes, store_dir))
+    return Group(Shard(0, size), Peers(size, control, processes, store_dir, config.collective_timeout_s))
 
 
 def _join_torchrun(size: int, device: str, load_rank: LoadRank, config: EngineConfig, rank: int, world: int) -> Group:
@@ -351,7 +363,7 @@ def _join_torchrun(size: int, device: str, load_rank: LoadRank, config: EngineCo
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     control = _init_groups(rank, size, None, device, config.collective_timeout_s)
     if rank == 0:
-        return Group(Shard(0, size), Peers(size, control, {}, None))
+        return Group(Shard(0, size), Peers(size, control, {}, None, config.collective_timeout_s))
     try:
         follow(Shard(rank, size), load_rank, control)
     finally:
