@@ -207,6 +207,19 @@ def test_a_specialized_size_no_step_reaches_exits_2(
     assert not out.exists() and not temp_folders(out)
 
 
+def test_a_specialized_size_the_machine_cannot_hold_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Within a huge --max-num-batched-tokens, a specialized size whose example inputs no allocator holds is
+    one line naming the size, not the allocator's error from inside torch."""
+    out, size = tmp_path / "out", 10**11
+    flags = ["--specialize-sizes", str(size), "--max-num-batched-tokens", str(size)]
+    assert cli.compile_model_main(["tiny", "-o", str(out), *flags, *SMALL_CONFIG_ARGS]) == 2
+    progress, line = capsys.readouterr().err.rstrip("\n").rsplit("\n", 1)
+    assert "Traceback" not in progress and "error" not in progress
+    assert line.startswith(f"error: specialize size {size}: a piece's example inputs take "), line
+    assert line.endswith("choose smaller --specialize-sizes (CompileConfig.specialize_sizes)"), line
+    assert not out.exists() and not temp_folders(out)
+
+
 def test_sizes_that_are_not_integers_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         cli.compile_model_main(["tiny", "-o", str(tmp_path / "out"), "--decode-batch-sizes", "1,two"])

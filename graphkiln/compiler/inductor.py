@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -50,16 +51,24 @@ def example_inputs(gm: torch.fx.GraphModule) -> list:
 
 
 def concrete_inputs(gm: torch.fx.GraphModule, size: int, device: torch.device) -> list:
-    """Real (uninitialized) inputs with the token dim fixed to `size`, for a specialized compile."""
-    values = []
+    """Real (uninitialized) inputs with the token dim fixed to `size`, for a specialized compile. Inputs
+    the device cannot hold are a ConfigError naming the size, not an allocator's error from inside torch."""
+    shaped = []
     for fake in example_inputs(gm):
         if isinstance(fake, torch.Tensor):
             shape = [_concrete(d, size) for d in fake.shape]
-            stride = [_concrete(s, size) for s in fake.stride()]
-            values.append(torch.empty_strided(shape, stride, dtype=fake.dtype, device=device))
+            shaped.append((shape, [_concrete(s, size) for s in fake.stride()], fake.dtype))
         else:
-            values.append(_concrete(fake, size))
-    return values
+            shaped.append(_concrete(fake, size))
+    try:
+        return [torch.empty_strided(*v[:2], dtype=v[2], device=device) if isinstance(v, tuple) else v for v in shaped]
+    except RuntimeError as error:  # torch.OutOfMemoryError on CUDA is one too
+        nbytes = sum(math.prod(v[0]) * v[2].itemsize for v in shaped if isinstance(v, tuple))
+        raise ConfigError(
+            f"specialize size {size}: a piece's example inputs take {nbytes / 2**30:.1f} GiB, which {device} could "
+            f"not allocate ({str(error).splitlines()[0][:200]}); choose smaller --specialize-sizes "
+            "(CompileConfig.specialize_sizes)"
+        ) from None
 
 
 def token_dim(gm: torch.fx.GraphModule) -> tuple[int, int | None] | None:
