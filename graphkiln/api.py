@@ -249,10 +249,11 @@ def _load_parallel(out: Path, source, model_dir: Path, device, dtype, on_mismatc
             raise
         _recompile(source, out, manifest, device, dtype)
         manifest = check_artifact(out.resolve(), model_dir, device, dtype)
+    tokenizer = read_tokenizer(manifest, out, model_dir)  # before the ranks start: a failure leaves none behind
     load_rank = partial(_artifact_rank, out, model_dir, device, dtype, tuple(trusted_keys or ()))
     engine = parallel_engine(manifest["config"]["tensor_parallel_size"], manifest["config"]["device"], load_rank,
                              serving)  # fmt: skip
-    llm = LLM(engine, read_tokenizer(manifest, out, model_dir), manifest.get("counters"))
+    llm = LLM(engine, tokenizer, manifest.get("counters"))
     llm.manifest = manifest
     return llm
 

@@ -388,5 +388,5 @@ SYMM_MEM_OVERLAPPING = "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"
 def symm_mem_masked_devices() -> None:
     """Let symmetric memory meet ranks that each see their own GPU as cuda:0. The rendezvous refuses two ranks
     reporting the same device ordinal, which every spawned rank does (CUDA_VISIBLE_DEVICES masks the others);
-    the runtime checks instead that the ranks' GPUs differ by UUID (`tensor_parallel._check_distinct_gpus`)."""
+    the runtime checks instead that the ranks' GPUs differ by UUID (`rank_gpus.check_distinct_gpus`)."""
     os.environ[SYMM_MEM_OVERLAPPING] = "1"

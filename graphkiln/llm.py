@@ -134,14 +134,14 @@ class LLM:
         config = engine_config(engine, **options)
         model_dir = resolve_model_dir(model)
         device = resolve_device(device)
+        tokenizer = Tokenizer.from_dir(model_dir)  # first: an engine (or a group of ranks) is not left behind
         if tensor_parallel_size > 1:
             check_shardable(model_config_from_hf(read_hf_config(model_dir), model_dir), tensor_parallel_size)
             check_tensor_parallel(model_scheme(model_dir, None), tensor_parallel_size)
             load_rank = partial(_eager_rank, model_dir, device.type, resolve_dtype(dtype))
-            engine = parallel_engine(tensor_parallel_size, device.type, load_rank, config)
-            return cls(engine, Tokenizer.from_dir(model_dir))
+            return cls(parallel_engine(tensor_parallel_size, device.type, load_rank, config), tokenizer)
         net = load_model(model_dir, device, resolve_dtype(dtype))
-        return cls(build_engine(net, None, config), Tokenizer.from_dir(model_dir))
+        return cls(build_engine(net, None, config), tokenizer)
 
     @classmethod
     def compile(

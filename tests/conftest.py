@@ -24,8 +24,9 @@ from transformers import (
 )
 
 import graphkiln
-from artifact_helpers import ENGINE, SMALL_CONFIG, SMALL_ENGINE, greedy_tokens, temp_folders
+from artifact_helpers import ENGINE, SMALL_CONFIG, SMALL_CONFIG_ARGS, SMALL_ENGINE, greedy_tokens, temp_folders
 from hub_helpers import HUB_REPO, use_hub_env
+from graphkiln import cli
 from graphkiln.compiler.counters import torch_compile_events
 from graphkiln.models.tiny import tiny_model_dir
 
@@ -225,3 +226,13 @@ def hub_artifact(hub_env: dict[str, str]) -> Path:
     """HUB_REPO compiled once into the session's compile cache (what `serve HUB_REPO --compile` finds there)."""
     with use_hub_env(hub_env):
         return graphkiln.cached_artifact(HUB_REPO)
+
+
+@pytest.fixture(scope="session")
+def tiny_tp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model (tied embeddings, a tokenizer) compiled for 2 ranks by `compile-model` (its entry point, in
+    this process: the compile's fake process group is the same in a fresh one)."""
+    out = tmp_path_factory.mktemp("tp") / "tiny-tp2"
+    assert cli.compile_model_main(["tiny", "-o", str(out), "--tensor-parallel-size", "2", *SMALL_CONFIG_ARGS,
+                                   "--quiet"]) == 0  # fmt: skip
+    return out

@@ -29,6 +29,7 @@ class Server:
     url: str  # http://127.0.0.1:PORT
     api_key: str | None = None
     log: list[str] = field(default_factory=list)
+    process: subprocess.Popen | None = None  # the server's, when `serve_process` started one
 
     @property
     def headers(self) -> dict[str, str]:
@@ -67,7 +68,7 @@ def serve_process(*args: str, env: dict[str, str] | None = None, api_key: str | 
     """`graphkiln serve ARGS --port 0` until the block ends (SIGINT, then a kill if it lingers)."""
     proc = subprocess.Popen(graphkiln_cmd("serve", *args, "--port", "0"), env={**subprocess_env(), **(env or {})},
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    server, ready = Server("", api_key), threading.Event()
+    server, ready = Server("", api_key, process=proc), threading.Event()
 
     def read() -> None:  # keeps the pipe drained for the server's whole life
         for line in proc.stderr:

@@ -81,6 +81,14 @@ def test_a_tensor_parallel_size_that_is_not_a_positive_int_is_a_config_error(siz
         graphkiln.LLM.eager("tiny", tensor_parallel_size=size)
 
 
+@pytest.mark.parametrize("timeout", [0, -1, float("nan"), float("inf"), 1e10, "60", True],
+                         ids=["zero", "negative", "nan", "inf", "past-a-year", "str", "bool"])  # fmt: skip
+def test_a_collective_timeout_outside_a_year_is_a_config_error(timeout) -> None:
+    """Past what torch.distributed's timeouts hold, a timeout overflowed there or hung a send."""
+    with pytest.raises(ConfigError, match=r"EngineConfig.collective_timeout_s=.*at most 31536000 \(a year\)"):
+        EngineConfig(collective_timeout_s=timeout)
+
+
 def test_a_kv_cache_that_cannot_fit_names_its_size() -> None:
     with pytest.raises(CapacityError, match=r"kv_cache_tokens=1000000000000 needs .* GiB of KV cache .*lower kv_cache_tokens"):
         graphkiln.LLM.eager("tiny", kv_cache_tokens=10**12)

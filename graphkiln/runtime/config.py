@@ -18,6 +18,7 @@ DEFAULT_PREFILL_TOKEN_BUCKETS = tuple(2**i for i in range(4, 13))  # 16 ... 4096
 ATTENTION_BACKENDS = ("auto", "sdpa", "triton", "flashinfer", "triton+flashinfer")
 DECODE_KERNELS = ("auto", "rows", "blocks")  # the Triton backend's decode kernels (attention/block_decode.py)
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # the model's dtype, or float8_e4m3fn with row scales (kv_dtype.py)
+MAX_TIMEOUT_S = 365 * 24 * 3600  # torch.distributed keeps timeouts in int64 nanoseconds: about 292 years at most
 CAPTURE_MODES = ("background", "blocking")
 DEFAULT_CPU_KV_TOKENS = 16384
 
@@ -95,8 +96,9 @@ class EngineConfig:
         if not isinstance(fraction, (int, float)) or isinstance(fraction, bool) or not 0 < fraction <= 1:
             raise ConfigError(f"EngineConfig.gpu_memory_fraction={fraction!r}: it must be in (0, 1]")
         timeout = self.collective_timeout_s
-        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
-            raise ConfigError(f"EngineConfig.collective_timeout_s={timeout!r}: give a positive number of seconds")
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout <= MAX_TIMEOUT_S:
+            raise ConfigError(f"EngineConfig.collective_timeout_s={timeout!r}: give a positive number of seconds, "
+                              f"at most {MAX_TIMEOUT_S} (a year)")  # fmt: skip
         if self.kv_cache_tokens is not None:
             self._check_cache_holds_the_limits()
 

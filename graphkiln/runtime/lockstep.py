@@ -44,15 +44,35 @@ if TYPE_CHECKING:
     from .tensor_parallel import Peers
 
 
-def send(message: Any, control: dist.ProcessGroup, timeout_s: float) -> None:
+def send(message: Any, control: dist.ProcessGroup, timeout_s: float | None) -> None:
     """Rank 0: one message to every other rank on the control group. The others wait for the next message
-    without a time limit (a server may idle for days), but rank 0 waits at most `timeout_s` for them to take
-    it: a rank that is stopped or hung fails the send (RuntimeError) instead of holding rank 0 forever."""
+    without a time limit (a server may idle for days), but rank 0 waits at most `timeout_s` (None: no limit)
+    for them to take it: a rank that is stopped or hung fails the send (RuntimeError) instead of holding rank 0
+    forever."""
     data = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8)
     size = torch.tensor([data.numel()], dtype=torch.int64)
-    sends = [dist.broadcast(tensor, src=0, group=control, async_op=True) for tensor in (size, data)]
-    for sent in sends:
-        sent.wait(timedelta(seconds=timeout_s))
+    for sent in [dist.broadcast(tensor, src=0, group=control, async_op=True) for tensor in (size, data)]:
+        _wait(sent, timeout_s)
+
+
+def gather(item: Any, control: dist.ProcessGroup, timeout_s: float | None) -> list:
+    """Every rank's `item`, on every rank, in rank order; waits at most `timeout_s` (None: without a limit)."""
+    data = torch.frombuffer(bytearray(pickle.dumps(item)), dtype=torch.uint8)
+    size = torch.tensor([data.numel()], dtype=torch.int64)
+    sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size(control))]
+    _wait(dist.all_gather(sizes, size, group=control, async_op=True), timeout_s)
+    longest = int(max(sizes))
+    padded = [torch.empty(longest, dtype=torch.uint8) for _ in sizes]
+    _wait(dist.all_gather(padded, torch.nn.functional.pad(data, (0, longest - data.numel())), group=control,
+                          async_op=True), timeout_s)  # fmt: skip
+    return [pickle.loads(p[: int(n)].numpy().tobytes()) for p, n in zip(padded, sizes)]
+
+
+def _wait(work: dist.Work, timeout_s: float | None) -> None:
+    if timeout_s is None:
+        work.wait()
+    else:
+        work.wait(timedelta(seconds=timeout_s))
 
 
 def receive(control: dist.ProcessGroup) -> Any:
@@ -147,8 +167,7 @@ class Lockstep:
     def agree(self, report: RankReport, kind: str, key: str, device: torch.device) -> tuple[RankReport, ...]:
         """Every rank's report of the job; after a failure, also checks that the world group is still in step."""
         with self.peers.watch(f"preparing {kind} bucket {key}") if self.peers is not None else nullcontext():
-            reports: list[RankReport | None] = [None] * self.size
-            dist.all_gather_object(reports, report, group=self.control)
+            reports = gather(report, self.control, None) if self.peers is None else self.peers.gather(report)
             if any(r.error is not None for r in reports):
                 dist.all_reduce(torch.zeros(1, device=device))
         return tuple(reports)

@@ -151,7 +151,7 @@ class Preparation:
         """Every job in this thread, in order (the caller holds nothing that a job needs)."""
         self._run_jobs(background=False)
         if self.failure is not None:
-            raise self.failure
+            raise RankFailedError(*self.failure.args)  # a new one each time: no traceback piles up on it
 
     def run_one(self, kind: str, key: str) -> None:
         """The job rank 0 announced, on another rank of its group (which runs nothing else meanwhile)."""
@@ -199,8 +199,8 @@ class Preparation:
                         return
                     self._run(job, start, error, warm_s)
         except RankFailedError as failure:  # the group stopped: no job can run on it any more
-            self.failure = failure
-            self.errors.append(failure)
+            self.failure = RankFailedError(*failure.args)  # kept without the traceback, which holds the engine
+            self.errors.append(self.failure)
             log.error("preparation stopped: %s", failure)
         finally:
             self.jobs = []  # each holds its graph set: none may outlive the engine
@@ -258,7 +258,7 @@ class Preparation:
         that failed meanwhile raises its RankFailedError."""
         finished = self._finished.wait(timeout)
         if self.failure is not None:
-            raise self.failure
+            raise RankFailedError(*self.failure.args)  # a new one each time: no traceback piles up on it
         return finished
 
     def stop(self) -> None:

@@ -22,6 +22,7 @@ import logging
 import multiprocessing.process
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -41,13 +42,15 @@ from graphkiln.models.transformer import CausalLM
 
 from .config import EngineConfig
 from .engine import Engine
-from .lockstep import Lockstep, Prepare, Step, receive, send
+from .lockstep import Lockstep, Prepare, RankReport, Step, gather, receive, send
+from .rank_gpus import check_distinct_gpus, visible_cuda_devices
 
 log = logging.getLogger("graphkiln.runtime")
 
 LoadRank = Callable[[Shard], tuple[CausalLM, CompiledModel | None]]  # picklable: the spawned ranks call it
 CONTROL_TIMEOUT = timedelta(days=365)  # waiting for the next step is no failure; a dead peer still fails at once
 DEATH_GRACE_S = 5.0  # how long rank 0 waits, after a collective fails, for the failed rank's exit to show
+RANK_0_GONE = "rank 0 is gone"
 
 
 def torchrun_rank() -> tuple[int, int] | None:
@@ -70,21 +73,33 @@ class Peers:
         self.store_dir = store_dir
         self.failure: RankFailedError | None = None
         self.closed = False
+        self.group_ended = False
 
     @property
     def pids(self) -> dict[int, int]:
         """The process id of every rank this process started (none under torchrun)."""
         return {rank: p.pid for rank, p in self.processes.items()}
 
-    def send(self, message: Step | Prepare | EngineConfig | None) -> None:
+    def send(self, message: Step | Prepare | None) -> None:
         """One message to the other ranks (None: stop), which they take within `timeout_s` or it raises."""
-        try:
+        with self._in_time("take rank 0's next message"):
             send(message, self.control, self.timeout_s)
+
+    def gather(self, report: RankReport) -> list[RankReport]:
+        """Every rank's report of a preparation job, which the others give within `timeout_s` or it raises."""
+        with self._in_time("report on the preparation job"):
+            return gather(report, self.control, self.timeout_s)
+
+    @contextlib.contextmanager
+    def _in_time(self, what: str) -> Iterator[None]:
+        """A control message not exchanged in time is RankFailedError saying why, unless a rank died."""
+        try:
+            yield
         except RuntimeError as error:
             if _dead_rank(self.processes) is not None:
                 raise
             raise RankFailedError(
-                f"the other tensor-parallel ranks did not take rank 0's next message within {self.timeout_s:g} s "
+                f"the other tensor-parallel ranks did not {what} within {self.timeout_s:g} s "
                 f"(EngineConfig.collective_timeout_s; {error}): a rank is stopped or hung"
             ) from error
 
@@ -99,14 +114,15 @@ class Peers:
         in a collective). An interrupt (KeyboardInterrupt) ends it too, since the others may be inside the
         step's collectives: it propagates, and the next request gets the RankFailedError."""
         if self.failure is not None:
-            raise self.failure
+            raise RankFailedError(*self.failure.args)  # a new one each time: its traceback holds no earlier call
         try:
             yield
         except BaseException as error:
-            self.failure = self._failure(error, what)
+            failure = self._failure(error, what)
+            self.failure = RankFailedError(*failure.args)  # kept without a traceback (which holds the engine)
             self._stop()
             if isinstance(error, Exception):
-                raise self.failure from error
+                raise failure from error
             raise
 
     def _failure(self, error: BaseException, what: str) -> RankFailedError:
@@ -151,6 +167,10 @@ class Peers:
         self._stop()
 
     def _end_group(self) -> None:
+        """End this group once: a later call must not end a group another LLM has started since."""
+        if self.group_ended:
+            return
+        self.group_ended = True
         if dist.is_initialized():
             dist.destroy_process_group()
         if self.store_dir is not None:
@@ -168,24 +188,8 @@ def _init_groups(
     dist.init_process_group(backend, rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s), **meet)
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     if device_type == "cuda":
-        _check_distinct_gpus(size, control)
+        check_distinct_gpus(size, control)
     return control
-
-
-def _check_distinct_gpus(size: int, control: dist.ProcessGroup) -> None:
-    """A ConfigError on every rank when two ranks hold the same physical GPU (by UUID): their all-reduces would
-    run, slowly, on one device, and symmetric memory would read one rank's buffer as another's."""
-    uuids: list[str] = [""] * size
-    dist.all_gather_object(uuids, str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid), control)
-    if shared := shared_gpus(uuids):
-        named = "; ".join(f"ranks {ranks} on GPU {uuid}" for uuid, ranks in shared.items())
-        raise ConfigError(f"tensor-parallel ranks share a GPU ({named}): give each rank its own GPU "
-                          "(CUDA_VISIBLE_DEVICES, or torchrun's LOCAL_RANK per GPU)")  # fmt: skip
-
-
-def shared_gpus(uuids: list[str]) -> dict[str, list[int]]:
-    """Each GPU UUID held by more than one rank, with those ranks (`uuids[r]`: rank r's GPU)."""
-    return {u: [r for r, v in enumerate(uuids) if v == u] for u in dict.fromkeys(uuids) if uuids.count(u) > 1}
 
 
 def _dead_rank(processes: dict[int, multiprocessing.process.BaseProcess]
@@ -261,7 +265,7 @@ def _next_message(control: dist.ProcessGroup) -> Step | Prepare | None:
     try:
         return receive(control)
     except Exception as error:
-        raise RankFailedError(f"rank 0 is gone: waiting for its next step failed ({error})") from None
+        raise RankFailedError(f"{RANK_0_GONE}: waiting for its next step failed ({error})") from None
 
 
 def _spawned_rank(rank: int, size: int, store_path: str, device: str, cuda_device: str | None, threads: int,
@@ -270,6 +274,7 @@ def _spawned_rank(rank: int, size: int, store_path: str, device: str, cuda_devic
     if cuda_device is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = cuda_device
     torch.set_num_threads(threads)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole terminal: rank 0 decides when this ends
     try:
         store = dist.FileStore(store_path, size)
         store.set(_joining_key(rank), "1")
@@ -277,22 +282,12 @@ def _spawned_rank(rank: int, size: int, store_path: str, device: str, cuda_devic
         follow(Shard(rank, size), load_rank, control)
     except Exception as error:
         print(f"graphkiln: tensor-parallel rank {rank} stops: {type(error).__name__}: {error}", file=sys.stderr)
+        if isinstance(error, RankFailedError) and error.args[0].startswith(RANK_0_GONE):
+            shutil.rmtree(os.path.dirname(store_path), ignore_errors=True)  # rank 0 cannot any more
         raise SystemExit(1) from None
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _visible_cuda_devices(size: int) -> list[str]:
-    """The GPUs of this process, one per rank; fewer than `size` is a ConfigError."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    devices = [d.strip() for d in visible.split(",") if d.strip()] if visible else []
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    devices = devices[:count] if devices else [str(i) for i in range(count)]
-    if len(devices) < size:
-        raise ConfigError(f"the artifact is compiled for tensor_parallel_size={size} but this machine shows "
-                          f"{len(devices)} CUDA device(s); run it on {size} GPUs")  # fmt: skip
-    return devices
 
 
 @dataclass
@@ -305,7 +300,7 @@ class Group:
     def ready(self, config: EngineConfig) -> None:
         """After rank 0 built its engine: the others build theirs with `config`; returns once all have."""
         with self.peers.watch():
-            self.peers.send(config)
+            send(config, self.peers.control, None)  # the others may still be loading: no time limit
             dist.barrier(group=self.peers.control)
 
 
@@ -324,7 +319,7 @@ def start_group(size: int, device: str, load_rank: LoadRank, config: EngineConfi
                           "parallel still open?); close it before loading another")  # fmt: skip
     if launched is not None:
         return _join_torchrun(size, device, load_rank, config, *launched)
-    cuda_devices = _visible_cuda_devices(size) if device == "cuda" else None
+    cuda_devices = visible_cuda_devices(size) if device == "cuda" else None
     store_dir = tempfile.mkdtemp(prefix="graphkiln-tp-")
     store_path = f"{store_dir}/store"
     context = mp.get_context("spawn")

@@ -13,7 +13,7 @@ import asyncio
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -57,9 +57,12 @@ class ServerConfig:
                 raise ConfigError(f"ServerConfig.{name}={value!r}; give an int >= {low}")
 
 
-def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
-    """The app; its lifespan starts the engine thread and stops it (the caller closes `llm` after)."""
+def create_app(llm: LLM, config: ServerConfig,
+               on_engine_stopped: Callable[[BaseException], None] = lambda error: None) -> FastAPI:  # fmt: skip
+    """The app; its lifespan starts the engine thread and stops it (the caller closes `llm` after).
+    `on_engine_stopped` hears the error that ended the engine thread, after which nothing is served."""
     service = Service(llm, config)
+    service.loop.on_engine_stopped = on_engine_stopped
     app = FastAPI(title="graphkiln", lifespan=service.lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.get("/health")(service.health)
     app.get("/v1/models")(service.models)

@@ -7,7 +7,8 @@ otherwise (no polling), and after every step hands the new TokenEvents of all re
 loop in one `call_soon_threadsafe`, which puts each request's `Update` on its handler's asyncio queue.
 A request that fails inside a step finishes with finish_reason "error" and its error (the engine fails
 only the request at fault); anything else a step raises fails the requests then running, and the thread
-serves on. Stopping the loop fails what is left with ServerStopping.
+serves on, but for RankFailedError: a tensor-parallel group that stopped serves nothing more, so the thread ends
+(/health says 503) and tells `on_engine_stopped`. Stopping the loop fails what is left with ServerStopping.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from graphkiln.errors import GraphkilnError
+from graphkiln.errors import GraphkilnError, RankFailedError
 from graphkiln.runtime.engine import Engine
 from graphkiln.runtime.readback import TokenEvent
 from graphkiln.runtime.sampling_params import SamplingParams
@@ -75,9 +76,11 @@ class EngineSnapshot:
 class EngineLoop:
     """Owns `engine` on a thread of its own; `submit` and `abort` are called on the asyncio loop `start` got."""
 
-    def __init__(self, engine: Engine, on_finish: Callable[[Job], None] = lambda job: None) -> None:
+    def __init__(self, engine: Engine, on_finish: Callable[[Job], None] = lambda job: None,
+                 on_engine_stopped: Callable[[BaseException], None] = lambda error: None) -> None:  # fmt: skip
         self.engine = engine
         self.on_finish = on_finish
+        self.on_engine_stopped = on_engine_stopped
         self.snapshot = EngineSnapshot()
         self.unfinished = 0  # jobs submitted and not finished: what the server's queue bound counts
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -144,6 +147,7 @@ class EngineLoop:
         except BaseException as e:  # the thread is dying: every handler still waiting must hear why
             log.exception("the engine thread stopped")
             error = ServerStopping(f"the engine thread stopped ({type(e).__name__}: {e})")
+            self.on_engine_stopped(e)
         finally:
             with self._wake:
                 self._stopping = True
@@ -177,6 +181,8 @@ class EngineLoop:
     def _step(self) -> None:
         try:
             self.engine.step()
+        except RankFailedError:
+            raise
         except Exception as e:  # the engine fails a request at fault itself; this is a fault of the engine's own
             log.exception("an engine step raised; failing the requests it was running")
             for job in [job for job in self._jobs if job.seq.finish_reason is None]:

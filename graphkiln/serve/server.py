@@ -4,6 +4,8 @@ The socket is bound here rather than by uvicorn, before the model loads: a port 
 and with `--port 0` the line on stderr names the port the system picked (tests and scripts read it).
 It listens only once uvicorn runs, so a client is refused, not kept waiting, while the model loads.
 Ctrl-C (or SIGTERM) stops accepting, gives open requests a few seconds, aborts the rest, frees the engine.
+An engine that can serve nothing more (a tensor-parallel rank died) stops the server the same way, and `serve`
+raises its error, so the command exits non-zero for whoever restarts it.
 The engine's thread and the event loop each hold the interpreter lock in turn; `switch_interval` caps how long
 one waits for the other (switch_interval.py).
 """
@@ -16,7 +18,7 @@ import sys
 
 import uvicorn
 
-from graphkiln.errors import ConfigError
+from graphkiln.errors import ConfigError, GraphkilnError
 from graphkiln.llm import LLM
 from graphkiln.models.switch_interval import lowered_switch_interval
 
@@ -51,7 +53,13 @@ def serve(llm: LLM, config: ServerConfig, sock: socket.socket, log_level: str = 
     if config.api_key is None and not ipaddress.ip_address(host).is_loopback:
         print(f"graphkiln serve: warning: listening on {host} without an API key; anyone who can reach it may use it",
               file=sys.stderr, flush=True)  # fmt: skip
-    app = create_app(llm, config)
+    stopped: list[BaseException] = []
+
+    def engine_stopped(error: BaseException) -> None:  # (the engine thread's): no request can be served any more
+        stopped.append(error)
+        server.should_exit = True
+
+    app = create_app(llm, config, engine_stopped)
     server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
     try:
         with lowered_switch_interval(switch_interval):
@@ -59,3 +67,5 @@ def serve(llm: LLM, config: ServerConfig, sock: socket.socket, log_level: str = 
     finally:
         sock.close()
         llm.close()
+    if stopped and isinstance(stopped[0], GraphkilnError):
+        raise stopped[0]
