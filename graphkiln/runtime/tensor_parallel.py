@@ -7,12 +7,12 @@ process is already a rank: rank 0 returns to serve, the others follow until rank
 Each rank loads its own shard (and the compiled pieces) and builds an engine of its own with the
 KV cache rank 0 sized. Every step, rank 0 sends the batch, the rows it wants logits of and the
 graph it replays to the others (on a gloo control group where they wait without a timeout, so an idle
-server keeps its workers, while rank 0 waits at most the collective timeout for them to take it), then the input ids on the world group, and all ranks run the same
-forward or graph, whose collectives meet inside the compiled code. Rank 0 drives the preparation
-(warm-ups, graph captures) the same way, job by job, once every rank has built its engine
-(lockstep.py). The world group's collectives time out after `EngineConfig.collective_timeout_s`;
-a rank that dies closes its sockets, so the others fail at their next collective: rank 0 raises
-RankFailedError naming the rank and stops the rest.
+server keeps its workers, while rank 0 waits at most the collective timeout for them to take it), then
+the input ids on the world group, and all ranks run the same forward or graph, whose collectives meet
+inside the compiled code. Rank 0 drives the preparation (warm-ups, graph captures) the same way, job by
+job, once every rank has built its engine (lockstep.py). The world group's collectives time out after
+`EngineConfig.collective_timeout_s`; a rank that dies closes its sockets, so the others fail at their next
+collective: rank 0 raises RankFailedError naming the rank and stops the rest.
 """
 
 from __future__ import annotations
