@@ -51,6 +51,7 @@ LoadRank = Callable[[Shard], tuple[CausalLM, CompiledModel | None]]  # picklable
 CONTROL_TIMEOUT = timedelta(days=365)  # waiting for the next step is no failure; a dead peer still fails at once
 DEATH_GRACE_S = 5.0  # how long rank 0 waits, after a collective fails, for the failed rank's exit to show
 RANK_0_GONE = "rank 0 is gone"
+START_TIMEOUT_S = 60.0  # the least a spawned rank gets to start (an interpreter, torch's import) on a busy machine
 
 
 def torchrun_rank() -> tuple[int, int] | None:
@@ -233,8 +234,8 @@ def _wait_for_ranks(
             elif process.exitcode is not None:
                 raise _started_rank_died({rank: process})
         if waiting and time.monotonic() > deadline:
-            raise RankFailedError(f"tensor-parallel ranks {sorted(waiting)} did not start within "
-                                  f"{timeout_s:.0f} s (EngineConfig.collective_timeout_s)")  # fmt: skip
+            raise RankFailedError(f"tensor-parallel ranks {sorted(waiting)} did not start within {timeout_s:.0f} s "
+                                  f"(EngineConfig.collective_timeout_s, at least {START_TIMEOUT_S:.0f})")  # fmt: skip
         time.sleep(0.02)
 
 
@@ -332,7 +333,7 @@ def start_group(size: int, device: str, load_rank: LoadRank, config: EngineConfi
             processes[rank] = context.Process(target=_spawned_rank, args=args, daemon=True,
                                               name=f"graphkiln-tp-rank{rank}")  # fmt: skip
             processes[rank].start()
-        _wait_for_ranks(store, processes, config.collective_timeout_s)
+        _wait_for_ranks(store, processes, max(config.collective_timeout_s, START_TIMEOUT_S))
         control = _init_groups(0, size, store, device, config.collective_timeout_s)
     except BaseException as error:
         # A rank that dies while the group meets (a failed load right after, say) breaks the meeting itself:
