@@ -127,6 +127,8 @@ class Peers:
             raise
 
     def _failure(self, error: BaseException, what: str) -> RankFailedError:
+        if isinstance(error, RankFailedError):  # says why already (`_in_time` looked for a dead rank)
+            return error
         if (dead := _dead_rank(self.processes)) is not None:
             rank, process = dead
             return RankFailedError(
@@ -134,8 +136,6 @@ class Peers:
                 f"{what} ({type(error).__name__}: {error}); the group of {self.size} ranks stopped: load the "
                 "model again"
             )
-        if isinstance(error, RankFailedError):
-            return error
         failed = "failed" if isinstance(error, Exception) else "was interrupted"
         return RankFailedError(
             f"{what} {failed} on tensor-parallel rank 0 ({type(error).__name__}: {error}); the group of {self.size} "
