@@ -49,23 +49,31 @@ def send(message: Any, control: dist.ProcessGroup, timeout_s: float | None) -> N
     without a time limit (a server may idle for days), but rank 0 waits at most `timeout_s` (None: no limit)
     for them to take it: a rank that is stopped or hung fails the send (RuntimeError) instead of holding rank 0
     forever."""
-    data = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8)
-    size = torch.tensor([data.numel()], dtype=torch.int64)
+    size, data = _packed(message)
     for sent in [dist.broadcast(tensor, src=0, group=control, async_op=True) for tensor in (size, data)]:
         _wait(sent, timeout_s)
 
 
 def gather(item: Any, control: dist.ProcessGroup, timeout_s: float | None) -> list:
     """Every rank's `item`, on every rank, in rank order; waits at most `timeout_s` (None: without a limit)."""
-    data = torch.frombuffer(bytearray(pickle.dumps(item)), dtype=torch.uint8)
-    size = torch.tensor([data.numel()], dtype=torch.int64)
+    size, data = _packed(item)
     sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size(control))]
     _wait(dist.all_gather(sizes, size, group=control, async_op=True), timeout_s)
     longest = int(max(sizes))
     padded = [torch.empty(longest, dtype=torch.uint8) for _ in sizes]
     _wait(dist.all_gather(padded, torch.nn.functional.pad(data, (0, longest - data.numel())), group=control,
                           async_op=True), timeout_s)  # fmt: skip
-    return [pickle.loads(p[: int(n)].numpy().tobytes()) for p, n in zip(padded, sizes)]
+    return [_unpacked(p[: int(n)]) for p, n in zip(padded, sizes)]
+
+
+def _packed(item: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """`item` pickled into a uint8 tensor, and its length as an int64 tensor of one element."""
+    data = torch.frombuffer(bytearray(pickle.dumps(item)), dtype=torch.uint8)
+    return torch.tensor([data.numel()], dtype=torch.int64), data
+
+
+def _unpacked(data: torch.Tensor) -> Any:
+    return pickle.loads(data.numpy().tobytes())
 
 
 def _wait(work: dist.Work, timeout_s: float | None) -> None:
@@ -81,7 +89,7 @@ def receive(control: dist.ProcessGroup) -> Any:
     dist.broadcast(size, src=0, group=control)
     data = torch.empty(int(size), dtype=torch.uint8)
     dist.broadcast(data, src=0, group=control)
-    return pickle.loads(data.numpy().tobytes())
+    return _unpacked(data)
 
 
 @dataclass(frozen=True)
