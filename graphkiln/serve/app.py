@@ -61,8 +61,7 @@ def create_app(llm: LLM, config: ServerConfig,
                on_engine_stopped: Callable[[BaseException], None] = lambda error: None) -> FastAPI:  # fmt: skip
     """The app; its lifespan starts the engine thread and stops it (the caller closes `llm` after).
     `on_engine_stopped` hears the error that ended the engine thread, after which nothing is served."""
-    service = Service(llm, config)
-    service.loop.on_engine_stopped = on_engine_stopped
+    service = Service(llm, config, on_engine_stopped)
     app = FastAPI(title="graphkiln", lifespan=service.lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.get("/health")(service.health)
     app.get("/v1/models")(service.models)
@@ -80,10 +79,10 @@ def create_app(llm: LLM, config: ServerConfig,
 class Service:
     """The routes' state: the LLM, its EngineLoop, the metrics."""
 
-    def __init__(self, llm: LLM, config: ServerConfig) -> None:
+    def __init__(self, llm: LLM, config: ServerConfig, on_engine_stopped: Callable[[BaseException], None]) -> None:
         self.llm = llm
         self.config = config
-        self.loop = EngineLoop(llm.engine)
+        self.loop = EngineLoop(llm.engine, on_engine_stopped=on_engine_stopped)
         self.metrics = Metrics(lambda: self.loop.snapshot, lambda: self.loop.unfinished)
         self.loop.on_finish = self.metrics.job_finished
         self.limit = llm.engine.config.max_num_seqs + config.max_queued_requests
