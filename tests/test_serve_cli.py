@@ -16,7 +16,7 @@ import pytest
 import graphkiln
 from artifact_helpers import single_error_line
 from hub_helpers import HUB_REPO
-from graphkiln import SamplingParams, cli
+from graphkiln import SamplingParams, cli, cli_serve
 from graphkiln.models.switch_interval import SERVE_SWITCH_INTERVAL_ENV
 from serve_helpers import Server, serve_process
 
@@ -90,8 +90,8 @@ def test_an_empty_api_key_variable_is_refused_in_one_line(tmp_path: Path, capsys
 
 
 def test_serve_without_its_extra_names_the_install_command(tmp_path: Path, capsys, monkeypatch) -> None:
-    find_spec = cli.importlib.util.find_spec
-    monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: None if name == "uvicorn" else find_spec(name))
+    find_spec = cli_serve.importlib.util.find_spec
+    monkeypatch.setattr(cli_serve.importlib.util, "find_spec", lambda name: None if name == "uvicorn" else find_spec(name))
     assert cli.main(["serve", str(tmp_path)]) == 2
     line = single_error_line(capsys.readouterr().err)
     assert "uvicorn" in line and "pip install 'graphkiln[serve]'" in line
